@@ -1,0 +1,1 @@
+"""Language identification, response parsing, compliance scoring and the 50-question eval."""

@@ -1,0 +1,37 @@
+# The two commands a new user types (see README):  make demo  /  make test
+VENV ?= .venv
+PYTHON ?= python3
+# CPU torch: this exact version lies on disk on our dev/CI machines. Elsewhere, add
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu to get the CPU build, not CUDA.
+TORCH_SPEC ?= torch==2.13.0
+BIN = $(VENV)/bin
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: setup  ## run the whole pipeline locally (kfp.local, tiny model, bundled data)
+	$(BIN)/lingo run --local --output-dir runs/local
+
+test: setup  ## lint, then the test suite (slow/gpu/cluster tests deselected by default)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+lint:
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format:
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench: setup
+	$(BIN)/python bench/data_prep.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,49 @@
+"""KFP component: the data-prep step (see data_prep/prepare.py)."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Markdown, Metrics, Output
+
+from components.images import CPU_IMAGE
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def data_prep(
+    source: str,
+    hub_split: str,
+    eval_fraction: float,
+    seed: int,
+    max_bad_fraction: float,
+    answer_language_policy: str,
+    max_field_chars: int,
+    reasoning_effort: str,
+    workers: int,
+    train_data: Output[Dataset],
+    eval_data: Output[Dataset],
+    quarantine: Output[Dataset],
+    metrics: Output[Metrics],
+    card: Output[Markdown],
+):
+    """Validate, label and render Multilingual-Thinking rows into train/eval JSONL."""
+    import logging
+
+    from data_prep.config import DataPrepConfig
+    from data_prep.prepare import prepare_dataset
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = DataPrepConfig(
+        source=source,
+        hub_split=hub_split,
+        eval_fraction=eval_fraction,
+        seed=seed,
+        max_bad_fraction=max_bad_fraction,
+        answer_language_policy=answer_language_policy,
+        max_field_chars=max_field_chars,
+        reasoning_effort=reasoning_effort,
+        workers=workers,
+    )
+    report = prepare_dataset(config, train_data.path, eval_data.path, quarantine.path, card.path)
+    for name, value in report.metrics().items():
+        metrics.log_metric(name, value)
+    train_data.metadata.update(rows=report.train_rows, format="jsonl")
+    eval_data.metadata.update(rows=report.eval_rows, format="jsonl")
+    quarantine.metadata.update(rows=report.rows_bad + report.rows_duplicate, format="jsonl")

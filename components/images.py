@@ -1,0 +1,21 @@
+"""Container images of the components: the one place they are named.
+
+Override at compile time with the environment variables ``LINGO_CPU_IMAGE`` and
+``LINGO_GPU_IMAGE`` (read when ``components`` is first imported, i.e. before compiling).
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("lingo-rl")
+except PackageNotFoundError:  # a source tree that was not pip-installed
+    __version__ = "0.0.0+unknown"
+
+CPU_IMAGE = os.environ.get("LINGO_CPU_IMAGE", f"ghcr.io/lingo-rl/lingo-rl-cpu:{__version__}")
+"""Data prep, eval and orchestration steps."""
+
+GPU_IMAGE = os.environ.get("LINGO_GPU_IMAGE", f"ghcr.io/lingo-rl/lingo-rl-gpu:{__version__}")
+"""SFT and GRPO steps (CUDA torch, DeepSpeed, vLLM)."""

@@ -1,0 +1,70 @@
+"""The dataset card: a Markdown summary of what data prep produced (shown in the KFP UI)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from eval.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
+
+if TYPE_CHECKING:
+    from data_prep.config import DataPrepConfig
+    from data_prep.prepare import DataPrepReport
+
+
+def _length_cell(values) -> str:
+    if len(values) == 0:
+        return "–"
+    a = np.asarray(values)
+    return f"{a.mean():.0f} / {np.percentile(a, 50):.0f} / {np.percentile(a, 95):.0f} / {a.max()}"
+
+
+def render_card(config: DataPrepConfig, report: DataPrepReport) -> str:
+    """Markdown: source and settings, counts per language and split, quarantine reasons, lengths."""
+    lines = [
+        "# Dataset card: lingo-rl data prep",
+        "",
+        f"- source: `{config.source}`",
+        f"- rows read: {report.rows_read}; valid: {report.rows_valid}; "
+        f"quarantined: {report.rows_bad} bad + {report.rows_duplicate} duplicates "
+        f"({report.bad_fraction:.2%} bad, limit {config.max_bad_fraction:.0%})",
+        f"- split: eval_fraction {config.eval_fraction}, seed {config.seed}, "
+        "stratified by reasoning language",
+        f"- answer language policy: `{config.answer_language_policy}`; answer language taken from: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(report.answer_sources.items())),
+        "",
+        "## Rows per reasoning language",
+        "",
+        "| language | train | eval | answer language (all splits) |",
+        "|---|---:|---:|---:|",
+    ]
+    for lang in SUPPORTED_LANGUAGES:
+        lines.append(
+            f"| {LANGUAGE_NAMES[lang]} ({lang}) | {report.train_by_language[lang]} | "
+            f"{report.eval_by_language[lang]} | {report.answer_languages[lang]} |"
+        )
+    lines += [
+        f"| **total** | **{report.train_rows}** | **{report.eval_rows}** | |",
+        "",
+        "## Length in characters (mean / median / p95 / max)",
+        "",
+        "| language | user | analysis | final |",
+        "|---|---|---|---|",
+    ]
+    for lang in SUPPORTED_LANGUAGES:
+        lengths = report.lengths.get(lang)
+        if lengths:
+            lines.append(
+                f"| {lang} | {_length_cell(lengths['user'])} | "
+                f"{_length_cell(lengths['analysis'])} | {_length_cell(lengths['final'])} |"
+            )
+    lines += ["", "## Quarantine", ""]
+    if report.reasons:
+        lines += ["| reason | rows |", "|---|---:|"]
+        lines += [f"| {reason} | {n} |" for reason, n in report.reasons.most_common()]
+        if report.first_bad:
+            lines += ["", "First bad rows:", ""] + [f"- {row}" for row in report.first_bad]
+    else:
+        lines.append("No row was quarantined.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,144 @@
+"""Check one raw row against the Multilingual-Thinking schema.
+
+Schema: ``reasoning_language``, ``developer``, ``user``, ``analysis``, ``final`` (non-empty
+strings) and ``messages``: a list of ``{"role", "content", "thinking"}`` dicts — the system
+message (``reasoning language: X`` and the developer text), the user message (equal to
+``user``) and the assistant message (content equal to ``final``, thinking equal to
+``analysis``). A row that breaks the schema is rejected with a reason code and a message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from eval.languages import UnknownLanguageError, normalize_language
+
+TEXT_FIELDS = ("reasoning_language", "developer", "user", "analysis", "final")
+REQUIRED_FIELDS = (*TEXT_FIELDS, "messages")
+
+# Reason codes, one per way a row can be bad; each row in quarantine.jsonl carries one.
+INVALID_JSON = "invalid_json"
+NOT_AN_OBJECT = "not_an_object"
+MISSING_FIELD = "missing_field"
+NOT_A_STRING = "not_a_string"
+EMPTY_FIELD = "empty_field"
+OVERSIZE = "oversize"
+INVALID_TEXT = "invalid_text"
+UNKNOWN_LANGUAGE = "unknown_language"
+BROKEN_MESSAGES = "broken_messages"
+DUPLICATE = "duplicate"
+REASONS = (
+    INVALID_JSON,
+    NOT_AN_OBJECT,
+    MISSING_FIELD,
+    NOT_A_STRING,
+    EMPTY_FIELD,
+    OVERSIZE,
+    INVALID_TEXT,
+    UNKNOWN_LANGUAGE,
+    BROKEN_MESSAGES,
+    DUPLICATE,
+)
+
+# C0/C1 control characters other than tab, newline and carriage return, and lone surrogates
+# (text that is not valid Unicode and cannot be written as UTF-8).
+_INVALID_CHAR = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a row was rejected: a reason code (one of REASONS) and a human message."""
+
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class ValidRow:
+    """The fields of a row that passed validation, with the reasoning language normalized."""
+
+    reasoning_language: str
+    developer: str
+    user: str
+    analysis: str
+    final: str
+
+
+def validate_row(data: Any, max_field_chars: int) -> ValidRow | Rejection:
+    """Return the row's fields when it matches the schema, else the first problem found."""
+    if not isinstance(data, dict):
+        return Rejection(NOT_AN_OBJECT, f"row is a {type(data).__name__}, expected a JSON object")
+    for field in REQUIRED_FIELDS:
+        if field not in data or data[field] is None:
+            return Rejection(MISSING_FIELD, f"field {field!r} is missing")
+    for field in TEXT_FIELDS:
+        problem = _check_text(field, data[field], max_field_chars)
+        if problem:
+            return problem
+    try:
+        reasoning_language = normalize_language(data["reasoning_language"])
+    except UnknownLanguageError as exc:
+        return Rejection(UNKNOWN_LANGUAGE, f"field 'reasoning_language': {exc}")
+    problem = _check_messages(data, max_field_chars)
+    if problem:
+        return problem
+    return ValidRow(
+        reasoning_language=reasoning_language,
+        developer=data["developer"].strip(),
+        user=data["user"].strip(),
+        analysis=data["analysis"].strip(),
+        final=data["final"].strip(),
+    )
+
+
+def _check_text(field: str, value: Any, max_chars: int, where: str = "field") -> Rejection | None:
+    if not isinstance(value, str):
+        return Rejection(
+            NOT_A_STRING, f"{where} {field!r} is a {type(value).__name__}, not a string"
+        )
+    if not value.strip():
+        return Rejection(EMPTY_FIELD, f"{where} {field!r} is empty")
+    if len(value) > max_chars:
+        return Rejection(
+            OVERSIZE, f"{where} {field!r} has {len(value):,} characters (limit {max_chars:,})"
+        )
+    bad = _INVALID_CHAR.search(value)
+    if bad:
+        code = ord(bad.group())
+        kind = "a lone surrogate (not valid Unicode)" if code >= 0xD800 else "a control character"
+        return Rejection(
+            INVALID_TEXT,
+            f"{where} {field!r} holds {kind} U+{code:04X} at offset {bad.start()}",
+        )
+    return None
+
+
+def _check_messages(data: dict, max_chars: int) -> Rejection | None:
+    messages = data["messages"]
+    if not isinstance(messages, list):
+        return Rejection(BROKEN_MESSAGES, f"'messages' is a {type(messages).__name__}, not a list")
+    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+    if roles != ["system", "user", "assistant"]:
+        return Rejection(
+            BROKEN_MESSAGES,
+            f"'messages' roles are {roles}, expected ['system', 'user', 'assistant']",
+        )
+    system, user, assistant = messages
+    # user/assistant texts must equal fields already checked; compare before checking text
+    for where, key, value, field in (
+        ("messages[1] (user)", "content", user.get("content"), "user"),
+        ("messages[2] (assistant)", "content", assistant.get("content"), "final"),
+        ("messages[2] (assistant)", "thinking", assistant.get("thinking"), "analysis"),
+    ):
+        if not isinstance(value, str) or value.strip() != data[field].strip():
+            shown = "missing" if value is None else f"a {type(value).__name__}"
+            what = "differs from" if isinstance(value, str) else f"is {shown}, expected"
+            return Rejection(BROKEN_MESSAGES, f"{where} {key} {what} field {field!r}")
+    problem = _check_text("content", system.get("content"), max_chars, where="messages[0] (system)")
+    if problem:
+        return Rejection(BROKEN_MESSAGES, problem.detail)
+    if data["developer"].strip() not in system["content"]:
+        return Rejection(BROKEN_MESSAGES, "messages[0] (system) does not hold the 'developer' text")
+    return None

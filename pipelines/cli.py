@@ -1,0 +1,162 @@
+"""The ``lingo`` command line: run the pipeline locally, compile it, run one step alone."""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipelines.presets import DEFAULT_PRESET, PRESETS, apply_overrides, get_preset
+
+app = typer.Typer(
+    help=(
+        "lingo-rl: post-train gpt-oss with GRPO so that it reasons and answers in the user's "
+        "language.\n\nStart with `lingo run --local` (the whole pipeline on this machine, "
+        "tiny model, bundled data), then `lingo compile` to get the pipeline for Kubeflow."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Override a preset value, STEP.FIELD=VALUE (repeatable), e.g. data_prep.seed=7.",
+    ),
+]
+PresetOption = Annotated[
+    str,
+    typer.Option(help=f"Named configuration; one of: {', '.join(PRESETS)}."),
+]
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        try:
+            typer.echo(f"lingo-rl {version('lingo-rl')}")
+        except PackageNotFoundError:
+            typer.echo("lingo-rl (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version_callback, is_eager=True, help="Show the version."
+        ),
+    ] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _parse_sets(sets: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in sets or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{item!r}: expected STEP.FIELD=VALUE", param_hint="--set")
+        out[key.strip()] = value
+    return out
+
+
+def _load_preset(name: str, sets: list[str] | None):
+    try:
+        return apply_overrides(get_preset(name), _parse_sets(sets))
+    except (KeyError, ValueError) as exc:
+        raise typer.BadParameter(str(exc).strip("'\"")) from exc
+
+
+@app.command()
+def run(
+    local: Annotated[
+        bool, typer.Option("--local", help="Run every step on this machine with kfp.local.")
+    ] = False,
+    preset: PresetOption = DEFAULT_PRESET,
+    output_dir: Annotated[
+        Path, typer.Option("--output-dir", "-o", help="Where the steps write their outputs.")
+    ] = Path("runs/local"),
+    cache: Annotated[
+        bool, typer.Option(help="Reuse outputs of steps whose inputs did not change.")
+    ] = False,
+    sets: SetOption = None,
+) -> None:
+    """Run the pipeline. With --local: data prep (and the later steps) on this machine."""
+    if not local:
+        raise typer.BadParameter(
+            "only --local runs from here; for a cluster, `lingo compile` and submit the YAML",
+            param_hint="--local",
+        )
+    from pipelines.local_run import run_local
+
+    config = _load_preset(preset, sets)
+    result = run_local(config, output_dir, enable_caching=cache)
+    typer.echo(f"\nlocal run of preset {config.name!r} finished in {result.seconds:.1f} s")
+    typer.echo(f"all task outputs: {result.pipeline_root}")
+    for name, path in result.outputs.items():
+        typer.echo(f"  {name}: {path}")
+
+
+@app.command("compile")
+def compile_cmd(
+    output: Annotated[Path, typer.Option("--output", "-o", help="YAML file to write.")] = Path(
+        "lingo_pipeline.yaml"
+    ),
+    preset: PresetOption = DEFAULT_PRESET,
+    sets: SetOption = None,
+) -> None:
+    """Compile the pipeline to KFP v2 YAML, with the preset's values as parameter defaults."""
+    from pipelines.compile import compile_pipeline
+
+    path = compile_pipeline(output, _load_preset(preset, sets))
+    typer.echo(f"wrote {path}")
+
+
+@app.command("data-prep")
+def data_prep_cmd(
+    output_dir: Annotated[
+        Path, typer.Option("--output-dir", "-o", help="Directory for train/eval/quarantine JSONL.")
+    ] = Path("runs/data"),
+    source: Annotated[
+        str | None,
+        typer.Option(
+            help="'bundled', a hub id, a local dir/.jsonl/.parquet, or s3://bucket/prefix "
+            "(default: the preset's)."
+        ),
+    ] = None,
+    preset: PresetOption = DEFAULT_PRESET,
+    sets: SetOption = None,
+) -> None:
+    """Run only the data-prep step, outside KFP; writes train.jsonl, eval.jsonl,
+    quarantine.jsonl and dataset_card.md."""
+    from data_prep.prepare import prepare_dataset
+
+    overrides = list(sets or []) + ([f"data_prep.source={source}"] if source else [])
+    config = _load_preset(preset, overrides).data_prep
+    report = prepare_dataset(
+        config,
+        output_dir / "train.jsonl",
+        output_dir / "eval.jsonl",
+        output_dir / "quarantine.jsonl",
+        output_dir / "dataset_card.md",
+    )
+    typer.echo(
+        f"{report.rows_read} rows: {report.train_rows} train, {report.eval_rows} eval, "
+        f"{report.rows_bad + report.rows_duplicate} quarantined → {output_dir}"
+    )
+
+
+@app.command()
+def presets() -> None:
+    """List the named configurations."""
+    for name, preset in PRESETS.items():
+        typer.echo(f"{name:14s} {preset.description}")

@@ -1,0 +1,25 @@
+"""Compile the pipeline to KFP v2 IR YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelines.presets import Preset, pipeline_arguments
+
+COMPILED_PIPELINE = Path(__file__).parent / "compiled" / "lingo_pipeline.yaml"
+"""The compiled pipeline kept in the repo (default preset); a test checks it for drift."""
+
+
+def compile_pipeline(output: Path, preset: Preset | None = None) -> Path:
+    """Write the pipeline's IR YAML to ``output``; a preset sets the parameters' defaults."""
+    from kfp import compiler
+
+    from pipelines.pipeline import lingo_pipeline
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(
+        lingo_pipeline,
+        str(output),
+        pipeline_parameters=pipeline_arguments(preset) if preset else None,
+    )
+    return output

@@ -1,0 +1,51 @@
+"""Run the whole pipeline on this machine with ``kfp.local`` (no cluster, no GPU)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.presets import Preset, pipeline_arguments
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalRunResult:
+    """Where a local run put its outputs, and how long it took."""
+
+    pipeline_root: Path
+    outputs: dict[str, Path]
+    seconds: float
+
+
+def run_local(preset: Preset, output_dir: Path, enable_caching: bool = False) -> LocalRunResult:
+    """Run the pipeline with ``preset``'s arguments under ``kfp.local``.
+
+    Components run as subprocesses of this Python (``SubprocessRunner(use_venv=False)``),
+    so they import the installed lingo-rl, exactly as they do inside the project's image.
+    Task outputs land under ``output_dir``; a failing step raises ``RuntimeError``.
+    """
+    from kfp import local
+
+    from pipelines.pipeline import lingo_pipeline
+
+    # kfp.local warns that it ignores display names and that our image is not a stock Python
+    # image; both are expected here (components import the installed project).
+    warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
+    warnings.filterwarnings("ignore", message=".*custom or non-Python base image.*")
+    output_dir = output_dir.resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(output_dir),
+        enable_caching=enable_caching,
+    )
+    start = time.monotonic()
+    task = lingo_pipeline(**pipeline_arguments(preset))
+    seconds = time.monotonic() - start
+    outputs = {name: Path(artifact.path) for name, artifact in task.outputs.items()}
+    return LocalRunResult(pipeline_root=output_dir, outputs=outputs, seconds=seconds)

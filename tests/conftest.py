@@ -1,0 +1,89 @@
+"""Shared test helpers: rows in the Multilingual-Thinking schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TEXTS = {
+    "English": (
+        "Let me think about what the user needs and answer briefly.",
+        "Here is a short answer.",
+    ),
+    "French": (
+        "Je réfléchis à ce que demande l'utilisateur et je réponds brièvement.",
+        "Voici une réponse.",
+    ),
+    "German": (
+        "Ich überlege, was der Nutzer braucht, und antworte kurz und klar.",
+        "Hier ist die Antwort.",
+    ),
+    "Spanish": (
+        "Pienso en lo que necesita el usuario y respondo de forma breve.",
+        "Aquí está la respuesta.",
+    ),
+    "Italian": (
+        "Penso a ciò che chiede l'utente e rispondo in modo breve e chiaro.",
+        "Ecco la risposta.",
+    ),
+}
+
+
+def make_row(
+    reasoning_language: str = "French",
+    user: str = "How many minutes are there in three and a half hours?",
+    developer: str = "You are a helpful assistant.",
+    analysis: str | None = None,
+    final: str = "There are 210 minutes in three and a half hours.",
+) -> dict:
+    """A valid row in the exact Multilingual-Thinking schema."""
+    if analysis is None:
+        analysis = TEXTS.get(reasoning_language, TEXTS["English"])[0]
+    return {
+        "reasoning_language": reasoning_language,
+        "developer": developer,
+        "user": user,
+        "analysis": analysis,
+        "final": final,
+        "messages": [
+            {
+                "content": f"reasoning language: {reasoning_language}\n\n{developer}",
+                "role": "system",
+                "thinking": None,
+            },
+            {"content": user, "role": "user", "thinking": None},
+            {"content": final, "role": "assistant", "thinking": analysis},
+        ],
+    }
+
+
+def make_rows(per_language: int) -> list[dict]:
+    """``per_language`` distinct valid rows for each of the five languages."""
+    rows = []
+    for lang in TEXTS:
+        for i in range(per_language):
+            rows.append(
+                make_row(lang, user=f"Question number {i} about {lang} grammar and spelling?")
+            )
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """Write rows (dicts, or raw strings written as-is) as JSON Lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with Path(path).open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+@pytest.fixture
+def rows_factory():
+    return make_rows

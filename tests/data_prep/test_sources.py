@@ -1,0 +1,103 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import make_row, make_rows, write_jsonl
+from s3_server import moto_s3_server, s3_env
+
+from data_prep.sources import (
+    BUNDLED_DIR,
+    SourceError,
+    describe_source,
+    iter_local,
+    iter_source,
+    parse_row,
+    split_s3_uri,
+)
+
+
+def _read(path):
+    return [parse_row(r) for r in iter_local(path)]
+
+
+def test_jsonl_rows_keep_their_line_numbers_and_skip_blank_lines(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"a": 1}) + "\n\n" + "{broken\n" + json.dumps({"b": 2}) + "\n")
+    rows = _read(path)
+    assert [r.origin for r in rows] == ["a.jsonl:1", "a.jsonl:3", "a.jsonl:4"]
+    assert [r.index for r in rows] == [0, 1, 2]
+    assert (
+        rows[1].data is None and rows[1].raw_text == "{broken" and "invalid JSON" in rows[1].error
+    )
+    assert rows[2].data == {"b": 2}
+
+
+def test_json_array_file(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([make_row(), make_row("German")]))
+    rows = _read(path)
+    assert [r.origin for r in rows] == ["rows.json[0]", "rows.json[1]"]
+    assert rows[1].data["reasoning_language"] == "German"
+
+
+def test_parquet_file_with_messages_struct(tmp_path):
+    rows = make_rows(2)
+    path = tmp_path / "train-00000.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    read = _read(path)
+    assert [r.data for r in read] == rows
+    assert read[3].origin == "train-00000.parquet[3]"
+
+
+def test_directory_reads_every_data_file_in_sorted_order(tmp_path):
+    write_jsonl(tmp_path / "b" / "2.jsonl", [make_row("German")])
+    write_jsonl(tmp_path / "a.jsonl", [make_row("French"), make_row("Italian")])
+    pq.write_table(pa.Table.from_pylist([make_row("Spanish")]), tmp_path / "c.parquet")
+    (tmp_path / "notes.txt").write_text("ignored")
+    rows = _read(tmp_path)
+    assert [r.origin for r in rows] == ["a.jsonl:1", "a.jsonl:2", "b/2.jsonl:1", "c.parquet[0]"]
+    assert [r.index for r in rows] == [0, 1, 2, 3]
+
+
+def test_errors_name_the_source(tmp_path):
+    with pytest.raises(SourceError, match="no .jsonl"):
+        list(iter_local(tmp_path))
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(SourceError, match="unsupported file type"):
+        list(iter_local(tmp_path / "x.csv"))
+    with pytest.raises(SourceError, match="not an existing file"):
+        describe_source("/no/such/path.jsonl")
+    with pytest.raises(SourceError, match="no bucket"):
+        split_s3_uri("s3:///key")
+
+
+def test_source_kinds(tmp_path):
+    assert describe_source("bundled") == "bundled"
+    assert describe_source("HuggingFaceH4/Multilingual-Thinking") == "hub"
+    assert describe_source("s3://bucket/data/") == "s3"
+    assert describe_source(str(tmp_path)) == "local"
+
+
+def test_bundled_source_is_the_sample_directory():
+    rows = [parse_row(r) for r in iter_source("bundled")]
+    assert len(rows) == sum(1 for _ in iter_local(BUNDLED_DIR))
+    assert rows and all(r.error is None for r in rows)
+
+
+def test_s3_prefix_against_a_real_s3_compatible_server(tmp_path, monkeypatch):
+    boto3 = pytest.importorskip("boto3")
+    with moto_s3_server() as endpoint:
+        for key, value in s3_env(endpoint).items():
+            monkeypatch.setenv(key, value)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket="datasets")
+        body = "\n".join(json.dumps(r) for r in make_rows(1))
+        client.put_object(Bucket="datasets", Key="mt/part-1.jsonl", Body=body.encode())
+        client.put_object(Bucket="datasets", Key="mt/readme.md", Body=b"not data")
+        client.put_object(Bucket="datasets", Key="other/x.jsonl", Body=b"{}")
+        rows = [parse_row(r) for r in iter_source("s3://datasets/mt/")]
+        assert [r.data for r in rows] == make_rows(1)
+        assert rows[0].origin == "mt/part-1.jsonl:1"
+        with pytest.raises(SourceError, match="no .jsonl"):
+            list(iter_source("s3://datasets/missing/"))

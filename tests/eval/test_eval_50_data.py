@@ -1,0 +1,39 @@
+"""The shipped 50-question eval set: 10 problems × 5 languages with numeric answers."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import eval as eval_pkg
+from eval.language_id import identify_language
+from eval.languages import SUPPORTED_LANGUAGES
+
+EVAL_50 = Path(eval_pkg.__file__).parent / "data" / "eval_50.jsonl"
+KEYS = {"id", "problem_id", "language", "category", "question", "expected_answer", "unit"}
+
+
+def _rows():
+    return [json.loads(line) for line in EVAL_50.read_text(encoding="utf-8").splitlines()]
+
+
+def test_ten_problems_in_five_languages():
+    rows = _rows()
+    assert len(rows) == 50
+    assert all(set(r) == KEYS for r in rows)
+    assert Counter(r["language"] for r in rows) == {lang: 10 for lang in SUPPORTED_LANGUAGES}
+    by_problem: dict[str, list] = {}
+    for r in rows:
+        by_problem.setdefault(r["problem_id"], []).append(r)
+        assert r["id"] == f"{r['problem_id']}-{r['language']}"
+    assert len(by_problem) == 10
+    for versions in by_problem.values():
+        assert sorted(v["language"] for v in versions) == sorted(SUPPORTED_LANGUAGES)
+        assert len({v["expected_answer"] for v in versions}) == 1  # same answer in every language
+        assert isinstance(versions[0]["expected_answer"], int | float)
+
+
+def test_questions_are_in_their_language():
+    wrong = [
+        r["id"] for r in _rows() if identify_language(r["question"]) not in (r["language"], "und")
+    ]
+    assert len(wrong) <= 2, wrong

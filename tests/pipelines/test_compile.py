@@ -1,0 +1,52 @@
+"""The compiled pipeline kept in the repo matches the code, and is a valid KFP v2 spec."""
+
+import inspect
+
+import yaml
+from google.protobuf import json_format
+from kfp.pipeline_spec import pipeline_spec_pb2
+
+from pipelines.compile import COMPILED_PIPELINE, compile_pipeline
+from pipelines.pipeline import lingo_pipeline
+from pipelines.presets import DEFAULT_PRESET, PRESETS, get_preset, pipeline_arguments
+
+
+def _load(path):
+    return yaml.safe_load(path.read_text())
+
+
+def test_kept_yaml_has_not_drifted(tmp_path):
+    fresh = compile_pipeline(tmp_path / "p.yaml", get_preset(DEFAULT_PRESET))
+    assert _load(fresh) == _load(COMPILED_PIPELINE), (
+        "pipelines/compiled/lingo_pipeline.yaml is stale: run "
+        "`lingo compile -o pipelines/compiled/lingo_pipeline.yaml` and commit it"
+    )
+
+
+def test_kept_yaml_parses_strictly_as_pipeline_spec():
+    spec = pipeline_spec_pb2.PipelineSpec()
+    json_format.ParseDict(_load(COMPILED_PIPELINE), spec, ignore_unknown_fields=False)
+    assert spec.pipeline_info.name == "lingo-rl"
+    assert "data-prep" in spec.root.dag.tasks
+    component = spec.components["comp-data-prep"]
+    assert set(component.output_definitions.artifacts) == {
+        "train_data",
+        "eval_data",
+        "quarantine",
+        "metrics",
+        "card",
+    }
+
+
+def test_pipeline_parameters_are_the_preset_fields_with_the_config_defaults():
+    params = inspect.signature(lingo_pipeline.pipeline_func).parameters
+    for preset in PRESETS.values():
+        assert set(pipeline_arguments(preset)) == set(params)
+    defaults = {name: p.default for name, p in params.items()}
+    assert defaults == pipeline_arguments(PRESETS[DEFAULT_PRESET])
+
+
+def test_preset_values_become_parameter_defaults(tmp_path):
+    path = compile_pipeline(tmp_path / "p.yaml", get_preset("gpt-oss-20b"))
+    inputs = _load(path)["root"]["inputDefinitions"]["parameters"]
+    assert inputs["data_source"]["defaultValue"] == "HuggingFaceH4/Multilingual-Thinking"

@@ -5,6 +5,8 @@ PYTHON ?= python3
 # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu to get the CPU build, not CUDA.
 TORCH_SPEC ?= torch==2.13.0
 BIN = $(VENV)/bin
+# DeepSpeed (dev extra, CPU tests) installs without compiling its CUDA ops.
+export DS_BUILD_OPS = 0
 
 .PHONY: setup demo test lint format bench clean
 

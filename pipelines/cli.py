@@ -160,3 +160,48 @@ def presets() -> None:
     """List the named configurations."""
     for name, preset in PRESETS.items():
         typer.echo(f"{name:14s} {preset.description}")
+
+
+@app.command()
+def estimate(
+    model: Annotated[
+        str,
+        typer.Option(
+            help="Model preset (gpt-oss-20b, gpt-oss-120b, tiny-gpt-oss), a model "
+            "directory or a config.json."
+        ),
+    ] = "gpt-oss-20b",
+    layout: Annotated[
+        str,
+        typer.Option(
+            help="Layout preset: g5.12xlarge-x6-openrlhf, g5.12xlarge-x6-openrlhf-12train, "
+            "g5.12xlarge-x6-openrlhf-hybrid, p5en.48xlarge-x2-megatron, tiny-cpu."
+        ),
+    ] = "g5.12xlarge-x6-openrlhf",
+    sets: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override a layout field, KEY=VALUE (repeatable), e.g. micro_train_batch_size=2.",
+        ),
+    ] = None,
+) -> None:
+    """Estimate GPU memory, host memory and storage of a GRPO/SFT layout, with a verdict.
+
+    Exits with status 1 when the layout does not fit."""
+    from trainer.planner import (
+        LayoutDoesNotFit,
+        LayoutError,
+        ModelSpecError,
+        check_layout,
+        render_estimate,
+    )
+
+    overrides = _parse_sets(sets)
+    try:
+        typer.echo(render_estimate(model, layout, overrides))
+        check_layout(model, layout, overrides)
+    except (ModelSpecError, LayoutError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    except LayoutDoesNotFit:
+        raise typer.Exit(1) from None

@@ -1,0 +1,390 @@
+"""Language-compliance reward: did the model reason and answer in the requested languages?
+
+The one definition used as the GRPO reward (``trainer/`` imports it) and by the eval.
+
+Per response, against its labels (reasoning language, answer language):
+
+=====================  ==========================================  ==========  ==========
+component              rule                                        pass        fail
+=====================  ==========================================  ==========  ==========
+answer language        share of the final answer in the answer     +5.0        -5.0
+                       language >= ``min_language_fraction`` (0.65)
+reasoning language     same for the analysis channel               +1.5        -1.5
+brief answer           final answer has <= 2 sentences             +0.5        -1.0
+correct answer         numeric answer equals the expected one      0.0         0.0
+                       (reported; not rewarded by default)
+=====================  ==========================================  ==========  ==========
+
+Outcomes that are neither pass nor fail:
+    * a part that is **missing** (no final channel, e.g. cut off by the token limit; no or
+      empty analysis channel) fails its language rule, and a missing final answer also fails
+      the brevity rule;
+    * a part that is present but **undetermined** (too little text to judge, e.g. ``"42"`` or
+      ``"Canberra."``) scores ``answer_undetermined`` / ``reasoning_undetermined`` (0.0);
+    * correctness is only judged when an expected answer is given; otherwise it adds 0.
+
+Bounds: the reward always lies in ``RewardWeights.bounds()`` — with the defaults
+[-7.5, +7.0]. A response whose labels cannot be read (unknown language code) gets the neutral
+reward 0.0 (clamped into the bounds) and ``error`` set; validate labels up front with
+``eval.reward_labels.validate_labels`` so that this never happens mid-training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
+
+from eval.language_id import LanguageIdentifier, LanguageProfile, default_identifier
+from eval.languages import LanguageLabels, UnknownLanguageError
+from eval.numbers import extract_numeric_answer, numbers_match
+from eval.parsing import ParsedResponse, parse_response
+from eval.reward_labels import LabelsLike, parse_labels
+from eval.sentences import count_sentences
+
+logger = logging.getLogger(__name__)
+
+MAX_ANSWER_CHARS_FOR_SENTENCES = 20_000
+"""A final answer longer than this is not brief, whatever its sentences."""
+
+MIN_LANGUAGE_FRACTION = 0.65
+"""Share of a part (by letters, over the judged sentences) that must be in the requested
+language: a quote or a term in another language passes, a half-and-half text does not."""
+
+_CONTENT = re.compile(r"[^\W_]")  # a letter or digit: a part without one is missing
+
+
+class Verdict(StrEnum):
+    """Outcome of a language rule for one part of a response."""
+
+    MATCH = "match"
+    MISMATCH = "mismatch"
+    UNDETERMINED = "undetermined"
+    MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class RewardWeights:
+    """Reward for each rule's outcomes. Defaults are the reference recipe's.
+
+    Raises:
+        ValueError: A weight is not a finite number.
+    """
+
+    answer_language_match: float = 5.0
+    answer_language_mismatch: float = -5.0
+    answer_undetermined: float = 0.0
+    reasoning_language_match: float = 1.5
+    reasoning_language_mismatch: float = -1.5
+    reasoning_undetermined: float = 0.0
+    brief_answer: float = 0.5
+    long_answer: float = -1.0
+    correct_answer: float = 0.0
+    wrong_answer: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"RewardWeights.{f.name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"RewardWeights.{f.name} must be finite, got {value!r}")
+            object.__setattr__(self, f.name, float(value))
+
+    def bounds(self) -> tuple[float, float]:
+        """Smallest and largest reward any response can get."""
+        groups = (
+            (self.answer_language_match, self.answer_language_mismatch, self.answer_undetermined),
+            (
+                self.reasoning_language_match,
+                self.reasoning_language_mismatch,
+                self.reasoning_undetermined,
+            ),
+            (self.brief_answer, self.long_answer),
+            (self.correct_answer, self.wrong_answer, 0.0),
+        )
+        return sum(min(g) for g in groups), sum(max(g) for g in groups)
+
+
+@dataclass(frozen=True, slots=True)
+class ComplianceResult:
+    """Everything the scorer found about one response.
+
+    Attributes:
+        reward: The total reward, within ``RewardWeights.bounds()``.
+        components: The reward's parts: ``answer_language``, ``reasoning_language``,
+            ``brevity``, ``correctness``.
+        parsed: The response split into reasoning and final answer.
+        labels: The labels judged against; ``None`` when they could not be read.
+        answer_verdict: Outcome of the answer-language rule.
+        reasoning_verdict: Outcome of the reasoning-language rule.
+        answer_language: Dominant language of the final answer (code, "other", "und"), or
+            ``None`` when there is no final answer.
+        reasoning_language: Same for the reasoning.
+        answer_fraction: Share of the final answer in the requested answer language.
+        reasoning_fraction: Share of the reasoning in the requested reasoning language.
+        answer_sentences: Sentences in the final answer (0 when missing).
+        brief_ok: The final answer exists and has at most ``max_answer_sentences`` sentences.
+        predicted_answer: The number read from the final answer, if any.
+        correct: Whether it equals the expected answer; ``None`` when none was expected.
+        error: Why the response could not be scored (unreadable labels, or an internal error,
+            which is also logged), else ``None``. Such a response gets the neutral reward.
+    """
+
+    reward: float
+    components: Mapping[str, float]
+    parsed: ParsedResponse
+    labels: LanguageLabels | None
+    answer_verdict: Verdict
+    reasoning_verdict: Verdict
+    answer_language: str | None = None
+    reasoning_language: str | None = None
+    answer_fraction: float = 0.0
+    reasoning_fraction: float = 0.0
+    answer_sentences: int = 0
+    brief_ok: bool = False
+    predicted_answer: float | None = None
+    correct: bool | None = None
+    error: str | None = None
+
+    @property
+    def answer_language_ok(self) -> bool:
+        """The final answer is in the requested language."""
+        return self.answer_verdict is Verdict.MATCH
+
+    @property
+    def reasoning_language_ok(self) -> bool:
+        """The reasoning is in the requested language."""
+        return self.reasoning_verdict is Verdict.MATCH
+
+    def metrics(self) -> dict[str, float]:
+        """Flat numeric metrics for logging (booleans as 0/1, missing values as NaN)."""
+        return {
+            "reward": self.reward,
+            "answer_language_ok": float(self.answer_language_ok),
+            "reasoning_language_ok": float(self.reasoning_language_ok),
+            "answer_undetermined": float(self.answer_verdict is Verdict.UNDETERMINED),
+            "reasoning_undetermined": float(self.reasoning_verdict is Verdict.UNDETERMINED),
+            "answer_missing": float(self.answer_verdict is Verdict.MISSING),
+            "brief_ok": float(self.brief_ok),
+            "truncated": float(self.parsed.truncated),
+            "answer_fraction": self.answer_fraction,
+            "reasoning_fraction": self.reasoning_fraction,
+            "correct": math.nan if self.correct is None else float(self.correct),
+            "scoring_error": float(self.error is not None),
+        }
+
+
+@dataclass
+class ComplianceScorer:
+    """Scores responses for language compliance (see the module docstring for the rules).
+
+    Args:
+        weights: Reward per rule outcome.
+        max_answer_sentences: The brevity rule's limit.
+        min_language_fraction: Share of a part that must be in the requested language.
+        identifier: Language identifier; default: the process-wide one (loaded once).
+
+    Raises:
+        ValueError: A setting is out of range.
+    """
+
+    weights: RewardWeights = field(default_factory=RewardWeights)
+    max_answer_sentences: int = 2
+    min_language_fraction: float = MIN_LANGUAGE_FRACTION
+    identifier: LanguageIdentifier | None = None
+
+    def __post_init__(self) -> None:
+        limit = self.max_answer_sentences
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_answer_sentences must be an int >= 1, got {limit!r}")
+        if not 0.5 < self.min_language_fraction <= 1.0:
+            raise ValueError(
+                f"min_language_fraction must be in (0.5, 1], got {self.min_language_fraction}"
+            )
+        if self.identifier is None:
+            self.identifier = default_identifier()
+        self._bounds = self.weights.bounds()
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """Smallest and largest reward this scorer can give."""
+        return self._bounds
+
+    def score(
+        self,
+        response: str | ParsedResponse | None,
+        labels: LabelsLike,
+        expected_answer: float | str | None = None,
+    ) -> ComplianceResult:
+        """Score one response. Never raises.
+
+        Args:
+            response: The generated text (any harmony form or plain), or an already split
+                ``ParsedResponse`` (e.g. from an engine that returns reasoning separately).
+            labels: ``LanguageLabels`` or a label string ``"fr"`` / ``"fr/en"``.
+            expected_answer: The expected numeric answer, if the problem has one (a number,
+                or a string such as ``"42"`` or ``"1,5"``); non-numeric values are ignored.
+        """
+        parsed = response if isinstance(response, ParsedResponse) else parse_response(response)
+        try:
+            parsed_labels = parse_labels(labels)
+        except UnknownLanguageError as err:
+            return self._unscored(parsed, str(err))
+        try:
+            return self._score(parsed, parsed_labels, expected_answer)
+        except Exception as err:  # noqa: BLE001 - the batch API must not stop training
+            logger.exception("scoring failed; giving the neutral reward")
+            return self._unscored(parsed, f"internal error: {type(err).__name__}: {err}")
+
+    def score_batch(
+        self,
+        responses: Sequence[str | ParsedResponse | None],
+        labels: LabelsLike | Sequence[LabelsLike],
+        expected_answers: Sequence[float | str | None] | None = None,
+    ) -> list[ComplianceResult]:
+        """Score a batch (e.g. one GRPO rollout batch). Never raises on bad items.
+
+        Args:
+            responses: The responses.
+            labels: One label for all responses, or one per response.
+            expected_answers: One expected numeric answer (or ``None``) per response.
+
+        Raises:
+            ValueError: ``labels`` or ``expected_answers`` is a sequence whose length differs
+                from ``responses`` (a caller bug, caught on the first batch).
+        """
+        n = len(responses)
+        if isinstance(labels, str | LanguageLabels | Mapping):
+            label_list: Sequence[object] = [labels] * n
+        else:
+            label_list = labels
+            if len(label_list) != n:
+                raise ValueError(f"got {n} responses but {len(label_list)} labels")
+        if expected_answers is None:
+            expected: Sequence[float | str | None] = [None] * n
+        else:
+            expected = expected_answers
+            if len(expected) != n:
+                raise ValueError(f"got {n} responses but {len(expected)} expected answers")
+        triples = zip(responses, label_list, expected, strict=True)
+        return [self.score(r, lab, e) for r, lab, e in triples]  # type: ignore[arg-type]
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _unscored(self, parsed: ParsedResponse, message: str) -> ComplianceResult:
+        low, high = self._bounds
+        reward = min(max(0.0, low), high)
+        components = dict.fromkeys(_COMPONENTS, 0.0)
+        return ComplianceResult(
+            reward=reward,
+            components=components,
+            parsed=parsed,
+            labels=None,
+            answer_verdict=Verdict.UNDETERMINED,
+            reasoning_verdict=Verdict.UNDETERMINED,
+            error=message,
+        )
+
+    def _judge(self, text: str | None, target: str) -> tuple[Verdict, str | None, float]:
+        if text is None or _CONTENT.search(text) is None:
+            return Verdict.MISSING, None, 0.0
+        assert self.identifier is not None
+        profile: LanguageProfile = self.identifier.profile(text)
+        if not profile.determined:
+            return Verdict.UNDETERMINED, profile.dominant, 0.0
+        share = profile.fraction(target)
+        verdict = Verdict.MATCH if share >= self.min_language_fraction else Verdict.MISMATCH
+        return verdict, profile.dominant, share
+
+    def _score(
+        self, parsed: ParsedResponse, labels: LanguageLabels, expected_answer: object
+    ) -> ComplianceResult:
+        w = self.weights
+        answer_verdict, answer_language, answer_fraction = self._judge(parsed.final, labels.answer)
+        reasoning_verdict, reasoning_language, reasoning_fraction = self._judge(
+            parsed.reasoning, labels.reasoning
+        )
+        has_answer = answer_verdict is not Verdict.MISSING
+        final = parsed.final or ""
+        sentences = count_sentences(final[:MAX_ANSWER_CHARS_FOR_SENTENCES]) if has_answer else 0
+        brief_ok = (
+            has_answer
+            and len(final) <= MAX_ANSWER_CHARS_FOR_SENTENCES
+            and sentences <= self.max_answer_sentences
+        )
+        predicted = correct = None
+        correctness = 0.0
+        expected = _expected_number(expected_answer)
+        if expected is not None:
+            predicted = extract_numeric_answer(parsed.final, labels.answer) if has_answer else None
+            correct = numbers_match(predicted, expected)
+            correctness = w.correct_answer if correct else w.wrong_answer
+        components = {
+            "answer_language": _verdict_reward(
+                answer_verdict,
+                w.answer_language_match,
+                w.answer_language_mismatch,
+                w.answer_undetermined,
+            ),
+            "reasoning_language": _verdict_reward(
+                reasoning_verdict,
+                w.reasoning_language_match,
+                w.reasoning_language_mismatch,
+                w.reasoning_undetermined,
+            ),
+            "brevity": w.brief_answer if brief_ok else w.long_answer,
+            "correctness": correctness,
+        }
+        low, high = self._bounds
+        reward = min(max(math.fsum(components.values()), low), high)
+        return ComplianceResult(
+            reward=reward,
+            components=components,
+            parsed=parsed,
+            labels=labels,
+            answer_verdict=answer_verdict,
+            reasoning_verdict=reasoning_verdict,
+            answer_language=answer_language,
+            reasoning_language=reasoning_language,
+            answer_fraction=answer_fraction,
+            reasoning_fraction=reasoning_fraction,
+            answer_sentences=sentences,
+            brief_ok=brief_ok,
+            predicted_answer=predicted,
+            correct=correct,
+        )
+
+
+_COMPONENTS = ("answer_language", "reasoning_language", "brevity", "correctness")
+
+
+def _verdict_reward(verdict: Verdict, match: float, mismatch: float, undetermined: float) -> float:
+    if verdict is Verdict.MATCH:
+        return match
+    if verdict is Verdict.UNDETERMINED:
+        return undetermined
+    return mismatch  # MISMATCH and MISSING
+
+
+def _expected_number(value: object) -> float | None:
+    """The expected answer as a finite float; strings are read like answers (``"1,5"``)."""
+    if isinstance(value, str):
+        value = extract_numeric_answer(value)
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def result_to_dict(result: ComplianceResult) -> dict[str, object]:
+    """A JSON-friendly dict of a result (for eval reports)."""
+    data = asdict(result)
+    data["answer_verdict"] = result.answer_verdict.value
+    data["reasoning_verdict"] = result.reasoning_verdict.value
+    data["parsed"]["format"] = result.parsed.format.value
+    data["labels"] = result.labels.to_label() if result.labels is not None else None
+    data["components"] = dict(result.components)
+    return data

@@ -1,0 +1,34 @@
+"""Where the pipeline's base model comes from: the tiny model, a local directory, or the hub."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from trainer.modeling import check_model_dir
+from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+log = logging.getLogger(__name__)
+
+TINY = "tiny"
+
+
+def materialize_base_model(source: str, output_dir: str | Path, tiny: TinyModelConfig) -> Path:
+    """Put the base model in ``output_dir`` as a HF directory.
+
+    ``source``: ``tiny`` (built here, offline), a local model directory (copied), or a hub id
+    such as ``openai/gpt-oss-20b`` (downloaded with ``huggingface_hub``; needs the network).
+    """
+    output_dir = Path(output_dir)
+    if source == TINY:
+        return build_tiny_model(output_dir, tiny)
+    if Path(source).exists():
+        check_model_dir(source)
+        shutil.copytree(source, output_dir, dirs_exist_ok=True)
+        return output_dir
+    from huggingface_hub import snapshot_download
+
+    log.info("downloading %s from the hub", source)
+    snapshot_download(repo_id=source, local_dir=output_dir)
+    return check_model_dir(output_dir)

@@ -1,0 +1,73 @@
+"""Process-group helpers: one process, or many under ``torchrun`` (gloo on CPU, nccl on GPU)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global rank, world size, local rank, and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a process started by ``torchrun`` (or a PyTorchJob)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Join the process group set up by torchrun, or describe a single process.
+
+    ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+    """
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if not launched_by_torchrun():
+        return DistInfo(0, 1, 0, torch.device("cuda" if use_cuda else "cpu"))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"),
+    )
+
+
+def all_reduce_sum(value: float, info: DistInfo) -> float:
+    """Sum a number over all processes (itself when there is one)."""
+    if info.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def barrier(info: DistInfo) -> None:
+    """Wait for every process (no-op for one)."""
+    if info.world_size > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's ``obj`` on every rank."""
+    if info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

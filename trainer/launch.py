@@ -1,0 +1,37 @@
+"""Run a training entry point as N local processes under ``torchrun``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+log = logging.getLogger(__name__)
+
+
+class TrainingProcessError(RuntimeError):
+    """A torchrun training job exited with an error."""
+
+
+def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
+    """``torchrun --standalone --nproc_per_node N -m module args…`` with this Python."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    return [*torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
+
+
+def run_torchrun(module: str, args: list[str], nproc: int) -> None:
+    """Launch ``module`` on ``nproc`` local processes and wait.
+
+    Raises:
+        TrainingProcessError: a process failed (its traceback is in the log).
+    """
+    command = torchrun_command(module, args, nproc)
+    log.info("launching: %s", " ".join(command))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    completed = subprocess.run(command, env=env, check=False)
+    if completed.returncode != 0:
+        raise TrainingProcessError(
+            f"{module} with {nproc} processes exited with code {completed.returncode}; "
+            "the first failing rank's traceback is in the log above"
+        )

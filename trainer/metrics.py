@@ -1,0 +1,129 @@
+"""Training metrics: ``training_metrics.jsonl`` (read by Kubeflow for progress/ETA), MLflow, plots.
+
+One JSON object per line, appended and flushed by global rank 0 only, each line carrying
+``step``, ``max_steps``, ``epoch`` and ``wall_time_s`` — seconds since training started,
+cumulative across resumes, so ``ETA = wall_time_s / step × (max_steps − step)``. Other ranks
+get a writer that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "training_metrics.jsonl"
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All lines of a metrics file (missing file: no lines)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    """Append metric lines for one training run; resumable.
+
+    Args:
+        path: the ``training_metrics.jsonl`` file.
+        max_steps: total optimizer steps of the run.
+        is_main: only the global rank 0 process writes; others pass False.
+        resume_step: when resuming from a checkpoint at this step, lines after it (written
+            before the interruption, not covered by the checkpoint) are dropped, and the wall
+            clock continues from the last kept line.
+        mlflow_run: log the same metrics to this active MLflow run (see ``trainer.tracking``).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        max_steps: int,
+        is_main: bool = True,
+        resume_step: int = 0,
+        mlflow_run=None,
+    ) -> None:
+        self.path = Path(path)
+        self.max_steps = max_steps
+        self.is_main = is_main
+        self.mlflow_run = mlflow_run
+        self._offset = 0.0
+        if not is_main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = (
+            [m for m in read_metrics(self.path) if m["step"] <= resume_step] if resume_step else []
+        )
+        if kept:
+            self._offset = max(m["wall_time_s"] for m in kept)
+        tmp = self.path.with_name(f".{self.path.name}.partial")
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        os.replace(tmp, self.path)
+        self._start = time.monotonic()
+
+    def wall_time(self) -> float:
+        """Seconds of training so far, including time before a resume."""
+        return self._offset + (time.monotonic() - self._start) if self.is_main else 0.0
+
+    def log(self, step: int, epoch: float, **values: float | int | None) -> dict | None:
+        """Write one line (rank 0); non-finite floats are written as null."""
+        if not self.is_main:
+            return None
+        line = {
+            "step": step,
+            "max_steps": self.max_steps,
+            "epoch": round(epoch, 4),
+            "wall_time_s": round(self.wall_time(), 3),
+        }
+        for key, value in values.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                value = None
+            line[key] = value
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(line) + "\n")
+            fh.flush()
+        if self.mlflow_run is not None:
+            from trainer.tracking import log_metrics
+
+            log_metrics({k: v for k, v in line.items() if k != "step"}, step)
+        return line
+
+
+def plot_metrics(
+    metrics_path: str | Path, output_png: str | Path, keys: Iterable[str], title: str
+) -> Path | None:
+    """Plot ``keys`` against ``step`` from a metrics file into a PNG (one panel per key)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = read_metrics(metrics_path)
+    keys = [k for k in keys if any(line.get(k) is not None for line in lines)]
+    if not keys:
+        return None
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys, strict=True):
+        points = [(line["step"], line[key]) for line in lines if line.get(key) is not None]
+        ax.plot(
+            [p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None
+        )
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    axes[0, 0].set_title(title)
+    fig.tight_layout()
+    output_png = Path(output_png)
+    output_png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output_png.with_name(f".{output_png.name}.partial.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, output_png)
+    return output_png

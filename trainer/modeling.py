@@ -1,0 +1,106 @@
+"""Load causal LMs and tokenizers from HF directories, choose dtypes, wrap with LoRA."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class NotACausalLMError(ValueError):
+    """A model directory that does not hold a causal language model."""
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` → bf16 on a GPU that supports it, else fp32."""
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """A local HF model directory with a causal-LM config, or a clear error."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise NotACausalLMError(f"{path}: no config.json; expected a Hugging Face model directory")
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        architectures = json.loads(config_file.read_text()).get("architectures")
+        raise NotACausalLMError(
+            f"{path}: model_type {config.model_type!r} ({architectures}) is not a causal "
+            "language model; SFT and GRPO need one (e.g. gpt_oss)"
+        )
+    return path
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved with a model; it must know the harmony special tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    missing = [
+        t
+        for t in ("<|start|>", "<|message|>", "<|channel|>", "<|return|>")
+        if t not in tokenizer.get_vocab()
+    ]
+    if missing:
+        raise ValueError(f"{path}: tokenizer lacks the harmony special tokens {missing}")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | None = None):
+    """``AutoModelForCausalLM.from_pretrained`` with eager attention on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    path = check_model_dir(path)
+    kwargs = {"dtype": dtype}
+    if device is None or device.type == "cpu":
+        kwargs["attn_implementation"] = "eager"  # sdpa/flex/MXFP4 kernels do not run on CPU
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if device is not None:
+        model.to(device)
+    return model
+
+
+def apply_lora(model, lora) -> torch.nn.Module:
+    """Wrap ``model`` with a peft LoRA adapter per ``lora`` (LoraSettings); r=0: unchanged."""
+    if lora.r == 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.sft.config import EXPERT_PARAMETERS
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        target_parameters=list(EXPERT_PARAMETERS) if lora.experts else None,
+        modules_to_save=list(lora.modules_to_save) or None,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    log.info(
+        "LoRA r=%d: %d trainable of %d parameters (%.2f%%)",
+        lora.r,
+        trainable,
+        total,
+        100 * trainable / total,
+    )
+    return peft_model

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning (LoRA or full) on harmony-rendered examples, and the LoRA merge."""

@@ -1,0 +1,275 @@
+"""The SFT recipe: load → (LoRA) → train with eval and checkpoints → merge → save.
+
+Reads top to bottom; every moving part (backend, data, metrics writer) is built here from the
+config and passed along. Runs as one process or as every rank of a ``torchrun`` job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from trainer.backends import TorchBackend, make_backend
+from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
+from trainer.distributed import DistInfo, all_reduce_sum, init_distributed
+from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
+from trainer.modeling import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
+from trainer.sft.config import SFTConfig
+from trainer.sft.data import (
+    Example,
+    collate,
+    load_examples,
+    micro_batches,
+    token_loss_sum,
+)
+from trainer.sft.merge import merge_and_save
+from trainer.tracking import log_artifact, mlflow_run
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "sft_summary.json"
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the last checkpoint is left as it was."""
+
+
+@dataclass
+class SFTResult:
+    """What an SFT run produced (rank 0)."""
+
+    model_dir: str
+    metrics_file: str
+    loss_plot: str | None
+    steps: int
+    first_loss: float
+    last_loss: float
+    eval_loss: float | None
+    examples: int
+    dropped_overlong: int
+    truncated: int
+    merge: dict
+
+
+def _target_count(example: Example) -> int:
+    return sum(1 for t in example.labels[1:] if t != -100)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def evaluate(module, examples: list[Example], micro_batch_size: int, pad_id: int, device) -> float:
+    """Mean token loss over ``examples`` (every rank evaluates all of them, same result)."""
+    total, tokens = 0.0, 0
+    module.eval()
+    with torch.no_grad():
+        for start in range(0, len(examples), micro_batch_size):
+            batch = {
+                k: v.to(device)
+                for k, v in collate(examples[start : start + micro_batch_size], pad_id).items()
+            }
+            logits = module(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
+            total += float(token_loss_sum(logits, batch["labels"]))
+            tokens += int((batch["labels"][:, 1:] != -100).sum())
+    module.train()
+    return total / max(1, tokens)
+
+
+def run_sft(
+    cfg: SFTConfig,
+    base_model: str | Path,
+    train_path: str | Path,
+    eval_path: str | Path | None,
+    model_output: str | Path,
+    work_dir: str | Path,
+) -> SFTResult | None:
+    """Train, merge and save; returns the result on rank 0 (None on other ranks).
+
+    ``work_dir`` holds ``training_metrics.jsonl``, ``loss.png``, checkpoints and the adapter;
+    a run finding checkpoints there resumes from the newest one.
+    """
+    info = init_distributed(cfg.device)
+    work_dir, model_output = Path(work_dir), Path(model_output)
+    _seed_everything(cfg.seed)
+
+    tokenizer = load_tokenizer(base_model)
+    dtype = resolve_dtype(cfg.dtype, info.device)
+    model = load_causal_lm(base_model, dtype, info.device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    model = apply_lora(model, cfg.lora)
+
+    train, stats = load_examples(train_path, tokenizer, cfg.max_seq_len, cfg.overlong)
+    evals = (
+        load_examples(eval_path, tokenizer, cfg.max_seq_len, cfg.overlong)[0] if eval_path else []
+    )
+    evals = evals[: cfg.eval_max_examples]
+    lengths = [len(e.input_ids) for e in train]
+    per_step = cfg.gradient_accumulation_steps * info.world_size
+    steps_per_epoch = len(micro_batches(lengths, cfg.micro_batch_size, cfg.seed, 0)) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"{train_path}: {len(train)} examples are fewer than one global batch "
+            f"(micro_batch_size {cfg.micro_batch_size} × gradient_accumulation_steps "
+            f"{cfg.gradient_accumulation_steps} × {info.world_size} processes)"
+        )
+    max_steps = cfg.max_steps or math.ceil(cfg.num_epochs * steps_per_epoch)
+
+    backend = make_backend(
+        model,
+        cfg.optim,
+        max_steps,
+        info,
+        cfg.micro_batch_size,
+        cfg.gradient_accumulation_steps,
+        bf16=dtype == torch.bfloat16,
+    )
+    checkpoints = work_dir / "checkpoints"
+    resume = find_resume_point(checkpoints, info)
+    start_step = load_checkpoint(resume, backend, info)["step"] if resume else 0
+
+    with mlflow_run("sft", cfg.model_dump(), info.is_main) as run:
+        writer = MetricsWriter(work_dir / METRICS_FILE, max_steps, info.is_main, start_step, run)
+        _train_loop(
+            cfg,
+            info,
+            backend,
+            train,
+            evals,
+            tokenizer.pad_token_id,
+            writer,
+            start_step,
+            max_steps,
+            steps_per_epoch,
+            checkpoints,
+        )
+        final_weights = backend.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+        if not info.is_main:
+            return None
+        final = _final_model(cfg, backend, base_model, dtype, final_weights)
+        if cfg.lora.r:
+            final.save_pretrained(work_dir / "adapter")
+        prompts = [e.input_ids[: len(e.input_ids) - _target_count(e)] for e in (evals or train)]
+        merge = merge_and_save(
+            final.cpu(), tokenizer, prompts[: cfg.merge_check_prompts], model_output
+        )
+        lines = read_metrics(work_dir / METRICS_FILE)
+        plot = plot_metrics(
+            work_dir / METRICS_FILE,
+            work_dir / "loss.png",
+            ["loss", "eval_loss", "learning_rate", "grad_norm"],
+            "SFT",
+        )
+        losses = [m["loss"] for m in lines if m.get("loss") is not None]
+        eval_losses = [m["eval_loss"] for m in lines if m.get("eval_loss") is not None]
+        result = SFTResult(
+            model_dir=str(model_output),
+            metrics_file=str(work_dir / METRICS_FILE),
+            loss_plot=str(plot) if plot else None,
+            steps=max_steps,
+            first_loss=losses[0] if losses else float("nan"),
+            last_loss=losses[-1] if losses else float("nan"),
+            eval_loss=eval_losses[-1] if eval_losses else None,
+            examples=stats.kept,
+            dropped_overlong=stats.dropped_overlong + stats.dropped_prompt_too_long,
+            truncated=stats.truncated,
+            merge=merge,
+        )
+        (work_dir / SUMMARY_FILE).write_text(json.dumps(asdict(result), indent=2))
+        if run is not None and plot:
+            log_artifact(plot)
+        return result
+
+
+def _train_loop(
+    cfg,
+    info: DistInfo,
+    backend,
+    train,
+    evals,
+    pad_id,
+    writer,
+    start_step,
+    max_steps,
+    steps_per_epoch,
+    checkpoints,
+) -> None:
+    lengths = [len(e.input_ids) for e in train]
+    targets = [_target_count(e) for e in train]
+    gas = cfg.gradient_accumulation_steps
+    orders: dict[int, list[list[int]]] = {}
+    backend.module.train()
+    progress = tqdm(
+        total=max_steps, initial=start_step, desc="sft", mininterval=2.0, disable=not info.is_main
+    )
+    for step in range(start_step, max_steps):
+        epoch, position = divmod(step, steps_per_epoch)
+        if epoch not in orders:
+            orders = {epoch: micro_batches(lengths, cfg.micro_batch_size, cfg.seed, epoch)}
+        step_batches = orders[epoch][
+            position * gas * info.world_size : (position + 1) * gas * info.world_size
+        ]
+        global_tokens = sum(targets[i] for batch in step_batches for i in batch)
+        mine = step_batches[info.rank * gas : (info.rank + 1) * gas]
+        step_loss = 0.0
+        for indices in mine:
+            batch = {
+                k: v.to(info.device)
+                for k, v in collate([train[i] for i in indices], pad_id).items()
+            }
+            logits = backend.module(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
+            loss = token_loss_sum(logits, batch["labels"]) / global_tokens
+            backend.backward(loss)
+            step_loss += float(loss.detach())
+        learning_rate = backend.learning_rate()
+        grad_norm = backend.step()
+        step_loss = all_reduce_sum(step_loss, info)
+        if not math.isfinite(step_loss):
+            raise NonFiniteLossError(
+                f"SFT loss is {step_loss} at step {step + 1}; stopping. The newest checkpoint in "
+                f"{checkpoints} is intact; lower optim.learning_rate or check the data."
+            )
+        done = step + 1
+        writer.log(
+            done,
+            done / steps_per_epoch,
+            loss=step_loss,
+            learning_rate=learning_rate,
+            grad_norm=grad_norm,
+            tokens=global_tokens,
+        )
+        progress.update(1)
+        progress.set_postfix(loss=f"{step_loss:.3f}")
+        if evals and ((cfg.eval_every and done % cfg.eval_every == 0) or done == max_steps):
+            eval_loss = evaluate(backend.module, evals, cfg.micro_batch_size, pad_id, info.device)
+            writer.log(done, done / steps_per_epoch, eval_loss=eval_loss)
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < max_steps:
+            save_checkpoint(
+                checkpoints, done, backend, {"epoch": epoch}, info, cfg.keep_checkpoints
+            )
+    progress.close()
+
+
+def _final_model(cfg: SFTConfig, backend, base_model, dtype, weights):
+    """The trained model on rank 0, on CPU, still carrying its adapter (if any)."""
+    if isinstance(backend, TorchBackend):
+        return backend.unwrapped()  # plain PyTorch: the model itself
+    model = apply_lora(load_causal_lm(base_model, dtype), cfg.lora)
+    model.load_state_dict(weights, strict=True)
+    return model

@@ -7,13 +7,19 @@ passed as arguments by ``lingo run --local`` and ``lingo compile --preset``.
 from typing import NamedTuple
 
 from kfp import dsl
-from kfp.dsl import Dataset, Markdown
+from kfp.dsl import HTML, Dataset, Markdown, Model
 
 from components.data_prep import data_prep
+from components.models import base_model, sft
 from data_prep.config import DataPrepConfig
+from pipelines.presets import ModelSource
+from trainer.sft.config import SFTConfig
 
 PIPELINE_NAME = "lingo-rl"
 _DATA = DataPrepConfig()
+_MODEL = ModelSource()
+_TINY_DEFAULT = _MODEL.tiny.model_dump(mode="json")
+_SFT_DEFAULT = SFTConfig().model_dump(mode="json")
 
 
 class PipelineOutputs(NamedTuple):
@@ -22,6 +28,8 @@ class PipelineOutputs(NamedTuple):
     train_data: Dataset
     eval_data: Dataset
     dataset_card: Markdown
+    sft_model: Model
+    sft_report: HTML
 
 
 @dsl.pipeline(
@@ -41,6 +49,9 @@ def lingo_pipeline(
     data_max_field_chars: int = _DATA.max_field_chars,
     data_reasoning_effort: str = _DATA.reasoning_effort,
     data_workers: int = _DATA.workers,
+    model_source: str = _MODEL.source,
+    model_tiny_config: dict = _TINY_DEFAULT,
+    sft_config: dict = _SFT_DEFAULT,
 ) -> PipelineOutputs:
     prep = data_prep(
         source=data_source,
@@ -54,8 +65,19 @@ def lingo_pipeline(
         workers=data_workers,
     )
     prep.set_display_name("data prep")
+    base = base_model(source=model_source, tiny_config=model_tiny_config)
+    base.set_display_name("base model")
+    tuned = sft(
+        train_data=prep.outputs["train_data"],
+        eval_data=prep.outputs["eval_data"],
+        base_model=base.outputs["model"],
+        config=sft_config,
+    )
+    tuned.set_display_name("SFT + merge")
     return PipelineOutputs(
         train_data=prep.outputs["train_data"],
         eval_data=prep.outputs["eval_data"],
         dataset_card=prep.outputs["card"],
+        sft_model=tuned.outputs["model"],
+        sft_report=tuned.outputs["loss_plot"],
     )

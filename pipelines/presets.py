@@ -1,15 +1,30 @@
 """Named, typed configurations of the whole pipeline.
 
-A preset holds one typed config per step. The pipeline's parameters are these configs'
-fields (prefixed by step), and their defaults come from the config classes, so the local run,
-the compiled pipeline and the cluster job share one source of every default.
+A preset holds one typed config per step. The pipeline's parameters are derived from these
+configs (``pipeline_arguments``) and their defaults come from the config classes, so the local
+run, the compiled pipeline and the cluster job share one source of every default.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from data_prep.config import DataPrepConfig
+from trainer.backends import OptimConfig
+from trainer.sft.config import LoraSettings, SFTConfig
+from trainer.tiny_model import TinyModelConfig
+
+
+class ModelSource(BaseModel):
+    """The base model: ``tiny`` (built offline), a local HF directory, or a hub id."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = "tiny"
+    tiny: TinyModelConfig = TinyModelConfig()
 
 
 class Preset(BaseModel):
@@ -20,30 +35,61 @@ class Preset(BaseModel):
     name: str
     description: str
     data_prep: DataPrepConfig = DataPrepConfig()
+    model: ModelSource = ModelSource()
+    sft: SFTConfig = Field(default_factory=SFTConfig)
 
 
-PRESETS: dict[str, Preset] = {
-    preset.name: preset
-    for preset in [
-        Preset(
-            name="tiny-cpu",
-            description="Laptop demo: bundled sample, tiny GPT-OSS model, CPU only, no network.",
-            data_prep=DataPrepConfig(source="bundled"),
+TINY_CPU = Preset(
+    name="tiny-cpu",
+    description="Laptop demo: bundled sample, tiny GPT-OSS model, CPU only, no network.",
+    data_prep=DataPrepConfig(source="bundled"),
+    model=ModelSource(source="tiny"),
+    sft=SFTConfig(
+        # the tiny base model is random: the adapter needs capacity, and the embeddings and
+        # output layer train fully beside it (peft modules_to_save)
+        lora=LoraSettings(
+            r=32, alpha=64, experts=True, modules_to_save=["embed_tokens", "lm_head"]
         ),
-        Preset(
-            name="gpt-oss-20b",
-            description=(
-                "openai/gpt-oss-20b on the full HuggingFaceH4/Multilingual-Thinking dataset "
-                "(cluster: needs the hub or an S3 copy)."
-            ),
-            data_prep=DataPrepConfig(source="HuggingFaceH4/Multilingual-Thinking"),
+        optim=OptimConfig(learning_rate=3e-3, warmup_steps=10),
+        micro_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_steps=200,
+        eval_every=50,
+        checkpoint_every=100,
+        dtype="float32",
+    ),
+)
+
+GPT_OSS_20B = Preset(
+    name="gpt-oss-20b",
+    description=(
+        "openai/gpt-oss-20b on the full HuggingFaceH4/Multilingual-Thinking dataset; "
+        "SFT on one 8-GPU node with DeepSpeed ZeRO-3 (cluster: needs the hub or an S3 copy)."
+    ),
+    data_prep=DataPrepConfig(source="HuggingFaceH4/Multilingual-Thinking"),
+    model=ModelSource(source="openai/gpt-oss-20b"),
+    sft=SFTConfig(
+        # as the OpenAI cookbook's multilingual-reasoner recipe: LoRA r=8 on attention and
+        # experts, lr 2e-4 cosine, 1 epoch
+        lora=LoraSettings(r=8, alpha=16, experts=True),
+        optim=OptimConfig(
+            backend="deepspeed", zero_stage=3, learning_rate=2e-4, warmup_steps=10, min_lr_ratio=0.1
         ),
-    ]
-}
+        max_seq_len=2048,
+        micro_batch_size=4,
+        gradient_accumulation_steps=4,
+        num_epochs=1.0,
+        eval_every=50,
+        checkpoint_every=100,
+        dtype="bfloat16",
+        gradient_checkpointing=True,
+        nproc=8,
+    ),
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, GPT_OSS_20B)}
 DEFAULT_PRESET = "tiny-cpu"
-
-STEP_PREFIXES = {"data_prep": "data"}
-"""Pipeline parameter name = f"{prefix}_{field}" for each step config in a preset."""
+STEPS = ("data_prep", "model", "sft")
 
 
 class UnknownPresetError(KeyError):
@@ -61,32 +107,52 @@ def get_preset(name: str) -> Preset:
         raise UnknownPresetError(name) from None
 
 
-def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
-    """A copy of ``preset`` with ``step.field=value`` overrides, validated by the configs.
+def _parse_value(value: str) -> Any:
+    """A JSON value when it parses as one (numbers, booleans, lists), else the string."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
-    Example: ``{"data_prep.eval_fraction": "0.2"}``.
+
+def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
+    """A copy of ``preset`` with ``step.field[.subfield]=value`` overrides, validated.
+
+    Examples: ``{"data_prep.eval_fraction": "0.2", "sft.optim.learning_rate": "1e-3"}``.
 
     Raises:
         ValueError: an unknown step or field, or a value the field does not accept.
     """
     data = preset.model_dump()
     for dotted, value in overrides.items():
-        step, _, field = dotted.partition(".")
-        if step not in STEP_PREFIXES or not field:
+        path = dotted.split(".")
+        if path[0] not in STEPS or len(path) < 2:
             raise ValueError(
-                f"override {dotted!r}: use STEP.FIELD with STEP one of {', '.join(STEP_PREFIXES)}"
+                f"override {dotted!r}: use STEP.FIELD with STEP one of {', '.join(STEPS)}"
             )
-        if field not in data[step]:
-            fields = ", ".join(data[step])
-            raise ValueError(f"override {dotted!r}: {step} has no field {field!r} ({fields})")
-        data[step][field] = value
+        node = data
+        for depth, key in enumerate(path[:-1]):
+            if not isinstance(node.get(key), dict):
+                raise ValueError(
+                    f"override {dotted!r}: {'.'.join(path[: depth + 1])} has no fields"
+                )
+            node = node[key]
+        if path[-1] not in node:
+            fields = ", ".join(node)
+            raise ValueError(f"override {dotted!r}: no field {path[-1]!r} ({fields})")
+        node[path[-1]] = _parse_value(value) if not isinstance(node[path[-1]], str) else value
     return Preset.model_validate(data)
 
 
 def pipeline_arguments(preset: Preset) -> dict[str, object]:
-    """The pipeline's parameter values for ``preset``."""
-    args: dict[str, object] = {}
-    for step, prefix in STEP_PREFIXES.items():
-        for field, value in getattr(preset, step).model_dump().items():
-            args[f"{prefix}_{field}"] = value
+    """The pipeline's parameter values for ``preset``.
+
+    Data prep's fields are flat parameters (``data_<field>``, easy to edit in the KFP UI);
+    nested step configs are one dict parameter each (``sft_config``).
+    """
+    data = preset.data_prep.model_dump(mode="json")
+    args: dict[str, object] = {f"data_{k}": v for k, v in data.items()}
+    args["model_source"] = preset.model.source
+    args["model_tiny_config"] = preset.model.tiny.model_dump(mode="json")
+    args["sft_config"] = preset.sft.model_dump(mode="json")
     return args

@@ -8,7 +8,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 
 from pipelines.compile import COMPILED_PIPELINE, compile_pipeline
 from pipelines.pipeline import lingo_pipeline
-from pipelines.presets import DEFAULT_PRESET, PRESETS, get_preset, pipeline_arguments
+from pipelines.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset, pipeline_arguments
 
 
 def _load(path):
@@ -27,7 +27,8 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
     spec = pipeline_spec_pb2.PipelineSpec()
     json_format.ParseDict(_load(COMPILED_PIPELINE), spec, ignore_unknown_fields=False)
     assert spec.pipeline_info.name == "lingo-rl"
-    assert "data-prep" in spec.root.dag.tasks
+    assert {"data-prep", "base-model", "sft"} <= set(spec.root.dag.tasks)
+    assert list(spec.root.dag.tasks["sft"].dependent_tasks) == ["base-model", "data-prep"]
     component = spec.components["comp-data-prep"]
     assert set(component.output_definitions.artifacts) == {
         "train_data",
@@ -43,7 +44,13 @@ def test_pipeline_parameters_are_the_preset_fields_with_the_config_defaults():
     for preset in PRESETS.values():
         assert set(pipeline_arguments(preset)) == set(params)
     defaults = {name: p.default for name, p in params.items()}
-    assert defaults == pipeline_arguments(PRESETS[DEFAULT_PRESET])
+    assert defaults == pipeline_arguments(Preset(name="defaults", description=""))
+
+
+def test_compiled_defaults_are_the_default_presets_values():
+    inputs = _load(COMPILED_PIPELINE)["root"]["inputDefinitions"]["parameters"]
+    expected = pipeline_arguments(PRESETS[DEFAULT_PRESET])
+    assert {k: v["defaultValue"] for k, v in inputs.items()} == expected
 
 
 def test_preset_values_become_parameter_defaults(tmp_path):

@@ -5,15 +5,34 @@ from conftest import read_jsonl, write_jsonl
 from pipelines.local_run import run_local
 from pipelines.presets import apply_overrides, get_preset
 
+FAST = {
+    "model.tiny.hidden_size": "64",
+    "model.tiny.intermediate_size": "64",
+    "model.tiny.vocab_size": "600",
+    "sft.max_steps": "3",
+    "sft.eval_every": "0",
+    "sft.checkpoint_every": "0",
+    "sft.eval_max_examples": "8",
+}
+
 
 def test_local_pipeline_run_writes_the_step_outputs(tmp_path):
-    result = run_local(get_preset("tiny-cpu"), tmp_path / "runs")
+    """The demo's DAG end to end, with the SFT shortened (the demo itself trains longer)."""
+    result = run_local(apply_overrides(get_preset("tiny-cpu"), FAST), tmp_path / "runs")
     train = read_jsonl(result.outputs["train_data"])
     evaluation = read_jsonl(result.outputs["eval_data"])
     assert len(train) >= 250 and len(evaluation) >= 25
     assert {r["reasoning_language"] for r in evaluation} == {"en", "fr", "de", "es", "it"}
     assert "Dataset card" in result.outputs["dataset_card"].read_text()
     assert result.pipeline_root == (tmp_path / "runs").resolve()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(result.outputs["sft_model"])
+    assert model.config.hidden_size == 64
+    report = result.outputs["sft_report"].read_text()
+    assert "<img" in report and "last_loss" in report
+    metrics = result.outputs["sft_model"].parent / "training_log" / "training_metrics.jsonl"
+    assert len(metrics.read_text().splitlines()) == 4  # 3 steps + the final eval line
 
 
 def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):

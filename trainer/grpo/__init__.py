@@ -1,0 +1,1 @@
+"""GRPO: the algorithm's pure tensor functions (advantages, policy loss, KL, aggregation)."""

@@ -1,0 +1,559 @@
+"""GRPO math as pure tensor functions, selected by name from small registries.
+
+Shapes: ``B`` sequences (rollouts), ``T`` response tokens, ``V`` vocabulary entries.
+Token tensors are ``[B, T]`` with a 0/1 ``response_mask`` marking the tokens that count.
+Every function here is side-effect free; the training loop wires them together.
+
+Registries (validate config names once with the ``get_*`` functions):
+
+- ``ADVANTAGE_ESTIMATORS``: ``grpo`` (group-normalized by std), ``dr_grpo`` (mean-centred).
+- ``KL_ESTIMATORS``: ``k1``, ``k2``, ``k3`` (alias ``low_var_kl``).
+- ``LOSS_AGG_MODES``: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+  ``seq-mean-token-sum-norm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to ±this before ``exp`` so one wild token cannot overflow."""
+K3_CLAMP = 10.0
+"""The k3 estimate is clamped to ±this per token (as verl does)."""
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Per-group reward statistics (``G`` distinct groups).
+
+    Attributes:
+        ids: ``[G]`` the distinct group labels, sorted (``0..G-1`` for a fixed group size).
+        index: ``[B]`` each sample's position in ``ids``; ``all_equal[index]`` maps a
+            per-group value back onto samples.
+        size: ``[G]`` samples per group.
+        mean: ``[G]`` mean reward.
+        std: ``[G]`` unbiased (Bessel-corrected, ``n - 1``) standard deviation, as
+            ``torch.std``; 0 for groups of one.
+        all_equal: ``[G]`` True where every reward in the group is identical (groups of one
+            included): such groups carry no learning signal and get zero advantage.
+    """
+
+    ids: Tensor
+    index: Tensor
+    size: Tensor
+    mean: Tensor
+    std: Tensor
+    all_equal: Tensor
+
+
+def _check_finite_rewards(rewards: Tensor) -> None:
+    bad = ~torch.isfinite(rewards)
+    if bool(bad.any()):
+        positions = bad.nonzero().flatten().tolist()
+        shown = ", ".join(str(p) for p in positions[:20])
+        more = f" and {len(positions) - 20} more" if len(positions) > 20 else ""
+        raise ValueError(
+            f"rewards are NaN or infinite at positions [{shown}]{more} of {rewards.numel()}; "
+            "fix the reward function or drop those samples before computing advantages"
+        )
+
+
+def _group_index(rewards: Tensor, groups: Tensor | int) -> tuple[Tensor, Tensor]:
+    """Return (distinct group labels, each sample's position among them)."""
+    n = rewards.shape[0]
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 1 or n % groups:
+            raise ValueError(
+                f"group_size={groups} must be a positive divisor of the batch size {n}; "
+                "pass a tensor of group ids for uneven groups"
+            )
+        ids = torch.arange(n // groups, device=rewards.device)
+        return ids, torch.arange(n, device=rewards.device) // groups
+    integer = isinstance(groups, Tensor) and not (
+        groups.dtype.is_floating_point or groups.dtype.is_complex or groups.dtype == torch.bool
+    )
+    if not integer:
+        raise ValueError(
+            f"groups must be an int group size or an integer tensor of group ids, got {groups!r}"
+        )
+    if groups.shape != rewards.shape:
+        raise ValueError(
+            f"group ids shape {tuple(groups.shape)} != rewards shape {tuple(rewards.shape)}"
+        )
+    ids, index = torch.unique(groups, return_inverse=True)
+    return ids, index
+
+
+def group_stats(rewards: Tensor, groups: Tensor | int) -> GroupStats:
+    """Per-group size, mean, unbiased std and an all-equal (no signal) mask.
+
+    Args:
+        rewards: ``[B]`` one scalar reward per rollout.
+        groups: a fixed group size (consecutive runs of that many samples form a group), or
+            a ``[B]`` integer tensor of group ids (any labels, any order, uneven sizes).
+
+    Returns:
+        The statistics; see ``GroupStats``.
+
+    Raises:
+        ValueError: rewards are not 1-D or contain NaN/inf (the message names the
+            positions), or ``groups`` is malformed.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    _check_finite_rewards(rewards)
+    if not rewards.dtype.is_floating_point:
+        rewards = rewards.to(torch.float32)
+    ids, index = _group_index(rewards, groups)
+    g = ids.shape[0]
+    zeros = rewards.new_zeros(g)
+    size = torch.zeros(g, dtype=torch.long, device=rewards.device).index_add(
+        0, index, torch.ones_like(index)
+    )
+    mean = zeros.index_add(0, index, rewards) / size.to(rewards.dtype)
+    squares = zeros.index_add(0, index, (rewards - mean[index]) ** 2)
+    std = torch.where(size > 1, (squares / (size - 1).clamp(min=1)).sqrt(), zeros)
+    high = zeros.scatter_reduce(0, index, rewards, "amax", include_self=False)
+    low = zeros.scatter_reduce(0, index, rewards, "amin", include_self=False)
+    return GroupStats(ids=ids, index=index, size=size, mean=mean, std=std, all_equal=high == low)
+
+
+def group_advantages(
+    rewards: Tensor, groups: Tensor | int, *, norm_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Group-relative advantages, one per rollout.
+
+    GRPO (``norm_by_std=True``): ``A_i = (r_i - mean_g) / (std_g + eps)`` with ``std_g`` the
+    unbiased (``n - 1``) standard deviation of group ``g``, as ``torch.std`` and verl.
+    Dr.GRPO (``norm_by_std=False``): ``A_i = r_i - mean_g``.
+    Groups of one and groups whose rewards are all equal get exactly 0.
+
+    Args:
+        rewards: ``[B]`` one scalar reward per rollout.
+        groups: fixed group size, or ``[B]`` integer group ids (uneven groups allowed).
+        norm_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
+        eps: added to the std before dividing.
+
+    Returns:
+        ``[B]`` advantages (float dtype of ``rewards``, float32 for integer rewards).
+
+    Raises:
+        ValueError: as ``group_stats`` (NaN/inf rewards are named by position).
+    """
+    stats = group_stats(rewards, groups)
+    centred = rewards.to(stats.mean.dtype) - stats.mean[stats.index]
+    advantages = centred / (stats.std[stats.index] + eps) if norm_by_std else centred
+    return torch.where(stats.all_equal[stats.index], torch.zeros_like(advantages), advantages)
+
+
+def grpo_advantages(rewards: Tensor, groups: Tensor | int) -> Tensor:
+    """GRPO: ``A_i = (r_i - mean_g) / (std_g + 1e-6)``; see ``group_advantages``."""
+    return group_advantages(rewards, groups, norm_by_std=True)
+
+
+def dr_grpo_advantages(rewards: Tensor, groups: Tensor | int) -> Tensor:
+    """Dr.GRPO: ``A_i = r_i - mean_g``; see ``group_advantages``."""
+    return group_advantages(rewards, groups, norm_by_std=False)
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+class LossAggregation(NamedTuple):
+    """How a ``[B, T]`` loss matrix becomes a scalar: ``total(...) / count(mask)``.
+
+    ``total(masked_loss, mask, norm_length)`` is additive over sequences, so splitting a
+    mini-batch into micro-batches and dividing each micro-batch total by the whole
+    mini-batch's ``count`` makes the micro-batch losses sum to the mini-batch loss.
+    """
+
+    total: Callable[[Tensor, Tensor, int], Tensor]
+    count: Callable[[Tensor], Tensor]
+
+
+def _sum_total(masked: Tensor, mask: Tensor, norm_length: int) -> Tensor:
+    return masked.sum()
+
+
+def _seq_token_mean_total(masked: Tensor, mask: Tensor, norm_length: int) -> Tensor:
+    tokens = mask.sum(-1)
+    return (masked.sum(-1) / torch.where(tokens > 0, tokens, torch.ones_like(tokens))).sum()
+
+
+def _sum_norm_total(masked: Tensor, mask: Tensor, norm_length: int) -> Tensor:
+    return masked.sum() / norm_length
+
+
+def _token_count(mask: Tensor) -> Tensor:
+    return mask.sum()
+
+
+def _nonempty_sequence_count(mask: Tensor) -> Tensor:
+    return (mask.sum(-1) > 0).sum().to(mask.dtype)
+
+
+def _sequence_count(mask: Tensor) -> Tensor:
+    return torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device)
+
+
+LOSS_AGG_MODES: dict[str, LossAggregation] = {
+    "token-mean": LossAggregation(_sum_total, _token_count),
+    "seq-mean-token-mean": LossAggregation(_seq_token_mean_total, _nonempty_sequence_count),
+    "seq-mean-token-sum": LossAggregation(_sum_total, _nonempty_sequence_count),
+    "seq-mean-token-sum-norm": LossAggregation(_sum_norm_total, _sequence_count),
+}
+
+
+def aggregate_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    norm_length: int | None = None,
+    global_normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """Reduce a per-token loss matrix to a scalar.
+
+    With ``l`` the loss, ``m`` the mask, ``n_b = Σ_t m_bt`` and ``N`` the normalizer:
+
+    - ``token-mean``: ``Σ l·m / N``, ``N = Σ m`` (tokens).
+    - ``seq-mean-token-mean``: ``Σ_b (Σ_t l·m / n_b) / N``, ``N`` = sequences with ``n_b > 0``.
+    - ``seq-mean-token-sum``: ``Σ_b Σ_t l·m / N``, ``N`` = sequences with ``n_b > 0``.
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO): ``Σ l·m / (N · norm_length)``, ``N = B`` (all
+      rows) and ``norm_length = T`` unless given: a constant, length-unbiased denominator.
+
+    Gradient accumulation: pass ``global_normalizer=get_loss_agg_mode(mode).count(mask)`` of
+    the whole mini-batch (and the same ``norm_length``) to every micro-batch; the micro-batch
+    losses then sum exactly to the mini-batch loss. Under data parallelism with gradient
+    averaging, pass the all-reduced count divided by the world size.
+    A batch with no masked-in tokens gives 0 (not NaN) when the normalizer is the default.
+
+    Args:
+        loss_mat: ``[B, T]`` per-token losses.
+        mask: ``[B, T]`` 0/1 (or bool) mask of tokens that count.
+        mode: a name in ``LOSS_AGG_MODES``.
+        norm_length: ``seq-mean-token-sum-norm`` only: the constant length; default ``T``.
+        global_normalizer: replaces ``N`` (see above); must be positive.
+
+    Returns:
+        A scalar tensor.
+
+    Raises:
+        ValueError: unknown mode, mismatched shapes, or a non-positive normalizer/length.
+    """
+    aggregation = get_loss_agg_mode(mode)
+    if loss_mat.dim() != 2 or loss_mat.shape != mask.shape:
+        raise ValueError(
+            f"loss_mat {tuple(loss_mat.shape)} and mask {tuple(mask.shape)} must both be [B, T]"
+        )
+    if norm_length is not None and norm_length < 1:
+        raise ValueError(f"norm_length must be a positive int, got {norm_length}")
+    if isinstance(global_normalizer, int | float) and not global_normalizer > 0:
+        raise ValueError(f"global_normalizer must be positive, got {global_normalizer}")
+    mask = mask.to(loss_mat.dtype)
+    total = aggregation.total(loss_mat * mask, mask, norm_length or loss_mat.shape[-1])
+    if global_normalizer is not None:
+        return total / global_normalizer
+    count = aggregation.count(mask)
+    return total / torch.where(count > 0, count, torch.ones_like(count))
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    count = mask.sum()
+    return (values * mask).sum() / torch.where(count > 0, count, torch.ones_like(count))
+
+
+# --------------------------------------------------------------------------- policy loss
+
+
+def policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    norm_length: int | None = None,
+    global_normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with asymmetric ("clip-higher") and dual clipping.
+
+    Per token, with ``r = exp(log_probs - old_log_probs)`` (log-ratio clamped to ±20) and
+    ``clip(r) = clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)``::
+
+        l = max(-A·r, -A·clip(r))            if A >= 0
+        l = min(max(-A·r, -A·clip(r)), -A·c)  if A < 0   (dual clip, c = clip_ratio_c)
+
+    then ``l`` is reduced with ``aggregate_loss(l, response_mask, loss_agg_mode, ...)``.
+    The gradient is zero wherever a clipped branch or the dual bound is active.
+
+    Args:
+        log_probs: ``[B, T]`` current-policy log-probs of the sampled tokens (with grad).
+        old_log_probs: ``[B, T]`` log-probs under the policy that sampled them.
+        advantages: ``[B]`` (broadcast over tokens) or ``[B, T]``.
+        response_mask: ``[B, T]`` 0/1 (or bool) mask of response tokens.
+        clip_ratio_low: lower clip ``ε_low``, in ``[0, 1)``.
+        clip_ratio_high: upper clip ``ε_high``, ``>= 0`` (clip-higher: > ``ε_low``).
+        clip_ratio_c: dual-clip bound ``c > 1``.
+        loss_agg_mode: a name in ``LOSS_AGG_MODES``.
+        norm_length: passed to ``aggregate_loss``.
+        global_normalizer: passed to ``aggregate_loss`` (gradient accumulation).
+
+    Returns:
+        ``(loss, stats)``; ``stats`` holds detached scalars over masked tokens:
+        ``clip_fraction`` (share where ``-A·clip(r) > -A·r``), ``dual_clip_fraction`` (share
+        where ``A < 0`` and the ``-A·c`` bound is active), ``approx_kl`` (mean of
+        ``old_log_probs - log_probs``, the k1 estimate of KL(old‖new) under old samples),
+        ``ratio_mean`` and ``ratio_max`` (0 when the mask is empty).
+
+    Raises:
+        ValueError: mismatched shapes, out-of-range clip values, or unknown mode.
+    """
+    if not (log_probs.shape == old_log_probs.shape == response_mask.shape) or (
+        log_probs.dim() != 2
+    ):
+        raise ValueError(
+            f"log_probs {tuple(log_probs.shape)}, old_log_probs {tuple(old_log_probs.shape)} "
+            f"and response_mask {tuple(response_mask.shape)} must all be the same [B, T]"
+        )
+    if advantages.dim() == 1 and advantages.shape[0] == log_probs.shape[0]:
+        advantages = advantages.unsqueeze(-1)
+    elif advantages.shape != log_probs.shape:
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} must be [B] or [B, T] "
+            f"with [B, T] = {tuple(log_probs.shape)}"
+        )
+    if not (0 <= clip_ratio_low < 1 and clip_ratio_high >= 0):
+        raise ValueError(
+            f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, "
+            f"got {clip_ratio_low} and {clip_ratio_high}"
+        )
+    if not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
+
+    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    pessimistic = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    loss_mat = torch.where(negative, torch.minimum(pessimistic, dual_bound), pessimistic)
+    loss = aggregate_loss(
+        loss_mat,
+        response_mask,
+        loss_agg_mode,
+        norm_length=norm_length,
+        global_normalizer=global_normalizer,
+    )
+
+    with torch.no_grad():
+        mask = response_mask.to(ratio.dtype)
+        stats = {
+            "clip_fraction": _masked_mean((clipped > unclipped).to(mask.dtype), mask),
+            "dual_clip_fraction": _masked_mean(
+                (negative & (pessimistic > dual_bound)).to(mask.dtype), mask
+            ),
+            "approx_kl": _masked_mean(old_log_probs - log_probs, mask),
+            "ratio_mean": _masked_mean(ratio, mask),
+            "ratio_max": (ratio * mask).max() if ratio.numel() else ratio.new_zeros(()),
+        }
+    return loss, {name: value.detach() for name, value in stats.items()}
+
+
+# --------------------------------------------------------------------------- KL
+
+
+def kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """k1: ``log p - log q`` (p = policy, q = reference); unbiased, high variance, signed."""
+    return log_probs - ref_log_probs
+
+
+def kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """k2: ``½ (log p - log q)²``; non-negative, low variance, biased."""
+    return 0.5 * (log_probs - ref_log_probs) ** 2
+
+
+def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """k3 ("low_var_kl"): ``exp(δ) - δ - 1`` with ``δ = log q - log p``; unbiased, >= 0.
+
+    ``δ`` is clamped to ±20 before ``exp`` and the result to ±10 (so its gradient is zero
+    for tokens past the clamp), as verl does.
+    """
+    delta = (ref_log_probs - log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(delta) - delta - 1).clamp(-K3_CLAMP, K3_CLAMP)
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+    "low_var_kl": kl_k3,
+}
+
+
+def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(policy ‖ reference) from sampled-token log-probs.
+
+    Args:
+        log_probs: ``[..., T]`` policy log-probs of the sampled tokens.
+        ref_log_probs: same shape, reference-model log-probs of the same tokens.
+        kind: a name in ``KL_ESTIMATORS`` (``k1``, ``k2``, ``k3``/``low_var_kl``).
+
+    Returns:
+        Per-token estimates, same shape.
+
+    Raises:
+        ValueError: unknown kind or mismatched shapes.
+    """
+    estimator = get_kl_estimator(kind)
+    if log_probs.shape != ref_log_probs.shape:
+        raise ValueError(
+            f"log_probs {tuple(log_probs.shape)} != ref_log_probs {tuple(ref_log_probs.shape)}"
+        )
+    return estimator(log_probs, ref_log_probs)
+
+
+def kl_loss(
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    response_mask: Tensor,
+    kind: str,
+    loss_agg_mode: str,
+    *,
+    norm_length: int | None = None,
+    global_normalizer: float | Tensor | None = None,
+) -> Tensor:
+    """KL loss term: ``aggregate_loss(kl_penalty(log_probs, ref_log_probs, kind), mask)``.
+
+    As a loss, prefer ``k3``/``low_var_kl`` or ``k2``: k1's gradient is zero in expectation
+    over on-policy samples. The caller scales the term by its coefficient (β).
+
+    Args:
+        log_probs: ``[B, T]`` policy log-probs (with grad).
+        ref_log_probs: ``[B, T]`` reference log-probs.
+        response_mask: ``[B, T]`` 0/1 (or bool) mask of response tokens.
+        kind: a name in ``KL_ESTIMATORS``.
+        loss_agg_mode: a name in ``LOSS_AGG_MODES``.
+        norm_length: passed to ``aggregate_loss``.
+        global_normalizer: passed to ``aggregate_loss`` (gradient accumulation).
+
+    Returns:
+        A scalar tensor.
+    """
+    return aggregate_loss(
+        kl_penalty(log_probs, ref_log_probs, kind),
+        response_mask,
+        loss_agg_mode,
+        norm_length=norm_length,
+        global_normalizer=global_normalizer,
+    )
+
+
+# --------------------------------------------------------------------------- logits
+
+
+def _over_row_chunks(fn: Callable[[Tensor], Tensor], logits: Tensor, chunk_rows: int) -> Tensor:
+    """Apply ``fn`` (``[n, V] -> [n]``) to row chunks of ``logits`` upcast to >= float32."""
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    rows = logits.reshape(-1, logits.shape[-1])
+    parts = [fn(chunk.to(dtype)) for chunk in rows.split(chunk_rows)]
+    out = torch.cat(parts) if parts else rows.new_zeros(0, dtype=dtype)
+    return out.reshape(logits.shape[:-1])
+
+
+def _entropy_rows(logits: Tensor) -> Tensor:
+    shifted = logits - logits.amax(-1, keepdim=True).detach()
+    probs = torch.softmax(shifted, -1)
+    # -inf logits have zero probability; zero them so 0·(-inf) does not make NaN.
+    finite = shifted.masked_fill(probs == 0, 0.0)
+    return torch.logsumexp(shifted, -1) - (probs * finite).sum(-1)
+
+
+def entropy_from_logits(logits: Tensor, *, chunk_rows: int = 1024) -> Tensor:
+    """Entropy of the softmax distribution: ``H = logsumexp(z) - Σ_v softmax(z)_v · z_v``.
+
+    ``z`` is the logits shifted by their (detached) max, which leaves ``H`` unchanged and
+    avoids cancellation between two large numbers. Computed in float32 (or float64) a chunk
+    of rows at a time, so a bfloat16 ``[B, T, V]`` is never upcast whole in the forward pass.
+
+    Args:
+        logits: ``[..., T, V]``.
+        chunk_rows: rows (tokens) per chunk.
+
+    Returns:
+        ``[..., T]`` entropies in nats.
+    """
+    return _over_row_chunks(_entropy_rows, logits, chunk_rows)
+
+
+def token_log_probs(logits: Tensor, token_ids: Tensor, *, chunk_rows: int = 1024) -> Tensor:
+    """Log-probabilities of the given tokens: ``log p(x_t) = z_{x_t} - logsumexp(z)``.
+
+    Gathers the chosen logit and subtracts a per-row logsumexp computed a chunk of rows at a
+    time in float32, so no ``[..., T, V]`` log-softmax is materialized.
+
+    Args:
+        logits: ``[..., T, V]`` (any float dtype).
+        token_ids: ``[..., T]`` integer ids in ``[0, V)``.
+        chunk_rows: rows (tokens) per logsumexp chunk.
+
+    Returns:
+        ``[..., T]`` log-probs in float32 (float64 for float64 logits).
+
+    Raises:
+        ValueError: ``token_ids`` shape is not ``logits.shape[:-1]`` or not integer.
+    """
+    if token_ids.shape != logits.shape[:-1] or token_ids.dtype.is_floating_point:
+        raise ValueError(
+            f"token_ids must be integer with shape {tuple(logits.shape[:-1])} (logits without "
+            f"the vocab dim), got {token_ids.dtype} {tuple(token_ids.shape)}"
+        )
+    chosen = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    normalizer = _over_row_chunks(lambda rows: torch.logsumexp(rows, -1), logits, chunk_rows)
+    return chosen.to(normalizer.dtype) - normalizer
+
+
+# --------------------------------------------------------------------------- registries
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, Tensor | int], Tensor]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+}
+
+
+_Entry = TypeVar("_Entry")
+
+
+def _lookup(registry: dict[str, _Entry], name: str, what: str) -> _Entry:
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; valid names: {', '.join(sorted(registry))}")
+    return registry[name]
+
+
+def get_advantage_estimator(name: str) -> Callable[[Tensor, Tensor | int], Tensor]:
+    """The advantage estimator called ``name``; ValueError listing the valid names."""
+    return _lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+
+
+def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """The per-token KL estimator called ``name``; ValueError listing the valid names."""
+    return _lookup(KL_ESTIMATORS, name, "KL estimator")
+
+
+def get_loss_agg_mode(name: str) -> LossAggregation:
+    """The loss aggregation called ``name``; ValueError listing the valid names."""
+    return _lookup(LOSS_AGG_MODES, name, "loss aggregation mode")

@@ -16,6 +16,7 @@ def data_prep(
     answer_language_policy: str,
     max_field_chars: int,
     reasoning_effort: str,
+    augment_factor: int,
     workers: int,
     train_data: Output[Dataset],
     eval_data: Output[Dataset],
@@ -39,11 +40,16 @@ def data_prep(
         answer_language_policy=answer_language_policy,
         max_field_chars=max_field_chars,
         reasoning_effort=reasoning_effort,
+        augment_factor=augment_factor,
         workers=workers,
     )
     report = prepare_dataset(config, train_data.path, eval_data.path, quarantine.path, card.path)
     for name, value in report.metrics().items():
         metrics.log_metric(name, value)
-    train_data.metadata.update(rows=report.train_rows, format="jsonl")
+    train_data.metadata.update(
+        rows=report.train_rows + report.synthetic_rows,
+        synthetic_rows=report.synthetic_rows,
+        format="jsonl",
+    )
     eval_data.metadata.update(rows=report.eval_rows, format="jsonl")
     quarantine.metadata.update(rows=report.rows_bad + report.rows_duplicate, format="jsonl")

@@ -31,6 +31,7 @@ def render_card(config: DataPrepConfig, report: DataPrepReport) -> str:
         f"({report.bad_fraction:.2%} bad, limit {config.max_bad_fraction:.0%})",
         f"- split: eval_fraction {config.eval_fraction}, seed {config.seed}, "
         "stratified by reasoning language",
+        f"- synthetic train rows (augment_factor {config.augment_factor}): {report.synthetic_rows}",
         f"- answer language policy: `{config.answer_language_policy}`; answer language taken from: "
         + ", ".join(f"{k} {v}" for k, v in sorted(report.answer_sources.items())),
         "",

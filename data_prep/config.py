@@ -27,6 +27,8 @@ class DataPrepConfig(BaseModel):
             ``same-as-reasoning``: answer in the reasoning language, as the 50-question eval asks.
         max_field_chars: a field longer than this is quarantined as oversize.
         reasoning_effort: the harmony system message's ``Reasoning:`` level.
+        augment_factor: synthetic train examples per train row, recombined from sentences in
+            the same language (see data_prep/augment.py); for tiny-model demos. 0: none.
         workers: processes that validate and render rows when the source has more than
             ~1,000 rows; 0 means one per CPU core (at most 8). The output does not depend on it.
     """
@@ -41,4 +43,5 @@ class DataPrepConfig(BaseModel):
     answer_language_policy: AnswerLanguagePolicy = "user"
     max_field_chars: int = Field(32_000, gt=0)
     reasoning_effort: Literal["low", "medium", "high"] = "medium"
+    augment_factor: int = Field(0, ge=0)
     workers: int = Field(0, ge=0)

@@ -30,6 +30,7 @@ import numpy as np
 import orjson
 
 from data_prep.atomic import atomic_write_text, atomic_writer
+from data_prep.augment import augment_train_file
 from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
 from data_prep.process import ANSWER_SOURCES, Bad, process_rows, quarantine_entry
@@ -62,6 +63,7 @@ class DataPrepReport:
     rows_duplicate: int = 0
     train_rows: int = 0
     eval_rows: int = 0
+    synthetic_rows: int = 0
     reasons: Counter = field(default_factory=Counter)
     first_bad: list[str] = field(default_factory=list)
     train_by_language: Counter = field(default_factory=Counter)
@@ -85,6 +87,7 @@ class DataPrepReport:
             "bad_fraction": round(self.bad_fraction, 6),
             "train_rows": self.train_rows,
             "eval_rows": self.eval_rows,
+            "synthetic_train_rows": self.synthetic_rows,
         }
         for lang in SUPPORTED_LANGUAGES:
             out[f"train_rows_{lang}"] = self.train_by_language[lang]
@@ -135,6 +138,10 @@ def prepare_dataset(
         Path(spool_name).unlink(missing_ok=True)
     if failure is not None:
         raise failure  # quarantine.jsonl is written; train/eval are not
+    if config.augment_factor:
+        report.synthetic_rows = augment_train_file(
+            train_path, config.augment_factor, config.seed, config.reasoning_effort
+        )
     if card_path is not None:
         atomic_write_text(card_path, render_card(config, report))
     log.info(

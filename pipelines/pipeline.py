@@ -10,9 +10,11 @@ from kfp import dsl
 from kfp.dsl import HTML, Dataset, Markdown, Model
 
 from components.data_prep import data_prep
+from components.grpo import grpo
 from components.models import base_model, sft
 from data_prep.config import DataPrepConfig
 from pipelines.presets import ModelSource
+from trainer.grpo.config import GRPOConfig
 from trainer.sft.config import SFTConfig
 
 PIPELINE_NAME = "lingo-rl"
@@ -20,6 +22,7 @@ _DATA = DataPrepConfig()
 _MODEL = ModelSource()
 _TINY_DEFAULT = _MODEL.tiny.model_dump(mode="json")
 _SFT_DEFAULT = SFTConfig().model_dump(mode="json")
+_GRPO_DEFAULT = GRPOConfig().model_dump(mode="json")
 
 
 class PipelineOutputs(NamedTuple):
@@ -30,6 +33,8 @@ class PipelineOutputs(NamedTuple):
     dataset_card: Markdown
     sft_model: Model
     sft_report: HTML
+    grpo_model: Model
+    grpo_report: HTML
 
 
 @dsl.pipeline(
@@ -48,10 +53,12 @@ def lingo_pipeline(
     data_answer_language_policy: str = _DATA.answer_language_policy,
     data_max_field_chars: int = _DATA.max_field_chars,
     data_reasoning_effort: str = _DATA.reasoning_effort,
+    data_augment_factor: int = _DATA.augment_factor,
     data_workers: int = _DATA.workers,
     model_source: str = _MODEL.source,
     model_tiny_config: dict = _TINY_DEFAULT,
     sft_config: dict = _SFT_DEFAULT,
+    grpo_config: dict = _GRPO_DEFAULT,
 ) -> PipelineOutputs:
     prep = data_prep(
         source=data_source,
@@ -62,6 +69,7 @@ def lingo_pipeline(
         answer_language_policy=data_answer_language_policy,
         max_field_chars=data_max_field_chars,
         reasoning_effort=data_reasoning_effort,
+        augment_factor=data_augment_factor,
         workers=data_workers,
     )
     prep.set_display_name("data prep")
@@ -74,10 +82,19 @@ def lingo_pipeline(
         config=sft_config,
     )
     tuned.set_display_name("SFT + merge")
+    policy = grpo(
+        train_data=prep.outputs["train_data"],
+        eval_data=prep.outputs["eval_data"],
+        sft_model=tuned.outputs["model"],
+        config=grpo_config,
+    )
+    policy.set_display_name("GRPO")
     return PipelineOutputs(
         train_data=prep.outputs["train_data"],
         eval_data=prep.outputs["eval_data"],
         dataset_card=prep.outputs["card"],
         sft_model=tuned.outputs["model"],
         sft_report=tuned.outputs["loss_plot"],
+        grpo_model=policy.outputs["model"],
+        grpo_report=policy.outputs["report"],
     )

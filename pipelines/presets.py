@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from data_prep.config import DataPrepConfig
 from trainer.backends import OptimConfig
+from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.tiny_model import TinyModelConfig
 
@@ -37,12 +38,15 @@ class Preset(BaseModel):
     data_prep: DataPrepConfig = DataPrepConfig()
     model: ModelSource = ModelSource()
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
 
 
 TINY_CPU = Preset(
     name="tiny-cpu",
     description="Laptop demo: bundled sample, tiny GPT-OSS model, CPU only, no network.",
-    data_prep=DataPrepConfig(source="bundled"),
+    # ~300 rows are too few for a model trained from scratch to learn languages rather than
+    # rows: 9 synthetic recombinations per train row give ~3,000 examples (data_prep/augment.py)
+    data_prep=DataPrepConfig(source="bundled", augment_factor=9),
     model=ModelSource(source="tiny"),
     sft=SFTConfig(
         # the tiny base model is random: the adapter needs capacity, and the embeddings and
@@ -56,6 +60,21 @@ TINY_CPU = Preset(
         max_steps=200,
         eval_every=50,
         checkpoint_every=100,
+        dtype="float32",
+    ),
+    grpo=GRPOConfig(
+        # measured on 2 CPU cores (DESIGN.md): lr 3e-4 learns in 60-90 steps, >= 1e-3 collapses
+        rollout=RolloutConfig(n_samples=8, max_new_tokens=128, temperature=1.0),
+        algorithm=AlgorithmConfig(kl_loss_coef=0.0),
+        optim=OptimConfig(learning_rate=3e-4, lr_scheduler="constant", warmup_steps=0),
+        prompts_per_step=8,
+        mini_batch_size=64,
+        micro_batch_size=16,
+        max_steps=60,
+        eval_every=10,
+        eval_prompts=64,
+        eval_samples=2,
+        checkpoint_every=20,
         dtype="float32",
     ),
 )
@@ -85,11 +104,45 @@ GPT_OSS_20B = Preset(
         gradient_checkpointing=True,
         nproc=8,
     ),
+    grpo=GRPOConfig(
+        # OpenRLHF's gpt-oss-20b recipe on 6x g5.12xlarge: vLLM TP=4 on dedicated GPUs
+        # (non-hybrid), ZeRO-3 + Adam offload for training, generate_max_len 256; verl's
+        # GRPO loss settings (clip 0.2/0.28, dual clip 10, low_var_kl 0.001, token-mean)
+        rollout=RolloutConfig(
+            engine="vllm",
+            n_samples=8,
+            max_new_tokens=256,
+            max_prompt_tokens=1024,
+            temperature=1.0,
+            tensor_parallel_size=4,
+            gpu_memory_utilization=0.85,
+            colocate=False,
+        ),
+        algorithm=AlgorithmConfig(kl_loss_coef=0.001, kl_estimator="low_var_kl"),
+        optim=OptimConfig(
+            backend="deepspeed",
+            zero_stage=3,
+            offload_optimizer=True,
+            learning_rate=5e-7,
+            lr_scheduler="constant",
+            warmup_steps=5,
+        ),
+        prompts_per_step=32,
+        mini_batch_size=64,
+        micro_batch_size=1,
+        max_steps=100,
+        eval_every=10,
+        eval_prompts=50,
+        checkpoint_every=10,
+        dtype="bfloat16",
+        gradient_checkpointing=True,
+        nproc=16,
+    ),
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, GPT_OSS_20B)}
 DEFAULT_PRESET = "tiny-cpu"
-STEPS = ("data_prep", "model", "sft")
+STEPS = ("data_prep", "model", "sft", "grpo")
 
 
 class UnknownPresetError(KeyError):
@@ -155,4 +208,5 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     args["model_source"] = preset.model.source
     args["model_tiny_config"] = preset.model.tiny.model_dump(mode="json")
     args["sft_config"] = preset.sft.model_dump(mode="json")
+    args["grpo_config"] = preset.grpo.model_dump(mode="json")
     return args

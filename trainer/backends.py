@@ -275,6 +275,16 @@ class DeepSpeedBackend:
     def unwrapped(self) -> torch.nn.Module:
         return self.engine.module
 
+    def gathered_named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter, complete, on every rank (for a rollout engine's copy)."""
+        import deepspeed
+
+        out = []
+        for name, param in self.engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                out.append((name, param.detach().clone()))
+        return out
+
 
 def make_backend(
     model: torch.nn.Module,

@@ -193,3 +193,22 @@ def test_hostile_rows_never_crash_and_every_row_is_accounted_for(tmp_path_factor
         len(read_jsonl(out / name)) for name in ("train.jsonl", "eval.jsonl", "quarantine.jsonl")
     )
     assert counted == len(rows) == report.rows_read
+
+
+def test_augmentation_adds_synthetic_train_rows_in_the_right_languages(tmp_path):
+    from eval.language_id import identify_language
+
+    src = write_jsonl(tmp_path / "in.jsonl", make_rows(10))
+    report, out = _run(tmp_path, src, eval_fraction=0.2, augment_factor=3)
+    train = read_jsonl(out / "train.jsonl")
+    synthetic = [r for r in train if r.get("synthetic")]
+    assert report.synthetic_rows == len(synthetic) == 3 * report.train_rows
+    eval_ids = {r["id"] for r in read_jsonl(out / "eval.jsonl")}
+    originals = {r["id"]: r for r in train if not r.get("synthetic")}
+    for record in synthetic:
+        base = originals[record["origin"].split(":")[1]]
+        assert record["prompt"] == base["prompt"] and record["label"] == base["label"]
+        assert identify_language(record["analysis"]) in (record["reasoning_language"], "und")
+        assert record["origin"].split(":")[1] not in eval_ids  # built from train rows only
+    again, out2 = _run(tmp_path / "again", src, eval_fraction=0.2, augment_factor=3)
+    assert (out2 / "train.jsonl").read_text() == (out / "train.jsonl").read_text()

@@ -27,7 +27,8 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
     spec = pipeline_spec_pb2.PipelineSpec()
     json_format.ParseDict(_load(COMPILED_PIPELINE), spec, ignore_unknown_fields=False)
     assert spec.pipeline_info.name == "lingo-rl"
-    assert {"data-prep", "base-model", "sft"} <= set(spec.root.dag.tasks)
+    assert {"data-prep", "base-model", "sft", "grpo"} <= set(spec.root.dag.tasks)
+    assert list(spec.root.dag.tasks["grpo"].dependent_tasks) == ["data-prep", "sft"]
     assert list(spec.root.dag.tasks["sft"].dependent_tasks) == ["base-model", "data-prep"]
     component = spec.components["comp-data-prep"]
     assert set(component.output_definitions.artifacts) == {

@@ -13,6 +13,16 @@ FAST = {
     "sft.eval_every": "0",
     "sft.checkpoint_every": "0",
     "sft.eval_max_examples": "8",
+    "grpo.max_steps": "2",
+    "grpo.prompts_per_step": "2",
+    "grpo.rollout.n_samples": "2",
+    "grpo.rollout.max_new_tokens": "12",
+    "grpo.mini_batch_size": "4",
+    "grpo.micro_batch_size": "4",
+    "grpo.eval_every": "0",
+    "grpo.eval_prompts": "4",
+    "grpo.eval_samples": "1",
+    "grpo.checkpoint_every": "0",
 }
 
 
@@ -33,6 +43,9 @@ def test_local_pipeline_run_writes_the_step_outputs(tmp_path):
     assert "<img" in report and "last_loss" in report
     metrics = result.outputs["sft_model"].parent / "training_log" / "training_metrics.jsonl"
     assert len(metrics.read_text().splitlines()) == 4  # 3 steps + the final eval line
+    policy = AutoModelForCausalLM.from_pretrained(result.outputs["grpo_model"])
+    assert policy.config.hidden_size == 64
+    assert "held-out" in result.outputs["grpo_report"].read_text()
 
 
 def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):

@@ -1,0 +1,119 @@
+"""The typed configuration of the GRPO step, validated once at start (not at step 40)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.backends import OptimConfig
+from trainer.grpo.algorithm import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode
+
+
+class RolloutConfig(BaseModel):
+    """How responses are sampled."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["hf", "vllm"] = "hf"
+    n_samples: int = Field(8, ge=1)
+    """Responses per prompt (the group size)."""
+    max_new_tokens: int = Field(256, ge=1)
+    max_prompt_tokens: int = Field(1024, ge=8)
+    """Longer prompts are dropped at load (counted)."""
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    # vLLM only
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    colocate: bool = True
+    """vLLM in the training process's GPU, sleeping during updates (hybrid); False: the
+    engine on its own GPUs, weights pushed after each update (non-hybrid)."""
+
+
+class AlgorithmConfig(BaseModel):
+    """GRPO's loss (verl names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    advantage_estimator: str = "grpo"
+    clip_ratio_low: float = Field(0.2, ge=0, lt=1)
+    clip_ratio_high: float = Field(0.28, ge=0)
+    clip_ratio_c: float = Field(10.0, gt=1)
+    loss_agg_mode: str = "token-mean"
+    kl_loss_coef: float = Field(0.0, ge=0)
+    kl_estimator: str = "low_var_kl"
+    entropy_coeff: float = Field(0.0, ge=0)
+    ppo_epochs: int = Field(1, ge=1)
+    filter_no_signal_groups: bool = True
+    """Leave out of the update the groups whose rewards are all equal (zero advantage)."""
+
+    @model_validator(mode="after")
+    def _known_names(self) -> AlgorithmConfig:
+        get_advantage_estimator(self.advantage_estimator)
+        get_kl_estimator(self.kl_estimator)
+        get_loss_agg_mode(self.loss_agg_mode)
+        return self
+
+
+class GuardConfig(BaseModel):
+    """Against reward hacking: keep the best held-out policy whose text stays real."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_real_word_drop: float = Field(0.10, ge=0, le=1)
+    """A policy whose held-out real-word share falls more than this fraction below the
+    starting model's is not kept (the reward cannot see made-up words)."""
+    keep_best: bool = True
+    """Export the best held-out checkpoint under the guard rather than the last one."""
+
+
+class GRPOConfig(BaseModel):
+    """How the GRPO step trains.
+
+    One step: ``prompts_per_step`` prompts × ``rollout.n_samples`` responses, updated in
+    mini-batches of ``mini_batch_size`` sequences (``ppo_epochs`` passes), each mini-batch
+    accumulated over micro-batches of ``micro_batch_size`` sequences per process.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    guard: GuardConfig = GuardConfig()
+    optim: OptimConfig = OptimConfig(learning_rate=1e-6, lr_scheduler="constant")
+    reward_weights: dict[str, float] = Field(default_factory=dict)
+    """Overrides of eval.scoring.RewardWeights fields (reference defaults otherwise)."""
+    prompts_per_step: int = Field(8, ge=1)
+    mini_batch_size: int = Field(64, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    max_steps: int = Field(100, ge=1)
+    eval_every: int = Field(10, ge=0)
+    eval_prompts: int = Field(64, ge=1)
+    eval_samples: int = Field(2, ge=1)
+    checkpoint_every: int = Field(0, ge=0)
+    max_ckpt_num: int = Field(2, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    gradient_checkpointing: bool = False
+    seed: int = 42
+    nproc: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _batch_sizes_divide(self) -> GRPOConfig:
+        rollouts = self.prompts_per_step * self.rollout.n_samples
+        if rollouts % self.mini_batch_size:
+            raise ValueError(
+                f"prompts_per_step × n_samples = {rollouts} is not a multiple of "
+                f"mini_batch_size {self.mini_batch_size}"
+            )
+        if self.mini_batch_size % (self.micro_batch_size * self.nproc):
+            raise ValueError(
+                f"mini_batch_size {self.mini_batch_size} is not a multiple of micro_batch_size "
+                f"{self.micro_batch_size} × nproc {self.nproc}"
+            )
+        if self.prompts_per_step % self.nproc:
+            raise ValueError(
+                f"prompts_per_step {self.prompts_per_step} is not a multiple of nproc {self.nproc}"
+            )
+        return self

@@ -1,0 +1,523 @@
+"""The GRPO recipe: sample groups → reward → group advantages → clipped policy update → sync.
+
+Reads top to bottom; the rollout engine, training backend, reward and metrics writer are built
+here and passed along. Runs as one process or as every rank of a ``torchrun`` job (each rank
+samples its share of the prompts; advantages are per group, so they stay local; loss
+normalizers are summed over ranks so N processes follow the single-process run).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from eval.adapters import LanguageComplianceReward
+from eval.degeneracy import measure_degeneracy
+from eval.scoring import ComplianceScorer, RewardWeights, Verdict
+from trainer.backends import TorchBackend, make_backend
+from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
+from trainer.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from trainer.grpo import algorithm as algo
+from trainer.grpo.config import GRPOConfig
+from trainer.grpo.prompts import Prompt, load_prompts
+from trainer.grpo.rollout import HFRolloutEngine, Rollout
+from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
+from trainer.modeling import load_causal_lm, load_tokenizer, resolve_dtype
+from trainer.tracking import log_artifact, mlflow_run
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "grpo_summary.json"
+BEST_DIR = "best_policy"
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the last checkpoint is left as it was."""
+
+
+@dataclass
+class GRPOResult:
+    """What a GRPO run produced (rank 0)."""
+
+    model_dir: str
+    metrics_file: str
+    plot: str | None
+    steps: int
+    baseline: dict
+    final: dict
+    exported: dict
+    """The held-out metrics of the exported policy (best under the guard, or the last)."""
+    exported_step: int
+
+
+@dataclass
+class _Batch:
+    """The rollouts of one step on this rank, with everything the update needs."""
+
+    prompts: list[Prompt]
+    rollouts: list[Rollout]
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    keep: torch.Tensor
+    """1 for samples in groups with signal (or all, when filtering is off), else 0."""
+    results: list
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def evaluate_policy(
+    engine, tokenizer, prompts: list[Prompt], scorer, samples: int, seed: int
+) -> dict:
+    """Held-out metrics: mean reward, language accuracies, and text degeneracy."""
+    rollouts = engine.generate([p.ids for p in prompts], samples, seed)
+    texts = [_decode(tokenizer, r.response_ids) for r in rollouts]
+    results = scorer.score_batch(texts, [prompts[r.prompt_index].label for r in rollouts])
+    shares, repeats = [], []
+    for result in results:
+        language = result.labels.answer if result.labels else "en"
+        measured = measure_degeneracy(result.parsed.reasoning, result.parsed.final, language)
+        if not math.isnan(measured.real_word_share):
+            shares.append(measured.real_word_share)
+        if not math.isnan(measured.repeated_ngram_rate):
+            repeats.append(measured.repeated_ngram_rate)
+    return {
+        "mean_reward": float(np.mean([r.reward for r in results])),
+        "answer_language_accuracy": float(
+            np.mean([r.answer_verdict == Verdict.MATCH for r in results])
+        ),
+        "reasoning_language_accuracy": float(
+            np.mean([r.reasoning_verdict == Verdict.MATCH for r in results])
+        ),
+        "real_word_share": float(np.mean(shares)) if shares else 0.0,
+        "repeated_ngram_rate": float(np.mean(repeats)) if repeats else 0.0,
+        "finished_fraction": float(np.mean([r.finished for r in rollouts])),
+    }
+
+
+def _sequences(prompts: list[Prompt], rollouts: list[Rollout], pad_id: int, device):
+    """Padded prompt+response ids, attention mask, and the response mask (shifted targets)."""
+    rows = [prompts[r.prompt_index].ids + r.response_ids for r in rollouts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    response = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    for i, (row, rollout) in enumerate(zip(rows, rollouts, strict=True)):
+        ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        start = (
+            len(prompts[rollout.prompt_index].ids) - 1
+        )  # position predicting the 1st response token
+        response[i, start : start + len(rollout.response_ids)] = 1.0
+    return ids.to(device), attention.to(device), response.to(device)
+
+
+def _log_probs(module, ids, attention, with_entropy: bool):
+    logits = module(input_ids=ids, attention_mask=attention).logits[:, :-1, :]
+    log_probs = algo.token_log_probs(logits, ids[:, 1:])
+    entropy = algo.entropy_from_logits(logits) if with_entropy else None
+    return log_probs, entropy
+
+
+def run_grpo(
+    cfg: GRPOConfig,
+    sft_model: str | Path,
+    train_path: str | Path,
+    eval_path: str | Path,
+    model_output: str | Path,
+    work_dir: str | Path,
+) -> GRPOResult | None:
+    """Train the policy from the SFT model; returns the result on rank 0 (None elsewhere)."""
+    info = init_distributed(cfg.device)
+    work_dir, model_output = Path(work_dir), Path(model_output)
+    _seed_everything(cfg.seed)
+    tokenizer = load_tokenizer(sft_model)
+    dtype = resolve_dtype(cfg.dtype, info.device)
+    policy = load_causal_lm(sft_model, dtype, info.device)
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    reference = None
+    if cfg.algorithm.kl_loss_coef > 0:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    train_prompts = load_prompts(train_path, tokenizer, cfg.rollout.max_prompt_tokens)
+    eval_prompts = load_prompts(eval_path, tokenizer, cfg.rollout.max_prompt_tokens)[
+        : cfg.eval_prompts
+    ]
+    per_rank = cfg.prompts_per_step // info.world_size
+    if len(train_prompts) < cfg.prompts_per_step:
+        raise ValueError(
+            f"{train_path}: {len(train_prompts)} unique prompts, fewer than prompts_per_step "
+            f"{cfg.prompts_per_step}"
+        )
+    scorer = ComplianceScorer(weights=RewardWeights(**cfg.reward_weights))
+    reward_fn = LanguageComplianceReward(scorer)
+
+    backend = make_backend(
+        policy,
+        cfg.optim,
+        cfg.max_steps * cfg.algorithm.ppo_epochs * _mini_batches(cfg),
+        info,
+        cfg.micro_batch_size,
+        _micro_per_mini(cfg, info),
+        bf16=dtype == torch.bfloat16,
+    )
+    engine = _rollout_engine(cfg, backend, policy, tokenizer, sft_model)
+
+    checkpoints = work_dir / "checkpoints"
+    resume = find_resume_point(checkpoints, info)
+    state = load_checkpoint(resume, backend, info) if resume else {"step": 0}
+    start_step = state["step"]
+    _sync(engine, backend)
+
+    with mlflow_run("grpo", cfg.model_dump(), info.is_main) as run:
+        writer = MetricsWriter(
+            work_dir / METRICS_FILE, cfg.max_steps, info.is_main, start_step, run
+        )
+        if "baseline" not in state:
+            state["baseline"] = evaluate_policy(
+                engine, tokenizer, eval_prompts, scorer, cfg.eval_samples, cfg.seed
+            )
+            state["best"] = {"step": 0, **state["baseline"]}
+            writer.log(0, 0.0, **{f"eval_{k}": v for k, v in state["baseline"].items()})
+            _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
+        progress = tqdm(
+            total=cfg.max_steps,
+            initial=start_step,
+            desc="grpo",
+            mininterval=2.0,
+            disable=not info.is_main,
+        )
+        for step in range(start_step, cfg.max_steps):
+            done = step + 1
+            order = random.Random(f"{cfg.seed}:{step * cfg.prompts_per_step // len(train_prompts)}")
+            shuffled = list(range(len(train_prompts)))
+            order.shuffle(shuffled)
+            first = (step * cfg.prompts_per_step) % len(train_prompts)
+            chosen = [
+                train_prompts[shuffled[(first + i) % len(train_prompts)]]
+                for i in range(cfg.prompts_per_step)
+            ]
+            mine = chosen[info.rank * per_rank : (info.rank + 1) * per_rank]
+
+            started = time.monotonic()
+            rollouts = engine.generate(
+                [p.ids for p in mine],
+                cfg.rollout.n_samples,
+                seed=cfg.seed * 100_003 + step * 97 + info.rank,
+            )
+            batch = _score(cfg, tokenizer, reward_fn, mine, rollouts)
+            rollout_time = time.monotonic() - started
+            started = time.monotonic()
+            if hasattr(engine, "sleep"):
+                engine.sleep()  # colocated vLLM frees the GPU for the update
+            stats = _update(cfg, info, backend, reference, batch, tokenizer.pad_token_id, step)
+            train_time = time.monotonic() - started
+            _sync(engine, backend)
+
+            if not math.isfinite(stats["loss"]):
+                raise NonFiniteLossError(
+                    f"GRPO loss is {stats['loss']} at step {done}; stopping. The newest checkpoint "
+                    f"in {checkpoints} is intact; lower optim.learning_rate."
+                )
+            tokens = all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)), info)
+            writer.log(
+                done,
+                done * cfg.prompts_per_step / len(train_prompts),
+                **stats,
+                **_reward_metrics(batch, info),
+                rollout_time_s=rollout_time,
+                train_time_s=train_time,
+                tokens_per_s=tokens / max(1e-9, rollout_time + train_time),
+            )
+            progress.update(1)
+            progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
+            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
+                held_out = evaluate_policy(
+                    engine, tokenizer, eval_prompts, scorer, cfg.eval_samples, cfg.seed
+                )
+                writer.log(
+                    done,
+                    done * cfg.prompts_per_step / len(train_prompts),
+                    **{f"eval_{k}": v for k, v in held_out.items()},
+                )
+                state["last_eval"] = {"step": done, **held_out}
+                if _better(cfg, held_out, state["baseline"], state["best"]):
+                    state["best"] = {"step": done, **held_out}
+                    _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
+                save_checkpoint(checkpoints, done, backend, state, info, cfg.max_ckpt_num)
+        progress.close()
+
+        final_dir = work_dir / "final_policy"
+        _save_policy(backend, tokenizer, final_dir, dtype, sft_model, info)
+        if not info.is_main:
+            return None
+        use_best = cfg.guard.keep_best and (work_dir / BEST_DIR).exists()
+        exported = state["best"] if use_best else state.get("last_eval", state["baseline"])
+        source = work_dir / BEST_DIR if use_best else final_dir
+        _export(source, model_output)
+        plot = plot_metrics(
+            work_dir / METRICS_FILE,
+            work_dir / "grpo.png",
+            ["mean_reward", "eval_mean_reward", "eval_real_word_share", "loss", "kl", "entropy"],
+            "GRPO",
+        )
+        result = GRPOResult(
+            model_dir=str(model_output),
+            metrics_file=str(work_dir / METRICS_FILE),
+            plot=str(plot) if plot else None,
+            steps=cfg.max_steps,
+            baseline=state["baseline"],
+            final=state.get("last_eval", state["baseline"]),
+            exported=exported,
+            exported_step=exported.get("step", 0),
+        )
+        (work_dir / SUMMARY_FILE).write_text(json.dumps(asdict(result), indent=2))
+        if run is not None and plot:
+            log_artifact(plot)
+        return result
+
+
+def _rollout_engine(cfg: GRPOConfig, backend, policy, tokenizer, sft_model):
+    """HF generate (sharing the policy in a single process, else its own copy) or vLLM."""
+    if cfg.rollout.engine == "vllm":
+        from trainer.grpo.rollout import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(str(sft_model), tokenizer, cfg.rollout, seed=cfg.seed)
+    if isinstance(backend, TorchBackend):
+        return HFRolloutEngine(policy, tokenizer, cfg.rollout)  # the policy itself: no sync
+    return HFRolloutEngine(copy.deepcopy(policy).requires_grad_(False), tokenizer, cfg.rollout)
+
+
+def _sync(engine, backend) -> None:
+    """Push the policy's weights to an engine that does not share them."""
+    if isinstance(engine, HFRolloutEngine) and engine.model is backend.unwrapped():
+        return
+    if isinstance(backend, TorchBackend):
+        engine.sync_weights((n, p.detach()) for n, p in backend.unwrapped().named_parameters())
+    else:
+        engine.sync_weights(backend.gathered_named_parameters())
+
+
+def _mini_batches(cfg: GRPOConfig) -> int:
+    return cfg.prompts_per_step * cfg.rollout.n_samples // cfg.mini_batch_size
+
+
+def _micro_per_mini(cfg: GRPOConfig, info: DistInfo) -> int:
+    return cfg.mini_batch_size // (cfg.micro_batch_size * info.world_size)
+
+
+def _better(cfg: GRPOConfig, held_out: dict, baseline: dict, best: dict) -> bool:
+    """A held-out result beats the best so far without its text degenerating (the guard)."""
+    floor = (1.0 - cfg.guard.max_real_word_drop) * baseline["real_word_share"]
+    return held_out["real_word_share"] >= floor and held_out["mean_reward"] > best["mean_reward"]
+
+
+def _score(cfg: GRPOConfig, tokenizer, reward_fn, prompts, rollouts) -> _Batch:
+    texts = [_decode(tokenizer, r.response_ids) for r in rollouts]
+    scored = reward_fn(texts, [prompts[r.prompt_index].label for r in rollouts])
+    rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    groups = torch.tensor([r.prompt_index for r in rollouts])
+    advantages = algo.get_advantage_estimator(cfg.algorithm.advantage_estimator)(rewards, groups)
+    stats = algo.group_stats(rewards, groups)
+    no_signal = stats.all_equal[stats.index]
+    keep = (
+        (~no_signal).float() if cfg.algorithm.filter_no_signal_groups else torch.ones_like(rewards)
+    )
+    return _Batch(prompts, rollouts, rewards, advantages, keep, scored.results)
+
+
+def _update(
+    cfg: GRPOConfig, info: DistInfo, backend, reference, batch: _Batch, pad_id: int, step: int
+) -> dict:
+    """PPO epochs over mini-batches of this step's rollouts; returns averaged statistics."""
+    a = cfg.algorithm
+    agg = algo.get_loss_agg_mode(a.loss_agg_mode)
+    n = len(batch.rollouts)
+    local_mini = cfg.mini_batch_size // info.world_size
+    device = info.device
+    # one on-policy update: the old log-probs equal the current ones, so reuse them (detached)
+    single_update = a.ppo_epochs == 1 and local_mini >= n
+    old_log_probs: list[torch.Tensor] = []
+    if not single_update:
+        with torch.no_grad():
+            for start in range(0, n, cfg.micro_batch_size):
+                ids, att, _ = _sequences(
+                    batch.prompts,
+                    batch.rollouts[start : start + cfg.micro_batch_size],
+                    pad_id,
+                    device,
+                )
+                old_log_probs.append(_log_probs(backend.module, ids, att, False)[0])
+    sums = {
+        "loss": 0.0,
+        "grad_norm": 0.0,
+        "clip_fraction": 0.0,
+        "entropy": 0.0,
+        "kl": 0.0,
+        "learning_rate": 0.0,
+    }
+    updates = 0
+    order = list(range(n))
+    for epoch in range(a.ppo_epochs):
+        if a.ppo_epochs > 1:
+            random.Random(f"{cfg.seed}:{step}:{epoch}").shuffle(order)
+        for mini_start in range(0, n, local_mini):
+            mini = order[mini_start : mini_start + local_mini]
+            masks = [
+                _sequences(
+                    batch.prompts,
+                    [batch.rollouts[i] for i in mini[s : s + cfg.micro_batch_size]],
+                    pad_id,
+                    device,
+                )[2]
+                * batch.keep[mini[s : s + cfg.micro_batch_size]].to(device)[:, None]
+                for s in range(0, len(mini), cfg.micro_batch_size)
+            ]
+            local_count = sum(float(agg.count(m)) for m in masks)
+            normalizer = max(all_reduce_sum(local_count, info), 1e-8)
+            mini_loss = mini_clip = mini_entropy = mini_kl = 0.0
+            for k, s in enumerate(range(0, len(mini), cfg.micro_batch_size)):
+                micro = mini[s : s + cfg.micro_batch_size]
+                ids, att, _ = _sequences(
+                    batch.prompts, [batch.rollouts[i] for i in micro], pad_id, device
+                )
+                mask = masks[k]
+                log_probs, entropy = _log_probs(backend.module, ids, att, True)
+                if single_update:
+                    old = log_probs.detach()
+                else:
+                    old = _gather_old(
+                        old_log_probs, micro, cfg.micro_batch_size, log_probs.shape[1]
+                    )
+                loss, pstats = algo.policy_loss(
+                    log_probs,
+                    old,
+                    batch.advantages[micro].to(device),
+                    mask,
+                    clip_ratio_low=a.clip_ratio_low,
+                    clip_ratio_high=a.clip_ratio_high,
+                    clip_ratio_c=a.clip_ratio_c,
+                    loss_agg_mode=a.loss_agg_mode,
+                    global_normalizer=normalizer,
+                )
+                if reference is not None:
+                    with torch.no_grad():
+                        ref_lp, _ = _log_probs(reference, ids, att, False)
+                    kl = algo.kl_loss(
+                        log_probs,
+                        ref_lp,
+                        mask,
+                        a.kl_estimator,
+                        a.loss_agg_mode,
+                        global_normalizer=normalizer,
+                    )
+                    loss = loss + a.kl_loss_coef * kl
+                    mini_kl += float(kl.detach())
+                else:  # KL to the rollout policy (k1), as a drift indicator
+                    mini_kl += float(pstats["approx_kl"]) * float(mask.sum()) / normalizer
+                ent = algo.aggregate_loss(
+                    entropy, mask, a.loss_agg_mode, global_normalizer=normalizer
+                )
+                if a.entropy_coeff:
+                    loss = loss - a.entropy_coeff * ent
+                backend.backward(loss)
+                mini_loss += float(loss.detach())
+                mini_entropy += float(ent.detach())
+                tokens = float(mask.sum())
+                mini_clip += float(pstats["clip_fraction"]) * tokens
+            sums["learning_rate"] += backend.learning_rate()
+            sums["grad_norm"] += backend.step()
+            sums["loss"] += all_reduce_sum(mini_loss, info)
+            sums["entropy"] += all_reduce_sum(mini_entropy, info)
+            sums["kl"] += all_reduce_sum(mini_kl, info)
+            masked_tokens = max(all_reduce_sum(sum(float(m.sum()) for m in masks), info), 1e-8)
+            sums["clip_fraction"] += all_reduce_sum(mini_clip, info) / masked_tokens
+            updates += 1
+    return {k: v / max(1, updates) for k, v in sums.items()}
+
+
+def _gather_old(
+    old_log_probs: list[torch.Tensor], micro: list[int], size: int, width: int
+) -> torch.Tensor:
+    """Old log-probs of the samples ``micro``, padded to ``width`` positions."""
+    rows = []
+    for i in micro:
+        row = old_log_probs[i // size][i % size]
+        rows.append(torch.nn.functional.pad(row, (0, max(0, width - row.shape[0])))[:width])
+    return torch.stack(rows)
+
+
+def _reward_metrics(batch: _Batch, info: DistInfo) -> dict:
+    n = all_reduce_sum(float(len(batch.results)), info)
+
+    def mean(values) -> float:
+        return all_reduce_sum(float(sum(values)), info) / max(1.0, n)
+
+    return {
+        "mean_reward": mean(batch.rewards.tolist()),
+        "answer_language_accuracy": mean(r.answer_verdict == Verdict.MATCH for r in batch.results),
+        "reasoning_language_accuracy": mean(
+            r.reasoning_verdict == Verdict.MATCH for r in batch.results
+        ),
+        "response_length_mean": mean(len(r.response_ids) for r in batch.rollouts),
+        "finished_fraction": mean(r.finished for r in batch.rollouts),
+        "no_signal_fraction": mean((1.0 - batch.keep).tolist()),
+    }
+
+
+def _save_policy(
+    backend, tokenizer, directory: Path, dtype, base_model, info: DistInfo | None = None
+) -> None:
+    """The current policy as a HF directory (rank 0 writes; every rank gathers under ZeRO-3)."""
+    weights = backend.full_state_dict() if not isinstance(backend, TorchBackend) else None
+    if info is not None and not info.is_main:
+        barrier(info)
+        return
+    model = backend.unwrapped() if isinstance(backend, TorchBackend) else None
+    if model is None:
+        model = load_causal_lm(base_model, dtype)
+        model.load_state_dict(weights, strict=True)
+    tmp = directory.with_name(f".{directory.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    if info is not None:
+        barrier(info)
+
+
+def _export(source: Path, model_output: Path) -> None:
+    tmp = model_output.with_name(f".{model_output.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(model_output, ignore_errors=True)
+    tmp.rename(model_output)
+
+
+def read_summary(work_dir: str | Path) -> GRPOResult:
+    """The result a (possibly torchrun) GRPO run left in ``work_dir``."""
+    return GRPOResult(**json.loads((Path(work_dir) / SUMMARY_FILE).read_text()))
+
+
+def metric_lines(work_dir: str | Path) -> list[dict]:
+    return read_metrics(Path(work_dir) / METRICS_FILE)

@@ -1,0 +1,85 @@
+"""The GRPO step as the pipeline runs it: one process here, or N under torchrun; then a report."""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+
+from trainer.grpo.config import GRPOConfig
+from trainer.grpo.recipe import GRPOResult, read_summary, run_grpo
+from trainer.launch import run_torchrun
+
+
+def run_grpo_step(
+    cfg: GRPOConfig,
+    sft_model: str | Path,
+    train_path: str | Path,
+    eval_path: str | Path,
+    model_output: str | Path,
+    work_dir: str | Path,
+) -> GRPOResult:
+    """Run GRPO with ``cfg.nproc`` processes and return rank 0's result."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.nproc == 1:
+        result = run_grpo(cfg, sft_model, train_path, eval_path, model_output, work_dir)
+        assert result is not None  # a single process is rank 0
+        return result
+    if cfg.optim.backend != "deepspeed":
+        raise ValueError(f"grpo.nproc={cfg.nproc} needs grpo.optim.backend=deepspeed")
+    config_file = work_dir / "grpo_config.json"
+    config_file.write_text(cfg.model_dump_json(indent=2))
+    run_torchrun(
+        "trainer.grpo",
+        [
+            "--config",
+            str(config_file),
+            "--sft-model",
+            str(sft_model),
+            "--train",
+            str(train_path),
+            "--eval",
+            str(eval_path),
+            "--model-output",
+            str(model_output),
+            "--work-dir",
+            str(work_dir),
+        ],
+        cfg.nproc,
+    )
+    return read_summary(work_dir)
+
+
+def grpo_metrics(result: GRPOResult) -> dict[str, float]:
+    """Scalars for KFP ``Metrics`` / MLflow: held-out metrics before and of the exported policy."""
+    out: dict[str, float] = {"steps": result.steps, "exported_step": result.exported_step}
+    for key, value in result.baseline.items():
+        out[f"sft_{key}"] = value
+    for key, value in result.exported.items():
+        if key != "step":
+            out[f"policy_{key}"] = value
+    out["mean_reward_gain"] = result.exported["mean_reward"] - result.baseline["mean_reward"]
+    return out
+
+
+def render_grpo_html(result: GRPOResult) -> str:
+    """A small HTML page for the KFP UI: the reward/loss plots and the held-out comparison."""
+    keys = sorted(set(result.baseline) | set(result.exported) - {"step"})
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{result.baseline.get(k, float('nan')):.3f}</td>"
+        f"<td>{result.exported.get(k, float('nan')):.3f}</td></tr>"
+        for k in keys
+        if k != "step"
+    )
+    image = ""
+    if result.plot and Path(result.plot).exists():
+        data = base64.b64encode(Path(result.plot).read_bytes()).decode()
+        image = f'<img alt="GRPO metrics" src="data:image/png;base64,{data}">'
+    return (
+        "<html><body><h2>GRPO</h2>"
+        f"<p>exported policy: step {result.exported_step} of {result.steps} "
+        "(best held-out reward whose real-word share stayed within the guard)</p>"
+        "<table border='1' cellpadding='4'><tr><th>held-out</th><th>SFT model</th>"
+        f"<th>GRPO policy</th></tr>{rows}</table>{image}</body></html>"
+    )

@@ -170,6 +170,10 @@ def run_grpo(
     scorer = ComplianceScorer(weights=RewardWeights(**cfg.reward_weights))
     reward_fn = LanguageComplianceReward(scorer)
 
+    # the rollout engine's own copy must be taken before ZeRO-3 partitions the policy in place
+    rollout_copy = None
+    if cfg.optim.backend != "torch" and cfg.rollout.engine == "hf":
+        rollout_copy = copy.deepcopy(policy).requires_grad_(False)
     backend = make_backend(
         policy,
         cfg.optim,
@@ -179,7 +183,9 @@ def run_grpo(
         _micro_per_mini(cfg, info),
         bf16=dtype == torch.bfloat16,
     )
-    engine = _rollout_engine(cfg, backend, policy, tokenizer, sft_model)
+    engine = _rollout_engine(
+        cfg, policy if rollout_copy is None else rollout_copy, tokenizer, sft_model
+    )
 
     checkpoints = work_dir / "checkpoints"
     resume = find_resume_point(checkpoints, info)
@@ -296,15 +302,13 @@ def run_grpo(
         return result
 
 
-def _rollout_engine(cfg: GRPOConfig, backend, policy, tokenizer, sft_model):
-    """HF generate (sharing the policy in a single process, else its own copy) or vLLM."""
+def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model):
+    """HF generate on ``model`` (the policy itself in one process: nothing to sync) or vLLM."""
     if cfg.rollout.engine == "vllm":
         from trainer.grpo.rollout import VLLMRolloutEngine
 
         return VLLMRolloutEngine(str(sft_model), tokenizer, cfg.rollout, seed=cfg.seed)
-    if isinstance(backend, TorchBackend):
-        return HFRolloutEngine(policy, tokenizer, cfg.rollout)  # the policy itself: no sync
-    return HFRolloutEngine(copy.deepcopy(policy).requires_grad_(False), tokenizer, cfg.rollout)
+    return HFRolloutEngine(model, tokenizer, cfg.rollout)
 
 
 def _sync(engine, backend) -> None:

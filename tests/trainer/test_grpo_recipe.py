@@ -1,0 +1,205 @@
+"""The GRPO loop on the tiny model: metrics, updates, config errors, resume, DeepSpeed."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer.grpo.config import GRPOConfig, RolloutConfig
+from trainer.grpo.prompts import load_prompts
+from trainer.grpo.recipe import run_grpo
+from trainer.grpo.rollout import HFRolloutEngine, cut_at_stop
+from trainer.launch import torchrun_command
+from trainer.metrics import read_metrics
+
+SMALL = {
+    "rollout": {"n_samples": 4, "max_new_tokens": 16},
+    "prompts_per_step": 4,
+    "mini_batch_size": 16,
+    "micro_batch_size": 8,
+    "max_steps": 3,
+    "eval_every": 3,
+    "eval_prompts": 4,
+    "eval_samples": 1,
+    "optim": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
+    "dtype": "float32",
+}
+REQUIRED = {
+    "step",
+    "max_steps",
+    "epoch",
+    "wall_time_s",
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "entropy",
+    "kl",
+    "mean_reward",
+    "answer_language_accuracy",
+    "reasoning_language_accuracy",
+    "response_length_mean",
+    "clip_fraction",
+    "rollout_time_s",
+    "train_time_s",
+    "tokens_per_s",
+}
+
+
+def _run(tmp_path, model, data, **overrides):
+    cfg = GRPOConfig.model_validate({**SMALL, **overrides})
+    return run_grpo(
+        cfg, model, data / "train.jsonl", data / "eval.jsonl", tmp_path / "model", tmp_path / "work"
+    )
+
+
+def test_grpo_steps_write_every_metric_and_export_a_loadable_policy(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    result = _run(tmp_path, tiny_model_dir, prepared_data)
+    lines = read_metrics(result.metrics_file)
+    steps = [m for m in lines if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert set(m) >= REQUIRED, REQUIRED - set(m)
+        assert -7.5 <= m["mean_reward"] <= 7.0 and m["max_steps"] == 3
+    evals = [m for m in lines if "eval_mean_reward" in m]
+    assert [m["step"] for m in evals] == [0, 3]  # the SFT baseline, then the end
+    assert {"eval_real_word_share", "eval_answer_language_accuracy"} <= set(evals[0])
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "work" / "final_policy").state_dict()
+    assert any(not torch.equal(before[k], final[k]) for k in before)  # it updated
+    AutoModelForCausalLM.from_pretrained(result.model_dir)
+    assert result.exported_step in (0, 3)
+
+
+def test_several_ppo_epochs_and_kl_to_the_reference(tmp_path, tiny_model_dir, prepared_data):
+    result = _run(
+        tmp_path,
+        tiny_model_dir,
+        prepared_data,
+        algorithm={"ppo_epochs": 2, "kl_loss_coef": 0.1, "filter_no_signal_groups": False},
+        mini_batch_size=8,
+        micro_batch_size=4,
+        max_steps=2,
+        eval_every=0,
+    )
+    steps = [m for m in read_metrics(result.metrics_file) if "loss" in m]
+    assert len(steps) == 2
+    # the second epoch and second mini-batch update a policy that moved: KL > 0
+    assert steps[-1]["kl"] > 0
+
+
+def test_config_errors_are_raised_at_start():
+    with pytest.raises(ValidationError, match="not a multiple of mini_batch_size"):
+        GRPOConfig.model_validate({**SMALL, "mini_batch_size": 5})
+    with pytest.raises(ValidationError, match="micro_batch_size"):
+        GRPOConfig.model_validate({**SMALL, "micro_batch_size": 3})
+    with pytest.raises(ValidationError, match="loss_agg_mode"):
+        GRPOConfig.model_validate({**SMALL, "algorithm": {"loss_agg_mode": "mean-of-everything"}})
+    with pytest.raises(ValidationError, match="nproc"):
+        GRPOConfig.model_validate(
+            {**SMALL, "prompts_per_step": 3, "rollout": {"n_samples": 16}, "nproc": 2}
+        )
+
+
+def test_prompts_longer_than_the_limit_are_dropped_or_fail(tiny_model_dir, prepared_data):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = load_prompts(prepared_data / "train.jsonl", tokenizer, 4096)
+    lengths = sorted(len(p.ids) for p in prompts)
+    fewer = load_prompts(prepared_data / "train.jsonl", tokenizer, lengths[len(lengths) // 2])
+    assert 0 < len(fewer) < len(prompts)
+    assert len({p.text for p in prompts}) == len(prompts)  # unique prompts
+    with pytest.raises(ValueError, match="raise rollout.max_prompt_tokens"):
+        load_prompts(prepared_data / "train.jsonl", tokenizer, 8)
+
+
+def test_hf_engine_groups_samples_and_stops_at_return(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFRolloutEngine(model, tokenizer, RolloutConfig(max_new_tokens=6))
+    prompts = [
+        tokenizer("<|start|>user<|message|>Hallo<|end|><|start|>assistant")["input_ids"],
+        [5, 6, 7],
+    ]
+    out = engine.generate(prompts, 3, seed=1)
+    assert [r.prompt_index for r in out] == [0, 0, 0, 1, 1, 1]
+    assert all(1 <= len(r.response_ids) <= 6 for r in out)
+    assert out == engine.generate(prompts, 3, seed=1)  # seeded
+    ret = tokenizer.convert_tokens_to_ids("<|return|>")
+    assert cut_at_stop([9, 9, ret, 9], {ret}, 0) == ([9, 9, ret], True)
+    assert cut_at_stop([9, 9, 0, 0], {ret}, 0) == ([9, 9], False)
+
+
+def _cli_args(tmp, name, cfg, model, data):
+    (tmp / f"{name}.json").write_text(json.dumps(cfg))
+    return [
+        "--config",
+        str(tmp / f"{name}.json"),
+        "--sft-model",
+        str(model),
+        "--train",
+        str(data / "train.jsonl"),
+        "--eval",
+        str(data / "eval.jsonl"),
+        "--model-output",
+        str(tmp / name / "model"),
+        "--work-dir",
+        str(tmp / name / "work"),
+    ]
+
+
+def _step_lines(tmp, name):
+    return [m for m in read_metrics(tmp / name / "work" / "training_metrics.jsonl") if "loss" in m]
+
+
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prepared_data):
+    cfg = {**SMALL, "max_steps": 8, "checkpoint_every": 2, "eval_every": 4, "max_ckpt_num": 2}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.grpo",
+            *_cli_args(tmp_path, "whole", cfg, tiny_model_dir, prepared_data),
+        ],
+        check=True,
+    )
+    args = _cli_args(tmp_path, "killed", cfg, tiny_model_dir, prepared_data)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.grpo", *args])
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if len(_step_lines(tmp_path, "killed")) >= 5:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    subprocess.run([sys.executable, "-m", "trainer.grpo", *args], check=True)
+    whole, resumed = _step_lines(tmp_path, "whole"), _step_lines(tmp_path, "killed")
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    for a, b in zip(whole, resumed, strict=True):
+        for key in ("loss", "mean_reward", "learning_rate", "response_length_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a["step"])
+
+
+def test_deepspeed_zero3_two_processes(tmp_path, tiny_model_dir, prepared_data):
+    pytest.importorskip("deepspeed")
+    cfg = {
+        **SMALL,
+        "nproc": 2,
+        "micro_batch_size": 4,
+        "max_steps": 2,
+        "eval_every": 2,
+        "optim": {**SMALL["optim"], "backend": "deepspeed", "zero_stage": 3},
+    }
+    args = _cli_args(tmp_path, "ds", cfg, tiny_model_dir, prepared_data)
+    subprocess.run(torchrun_command("trainer.grpo", args, 2), check=True)
+    lines = read_metrics(tmp_path / "ds" / "work" / "training_metrics.jsonl")
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2]  # rank 0 alone writes
+    assert all(set(m) >= REQUIRED for m in lines if "loss" in m)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "ds" / "model")

@@ -134,8 +134,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, for both")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

@@ -104,6 +104,36 @@ def run(
     typer.echo(f"all task outputs: {result.pipeline_root}")
     for name, path in result.outputs.items():
         typer.echo(f"  {name}: {path}")
+    if "eval_results" in result.outputs:
+        typer.echo(f"\neval report: {result.outputs['eval_report']}")
+        typer.echo(headline(result.outputs["eval_results"]))
+
+
+HEADLINE_METRICS = (
+    "mean_reward",
+    "reasoning_language_accuracy",
+    "answer_language_accuracy",
+    "both_language_accuracy",
+    "real_word_share",
+)
+
+
+def headline(results_json: Path) -> str:
+    """A small table of the eval's overall metrics, one row per model."""
+    import json
+
+    results = json.loads(Path(results_json).read_text())
+    rows = [f"{'model':<8}" + "".join(f"{m:>30}" for m in HEADLINE_METRICS)]
+    for model in results["models"]:
+        overall = model["summary"]["overall"]
+        cells = "".join(
+            f"{overall[m]['value']:>30.3f}"
+            if overall.get(m, {}).get("value") is not None
+            else f"{'-':>30}"
+            for m in HEADLINE_METRICS
+        )
+        rows.append(f"{model['label']:<8}{cells}")
+    return "\n".join(rows)
 
 
 @app.command("compile")
@@ -153,6 +183,42 @@ def data_prep_cmd(
         f"{report.rows_read} rows: {report.train_rows} train, {report.eval_rows} eval, "
         f"{report.rows_bad + report.rows_duplicate} quarantined → {output_dir}"
     )
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Annotated[
+        list[str],
+        typer.Option(
+            "--model",
+            "-m",
+            help="[label=]DIR (a HF model directory) or [label=]URL[#served-name] (an "
+            "OpenAI-compatible endpoint, API key from $OPENAI_API_KEY); repeat to compare "
+            "side by side, the first is the baseline.",
+        ),
+    ],
+    output_dir: Annotated[Path, typer.Option("--output-dir", "-o")] = Path("runs/eval"),
+    engine: Annotated[str, typer.Option(help="hf or vllm, for directories")] = "hf",
+    samples: Annotated[int, typer.Option(help="Samples per question")] = 1,
+    max_tokens: Annotated[int, typer.Option()] = 512,
+    temperature: Annotated[float, typer.Option()] = 0.7,
+    limit: Annotated[int | None, typer.Option(help="Only the first N questions")] = None,
+) -> None:
+    """Run the 50-question multilingual eval on one or more models; writes results.json and
+    the Markdown/HTML reports."""
+    from eval.runner import run_eval_cli
+
+    report = run_eval_cli(
+        model,
+        output_dir,
+        engine=engine,
+        samples=samples,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        limit=limit,
+    )
+    typer.echo(f"report: {report}")
+    typer.echo(headline(Path(report).parent / "results.json"))
 
 
 @app.command()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ def run_local(preset: Preset, output_dir: Path, enable_caching: bool = False) ->
         enable_caching=enable_caching,
     )
     start = time.monotonic()
-    task = lingo_pipeline(**pipeline_arguments(preset))
+    arguments = pipeline_arguments(preset)
+    arguments["mlflow_tracking_uri"] = os.environ.get("MLFLOW_TRACKING_URI", "")
+    task = lingo_pipeline(**arguments)
     seconds = time.monotonic() - start
     outputs = {name: Path(artifact.path) for name, artifact in task.outputs.items()}
     return LocalRunResult(pipeline_root=output_dir, outputs=outputs, seconds=seconds)

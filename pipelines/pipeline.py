@@ -7,22 +7,27 @@ passed as arguments by ``lingo run --local`` and ``lingo compile --preset``.
 from typing import NamedTuple
 
 from kfp import dsl
-from kfp.dsl import HTML, Dataset, Markdown, Model
+from kfp.dsl import HTML, Artifact, Dataset, Markdown, Model
 
 from components.data_prep import data_prep
+from components.evaluate import evaluate, gate, register
 from components.grpo import grpo
 from components.models import base_model, sft
 from data_prep.config import DataPrepConfig
-from pipelines.presets import ModelSource
+from eval.eval_config import EvalConfig
+from eval.gate import GateConfig
+from pipelines.presets import ModelSource, config_dict
 from trainer.grpo.config import GRPOConfig
 from trainer.sft.config import SFTConfig
 
 PIPELINE_NAME = "lingo-rl"
 _DATA = DataPrepConfig()
 _MODEL = ModelSource()
-_TINY_DEFAULT = _MODEL.tiny.model_dump(mode="json")
-_SFT_DEFAULT = SFTConfig().model_dump(mode="json")
-_GRPO_DEFAULT = GRPOConfig().model_dump(mode="json")
+_TINY_DEFAULT = config_dict(_MODEL.tiny)
+_SFT_DEFAULT = config_dict(SFTConfig())
+_GRPO_DEFAULT = config_dict(GRPOConfig())
+_EVAL_DEFAULT = config_dict(EvalConfig())
+_GATE_DEFAULT = config_dict(GateConfig())
 
 
 class PipelineOutputs(NamedTuple):
@@ -35,6 +40,8 @@ class PipelineOutputs(NamedTuple):
     sft_report: HTML
     grpo_model: Model
     grpo_report: HTML
+    eval_report: Markdown
+    eval_results: Artifact
 
 
 @dsl.pipeline(
@@ -59,6 +66,9 @@ def lingo_pipeline(
     model_tiny_config: dict = _TINY_DEFAULT,
     sft_config: dict = _SFT_DEFAULT,
     grpo_config: dict = _GRPO_DEFAULT,
+    eval_config: dict = _EVAL_DEFAULT,
+    gate_config: dict = _GATE_DEFAULT,
+    mlflow_tracking_uri: str = "",
 ) -> PipelineOutputs:
     prep = data_prep(
         source=data_source,
@@ -89,6 +99,28 @@ def lingo_pipeline(
         config=grpo_config,
     )
     policy.set_display_name("GRPO")
+    evaluation = evaluate(
+        base_model=base.outputs["model"],
+        sft_model=tuned.outputs["model"],
+        grpo_model=policy.outputs["model"],
+        config=eval_config,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+    )
+    evaluation.set_display_name("eval: base vs SFT vs GRPO")
+    decision = gate(
+        results=evaluation.outputs["results"],
+        grpo_model=policy.outputs["model"],
+        config=gate_config,
+        mlflow_tracking_uri=mlflow_tracking_uri,
+    )
+    decision.set_display_name("promotion gate")
+    with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
+        register(
+            results=evaluation.outputs["results"],
+            grpo_model=policy.outputs["model"],
+            config=gate_config,
+            mlflow_tracking_uri=mlflow_tracking_uri,
+        ).set_display_name("register champion")
     return PipelineOutputs(
         train_data=prep.outputs["train_data"],
         eval_data=prep.outputs["eval_data"],
@@ -97,4 +129,6 @@ def lingo_pipeline(
         sft_report=tuned.outputs["loss_plot"],
         grpo_model=policy.outputs["model"],
         grpo_report=policy.outputs["report"],
+        eval_report=evaluation.outputs["report"],
+        eval_results=evaluation.outputs["results"],
     )

@@ -13,6 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from data_prep.config import DataPrepConfig
+from eval.eval_config import EvalConfig, SamplingSettings
+from eval.gate import GateConfig
 from trainer.backends import OptimConfig
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
@@ -39,6 +41,8 @@ class Preset(BaseModel):
     model: ModelSource = ModelSource()
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
 
 
 TINY_CPU = Preset(
@@ -61,6 +65,7 @@ TINY_CPU = Preset(
         eval_every=50,
         checkpoint_every=100,
         dtype="float32",
+        cpu_threads=1,
     ),
     grpo=GRPOConfig(
         # measured on 2 CPU cores (DESIGN.md): lr 3e-4 learns in 60-90 steps, >= 1e-3 collapses
@@ -70,13 +75,16 @@ TINY_CPU = Preset(
         prompts_per_step=8,
         mini_batch_size=64,
         micro_batch_size=16,
-        max_steps=60,
+        max_steps=40,
         eval_every=10,
         eval_prompts=64,
         eval_samples=2,
         checkpoint_every=20,
         dtype="float32",
+        cpu_threads=1,
     ),
+    # the 50 questions for base, SFT and GRPO side by side; the tiny model's answers are short
+    eval=EvalConfig(sampling=SamplingSettings(max_tokens=160), batch_size=50, dtype="float32"),
 )
 
 GPT_OSS_20B = Preset(
@@ -142,7 +150,7 @@ GPT_OSS_20B = Preset(
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, GPT_OSS_20B)}
 DEFAULT_PRESET = "tiny-cpu"
-STEPS = ("data_prep", "model", "sft", "grpo")
+STEPS = ("data_prep", "model", "sft", "grpo", "eval", "gate")
 
 
 class UnknownPresetError(KeyError):
@@ -197,6 +205,11 @@ def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
     return Preset.model_validate(data)
 
 
+def config_dict(config: BaseModel) -> dict:
+    """A step config as a KFP dict parameter (JSON types; KFP structs cannot hold null)."""
+    return config.model_dump(mode="json", exclude_none=True)
+
+
 def pipeline_arguments(preset: Preset) -> dict[str, object]:
     """The pipeline's parameter values for ``preset``.
 
@@ -206,7 +219,10 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     data = preset.data_prep.model_dump(mode="json")
     args: dict[str, object] = {f"data_{k}": v for k, v in data.items()}
     args["model_source"] = preset.model.source
-    args["model_tiny_config"] = preset.model.tiny.model_dump(mode="json")
-    args["sft_config"] = preset.sft.model_dump(mode="json")
-    args["grpo_config"] = preset.grpo.model_dump(mode="json")
+    args["model_tiny_config"] = config_dict(preset.model.tiny)
+    args["sft_config"] = config_dict(preset.sft)
+    args["grpo_config"] = config_dict(preset.grpo)
+    args["eval_config"] = config_dict(preset.eval)
+    args["gate_config"] = config_dict(preset.gate)
+    args["mlflow_tracking_uri"] = ""  # per run, not per preset (lingo run --local reads the env)
     return args

@@ -28,12 +28,15 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_distributed(device: str = "auto") -> DistInfo:
+def init_distributed(device: str = "auto", cpu_threads: int = 0) -> DistInfo:
     """Join the process group set up by torchrun, or describe a single process.
 
-    ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+    ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``. ``cpu_threads`` > 0 sets
+    torch's intra-op threads (on CPU).
     """
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if cpu_threads and not use_cuda:
+        torch.set_num_threads(cpu_threads)
     if not launched_by_torchrun():
         return DistInfo(0, 1, 0, torch.device("cuda" if use_cuda else "cpu"))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -1,5 +1,7 @@
 """The whole pipeline under kfp.local, as `lingo run --local` runs it."""
 
+import json
+
 from conftest import read_jsonl, write_jsonl
 
 from pipelines.local_run import run_local
@@ -23,6 +25,8 @@ FAST = {
     "grpo.eval_prompts": "4",
     "grpo.eval_samples": "1",
     "grpo.checkpoint_every": "0",
+    "eval.limit": "5",
+    "eval.sampling.max_tokens": "16",
 }
 
 
@@ -46,6 +50,9 @@ def test_local_pipeline_run_writes_the_step_outputs(tmp_path):
     policy = AutoModelForCausalLM.from_pretrained(result.outputs["grpo_model"])
     assert policy.config.hidden_size == 64
     assert "held-out" in result.outputs["grpo_report"].read_text()
+    results = json.loads(result.outputs["eval_results"].read_text())
+    assert [m["label"] for m in results["models"]] == ["base", "sft", "grpo"]
+    assert result.outputs["eval_report"].read_text().strip()
 
 
 def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):

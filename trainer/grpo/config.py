@@ -98,6 +98,9 @@ class GRPOConfig(BaseModel):
     seed: int = 42
     nproc: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_threads: int = Field(0, ge=0)
+    """Torch threads per process on CPU; 0 keeps torch's default. Small models run fastest
+    on 1 thread, and a busy machine slows multi-threaded ops down badly."""
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> GRPOConfig:

@@ -146,7 +146,7 @@ def run_grpo(
     work_dir: str | Path,
 ) -> GRPOResult | None:
     """Train the policy from the SFT model; returns the result on rank 0 (None elsewhere)."""
-    info = init_distributed(cfg.device)
+    info = init_distributed(cfg.device, cfg.cpu_threads)
     work_dir, model_output = Path(work_dir), Path(model_output)
     _seed_everything(cfg.seed)
     tokenizer = load_tokenizer(sft_model)

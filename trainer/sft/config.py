@@ -59,4 +59,7 @@ class SFTConfig(BaseModel):
     nproc: int = Field(1, ge=1)
     """Processes on this node (``torchrun --nproc_per_node``); >1 needs optim.backend=deepspeed."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_threads: int = Field(0, ge=0)
+    """Torch threads per process on CPU; 0 keeps torch's default. Small models run fastest
+    on 1 thread, and a busy machine slows multi-threaded ops down badly."""
     merge_check_prompts: int = Field(4, ge=1)

@@ -101,7 +101,7 @@ def run_sft(
     ``work_dir`` holds ``training_metrics.jsonl``, ``loss.png``, checkpoints and the adapter;
     a run finding checkpoints there resumes from the newest one.
     """
-    info = init_distributed(cfg.device)
+    info = init_distributed(cfg.device, cfg.cpu_threads)
     work_dir, model_output = Path(work_dir), Path(model_output)
     _seed_everything(cfg.seed)
 

@@ -1,0 +1,86 @@
+"""KFP components: the 50-question eval, the promotion gate and the registration.
+
+``gate`` only reads the registry and returns the decision as a plain ``str`` for
+``dsl.If(gate_task.output == "promote")`` (a single output: kfp.local 2.17 cannot resolve a
+condition on a named output of a multi-output task); ``register`` does
+the registry writes and decides again first, so it never promotes a model that stopped
+beating the champion between the two steps. MLflow is reached through
+``MLFLOW_TRACKING_URI`` (set on the task, or passed as ``mlflow_tracking_uri``).
+"""
+
+from kfp import dsl
+from kfp.dsl import HTML, Artifact, Input, Markdown, Metrics, Model, Output
+
+from components.images import CPU_IMAGE, GPU_IMAGE
+
+
+@dsl.component(base_image=GPU_IMAGE, install_kfp_package=False)
+def evaluate(
+    base_model: Input[Model],
+    sft_model: Input[Model],
+    config: dict,
+    results: Output[Artifact],
+    report: Output[Markdown],
+    report_html: Output[HTML],
+    metrics: Output[Metrics],
+    grpo_model: Input[Model] = None,
+    mlflow_tracking_uri: str = "",
+):
+    """Run base, SFT (and GRPO) side by side over the eval set; publish results and reports."""
+    import logging
+
+    from eval.eval_step import run_eval_step, use_tracking_uri
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    use_tracking_uri(mlflow_tracking_uri)
+    models = {
+        "base": base_model.path,
+        "sft": sft_model.path,
+        "grpo": grpo_model.path if grpo_model is not None else None,
+    }
+    scalars = run_eval_step(models, config, results.path, report.path, report_html.path)
+    for name, value in scalars.items():
+        metrics.log_metric(name, value)
+    results.metadata.update(format="json", models=[k for k, v in models.items() if v])
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def gate(
+    results: Input[Artifact],
+    grpo_model: Input[Model],
+    config: dict,
+    report: Output[Markdown],
+    mlflow_tracking_uri: str = "",
+) -> str:
+    """Decide whether the GRPO model beats the champion: returns ``promote``, ``keep``,
+    ``unchanged`` or ``skipped`` (the reason is in ``report``)."""
+    import logging
+
+    from eval.eval_step import run_gate_step, use_tracking_uri
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    use_tracking_uri(mlflow_tracking_uri)
+    decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=False)
+    return decision.decision.value
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def register(
+    results: Input[Artifact],
+    grpo_model: Input[Model],
+    config: dict,
+    report: Output[Markdown],
+    mlflow_tracking_uri: str = "",
+) -> str:
+    """Register the GRPO model and move the champion alias to it when it (still) wins.
+
+    Returns the version the alias points to afterwards ("" when nothing changed).
+    """
+    import logging
+
+    from eval.eval_step import run_gate_step, use_tracking_uri
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    use_tracking_uri(mlflow_tracking_uri)
+    decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=True)
+    return decision.registered_version or ""

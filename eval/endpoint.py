@@ -1,0 +1,206 @@
+"""Eval engine for any OpenAI-compatible chat endpoint (a vLLM or KServe server).
+
+``POST {base}/v1/chat/completions`` with ``messages = [system(instructions), user(question)]``;
+gpt-oss servers give the reasoning back as ``reasoning_content`` (older vLLM) or
+``reasoning`` (newer vLLM) beside ``content``, or leave it inside ``content`` in harmony form;
+all are handled (see ``Generation.parsed``).
+
+Each request is retried on timeouts, connection errors, HTTP 429 and 5xx, with exponential
+backoff (``backoff_s · 2^k``, capped, honouring a numeric ``Retry-After``); other HTTP errors
+and malformed bodies are not retried. A request that still fails comes back as a
+``Generation`` with ``error`` set. At most ``concurrency`` requests are in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from eval.engines import Generation, GenerationRequest
+from eval.eval_config import EndpointSettings, SamplingSettings
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot be used at all (e.g. its model list cannot be read)."""
+
+
+class _Retryable(Exception):
+    """A failure worth retrying: ``args = (message, retry_after_seconds | None)``."""
+
+
+class _Fatal(Exception):
+    """A failure that a retry would repeat (4xx, malformed body)."""
+
+
+def api_base(url: str) -> str:
+    """``http://host:8000``, ``…/v1`` or ``…/v1/`` → ``http://host:8000/v1``."""
+    url = url.rstrip("/")
+    if url.endswith("/chat/completions"):
+        url = url[: -len("/chat/completions")]
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+class ChatEndpointEngine:
+    """Client of an OpenAI-compatible ``/v1/chat/completions`` endpoint.
+
+    Args:
+        url: Base URL of the server (with or without ``/v1``).
+        model: Served model name; ``None``: the only model listed by ``GET /v1/models``.
+        settings: Timeouts, retries, concurrency, API key variable.
+
+    Raises:
+        EndpointError: ``model`` is ``None`` and the model list is unreadable or ambiguous.
+    """
+
+    def __init__(
+        self, url: str, model: str | None = None, settings: EndpointSettings | None = None
+    ) -> None:
+        self.settings = settings or EndpointSettings()
+        self.base = api_base(url)
+        key = os.environ.get(self.settings.api_key_env, "")
+        self.headers = {"Content-Type": "application/json"}
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
+        self._local = threading.local()
+        self.model = model or self._only_model()
+        self.description = f"endpoint:{self.base} (model {self.model})"
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
+
+    def _only_model(self) -> str:
+        try:
+            response = self._session().get(
+                f"{self.base}/models",
+                headers=self.headers,
+                timeout=(self.settings.connect_timeout_s, self.settings.timeout_s),
+            )
+            response.raise_for_status()
+            names = [m["id"] for m in response.json()["data"]]
+        except (requests.RequestException, ValueError, KeyError, TypeError) as err:
+            raise EndpointError(
+                f"{self.base}/models: cannot list the served models ({err}); "
+                "pass the model name explicitly"
+            ) from err
+        if len(names) != 1:
+            raise EndpointError(
+                f"{self.base} serves {len(names)} models {names}; pass the model name explicitly"
+            )
+        return names[0]
+
+    def generate(
+        self, requests_: Sequence[GenerationRequest], sampling: SamplingSettings
+    ) -> list[Generation]:
+        """Send every request (``concurrency`` at a time); results come back in order."""
+        with ThreadPoolExecutor(
+            max_workers=self.settings.concurrency, thread_name_prefix="eval-endpoint"
+        ) as pool:
+            return list(pool.map(lambda r: self._complete(r, sampling), requests_))
+
+    def _body(self, request: GenerationRequest, sampling: SamplingSettings) -> dict:
+        body: dict[str, object] = {
+            "model": self.model,
+            "messages": list(request.messages),
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+            "seed": request.seed,
+            "n": 1,
+        }
+        if self.settings.reasoning_effort is not None:
+            body["reasoning_effort"] = self.settings.reasoning_effort
+        return body
+
+    def _complete(self, request: GenerationRequest, sampling: SamplingSettings) -> Generation:
+        body = self._body(request, sampling)
+        began = time.perf_counter()
+        attempts = 0
+        last_error = ""
+        while True:
+            attempts += 1
+            retry_after: float | None = None
+            try:
+                return self._post(body, began, attempts)
+            except _Retryable as err:
+                last_error, retry_after = err.args[0], err.args[1]
+            except _Fatal as err:
+                last_error = err.args[0]
+                break
+            except requests.RequestException as err:  # timeouts, connection resets, …
+                last_error = f"{type(err).__name__}: {err}"
+            if attempts > self.settings.max_retries:
+                break
+            delay = min(self.settings.backoff_s * 2 ** (attempts - 1), self.settings.max_backoff_s)
+            if retry_after is not None:
+                delay = min(max(delay, retry_after), self.settings.max_backoff_s)
+            log.warning(
+                "%s: attempt %d failed (%s); retrying in %.2f s",
+                request.key,
+                attempts,
+                last_error,
+                delay,
+            )
+            time.sleep(delay)
+        log.error("%s: giving up after %d attempt(s): %s", request.key, attempts, last_error)
+        return Generation(
+            text=None,
+            latency_s=time.perf_counter() - began,
+            attempts=attempts,
+            error=last_error,
+        )
+
+    def _post(self, body: dict, began: float, attempts: int) -> Generation:
+        response = self._session().post(
+            f"{self.base}/chat/completions",
+            json=body,
+            headers=self.headers,
+            timeout=(self.settings.connect_timeout_s, self.settings.timeout_s),
+        )
+        if response.status_code in RETRY_STATUS:
+            raise _Retryable(
+                f"HTTP {response.status_code}: {response.text[:200]}",
+                _retry_after(response.headers.get("Retry-After")),
+            )
+        if response.status_code >= 400:
+            raise _Fatal(f"HTTP {response.status_code}: {response.text[:200]}")
+        try:
+            data = response.json()
+            choice = data["choices"][0]
+            message = choice["message"]
+        except (ValueError, KeyError, IndexError, TypeError) as err:
+            raise _Fatal(
+                f"malformed response ({type(err).__name__}): {response.text[:200]}"
+            ) from err
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        usage = data.get("usage") or {}
+        return Generation(
+            text=message.get("content") or "",
+            reasoning=reasoning if isinstance(reasoning, str) else None,
+            finish_reason=choice.get("finish_reason"),
+            completion_tokens=usage.get("completion_tokens"),
+            latency_s=time.perf_counter() - began,
+            attempts=attempts,
+        )
+
+    def close(self) -> None:
+        """Nothing to free (sessions close with their threads)."""
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

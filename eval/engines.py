@@ -1,0 +1,326 @@
+"""Generation engines of the eval: Hugging Face ``generate``, vLLM, and (in ``eval.endpoint``)
+any OpenAI-compatible chat endpoint.
+
+An engine takes ``GenerationRequest`` s (the harmony prompt text for local models, the chat
+messages for endpoints) and returns one ``Generation`` per request, in order. A request that
+fails comes back as a ``Generation`` with ``error`` set: nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from eval.eval_config import EvalConfig, SamplingSettings
+from eval.parsing import ParsedResponse, ResponseFormat, parse_response
+
+log = logging.getLogger(__name__)
+
+STOP_TOKENS: tuple[str, ...] = ("<|return|>", "<|call|>")
+"""Tokens that end an assistant turn (besides the tokenizer's eos)."""
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model directory that does not exist or is not a Hugging Face model directory."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One response to generate.
+
+    Attributes:
+        key: Identifies the response in logs and errors (``<question id>#<sample>``).
+        prompt: The harmony prompt text, ending with ``<|start|>assistant``.
+        messages: The same prompt as chat messages ``[system, user]``.
+        seed: Seed for this request, where the engine takes one per request.
+    """
+
+    key: str
+    prompt: str
+    messages: tuple[dict[str, str], ...]
+    seed: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What an engine returned for one request.
+
+    Attributes:
+        text: The response text: decoded with special tokens (HF, vLLM), or the message
+            ``content`` (endpoints). ``None`` when the request failed.
+        reasoning: Reasoning an endpoint returned separately (``reasoning_content`` or
+            ``reasoning``), else ``None``.
+        finish_reason: ``stop``, ``length``, or the server's value.
+        completion_tokens: New tokens, when known.
+        latency_s: Seconds spent on the request (for batched engines: the batch's time
+            divided evenly).
+        attempts: Requests sent (1 + retries).
+        error: Why no response came back, else ``None``.
+    """
+
+    text: str | None
+    reasoning: str | None = None
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    latency_s: float = 0.0
+    attempts: int = 1
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """The engine gave no response."""
+        return self.error is not None
+
+    def parsed(self) -> ParsedResponse:
+        """The response split into reasoning and final answer.
+
+        A separately returned reasoning is the analysis channel and ``text`` the answer
+        (unless ``text`` itself carries channels); a ``length`` finish with a final answer
+        marks it truncated.
+        """
+        if self.error is not None:
+            return ParsedResponse(ResponseFormat.EMPTY, None, None)
+        cut = self.finish_reason == "length"
+        if self.reasoning is not None and self.reasoning.strip():
+            inner = parse_response(self.text)
+            if inner.reasoning is not None:  # content also carries channels: trust them
+                return inner
+            final = inner.final if inner.format is not ResponseFormat.EMPTY else None
+            return ParsedResponse(
+                ResponseFormat.HARMONY,
+                reasoning=self.reasoning.strip(),
+                final=final,
+                analysis_blocks=1,
+                truncated=cut or final is None,
+            )
+        parsed = parse_response(self.text)
+        if cut and parsed.final is not None and not parsed.truncated:
+            parsed = ParsedResponse(
+                parsed.format, parsed.reasoning, parsed.final, parsed.analysis_blocks, True
+            )
+        return parsed
+
+
+class Engine(Protocol):
+    """Generates responses for requests; ``close`` frees the model."""
+
+    description: str
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingSettings
+    ) -> list[Generation]: ...
+
+    def close(self) -> None: ...
+
+
+def _require_model_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"model directory {path} does not exist; pass a Hugging Face model directory or an "
+            "http(s):// URL of an OpenAI-compatible endpoint"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+    return path
+
+
+class HFEngine:
+    """Batched ``transformers`` generation (CPU or GPU), left padding, harmony stop tokens.
+
+    Args:
+        model_dir: A Hugging Face model directory with a harmony tokenizer.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:1`` …
+        dtype: ``auto``, ``float32`` or ``bfloat16``.
+        batch_size: Prompts per ``generate`` call.
+
+    Raises:
+        ModelNotFoundError: ``model_dir`` is missing or not a model directory.
+    """
+
+    def __init__(
+        self, model_dir: str | Path, device: str = "auto", dtype: str = "auto", batch_size: int = 8
+    ) -> None:
+        import torch
+
+        from trainer.modeling import load_causal_lm, load_tokenizer, resolve_dtype
+
+        path = _require_model_dir(model_dir)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.tokenizer = load_tokenizer(path)
+        self.tokenizer.padding_side = "left"
+        self.model = load_causal_lm(path, resolve_dtype(dtype, self.device), self.device)
+        self.model.eval()
+        self.batch_size = batch_size
+        vocab = self.tokenizer.get_vocab()
+        stops = {vocab[t] for t in STOP_TOKENS if t in vocab}
+        if self.tokenizer.eos_token_id is not None:
+            stops.add(self.tokenizer.eos_token_id)
+        self.stop_ids = sorted(stops)
+        self.description = f"hf:{path} ({self.device}, {self.model.dtype})"
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingSettings
+    ) -> list[Generation]:
+        """Generate in batches of ``batch_size``; each batch is seeded with ``seed + index``."""
+        import torch
+
+        out: list[Generation] = []
+        for index, start in enumerate(range(0, len(requests), self.batch_size)):
+            batch = requests[start : start + self.batch_size]
+            torch.manual_seed(sampling.seed + index)
+            began = time.perf_counter()
+            out.extend(self._generate_batch([r.prompt for r in batch], sampling, began))
+        return out
+
+    def _generate_batch(
+        self, prompts: list[str], sampling: SamplingSettings, began: float
+    ) -> list[Generation]:
+        import torch
+
+        encoded = self.tokenizer(
+            prompts, return_tensors="pt", padding=True, add_special_tokens=False
+        ).to(self.device)
+        kwargs: dict[str, object] = {
+            "max_new_tokens": sampling.max_tokens,
+            "eos_token_id": self.stop_ids,
+            "pad_token_id": self.tokenizer.pad_token_id,
+        }
+        if sampling.temperature > 0:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None)
+        with torch.inference_mode():
+            output = self.model.generate(**encoded, **kwargs)
+        new_tokens = output[:, encoded["input_ids"].shape[1] :].tolist()
+        latency = (time.perf_counter() - began) / len(prompts)
+        results = []
+        stops = set(self.stop_ids)
+        for ids in new_tokens:
+            end = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
+            kept = ids if end is None else ids[:end]
+            results.append(
+                Generation(
+                    text=self.tokenizer.decode(kept, skip_special_tokens=False),
+                    finish_reason="length" if end is None else "stop",
+                    completion_tokens=len(kept),
+                    latency_s=latency,
+                )
+            )
+        return results
+
+    def close(self) -> None:
+        """Drop the model (and free GPU memory)."""
+        import torch
+
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class VLLMEngine:
+    """vLLM offline generation (GPU; the ``gpu`` extra). One request seed per response.
+
+    Args:
+        model_dir: A Hugging Face model directory.
+        dtype: ``auto``, ``float32`` or ``bfloat16``.
+        gpu_memory_utilization: vLLM's share of GPU memory.
+
+    Raises:
+        ModelNotFoundError: ``model_dir`` is missing or not a model directory.
+        ImportError: vLLM is not installed.
+    """
+
+    def __init__(
+        self, model_dir: str | Path, dtype: str = "auto", gpu_memory_utilization: float = 0.85
+    ) -> None:
+        path = _require_model_dir(model_dir)
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise ImportError(
+                "the vllm eval engine needs vLLM: pip install 'lingo-rl[gpu]' (or use engine=hf)"
+            ) from err
+        self.llm = LLM(model=str(path), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization)
+        tokenizer = self.llm.get_tokenizer()
+        vocab = tokenizer.get_vocab()
+        stops = {vocab[t] for t in STOP_TOKENS if t in vocab}
+        if tokenizer.eos_token_id is not None:
+            stops.add(tokenizer.eos_token_id)
+        self.stop_ids = sorted(stops)
+        self.description = f"vllm:{path}"
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingSettings
+    ) -> list[Generation]:
+        """Generate all requests in one call; special tokens are kept in the text."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tokenizer = self.llm.get_tokenizer()
+        prompts = [
+            TokensPrompt(prompt_token_ids=tokenizer.encode(r.prompt, add_special_tokens=False))
+            for r in requests
+        ]
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                seed=r.seed,
+                stop_token_ids=self.stop_ids,
+                skip_special_tokens=False,
+                include_stop_str_in_output=True,
+            )
+            for r in requests
+        ]
+        began = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        latency = (time.perf_counter() - began) / max(len(requests), 1)
+        results = []
+        for output in outputs:
+            completion = output.outputs[0]
+            text = completion.text
+            if completion.finish_reason == "stop" and completion.token_ids:
+                last = completion.token_ids[-1]
+                if last in self.stop_ids and not text.endswith(tokenizer.decode([last])):
+                    text += tokenizer.decode([last])
+            results.append(
+                Generation(
+                    text=text,
+                    finish_reason=completion.finish_reason,
+                    completion_tokens=len(completion.token_ids),
+                    latency_s=latency,
+                )
+            )
+        return results
+
+    def close(self) -> None:
+        """Drop the engine."""
+        del self.llm
+
+
+def is_endpoint(location: str) -> bool:
+    """True for an ``http(s)://`` URL (an OpenAI-compatible endpoint)."""
+    return location.startswith(("http://", "https://"))
+
+
+def make_engine(location: str, config: EvalConfig, served_model: str | None = None) -> Engine:
+    """The engine for a model location: an endpoint URL, or a directory with ``config.engine``.
+
+    Raises:
+        ModelNotFoundError: A directory that does not exist.
+    """
+    if is_endpoint(location):
+        from eval.endpoint import ChatEndpointEngine
+
+        return ChatEndpointEngine(location, served_model, config.endpoint)
+    if config.engine == "vllm":
+        return VLLMEngine(location, config.dtype, config.vllm_gpu_memory_utilization)
+    return HFEngine(location, config.device, config.dtype, config.batch_size)

@@ -1,0 +1,77 @@
+"""The eval, gate and register steps as the pipeline's components call them.
+
+Each takes plain paths and dicts (what a KFP component has) and returns what the component
+publishes, so the components stay a few lines and everything here is tested without KFP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from eval.eval_config import EvalConfig
+from eval.gate import GateConfig, GateDecision, apply_gate, evaluate_gate
+from eval.report import kfp_metrics, load_results
+from eval.runner import ModelSpec, run_eval
+
+log = logging.getLogger(__name__)
+
+
+def use_tracking_uri(uri: str) -> None:
+    """Set ``MLFLOW_TRACKING_URI`` for this process when ``uri`` is non-empty."""
+    if uri:
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+
+
+def run_eval_step(
+    models: Mapping[str, str | None],
+    config: Mapping,
+    results_path: str | Path,
+    markdown_path: str | Path,
+    html_path: str | Path,
+) -> dict[str, float]:
+    """Evaluate the models (label → directory or URL; ``None`` entries are skipped) and put
+    ``results.json``, the Markdown and the HTML report at the given paths.
+
+    Returns:
+        The scalars for ``Output[Metrics]``.
+
+    Raises:
+        TooManyFailuresError: Too many responses failed (after the reports are written to the
+            MLflow run, if tracking is on).
+    """
+    specs = [ModelSpec(label, location) for label, location in models.items() if location]
+    with tempfile.TemporaryDirectory(prefix="lingo-eval-") as work:
+        results = run_eval(specs, EvalConfig.model_validate(dict(config)), work)
+        for name, target in (
+            ("results.json", results_path),
+            ("report.md", markdown_path),
+            ("report.html", html_path),
+        ):
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(work) / name, target)
+    return kfp_metrics(results.to_dict())
+
+
+def run_gate_step(
+    results_path: str | Path,
+    candidate_dir: str | Path,
+    config: Mapping,
+    report_path: str | Path | None = None,
+    apply: bool = False,
+) -> GateDecision:
+    """Decide (``apply=False``) or decide and register (``apply=True``); write the gate
+    report to ``report_path`` when given."""
+    gate_config = GateConfig.model_validate(dict(config))
+    results = load_results(results_path)
+    gate = apply_gate if apply else evaluate_gate
+    decision = gate(results, candidate_dir, gate_config)
+    if report_path is not None:
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(report_path).write_text(decision.to_markdown(), encoding="utf-8")
+    log.info("gate: %s: %s", decision.decision.value, decision.reason)
+    return decision

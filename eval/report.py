@@ -1,0 +1,381 @@
+"""Eval reports: ``results.json``, a Markdown and an HTML report, KFP metric scalars.
+
+Everything renders from the ``results.json`` content (``EvalResults.to_dict()``), so a report
+can be rebuilt from a stored results file. The HTML report embeds a PNG bar chart (matplotlib,
+Agg backend) of the language accuracies per language, one bar per model, with 95% intervals.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data_prep.atomic import atomic_write_text
+from eval.eval_metrics import DETECTED_COLUMNS, METRICS
+from eval.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
+
+METRIC_TITLES: dict[str, str] = {
+    "reasoning_language_accuracy": "reasoning in the requested language",
+    "answer_language_accuracy": "answer in the requested language",
+    "both_language_accuracy": "reasoning and answer in the requested language",
+    "brevity": "brief answer (at most 2 sentences)",
+    "answer_correct": "numeric answer correct",
+    "mean_reward": "mean reward",
+    "real_word_share": "real-word share (low = degenerate text)",
+    "repeated_ngram_rate": "repeated 3-gram rate (high = degenerate text)",
+}
+CHART_METRICS = (
+    "reasoning_language_accuracy",
+    "answer_language_accuracy",
+    "answer_correct",
+    "real_word_share",
+)
+MAX_FAILURES_LISTED = 10
+EXAMPLE_CHARS = 160
+
+
+def json_safe(value: object) -> object:
+    """``value`` with NaN and infinities replaced by ``None`` (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+@dataclass
+class Table:
+    """A table of already formatted cells."""
+
+    headers: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+
+
+@dataclass
+class Section:
+    """A titled part of the report: paragraphs, then tables."""
+
+    title: str
+    paragraphs: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+
+
+def _number(value: float | None, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def _estimate(estimate: dict) -> str:
+    if estimate.get("value") is None:
+        return "–"
+    text = _number(estimate["value"])
+    if estimate.get("low") is not None and estimate.get("high") is not None:
+        text += f" [{_number(estimate['low'])}, {_number(estimate['high'])}]"
+    return text
+
+
+def _signed(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:+.3f}"
+
+
+def _clip(text: str | None, limit: int = EXAMPLE_CHARS) -> str:
+    if text is None:
+        return "(none)"
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _sections(results: dict) -> list[Section]:
+    models = results["models"]
+    labels = [m["label"] for m in models]
+    baseline = results["baseline"]
+    others = [label for label in labels if label != baseline]
+    sampling = results["sampling"]
+    sections = []
+
+    setup = Section("Setup")
+    setup.paragraphs.append(
+        f"{results['questions']} questions from `{Path(results['questions_file']).name}` "
+        f"(sha256 `{results['questions_sha256'][:12]}`), {sampling['n']} sample(s) each; "
+        f"sampling: temperature {sampling['temperature']}, top_p {sampling['top_p']}, "
+        f"max_tokens {sampling['max_tokens']}, seed {sampling['seed']}. "
+        f"Run at {results['created_at']}. Deltas are against `{baseline}`."
+    )
+    setup.paragraphs.append(
+        "95% intervals: Wilson score interval for rates, Student t interval for means. "
+        "Failed generations are left out of the metrics and listed under Failures."
+    )
+    setup.tables.append(
+        Table(
+            ["model", "engine", "responses", "failed", "wall time (s)"],
+            [
+                [
+                    m["label"],
+                    m["engine"],
+                    str(m["summary"]["responses"]),
+                    str(m["summary"]["failed"]),
+                    _number(m["wall_time_s"], 1),
+                ]
+                for m in models
+            ],
+        )
+    )
+    sections.append(setup)
+
+    headline = Section("Overall")
+    rows = []
+    for metric in METRICS:
+        row = [METRIC_TITLES[metric]]
+        row += [_estimate(m["summary"]["overall"][metric]) for m in models]
+        row += [_signed(results["deltas"][label]["overall"][metric]) for label in others]
+        rows.append(row)
+    headline.tables.append(
+        Table(["metric", *labels, *[f"Δ {label} − {baseline}" for label in others]], rows)
+    )
+    sections.append(headline)
+
+    per_language = Section("Per language")
+    for metric in METRICS:
+        rows = []
+        for code in SUPPORTED_LANGUAGES:
+            row = [f"{code} ({LANGUAGE_NAMES[code]})"]
+            row += [_estimate(m["summary"]["per_language"][code][metric]) for m in models]
+            row += [
+                _signed(results["deltas"][label]["per_language"][code][metric]) for label in others
+            ]
+            rows.append(row)
+        per_language.tables.append(
+            Table(
+                ["language", *labels, *[f"Δ {label}" for label in others]],
+                rows,
+                caption=METRIC_TITLES[metric],
+            )
+        )
+    sections.append(per_language)
+
+    confusion = Section(
+        "Confusion matrices",
+        [
+            "Rows: requested language; columns: detected language (`und`: too little text to "
+            "judge, `missing`: no such channel)."
+        ],
+    )
+    for m in models:
+        for part in ("reasoning", "answer"):
+            matrix = m["summary"]["confusion"][part]
+            confusion.tables.append(
+                Table(
+                    ["requested", *DETECTED_COLUMNS],
+                    [
+                        [code, *(str(matrix[code][col]) for col in DETECTED_COLUMNS)]
+                        for code in SUPPORTED_LANGUAGES
+                    ],
+                    caption=f"{m['label']}: {part}",
+                )
+            )
+    sections.append(confusion)
+
+    failures = Section("Failures")
+    failed = [r for r in results["responses"] if r.get("error")]
+    if not failed:
+        failures.paragraphs.append("No generation failed.")
+    for label in labels:
+        listed = [r for r in failed if r["model"] == label][:MAX_FAILURES_LISTED]
+        if listed:
+            failures.tables.append(
+                Table(
+                    ["question", "sample", "attempts", "error"],
+                    [
+                        [r["id"], str(r["sample"]), str(r["attempts"]), _clip(r["error"])]
+                        for r in listed
+                    ],
+                    caption=f"{label} (first {MAX_FAILURES_LISTED})",
+                )
+            )
+    sections.append(failures)
+
+    examples = Section("Examples", ["The first response in each language, per model."])
+    for label in labels:
+        rows = []
+        for code in SUPPORTED_LANGUAGES:
+            response = next(
+                (
+                    r
+                    for r in results["responses"]
+                    if r["model"] == label and r["language"] == code and not r.get("error")
+                ),
+                None,
+            )
+            if response is None:
+                continue
+            score = response["score"]
+            rows.append(
+                [
+                    response["id"],
+                    f"{score['reasoning_language'] or 'missing'} / "
+                    f"{score['answer_language'] or 'missing'}",
+                    _number(score["reward"], 2),
+                    _clip(response["reasoning"]),
+                    _clip(response["final"]),
+                ]
+            )
+        examples.tables.append(
+            Table(
+                ["question", "detected (reasoning / answer)", "reward", "reasoning", "answer"],
+                rows,
+                caption=label,
+            )
+        )
+    sections.append(examples)
+    return sections
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+
+def render_markdown(results: dict) -> str:
+    """The report as Markdown (for ``Output[Markdown]`` and MLflow)."""
+    results = json_safe(results)
+    out = ["# lingo-rl eval", ""]
+    for section in _sections(results):
+        out += [f"## {section.title}", ""]
+        for paragraph in section.paragraphs:
+            out += [paragraph, ""]
+        for table in section.tables:
+            if table.caption:
+                out += [f"**{_md_cell(table.caption)}**", ""]
+            out.append("| " + " | ".join(_md_cell(h) for h in table.headers) + " |")
+            out.append("|" + "---|" * len(table.headers))
+            out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table.rows]
+            out.append("")
+    return "\n".join(out)
+
+
+def language_chart_png(results: dict) -> bytes:
+    """Bar charts (one panel per metric): per language, one bar per model, 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = json_safe(results)
+    models = results["models"]
+    fig, axes = plt.subplots(1, len(CHART_METRICS), figsize=(4.2 * len(CHART_METRICS), 3.6))
+    width = 0.8 / max(len(models), 1)
+    for ax, metric in zip(axes, CHART_METRICS, strict=True):
+        for i, m in enumerate(models):
+            values, low_err, high_err = [], [], []
+            for code in SUPPORTED_LANGUAGES:
+                est = m["summary"]["per_language"][code][metric]
+                value = est["value"] if est["value"] is not None else 0.0
+                values.append(value)
+                low_err.append(value - est["low"] if est["low"] is not None else 0.0)
+                high_err.append(est["high"] - value if est["high"] is not None else 0.0)
+            positions = [x + (i - (len(models) - 1) / 2) * width for x in range(5)]
+            ax.bar(positions, values, width, yerr=[low_err, high_err], capsize=2, label=m["label"])
+        ax.set_xticks(range(len(SUPPORTED_LANGUAGES)), SUPPORTED_LANGUAGES)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(METRIC_TITLES[metric], fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+_STYLE = (
+    "body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
+    "table{border-collapse:collapse;margin:0.4em 0 1.2em}"
+    "td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px;text-align:left}"
+    "th{background:#f2f2f2}caption{font-weight:bold;text-align:left;padding:4px 0}"
+)
+
+
+def render_html(results: dict, chart_png: bytes | None = None) -> str:
+    """The report as a self-contained HTML page (for ``Output[HTML]`` in the KFP UI)."""
+    results = json_safe(results)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>lingo-rl eval</title>",
+        f"<style>{_STYLE}</style></head><body><h1>lingo-rl eval</h1>",
+    ]
+    for index, section in enumerate(_sections(results)):
+        parts.append(f"<h2>{html.escape(section.title)}</h2>")
+        parts += [f"<p>{html.escape(p)}</p>" for p in section.paragraphs]
+        if index == 1 and chart_png:
+            data = base64.b64encode(chart_png).decode("ascii")
+            parts.append(f"<img alt='accuracy per language' src='data:image/png;base64,{data}'>")
+        for table in section.tables:
+            parts.append("<table>")
+            if table.caption:
+                parts.append(f"<caption>{html.escape(table.caption)}</caption>")
+            parts.append(
+                "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in table.headers) + "</tr>"
+            )
+            parts += [
+                "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                for row in table.rows
+            ]
+            parts.append("</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def kfp_metrics(results: dict) -> dict[str, float]:
+    """Scalars for ``Output[Metrics]`` / MLflow: ``<model>/<metric>`` and
+    ``<model>-vs-<baseline>/<metric>`` (finite values only)."""
+    results = json_safe(results)
+    out: dict[str, float] = {}
+    for m in results["models"]:
+        for metric, estimate in m["summary"]["overall"].items():
+            if estimate["value"] is not None:
+                out[f"{m['label']}/{metric}"] = float(estimate["value"])
+        out[f"{m['label']}/failure_rate"] = float(m["summary"]["failure_rate"])
+    for label, delta in results["deltas"].items():
+        for metric, value in delta["overall"].items():
+            if value is not None:
+                out[f"{label}-vs-{results['baseline']}/{metric}"] = float(value)
+    return out
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """Files written by ``write_reports``."""
+
+    results: Path
+    markdown: Path
+    html: Path
+
+
+def write_reports(results: dict, output_dir: str | Path) -> ReportPaths:
+    """Write ``results.json``, ``report.md`` and ``report.html`` (each atomically)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    safe = json_safe(results)
+    paths = ReportPaths(
+        output_dir / "results.json", output_dir / "report.md", output_dir / "report.html"
+    )
+    atomic_write_text(paths.results, json.dumps(safe, ensure_ascii=False, indent=1))
+    atomic_write_text(paths.markdown, render_markdown(safe))
+    atomic_write_text(paths.html, render_html(safe, language_chart_png(safe)))
+    return paths
+
+
+def load_results(path: str | Path) -> dict:
+    """Read a ``results.json`` (a file, or a directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    return json.loads(path.read_text(encoding="utf-8"))

@@ -1,0 +1,466 @@
+"""The 50-question eval: run models over the question set, score, summarize, write reports.
+
+Prompts follow the training convention (``data_prep.harmony``): developer instructions
+``reasoning language: <Name>`` then the fixed persona line, and the question as the user
+message. The eval asks for one language throughout (question, reasoning and answer in L), so
+every response is judged against ``LanguageLabels(L, L)``.
+
+Several models run side by side in one call (base, SFT, GRPO, …); the first is the baseline
+of the deltas. Outputs in ``output_dir``: ``results.json`` (every response kept, sampling
+parameters recorded), ``report.md``, ``report.html``; and an MLflow run when
+``MLFLOW_TRACKING_URI`` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from data_prep.harmony import developer_instructions, render_prompt
+from eval.degeneracy import measure_degeneracy
+from eval.engines import Engine, Generation, GenerationRequest, make_engine
+from eval.eval_config import EvalConfig
+from eval.eval_metrics import MISSING, Outcome, Summary, deltas, summarize
+from eval.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
+from eval.report import write_reports
+from eval.scoring import ComplianceResult, ComplianceScorer
+from eval.tracking import log_eval_run
+
+log = logging.getLogger(__name__)
+
+BUNDLED_QUESTIONS = Path(__file__).resolve().parent / "data" / "eval_50.jsonl"
+
+
+class TooManyFailuresError(RuntimeError):
+    """A model's failed responses exceed ``EvalConfig.max_failure_fraction``."""
+
+
+@dataclass(frozen=True)
+class Question:
+    """One line of the eval set (see ``eval/data/README.md``)."""
+
+    id: str
+    problem_id: str
+    language: str
+    category: str
+    question: str
+    expected_answer: float | None
+    unit: str = ""
+
+
+def load_questions(
+    path: str | Path | None = None,
+    languages: Sequence[str] | None = None,
+    limit: int | None = None,
+) -> list[Question]:
+    """Read the eval set, optionally only some languages and the first ``limit`` questions.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: A line is not a valid question (the line number is named).
+    """
+    path = Path(path) if path is not None else BUNDLED_QUESTIONS
+    wanted = {normalize_language(code) for code in languages} if languages else None
+    questions = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            question = Question(
+                id=str(row["id"]),
+                problem_id=str(row.get("problem_id", row["id"])),
+                language=normalize_language(row["language"]),
+                category=str(row.get("category", "")),
+                question=str(row["question"]),
+                expected_answer=row.get("expected_answer"),
+                unit=str(row.get("unit", "")),
+            )
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}:{number}: not a valid eval question: {err}") from err
+        if wanted is None or question.language in wanted:
+            questions.append(question)
+    if not questions:
+        raise ValueError(f"{path}: no questions (languages filter: {languages})")
+    return questions[:limit] if limit else questions
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to evaluate.
+
+    Attributes:
+        label: Name in reports (``base``, ``sft``, ``grpo`` …).
+        location: A Hugging Face model directory or an endpoint URL.
+        served_model: The model name on an endpoint (``None``: the only one it serves).
+    """
+
+    label: str
+    location: str
+    served_model: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> ModelSpec:
+        """``[label=]location[#served-name]``; the label defaults to the directory name or host.
+
+        ``sft=/models/sft``, ``/models/grpo``, ``grpo=http://vllm:8000/v1#gpt-oss-20b``.
+        """
+        label, sep, location = spec.partition("=")
+        if not sep or "/" in label or ":" in label:
+            label, location = "", spec
+        served = None
+        if location.startswith(("http://", "https://")) and "#" in location:
+            location, served = location.split("#", 1)
+        if not label:
+            trimmed = location.rstrip("/")
+            if trimmed.startswith(("http://", "https://")):
+                label = trimmed.split("//", 1)[1].split("/", 1)[0]
+            else:
+                label = Path(trimmed).name or trimmed
+        return cls(label=label, location=location, served_model=served or None)
+
+
+def prompt_instructions(language: str, persona: str) -> str:
+    """The developer instructions for a question in ``language`` (reason and answer in it)."""
+    return developer_instructions(LANGUAGE_NAMES[language], persona)
+
+
+def build_requests(
+    questions: Sequence[Question], config: EvalConfig
+) -> list[tuple[Question, int, GenerationRequest]]:
+    """One request per question and sample: ``(question, sample index, request)``."""
+    out = []
+    for sample in range(config.sampling.n):
+        for question in questions:
+            instructions = prompt_instructions(question.language, config.persona)
+            request = GenerationRequest(
+                key=f"{question.id}#{sample}",
+                prompt=render_prompt(instructions, question.question, config.reasoning_effort),
+                messages=(
+                    {"role": "system", "content": instructions},
+                    {"role": "user", "content": question.question},
+                ),
+                seed=config.sampling.seed + sample,
+            )
+            out.append((question, sample, request))
+    return out
+
+
+def _score_dict(result: ComplianceResult) -> dict:
+    return {
+        "reward": result.reward,
+        "components": dict(result.components),
+        "reasoning_verdict": result.reasoning_verdict.value,
+        "answer_verdict": result.answer_verdict.value,
+        "reasoning_language": result.reasoning_language,
+        "answer_language": result.answer_language,
+        "reasoning_fraction": result.reasoning_fraction,
+        "answer_fraction": result.answer_fraction,
+        "answer_sentences": result.answer_sentences,
+        "brief_ok": result.brief_ok,
+        "predicted_answer": result.predicted_answer,
+        "correct": result.correct,
+        "error": result.error,
+    }
+
+
+def score_response(
+    question: Question, generation: Generation, scorer: ComplianceScorer
+) -> tuple[Outcome, dict]:
+    """Score one generation: the metrics' ``Outcome`` and the JSON record of the response."""
+    record: dict = {
+        "id": question.id,
+        "problem_id": question.problem_id,
+        "language": question.language,
+        "category": question.category,
+        "expected_answer": question.expected_answer,
+        "text": generation.text,
+        "reasoning_field": generation.reasoning,
+        "finish_reason": generation.finish_reason,
+        "completion_tokens": generation.completion_tokens,
+        "latency_s": generation.latency_s,
+        "attempts": generation.attempts,
+        "error": generation.error,
+    }
+    if generation.failed:
+        record.update(reasoning=None, final=None, truncated=None, score=None, degeneracy=None)
+        return Outcome(language=question.language, failed=True), record
+    parsed = generation.parsed()
+    labels = LanguageLabels(question.language, question.language)
+    result = scorer.score(parsed, labels, question.expected_answer)
+    degeneracy = measure_degeneracy(parsed.reasoning, parsed.final, question.language)
+    record.update(
+        reasoning=parsed.reasoning,
+        final=parsed.final,
+        truncated=parsed.truncated,
+        format=parsed.format.value,
+        score=_score_dict(result),
+        degeneracy={
+            "words": degeneracy.words,
+            "real_word_share": degeneracy.real_word_share,
+            "repeated_ngram_rate": degeneracy.repeated_ngram_rate,
+        },
+    )
+    outcome = Outcome(
+        language=question.language,
+        reasoning_ok=result.reasoning_language_ok,
+        answer_ok=result.answer_language_ok,
+        brief_ok=result.brief_ok,
+        reward=result.reward,
+        correct=result.correct,
+        reasoning_detected=result.reasoning_language or MISSING,
+        answer_detected=result.answer_language or MISSING,
+        real_word_share=degeneracy.real_word_share,
+        repeated_ngram_rate=degeneracy.repeated_ngram_rate,
+    )
+    return outcome, record
+
+
+@dataclass
+class ModelRun:
+    """One model's eval: its responses, summary and timing."""
+
+    spec: ModelSpec
+    engine: str
+    summary: Summary
+    responses: list[dict]
+    wall_time_s: float
+    load_time_s: float
+
+    def to_dict(self) -> dict:
+        """JSON-friendly form (responses excluded; they are listed at the top level)."""
+        return {
+            "label": self.spec.label,
+            "location": self.spec.location,
+            "served_model": self.spec.served_model,
+            "engine": self.engine,
+            "wall_time_s": self.wall_time_s,
+            "load_time_s": self.load_time_s,
+            "summary": self.summary.to_dict(),
+        }
+
+
+EngineFactory = Callable[[ModelSpec, EvalConfig], Engine]
+
+
+def _default_engine(spec: ModelSpec, config: EvalConfig) -> Engine:
+    return make_engine(spec.location, config, spec.served_model)
+
+
+def evaluate_model(
+    spec: ModelSpec,
+    questions: Sequence[Question],
+    config: EvalConfig,
+    engine_factory: EngineFactory = _default_engine,
+    scorer: ComplianceScorer | None = None,
+) -> ModelRun:
+    """Generate, score and summarize one model's responses."""
+    scorer = scorer or ComplianceScorer()
+    began = time.perf_counter()
+    engine = engine_factory(spec, config)
+    loaded = time.perf_counter()
+    log.info("eval %s: %s loaded in %.1f s", spec.label, engine.description, loaded - began)
+    try:
+        planned = build_requests(questions, config)
+        generations = engine.generate([r for _, _, r in planned], config.sampling)
+    finally:
+        engine.close()
+    if len(generations) != len(planned):
+        raise RuntimeError(
+            f"{engine.description} returned {len(generations)} responses for {len(planned)}"
+        )
+    outcomes, records = [], []
+    for (question, sample, _), generation in zip(planned, generations, strict=True):
+        outcome, record = score_response(question, generation, scorer)
+        outcomes.append(outcome)
+        records.append({"model": spec.label, "sample": sample, **record})
+    summary = summarize(outcomes)
+    wall = time.perf_counter() - began
+    log.info(
+        "eval %s: %d responses (%d failed) in %.1f s; both-language accuracy %.3f",
+        spec.label,
+        summary.responses,
+        summary.failed,
+        wall,
+        summary.value("both_language_accuracy"),
+    )
+    return ModelRun(spec, engine.description, summary, records, wall, loaded - began)
+
+
+@dataclass
+class EvalResults:
+    """The outcome of an eval run over one or more models (first = baseline)."""
+
+    config: EvalConfig
+    questions_file: str
+    questions_sha256: str
+    questions: int
+    runs: list[ModelRun]
+    created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+    @property
+    def baseline(self) -> str:
+        """Label of the model the deltas are taken against."""
+        return self.runs[0].spec.label
+
+    def to_dict(self) -> dict:
+        """The content of ``results.json``."""
+        summaries = {run.spec.label: run.summary for run in self.runs}
+        return {
+            "schema_version": 1,
+            "created_at": self.created_at,
+            "config": self.config.model_dump(),
+            "sampling": self.config.sampling.model_dump(),
+            "questions_file": self.questions_file,
+            "questions_sha256": self.questions_sha256,
+            "questions": self.questions,
+            "baseline": self.baseline,
+            "models": [run.to_dict() for run in self.runs],
+            "deltas": {
+                label: {"overall": d.overall, "per_language": d.per_language}
+                for label, d in deltas(summaries, self.baseline).items()
+            },
+            "responses": [r for run in self.runs for r in run.responses],
+        }
+
+
+def _check_labels(specs: Sequence[ModelSpec]) -> None:
+    labels = [s.label for s in specs]
+    duplicates = sorted({x for x in labels if labels.count(x) > 1})
+    if duplicates:
+        raise ValueError(f"model labels must be unique, got {duplicates}; use label=location")
+
+
+def check_failures(results: EvalResults) -> None:
+    """Raise when a model's failure rate exceeds the configured threshold.
+
+    Raises:
+        TooManyFailuresError: Names the models, their failure rates and the first errors.
+    """
+    limit = results.config.max_failure_fraction
+    bad = [run for run in results.runs if run.summary.failure_rate > limit]
+    if not bad:
+        return
+    lines = []
+    for run in bad:
+        errors = [f"{r['id']}: {r['error']}" for r in run.responses if r["error"]][:3]
+        lines.append(
+            f"{run.spec.label}: {run.summary.failed}/{run.summary.responses} responses failed "
+            f"({run.summary.failure_rate:.0%} > {limit:.0%}); first errors: {errors}"
+        )
+    raise TooManyFailuresError("; ".join(lines))
+
+
+def run_eval(
+    models: Sequence[ModelSpec | str],
+    config: EvalConfig,
+    output_dir: str | Path,
+    engine_factory: EngineFactory = _default_engine,
+) -> EvalResults:
+    """Evaluate the models side by side and write ``results.json``, ``report.md``,
+    ``report.html`` (and an MLflow run when tracking is configured).
+
+    The outputs are written before the failure check, so a failed run leaves its evidence.
+
+    Raises:
+        ValueError: No models, or duplicate labels.
+        ModelNotFoundError: A model directory does not exist.
+        TooManyFailuresError: A model's failure rate exceeds ``max_failure_fraction``.
+    """
+    specs = [m if isinstance(m, ModelSpec) else ModelSpec.parse(m) for m in models]
+    if not specs:
+        raise ValueError("no models to evaluate")
+    _check_labels(specs)
+    questions_path = Path(config.questions) if config.questions else BUNDLED_QUESTIONS
+    questions = load_questions(questions_path, config.languages, config.limit)
+    scorer = ComplianceScorer()
+    runs = [evaluate_model(s, questions, config, engine_factory, scorer) for s in specs]
+    results = EvalResults(
+        config=config,
+        questions_file=str(questions_path),
+        questions_sha256=hashlib.sha256(questions_path.read_bytes()).hexdigest(),
+        questions=len(questions),
+        runs=runs,
+    )
+    data = results.to_dict()
+    paths = write_reports(data, output_dir)
+    log_eval_run(data, paths)
+    check_failures(results)
+    return results
+
+
+def run_eval_cli(
+    models: list[str],
+    output_dir: str | Path,
+    *,
+    engine: str = "hf",
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    max_tokens: int = 512,
+    seed: int = 0,
+    samples: int = 1,
+    batch_size: int = 8,
+    device: str = "auto",
+    limit: int | None = None,
+    languages: list[str] | None = None,
+    timeout_s: float = 120.0,
+    max_retries: int = 3,
+    concurrency: int = 8,
+    api_key_env: str = "OPENAI_API_KEY",
+    max_failure_fraction: float = 0.1,
+) -> Path:
+    """What ``lingo eval --model DIR|URL …`` calls: evaluate and return the report's path.
+
+    Args:
+        models: ``[label=]DIR`` or ``[label=]URL[#served-name]``, in order (first = baseline).
+        output_dir: Where results.json, report.md and report.html go.
+        engine: ``hf`` or ``vllm`` for directories (URLs always use the endpoint client).
+        temperature: Sampling temperature (0: greedy).
+        top_p: Nucleus sampling mass.
+        max_tokens: New tokens per response.
+        seed: Base seed.
+        samples: Samples per question.
+        batch_size: HF batch size.
+        device: HF device (``auto``, ``cpu``, ``cuda``).
+        limit: Only the first N questions.
+        languages: Only these languages.
+        timeout_s: Endpoint read timeout per request.
+        max_retries: Endpoint retries per request.
+        concurrency: Endpoint requests in flight.
+        api_key_env: Environment variable with the endpoint's API key.
+        max_failure_fraction: Fail when more responses of a model failed.
+
+    Returns:
+        The path of ``report.md``.
+    """
+    config = EvalConfig.model_validate(
+        {
+            "engine": engine,
+            "sampling": {
+                "temperature": temperature,
+                "top_p": top_p,
+                "max_tokens": max_tokens,
+                "seed": seed,
+                "n": samples,
+            },
+            "endpoint": {
+                "timeout_s": timeout_s,
+                "max_retries": max_retries,
+                "concurrency": concurrency,
+                "api_key_env": api_key_env,
+            },
+            "batch_size": batch_size,
+            "device": device,
+            "limit": limit,
+            "languages": languages,
+            "max_failure_fraction": max_failure_fraction,
+        }
+    )
+    run_eval(models, config, output_dir)
+    return Path(output_dir) / "report.md"

@@ -1,0 +1,401 @@
+"""Eval engines: HF generate on the tiny GPT-OSS, and the OpenAI-compatible endpoint client
+against real HTTP servers started here (one serving the tiny model, one scripted with faults)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from data_prep.harmony import render_prompt
+from eval.endpoint import ChatEndpointEngine, EndpointError, api_base
+from eval.engines import HFEngine, ModelNotFoundError, make_engine
+from eval.eval_config import DEFAULT_PERSONA, EndpointSettings, EvalConfig, SamplingSettings
+from eval.parsing import parse_response
+from eval.report import load_results
+from eval.runner import build_requests, load_questions, prompt_instructions, run_eval
+from trainer.modeling import load_causal_lm, load_tokenizer
+from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+SMALL = TinyModelConfig(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    seed=0,
+)
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", SMALL)
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model_dir):
+    engine = HFEngine(tiny_model_dir, device="cpu", batch_size=5)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def requests_5():
+    return [r for _, _, r in build_requests(load_questions(limit=5), EvalConfig())]
+
+
+# -- Hugging Face engine ---------------------------------------------------------------------
+
+
+def test_hf_batches_with_left_padding_like_single_prompts(hf_engine, requests_5):
+    prompts = requests_5[:3]
+    assert len({len(r.prompt) for r in prompts}) == 3  # prompts of different lengths
+    batched = hf_engine.generate(prompts, GREEDY)
+    hf_engine.batch_size = 1
+    try:
+        single = hf_engine.generate(prompts, GREEDY)
+    finally:
+        hf_engine.batch_size = 5
+    assert [g.text for g in batched] == [g.text for g in single]
+    assert all(g.finish_reason in ("stop", "length") for g in batched)
+    assert all(0 < g.completion_tokens <= GREEDY.max_tokens for g in batched)
+
+
+def test_hf_same_seed_same_samples(hf_engine, requests_5):
+    sampling = SamplingSettings(max_tokens=6, seed=3)
+    first = [g.text for g in hf_engine.generate(requests_5, sampling)]
+    second = [g.text for g in hf_engine.generate(requests_5, sampling)]
+    assert first == second
+
+
+def _force_token(engine: HFEngine, token: str) -> None:
+    """Make the model emit ``token`` at every step (a head with zero weights and one bias)."""
+    hidden = engine.model.config.hidden_size
+    vocab = engine.model.config.vocab_size
+    head = torch.nn.Linear(hidden, vocab, bias=True)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    head.bias.data[engine.tokenizer.convert_tokens_to_ids(token)] = 10.0
+    engine.model.lm_head = head
+
+
+def test_hf_keeps_special_tokens_and_stops_at_return(tiny_model_dir, requests_5):
+    engine = HFEngine(tiny_model_dir, device="cpu", batch_size=5)
+    try:
+        _force_token(engine, "<|channel|>")
+        looped = engine.generate(requests_5[:2], GREEDY)
+        assert [g.text for g in looped] == ["<|channel|>" * GREEDY.max_tokens] * 2
+        assert {g.finish_reason for g in looped} == {"length"}
+        _force_token(engine, "<|return|>")
+        stopped = engine.generate(requests_5[:2], GREEDY)
+        assert [(g.text, g.finish_reason, g.completion_tokens) for g in stopped] == [
+            ("<|return|>", "stop", 1)
+        ] * 2
+    finally:
+        engine.close()
+
+
+def test_missing_or_invalid_model_directory(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        make_engine(str(tmp_path / "absent"), EvalConfig())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        make_engine(str(tmp_path / "empty"), EvalConfig())
+
+
+# -- a real OpenAI-compatible HTTP server ----------------------------------------------------
+
+Reply = tuple[int, object, dict[str, str], float]
+"""(status, JSON body or raw text, headers, seconds to wait before answering)"""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _ChatServer
+
+    def log_message(self, *args) -> None:  # keep pytest output clean
+        pass
+
+    def _send(self, status: int, payload: object, headers: dict[str, str]) -> None:
+        data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (timeout test)
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") == "/v1/models":
+            models = [{"id": name, "object": "model"} for name in self.server.models]
+            self._send(200, {"object": "list", "data": models}, {})
+        else:
+            self._send(404, {"error": "not found"}, {})
+
+    def do_POST(self) -> None:
+        if self.path != "/v1/chat/completions":
+            self._send(404, {"error": "not found"}, {})
+            return
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        server = self.server
+        with server.lock:
+            server.bodies.append(body)
+            server.auth.append(self.headers.get("Authorization"))
+            server.in_flight += 1
+            server.max_in_flight = max(server.max_in_flight, server.in_flight)
+        try:
+            status, payload, headers, delay = server.reply(body)
+            time.sleep(delay)
+        finally:
+            # counted until just before answering: the client cannot send its next request
+            # before it has the answer, so this never over-counts the client's concurrency
+            with server.lock:
+                server.in_flight -= 1
+        self._send(status, payload, headers)
+
+
+class _ChatServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, reply: Callable[[dict], Reply], models: list[str]) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.reply = reply
+        self.models = models
+        self.lock = threading.Lock()
+        self.bodies: list[dict] = []
+        self.auth: list[str | None] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+
+@contextmanager
+def chat_server(reply: Callable[[dict], Reply], models: list[str]) -> Iterator[_ChatServer]:
+    server = _ChatServer(reply, models)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def completion(message: dict, finish_reason: str = "stop") -> dict:
+    return {
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", **message},
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": {"completion_tokens": 7},
+    }
+
+
+class TinyModelApp:
+    """``/v1/chat/completions`` backed by the tiny model: chat template, sampling, harmony
+    decode, then the reasoning split off into ``reasoning_content`` as vLLM's parser does."""
+
+    def __init__(self, model_dir) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_causal_lm(model_dir, torch.float32)
+        self.stop = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
+        self.lock = threading.Lock()
+        self.rendered: list[tuple[list[dict], str]] = []
+
+    def __call__(self, body: dict) -> Reply:
+        prompt = self.tokenizer.apply_chat_template(
+            body["messages"], add_generation_prompt=True, tokenize=False
+        )
+        encoded = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
+        with self.lock, torch.inference_mode():
+            self.rendered.append((body["messages"], prompt))
+            torch.manual_seed(body["seed"])
+            output = self.model.generate(
+                **encoded,
+                max_new_tokens=body["max_tokens"],
+                do_sample=True,
+                temperature=body["temperature"],
+                top_p=body["top_p"],
+                eos_token_id=self.stop,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        new = output[0, encoded["input_ids"].shape[1] :].tolist()
+        text = self.tokenizer.decode(new, skip_special_tokens=False)
+        parsed = parse_response(text)
+        finish = "stop" if new and new[-1] in self.stop else "length"
+        message = {"content": parsed.final or "", "reasoning_content": parsed.reasoning}
+        return 200, completion(message, finish), {}, 0.0
+
+
+def test_endpoint_engine_against_a_server_of_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINGO_TEST_API_KEY", "s3cret")
+    app = TinyModelApp(tiny_model_dir)
+    config = EvalConfig(
+        limit=5,
+        sampling=SamplingSettings(max_tokens=16, seed=11),
+        endpoint=EndpointSettings(api_key_env="LINGO_TEST_API_KEY", concurrency=2),
+    )
+    with chat_server(app, ["tiny-gpt-oss"]) as server:
+        url = f"http://127.0.0.1:{server.server_port}"
+        started = time.perf_counter()
+        run_eval([f"tiny={url}"], config, tmp_path)
+        seconds = time.perf_counter() - started
+    data = load_results(tmp_path)
+    assert data["models"][0]["engine"] == f"endpoint:{url}/v1 (model tiny-gpt-oss)"
+    assert len(data["responses"]) == 5
+    assert not any(r["error"] for r in data["responses"])
+    assert all(r["score"] is not None for r in data["responses"])
+    assert {b["model"] for b in server.bodies} == {"tiny-gpt-oss"}
+    assert {(b["temperature"], b["top_p"], b["max_tokens"], b["seed"]) for b in server.bodies} == {
+        (0.7, 0.95, 16, 11)
+    }
+    assert set(server.auth) == {"Bearer s3cret"}
+    assert server.max_in_flight <= 2
+    # the server's chat template renders exactly the prompt the HF engine uses (training form)
+    questions = {q.question: q for q in load_questions(limit=5)}
+    assert len(app.rendered) == 5
+    for (system, user), prompt in app.rendered:
+        language = questions[user["content"]].language
+        assert system == {
+            "role": "system",
+            "content": prompt_instructions(language, DEFAULT_PERSONA),
+        }
+        assert prompt == render_prompt(system["content"], user["content"], "medium")
+    assert seconds < 30
+
+
+# -- faults: timeouts, 5xx, 429, 4xx, malformed and empty bodies -----------------------------
+
+REASONING_FR = "Je calcule trente-cinq pour cent de quatre cent quatre-vingts élèves de l'école."
+FINAL_FR = "Ils sont 168 élèves à aller à l'école à pied."
+
+
+def scripted_faults(questions) -> Callable[[dict], Reply]:
+    """A reply per question (by its text): the forms gpt-oss servers answer in, and faults."""
+    ids = {q.question: q.id for q in questions}
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+    harmony = (
+        f"<|channel|>analysis<|message|>{REASONING_FR}<|end|>"
+        f"<|start|>assistant<|channel|>final<|message|>{FINAL_FR}<|return|>"
+    )
+
+    def reply(body: dict) -> Reply:
+        qid = ids[body["messages"][1]["content"]]
+        with lock:
+            calls[qid] = calls.get(qid, 0) + 1
+            n = calls[qid]
+        ok_split = completion({"content": FINAL_FR, "reasoning_content": REASONING_FR})
+        table: dict[str, Reply] = {
+            "p01-en": (200, ok_split, {}, 0.0),
+            "p01-fr": (200, completion({"content": FINAL_FR, "reasoning": REASONING_FR}), {}, 0.0),
+            "p01-de": (200, completion({"content": harmony}), {}, 0.0),
+            "p01-es": (500, {"error": "flaky"}, {}, 0.0) if n == 1 else (200, ok_split, {}, 0.0),
+            "p01-it": (500, {"error": "down"}, {}, 0.0),
+            "p02-en": (200, ok_split, {}, 2.0),  # always slower than the client timeout
+            "p02-fr": (429, {"error": "slow down"}, {"Retry-After": "0"}, 0.0)
+            if n == 1
+            else (200, ok_split, {}, 0.0),
+            "p02-de": (400, {"error": "bad request"}, {}, 0.0),
+            "p02-es": (200, completion({"content": ""}), {}, 0.0),
+            "p02-it": (200, "this is not json", {}, 0.0),
+        }
+        return table[qid]
+
+    return reply
+
+
+def test_endpoint_retries_then_records_failures(tmp_path):
+    questions = load_questions(limit=10)
+    settings = EndpointSettings(timeout_s=0.5, max_retries=2, backoff_s=0.01, concurrency=4)
+    with chat_server(scripted_faults(questions), ["a", "b"]) as server:
+        url = f"http://127.0.0.1:{server.server_port}/v1/"
+        with pytest.raises(EndpointError, match="serves 2 models"):
+            ChatEndpointEngine(url, None, settings)
+        engine = ChatEndpointEngine(url, "a", settings)
+        planned = build_requests(questions, EvalConfig())
+        generations = engine.generate([r for _, _, r in planned], SamplingSettings())
+    by_id = {q.id: g for (q, _, _), g in zip(planned, generations, strict=True)}
+
+    for qid in ("p01-en", "p01-fr", "p01-de"):  # reasoning_content, reasoning, inline harmony
+        parsed = by_id[qid].parsed()
+        assert (parsed.reasoning, parsed.final) == (REASONING_FR, FINAL_FR), qid
+        assert by_id[qid].attempts == 1
+    assert (by_id["p01-es"].error, by_id["p01-es"].attempts) == (None, 2)  # 500 once, then ok
+    assert by_id["p01-it"].attempts == 3 and by_id["p01-it"].error.startswith("HTTP 500")
+    assert by_id["p02-en"].attempts == 3 and "Timeout" in by_id["p02-en"].error
+    assert (by_id["p02-fr"].error, by_id["p02-fr"].attempts) == (None, 2)  # 429, Retry-After
+    assert by_id["p02-de"].attempts == 1 and by_id["p02-de"].error.startswith("HTTP 400")
+    assert by_id["p02-it"].attempts == 1 and "malformed" in by_id["p02-it"].error
+    empty = by_id["p02-es"]  # an empty answer is a model outcome, not a failure
+    assert empty.error is None and empty.parsed().final is None
+
+
+def test_endpoint_failures_past_the_threshold_fail_the_run(tmp_path):
+    questions = load_questions(limit=10)
+    config = EvalConfig(
+        limit=10,
+        max_failure_fraction=0.3,
+        endpoint=EndpointSettings(timeout_s=0.5, max_retries=1, backoff_s=0.01, concurrency=4),
+    )
+    with chat_server(scripted_faults(questions), ["only"]) as server:
+        url = f"http://127.0.0.1:{server.server_port}"
+        with pytest.raises(RuntimeError, match=r"4/10 responses failed \(40% > 30%\)"):
+            run_eval([f"served={url}"], config, tmp_path)
+    failed = {r["id"]: r["error"] for r in load_results(tmp_path)["responses"] if r["error"]}
+    assert set(failed) == {"p01-it", "p02-en", "p02-de", "p02-it"}
+
+
+def test_api_base_forms():
+    assert api_base("http://h:8000") == "http://h:8000/v1"
+    assert api_base("http://h:8000/v1/") == "http://h:8000/v1"
+    assert api_base("https://h/serving/v1/chat/completions") == "https://h/serving/v1"
+
+
+@pytest.mark.gpu
+def test_vllm_engine_on_the_tiny_model(tmp_path):
+    """vLLM needs CUDA (and head_dim >= 64): a GPU-only check of the same convention."""
+    pytest.importorskip("vllm")
+    model_dir = build_tiny_model(tmp_path / "model", SMALL.model_copy(update={"head_dim": 64}))
+    config = EvalConfig(engine="vllm", limit=5, sampling=SamplingSettings(max_tokens=16))
+    engine = make_engine(str(model_dir), config)
+    try:
+        requests_ = [r for _, _, r in build_requests(load_questions(limit=5), config)]
+        generations = engine.generate(requests_, config.sampling)
+    finally:
+        engine.close()
+    assert len(generations) == 5
+    assert all(g.error is None and g.finish_reason in ("stop", "length") for g in generations)
+
+
+def test_run_eval_cli_on_a_model_directory(tiny_model_dir, tmp_path):
+    from eval.runner import run_eval_cli
+
+    report = run_eval_cli(
+        [f"tiny={tiny_model_dir}"], tmp_path, max_tokens=4, limit=2, device="cpu", seed=1
+    )
+    assert report == tmp_path / "report.md"
+    data = load_results(tmp_path)
+    assert data["sampling"] == {
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "max_tokens": 4,
+        "seed": 1,
+        "n": 1,
+    }
+    assert [r["id"] for r in data["responses"]] == ["p01-en", "p01-fr"]
+    assert all(r["completion_tokens"] <= 4 for r in data["responses"])

@@ -1,7 +1,7 @@
 """KFP components: the base model, and SFT (LoRA + merge)."""
 
 from kfp import dsl
-from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
+from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
 from components.images import CPU_IMAGE, GPU_IMAGE
 
@@ -46,3 +46,25 @@ def sft(
         metrics.log_metric(name, value)
     Path(loss_plot.path).write_text(render_sft_html(result))
     model.metadata.update(format="huggingface", merged_adapter=result.merge["merged_adapter"])
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def capacity_check(
+    base_model: Input[Model], layout: str, overrides: dict, report: Output[Markdown]
+):
+    """Fail fast, before any heavy step, when the layout cannot hold the model (the table is in
+    the report and in the error)."""
+    import logging
+    from pathlib import Path
+
+    from trainer.planner import LayoutDoesNotFit, check_layout, format_table
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = check_layout(base_model.path, layout, {k: str(v) for k, v in overrides.items()})
+    except LayoutDoesNotFit as exc:
+        Path(report.path).write_text(f"# Capacity check: does not fit\n\n```\n{exc.table}\n```\n")
+        raise
+    Path(report.path).write_text(
+        f"# Capacity check: {result.verdict.value}\n\n```\n{format_table(result)}\n```\n"
+    )

@@ -12,11 +12,11 @@ from kfp.dsl import HTML, Artifact, Dataset, Markdown, Model
 from components.data_prep import data_prep
 from components.evaluate import evaluate, gate, register
 from components.grpo import grpo
-from components.models import base_model, sft
+from components.models import base_model, capacity_check, sft
 from data_prep.config import DataPrepConfig
 from eval.eval_config import EvalConfig
 from eval.gate import GateConfig
-from pipelines.presets import ModelSource, config_dict
+from pipelines.presets import ModelSource, Preset, config_dict
 from trainer.grpo.config import GRPOConfig
 from trainer.sft.config import SFTConfig
 
@@ -28,6 +28,7 @@ _SFT_DEFAULT = config_dict(SFTConfig())
 _GRPO_DEFAULT = config_dict(GRPOConfig())
 _EVAL_DEFAULT = config_dict(EvalConfig())
 _GATE_DEFAULT = config_dict(GateConfig())
+_LAYOUT_DEFAULT = Preset.model_fields["layout"].default
 
 
 class PipelineOutputs(NamedTuple):
@@ -68,6 +69,8 @@ def lingo_pipeline(
     grpo_config: dict = _GRPO_DEFAULT,
     eval_config: dict = _EVAL_DEFAULT,
     gate_config: dict = _GATE_DEFAULT,
+    layout: str = _LAYOUT_DEFAULT,
+    layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
     mlflow_tracking_uri: str = "",
 ) -> PipelineOutputs:
     prep = data_prep(
@@ -85,6 +88,10 @@ def lingo_pipeline(
     prep.set_display_name("data prep")
     base = base_model(source=model_source, tiny_config=model_tiny_config)
     base.set_display_name("base model")
+    capacity = capacity_check(
+        base_model=base.outputs["model"], layout=layout, overrides=layout_overrides
+    )
+    capacity.set_display_name("capacity check")
     tuned = sft(
         train_data=prep.outputs["train_data"],
         eval_data=prep.outputs["eval_data"],
@@ -92,6 +99,7 @@ def lingo_pipeline(
         config=sft_config,
     )
     tuned.set_display_name("SFT + merge")
+    tuned.after(capacity)
     policy = grpo(
         train_data=prep.outputs["train_data"],
         eval_data=prep.outputs["eval_data"],

@@ -43,6 +43,9 @@ class Preset(BaseModel):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    layout: str = "tiny-cpu"
+    """Capacity-planner layout checked before SFT/GRPO (``lingo estimate --layout``)."""
+    layout_overrides: dict[str, str] = Field(default_factory=dict)
 
 
 TINY_CPU = Preset(
@@ -88,6 +91,7 @@ TINY_CPU = Preset(
 )
 
 GPT_OSS_20B = Preset(
+    layout="g5.12xlarge-x6-openrlhf",
     name="gpt-oss-20b",
     description=(
         "openai/gpt-oss-20b on the full HuggingFaceH4/Multilingual-Thinking dataset; "
@@ -224,5 +228,7 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     args["grpo_config"] = config_dict(preset.grpo)
     args["eval_config"] = config_dict(preset.eval)
     args["gate_config"] = config_dict(preset.gate)
+    args["layout"] = preset.layout
+    args["layout_overrides"] = dict(preset.layout_overrides)
     args["mlflow_tracking_uri"] = ""  # per run, not per preset (lingo run --local reads the env)
     return args

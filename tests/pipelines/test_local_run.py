@@ -67,3 +67,21 @@ def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):
     out = capfd.readouterr()
     assert "TooManyBadRowsError" in out.out + out.err
     assert "bad.jsonl:1" in out.out + out.err
+
+
+def test_capacity_check_fails_fast_with_the_table(tmp_path, capfd):
+    """A layout that cannot hold the model stops the run before SFT, naming what overflows."""
+    too_small = {**FAST, "layout_overrides": '{"host_memory_gib": "0.001"}'}
+    preset = apply_overrides(
+        get_preset("tiny-cpu"), {k: v for k, v in too_small.items() if "." in k}
+    )
+    preset = preset.model_copy(update={"layout_overrides": {"host_memory_gib": "0.001"}})
+    try:
+        run_local(preset, tmp_path / "runs")
+    except RuntimeError as exc:
+        assert "capacity-check" in str(exc)
+    else:
+        raise AssertionError("the run should stop at the capacity check")
+    out = capfd.readouterr()
+    assert "LayoutDoesNotFit" in out.out + out.err
+    assert not list((tmp_path / "runs").glob("*/sft"))  # SFT never started

@@ -1,0 +1,96 @@
+"""The same SFT and GRPO code on a GPU (bf16, CUDA), and the vLLM rollout engine.
+
+Marked ``gpu``: deselected by default and skipped where CUDA is missing; run on a GPU machine
+with ``pytest -m gpu``.
+"""
+
+import pytest
+import torch
+
+from trainer.grpo.config import GRPOConfig, RolloutConfig
+from trainer.grpo.recipe import run_grpo
+from trainer.metrics import read_metrics
+from trainer.sft.config import SFTConfig
+from trainer.sft.recipe import run_sft
+from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_sft_on_gpu_in_bf16(tmp_path, tiny_model_dir, prepared_data):
+    cfg = SFTConfig(
+        max_steps=3,
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        dtype="bfloat16",
+        device="cuda",
+        merge_check_prompts=2,
+    )
+    result = run_sft(
+        cfg,
+        tiny_model_dir,
+        prepared_data / "train.jsonl",
+        prepared_data / "eval.jsonl",
+        tmp_path / "model",
+        tmp_path / "work",
+    )
+    assert result.merge["dtype"] == "bfloat16"
+    assert len([m for m in read_metrics(result.metrics_file) if "loss" in m]) == 3
+
+
+def test_grpo_on_gpu_with_hf_rollouts(tmp_path, tiny_model_dir, prepared_data):
+    cfg = GRPOConfig.model_validate(
+        {
+            "rollout": {"n_samples": 4, "max_new_tokens": 16},
+            "prompts_per_step": 4,
+            "mini_batch_size": 16,
+            "micro_batch_size": 8,
+            "max_steps": 2,
+            "eval_every": 2,
+            "eval_prompts": 4,
+            "eval_samples": 1,
+            "dtype": "bfloat16",
+            "device": "cuda",
+        }
+    )
+    result = run_grpo(
+        cfg,
+        tiny_model_dir,
+        prepared_data / "train.jsonl",
+        prepared_data / "eval.jsonl",
+        tmp_path / "model",
+        tmp_path / "work",
+    )
+    assert [m["step"] for m in read_metrics(result.metrics_file) if "loss" in m] == [1, 2]
+
+
+def test_vllm_engine_samples_groups_and_takes_new_weights(tmp_path):
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.grpo.rollout import VLLMRolloutEngine
+
+    # vLLM's attention kernels want head_dim >= 64
+    model_dir = build_tiny_model(
+        tmp_path / "m", TinyModelConfig(head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = VLLMRolloutEngine(
+        str(model_dir),
+        tokenizer,
+        RolloutConfig(max_new_tokens=8, gpu_memory_utilization=0.2, colocate=True),
+    )
+    prompt = tokenizer("<|start|>user<|message|>Hallo<|end|><|start|>assistant")["input_ids"]
+    out = engine.generate([prompt, prompt], 3, seed=0)
+    assert [r.prompt_index for r in out] == [0, 0, 0, 1, 1, 1]
+    engine.sleep()
+    zeroed = [
+        (n, torch.zeros_like(p))
+        for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()
+    ]
+    engine.sync_weights(zeroed)  # wakes the engine and loads the weights
+    again = engine.generate([prompt], 2, seed=0)
+    assert len(again) == 2

@@ -51,7 +51,7 @@ def run_ours(model: Path, data: Path, args, workdir: Path) -> list[float]:
             "optim": {"learning_rate": args.lr, "lr_scheduler": "constant"},
             "prompts_per_step": args.prompts,
             "mini_batch_size": n,
-            "micro_batch_size": min(n, 16),
+            "micro_batch_size": n,  # one forward over the whole batch, as TRL does here
             "max_steps": args.steps,
             "eval_every": 0,
             "eval_prompts": 1,

@@ -203,3 +203,25 @@ def test_deepspeed_zero3_two_processes(tmp_path, tiny_model_dir, prepared_data):
     assert [m["step"] for m in lines if "loss" in m] == [1, 2]  # rank 0 alone writes
     assert all(set(m) >= REQUIRED for m in lines if "loss" in m)
     AutoModelForCausalLM.from_pretrained(tmp_path / "ds" / "model")
+
+
+def test_update_layout_log_probs_equal_unpadded_forwards(tiny_model_dir):
+    """Rows right-aligned with left padding, and only the last logits kept, give the same
+    response log-probs as a plain forward of each row alone."""
+    from trainer.grpo import algorithm as algo
+    from trainer.grpo.prompts import Prompt
+    from trainer.grpo.recipe import _log_probs, _sequences
+    from trainer.grpo.rollout import Rollout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompts = [Prompt([5, 6, 7, 8, 9, 10, 11], "fr", "a"), Prompt([12, 13, 14], "de", "b")]
+    rollouts = [Rollout(0, [20, 21, 22], True), Rollout(1, [30, 31, 32, 33, 34, 35], False)]
+    layout = _sequences(prompts, rollouts, pad_id=0, device="cpu")
+    with torch.no_grad():
+        batched, _ = _log_probs(model, layout, False)
+        for row, rollout in enumerate(rollouts):
+            ids = torch.tensor([prompts[rollout.prompt_index].ids + rollout.response_ids])
+            logits = model(input_ids=ids).logits[:, :-1]
+            alone = algo.token_log_probs(logits, ids[:, 1:])[0, -len(rollout.response_ids) :]
+            got = batched[row][layout.mask[row] > 0]
+            assert torch.allclose(got, alone, atol=1e-5), row

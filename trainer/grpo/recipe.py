@@ -113,26 +113,47 @@ def evaluate_policy(
     }
 
 
-def _sequences(prompts: list[Prompt], rollouts: list[Rollout], pad_id: int, device):
-    """Padded prompt+response ids, attention mask, and the response mask (shifted targets)."""
+@dataclass
+class _Micro:
+    """A micro-batch laid out for the update: rows right-aligned so that every response ends in
+    the last column, so the LM head only runs on the last ``width + 1`` positions."""
+
+    ids: torch.Tensor
+    attention: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    """[B, width]: 1 on the response tokens (the targets of the kept logits)."""
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+
+def _sequences(prompts: list[Prompt], rollouts: list[Rollout], pad_id: int, device) -> _Micro:
     rows = [prompts[r.prompt_index].ids + r.response_ids for r in rollouts]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    response = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    total = max(len(r) for r in rows)
+    width = max(1, max(len(r.response_ids) for r in rollouts))
+    ids = torch.full((len(rows), total), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), total), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, (row, rollout) in enumerate(zip(rows, rollouts, strict=True)):
-        ids[i, : len(row)] = torch.tensor(row)
-        attention[i, : len(row)] = 1
-        start = (
-            len(prompts[rollout.prompt_index].ids) - 1
-        )  # position predicting the 1st response token
-        response[i, start : start + len(rollout.response_ids)] = 1.0
-    return ids.to(device), attention.to(device), response.to(device)
+        ids[i, total - len(row) :] = torch.tensor(row)
+        attention[i, total - len(row) :] = 1
+        if rollout.response_ids:
+            mask[i, width - len(rollout.response_ids) :] = 1.0
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return _Micro(ids.to(device), attention.to(device), positions.to(device), mask.to(device))
 
 
-def _log_probs(module, ids, attention, with_entropy: bool):
-    logits = module(input_ids=ids, attention_mask=attention).logits[:, :-1, :]
-    log_probs = algo.token_log_probs(logits, ids[:, 1:])
+def _log_probs(module, micro: _Micro, with_entropy: bool):
+    """Log-probs (and entropies) of the last ``width`` tokens, from the last logits only."""
+    logits = module(
+        input_ids=micro.ids,
+        attention_mask=micro.attention,
+        position_ids=micro.positions,
+        logits_to_keep=micro.width + 1,
+    ).logits[:, :-1, :]
+    log_probs = algo.token_log_probs(logits, micro.ids[:, -micro.width :])
     entropy = algo.entropy_from_logits(logits) if with_entropy else None
     return log_probs, entropy
 
@@ -364,13 +385,13 @@ def _update(
     if not single_update:
         with torch.no_grad():
             for start in range(0, n, cfg.micro_batch_size):
-                ids, att, _ = _sequences(
+                micro = _sequences(
                     batch.prompts,
                     batch.rollouts[start : start + cfg.micro_batch_size],
                     pad_id,
                     device,
                 )
-                old_log_probs.append(_log_probs(backend.module, ids, att, False)[0])
+                old_log_probs.append(_log_probs(backend.module, micro, False)[0])
     sums = {
         "loss": 0.0,
         "grad_norm": 0.0,
@@ -392,7 +413,7 @@ def _update(
                     [batch.rollouts[i] for i in mini[s : s + cfg.micro_batch_size]],
                     pad_id,
                     device,
-                )[2]
+                ).mask
                 * batch.keep[mini[s : s + cfg.micro_batch_size]].to(device)[:, None]
                 for s in range(0, len(mini), cfg.micro_batch_size)
             ]
@@ -401,11 +422,11 @@ def _update(
             mini_loss = mini_clip = mini_entropy = mini_kl = 0.0
             for k, s in enumerate(range(0, len(mini), cfg.micro_batch_size)):
                 micro = mini[s : s + cfg.micro_batch_size]
-                ids, att, _ = _sequences(
+                layout = _sequences(
                     batch.prompts, [batch.rollouts[i] for i in micro], pad_id, device
                 )
                 mask = masks[k]
-                log_probs, entropy = _log_probs(backend.module, ids, att, True)
+                log_probs, entropy = _log_probs(backend.module, layout, True)
                 if single_update:
                     old = log_probs.detach()
                 else:
@@ -421,17 +442,19 @@ def _update(
                     clip_ratio_high=a.clip_ratio_high,
                     clip_ratio_c=a.clip_ratio_c,
                     loss_agg_mode=a.loss_agg_mode,
+                    norm_length=cfg.rollout.max_new_tokens,
                     global_normalizer=normalizer,
                 )
                 if reference is not None:
                     with torch.no_grad():
-                        ref_lp, _ = _log_probs(reference, ids, att, False)
+                        ref_lp, _ = _log_probs(reference, layout, False)
                     kl = algo.kl_loss(
                         log_probs,
                         ref_lp,
                         mask,
                         a.kl_estimator,
                         a.loss_agg_mode,
+                        norm_length=cfg.rollout.max_new_tokens,
                         global_normalizer=normalizer,
                     )
                     loss = loss + a.kl_loss_coef * kl
@@ -439,7 +462,11 @@ def _update(
                 else:  # KL to the rollout policy (k1), as a drift indicator
                     mini_kl += float(pstats["approx_kl"]) * float(mask.sum()) / normalizer
                 ent = algo.aggregate_loss(
-                    entropy, mask, a.loss_agg_mode, global_normalizer=normalizer
+                    entropy,
+                    mask,
+                    a.loss_agg_mode,
+                    norm_length=cfg.rollout.max_new_tokens,
+                    global_normalizer=normalizer,
                 )
                 if a.entropy_coeff:
                     loss = loss - a.entropy_coeff * ent
@@ -462,11 +489,16 @@ def _update(
 def _gather_old(
     old_log_probs: list[torch.Tensor], micro: list[int], size: int, width: int
 ) -> torch.Tensor:
-    """Old log-probs of the samples ``micro``, padded to ``width`` positions."""
+    """Old log-probs of the samples ``micro`` as a [len(micro), width] right-aligned block."""
     rows = []
     for i in micro:
         row = old_log_probs[i // size][i % size]
-        rows.append(torch.nn.functional.pad(row, (0, max(0, width - row.shape[0])))[:width])
+        row = (
+            row[-width:]
+            if row.shape[0] >= width
+            else torch.nn.functional.pad(row, (width - row.shape[0], 0))
+        )
+        rows.append(row)
     return torch.stack(rows)
 
 

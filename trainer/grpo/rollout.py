@@ -66,39 +66,58 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[Rollout]:
-        requests = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
         torch.manual_seed(seed)
+        per_call = max(1, self.batch_size // n)
         out: list[Rollout] = []
         try:
-            for start in range(0, len(requests), self.batch_size):
-                chunk = requests[start : start + self.batch_size]
-                width = max(len(p) for _, p in chunk)
-                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-                mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for row, (_, prompt) in enumerate(chunk):  # left padding
-                    ids[row, width - len(prompt) :] = torch.tensor(prompt)
-                    mask[row, width - len(prompt) :] = 1
-                generated = self.model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=mask.to(device),
-                    do_sample=True,
-                    temperature=self.cfg.temperature,
-                    top_p=self.cfg.top_p,
-                    max_new_tokens=self.cfg.max_new_tokens,
-                    eos_token_id=sorted(self.stop_ids),
-                    pad_token_id=self.pad_id,
-                    use_cache=True,
-                )
-                for row, (index, _) in enumerate(chunk):
-                    response, finished = cut_at_stop(
-                        generated[row, width:].tolist(), self.stop_ids, self.pad_id
-                    )
-                    out.append(Rollout(index, response, finished))
+            for start in range(0, len(prompts), per_call):
+                chunk = prompts[start : start + per_call]
+                out += self._generate_chunk(chunk, start, n, device)
         finally:
             self.model.train(was_training)
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], first_index: int, n: int, device):
+        """Prefill each prompt once, copy its KV cache to its n samples, then sample."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        cache = None
+        if width > 1:  # all but the last prompt token; generate() feeds the last one
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache = self.model(
+                input_ids=ids[:, :-1],
+                attention_mask=mask[:, :-1],
+                position_ids=positions[:, :-1],
+                use_cache=True,
+                logits_to_keep=1,
+            ).past_key_values
+            cache.batch_repeat_interleave(n)
+        generated = self.model.generate(
+            input_ids=ids.repeat_interleave(n, 0),
+            attention_mask=mask.repeat_interleave(n, 0),
+            past_key_values=cache,
+            do_sample=True,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            max_new_tokens=self.cfg.max_new_tokens,
+            eos_token_id=sorted(self.stop_ids),
+            pad_token_id=self.pad_id,
+            use_cache=True,
+        )
+        out = []
+        for row in range(generated.shape[0]):
+            response, finished = cut_at_stop(
+                generated[row, width:].tolist(), self.stop_ids, self.pad_id
+            )
+            out.append(Rollout(first_index + row // n, response, finished))
         return out
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

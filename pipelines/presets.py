@@ -152,7 +152,28 @@ GPT_OSS_20B = Preset(
     ),
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, GPT_OSS_20B)}
+GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
+    update={
+        "name": "gpt-oss-20b-verl",
+        "description": (
+            "openai/gpt-oss-20b with verl's GRPO settings for gpt-oss: n=16, clip 0.2/0.28, "
+            "dual clip 10, low_var_kl 0.001, token-mean, vLLM colocated (hybrid, sleep/wake) "
+            "on 8 GPUs a node; DeepSpeed until the Megatron backend lands"
+        ),
+        "layout": "p5en.48xlarge-x2-megatron",
+        "grpo": GPT_OSS_20B.grpo.model_copy(
+            update={
+                "rollout": GPT_OSS_20B.grpo.rollout.model_copy(
+                    update={"n_samples": 16, "colocate": True, "gpu_memory_utilization": 0.5}
+                ),
+                "prompts_per_step": 16,
+                "nproc": 8,
+            }
+        ),
+    }
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, GPT_OSS_20B, GPT_OSS_20B_VERL)}
 DEFAULT_PRESET = "tiny-cpu"
 STEPS = ("data_prep", "model", "sft", "grpo", "eval", "gate")
 

@@ -29,7 +29,11 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
     assert spec.pipeline_info.name == "lingo-rl"
     assert {"data-prep", "base-model", "sft", "grpo"} <= set(spec.root.dag.tasks)
     assert list(spec.root.dag.tasks["grpo"].dependent_tasks) == ["data-prep", "sft"]
-    assert list(spec.root.dag.tasks["sft"].dependent_tasks) == ["base-model", "data-prep"]
+    assert list(spec.root.dag.tasks["sft"].dependent_tasks) == [
+        "base-model",
+        "capacity-check",
+        "data-prep",
+    ]
     component = spec.components["comp-data-prep"]
     assert set(component.output_definitions.artifacts) == {
         "train_data",

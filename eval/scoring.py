@@ -56,6 +56,14 @@ language: a quote or a term in another language passes, a half-and-half text doe
 
 _CONTENT = re.compile(r"[^\W_]")  # a letter or digit: a part without one is missing
 
+_PartProfiles = tuple[LanguageProfile | None, LanguageProfile | None]
+"""Profiles of a response's final answer and reasoning; ``None`` for a missing part."""
+
+
+def _is_present(text: str | None) -> bool:
+    """A part is present when it has a letter or a digit."""
+    return text is not None and _CONTENT.search(text) is not None
+
 
 class Verdict(StrEnum):
     """Outcome of a language rule for one part of a response."""
@@ -230,15 +238,7 @@ class ComplianceScorer:
                 or a string such as ``"42"`` or ``"1,5"``); non-numeric values are ignored.
         """
         parsed = response if isinstance(response, ParsedResponse) else parse_response(response)
-        try:
-            parsed_labels = parse_labels(labels)
-        except UnknownLanguageError as err:
-            return self._unscored(parsed, str(err))
-        try:
-            return self._score(parsed, parsed_labels, expected_answer)
-        except Exception as err:  # noqa: BLE001 - the batch API must not stop training
-            logger.exception("scoring failed; giving the neutral reward")
-            return self._unscored(parsed, f"internal error: {type(err).__name__}: {err}")
+        return self._score_one(parsed, labels, expected_answer, None)
 
     def score_batch(
         self,
@@ -270,10 +270,58 @@ class ComplianceScorer:
             expected = expected_answers
             if len(expected) != n:
                 raise ValueError(f"got {n} responses but {len(expected)} expected answers")
-        triples = zip(responses, label_list, expected, strict=True)
-        return [self.score(r, lab, e) for r, lab, e in triples]  # type: ignore[arg-type]
+        parsed = [r if isinstance(r, ParsedResponse) else parse_response(r) for r in responses]
+        try:
+            profiles = self._profiles(parsed)
+        except Exception:  # noqa: BLE001 - score one by one, so only the bad item is unscored
+            logger.exception("batch language identification failed; scoring one by one")
+            triples = zip(parsed, label_list, expected, strict=True)
+            return [self.score(p, lab, e) for p, lab, e in triples]  # type: ignore[arg-type]
+        return [
+            self._score_one(p, lab, e, profile)  # type: ignore[arg-type]
+            for p, lab, e, profile in zip(parsed, label_list, expected, profiles, strict=True)
+        ]
 
     # -- internals -------------------------------------------------------------------------
+
+    def _profiles(self, batch: Sequence[ParsedResponse]) -> list[_PartProfiles]:
+        """Language profiles of the final answer and the reasoning of each response (``None``
+        for a missing part), all identified in one pass."""
+        assert self.identifier is not None
+        texts = [
+            text
+            for parsed in batch
+            for text in (parsed.final, parsed.reasoning)
+            if _is_present(text)
+        ]
+        found = iter(self.identifier.profiles(texts))
+        return [
+            (
+                next(found) if _is_present(parsed.final) else None,
+                next(found) if _is_present(parsed.reasoning) else None,
+            )
+            for parsed in batch
+        ]
+
+    def _score_one(
+        self,
+        parsed: ParsedResponse,
+        labels: LabelsLike,
+        expected_answer: object,
+        profiles: _PartProfiles | None,
+    ) -> ComplianceResult:
+        """``score`` for a parsed response, with its parts' profiles if already computed."""
+        try:
+            parsed_labels = parse_labels(labels)
+        except UnknownLanguageError as err:
+            return self._unscored(parsed, str(err))
+        try:
+            if profiles is None:
+                profiles = self._profiles([parsed])[0]
+            return self._score(parsed, parsed_labels, expected_answer, profiles)
+        except Exception as err:  # noqa: BLE001 - the batch API must not stop training
+            logger.exception("scoring failed; giving the neutral reward")
+            return self._unscored(parsed, f"internal error: {type(err).__name__}: {err}")
 
     def _unscored(self, parsed: ParsedResponse, message: str) -> ComplianceResult:
         low, high = self._bounds
@@ -289,11 +337,11 @@ class ComplianceScorer:
             error=message,
         )
 
-    def _judge(self, text: str | None, target: str) -> tuple[Verdict, str | None, float]:
-        if text is None or _CONTENT.search(text) is None:
+    def _judge(
+        self, profile: LanguageProfile | None, target: str
+    ) -> tuple[Verdict, str | None, float]:
+        if profile is None:
             return Verdict.MISSING, None, 0.0
-        assert self.identifier is not None
-        profile: LanguageProfile = self.identifier.profile(text)
         if not profile.determined:
             return Verdict.UNDETERMINED, profile.dominant, 0.0
         share = profile.fraction(target)
@@ -301,12 +349,19 @@ class ComplianceScorer:
         return verdict, profile.dominant, share
 
     def _score(
-        self, parsed: ParsedResponse, labels: LanguageLabels, expected_answer: object
+        self,
+        parsed: ParsedResponse,
+        labels: LanguageLabels,
+        expected_answer: object,
+        profiles: _PartProfiles,
     ) -> ComplianceResult:
         w = self.weights
-        answer_verdict, answer_language, answer_fraction = self._judge(parsed.final, labels.answer)
+        answer_profile, reasoning_profile = profiles
+        answer_verdict, answer_language, answer_fraction = self._judge(
+            answer_profile, labels.answer
+        )
         reasoning_verdict, reasoning_language, reasoning_fraction = self._judge(
-            parsed.reasoning, labels.reasoning
+            reasoning_profile, labels.reasoning
         )
         has_answer = answer_verdict is not Verdict.MISSING
         final = parsed.final or ""

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 ABBREVIATIONS: frozenset[str] = frozenset(
     {
         # English
@@ -126,6 +128,17 @@ def rough_segments(text: str) -> list[tuple[int, int]]:
     if start < len(text):
         spans.append((start, len(text)))
     return spans
+
+
+def rough_segment_ends(text: str) -> list[int]:
+    """Where the spans of :func:`rough_segments` end, except the end of ``text``."""
+    return [match.end() for match in _ROUGH_BOUNDARY.finditer(text)]
+
+
+def letter_mask(text: str) -> np.ndarray:
+    """For each character of ``text``, whether :func:`count_letters` counts it."""
+    codes = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), np.uint32)
+    return (codes >= 0x80) | ((codes | 0x20) - ord("a") < 26)
 
 
 def count_letters(text: str) -> int:

@@ -42,6 +42,23 @@ class OptimConfig(BaseModel):
     offload_params: bool = False
 
 
+class ProcessSettings(BaseModel):
+    """How a training step runs its processes; shared by the SFT and GRPO configs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """``auto``: bf16 on a GPU that supports it, else fp32."""
+    gradient_checkpointing: bool = False
+    seed: int = 42
+    nproc: int = Field(1, ge=1)
+    """Processes on this node (``torchrun --nproc_per_node``); >1 needs optim.backend=deepspeed."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_threads: int = Field(0, ge=0)
+    """Torch threads per process on CPU; 0 keeps torch's default. Small models run fastest
+    on 1 thread, and a busy machine slows multi-threaded ops down badly."""
+
+
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Learning-rate multiplier at ``step`` (0-based optimizer step).
 

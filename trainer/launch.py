@@ -20,6 +20,21 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     return [*torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
 
 
+def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
+    """Write ``cfg`` (a pydantic step config) to ``config_file`` and run ``module`` on
+    ``cfg.nproc`` processes with ``--config config_file`` plus ``args``.
+
+    Raises:
+        ValueError: several processes without the DeepSpeed backend.
+    """
+    if cfg.optim.backend != "deepspeed":
+        raise ValueError(
+            f"nproc={cfg.nproc} needs optim.backend=deepspeed (got {cfg.optim.backend!r})"
+        )
+    config_file.write_text(cfg.model_dump_json(indent=2))
+    run_torchrun(module, ["--config", str(config_file), *args], cfg.nproc)
+
+
 def run_torchrun(module: str, args: list[str], nproc: int) -> None:
     """Launch ``module`` on ``nproc`` local processes and wait.
 

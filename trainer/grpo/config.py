@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.backends import OptimConfig
+from trainer.backends import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode
 
 
@@ -68,7 +68,7 @@ class GuardConfig(BaseModel):
     """Export the best held-out checkpoint under the guard rather than the last one."""
 
 
-class GRPOConfig(BaseModel):
+class GRPOConfig(ProcessSettings):
     """How the GRPO step trains.
 
     One step: ``prompts_per_step`` prompts × ``rollout.n_samples`` responses, updated in
@@ -93,14 +93,6 @@ class GRPOConfig(BaseModel):
     eval_samples: int = Field(2, ge=1)
     checkpoint_every: int = Field(0, ge=0)
     max_ckpt_num: int = Field(2, ge=1)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    gradient_checkpointing: bool = False
-    seed: int = 42
-    nproc: int = Field(1, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    cpu_threads: int = Field(0, ge=0)
-    """Torch threads per process on CPU; 0 keeps torch's default. Small models run fastest
-    on 1 thread, and a busy machine slows multi-threaded ops down badly."""
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> GRPOConfig:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import GRPOResult, read_summary, run_grpo
-from trainer.launch import run_torchrun
+from trainer.launch import run_step_processes
 
 
 def run_grpo_step(
@@ -26,28 +26,11 @@ def run_grpo_step(
         result = run_grpo(cfg, sft_model, train_path, eval_path, model_output, work_dir)
         assert result is not None  # a single process is rank 0
         return result
-    if cfg.optim.backend != "deepspeed":
-        raise ValueError(f"grpo.nproc={cfg.nproc} needs grpo.optim.backend=deepspeed")
-    config_file = work_dir / "grpo_config.json"
-    config_file.write_text(cfg.model_dump_json(indent=2))
-    run_torchrun(
-        "trainer.grpo",
-        [
-            "--config",
-            str(config_file),
-            "--sft-model",
-            str(sft_model),
-            "--train",
-            str(train_path),
-            "--eval",
-            str(eval_path),
-            "--model-output",
-            str(model_output),
-            "--work-dir",
-            str(work_dir),
-        ],
-        cfg.nproc,
-    )
+    args = [
+        "--sft-model", str(sft_model), "--train", str(train_path), "--eval", str(eval_path),
+        "--model-output", str(model_output), "--work-dir", str(work_dir),
+    ]  # fmt: skip
+    run_step_processes("trainer.grpo", cfg, args, work_dir / "grpo_config.json")
     return read_summary(work_dir)
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.backends import OptimConfig
+from trainer.backends import OptimConfig, ProcessSettings
 
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -27,7 +27,7 @@ class LoraSettings(BaseModel):
     """Modules trained fully beside the adapter (e.g. ``embed_tokens``, ``lm_head``)."""
 
 
-class SFTConfig(BaseModel):
+class SFTConfig(ProcessSettings):
     """How the SFT step trains.
 
     The global batch is ``micro_batch_size × gradient_accumulation_steps × processes``
@@ -52,14 +52,4 @@ class SFTConfig(BaseModel):
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every this many steps (0: never)."""
     keep_checkpoints: int = Field(2, ge=1)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """``auto``: bf16 on a GPU that supports it, else fp32."""
-    gradient_checkpointing: bool = False
-    seed: int = 42
-    nproc: int = Field(1, ge=1)
-    """Processes on this node (``torchrun --nproc_per_node``); >1 needs optim.backend=deepspeed."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    cpu_threads: int = Field(0, ge=0)
-    """Torch threads per process on CPU; 0 keeps torch's default. Small models run fastest
-    on 1 thread, and a busy machine slows multi-threaded ops down badly."""
     merge_check_prompts: int = Field(4, ge=1)

@@ -7,7 +7,7 @@ import html
 import json
 from pathlib import Path
 
-from trainer.launch import run_torchrun
+from trainer.launch import run_step_processes
 from trainer.sft.config import SFTConfig
 from trainer.sft.recipe import SUMMARY_FILE, SFTResult, run_sft
 
@@ -27,25 +27,13 @@ def run_sft_step(
         result = run_sft(cfg, base_model, train_path, eval_path, model_output, work_dir)
         assert result is not None  # a single process is rank 0
         return result
-    if cfg.optim.backend != "deepspeed":
-        raise ValueError(f"sft.nproc={cfg.nproc} needs sft.optim.backend=deepspeed")
-    config_file = work_dir / "sft_config.json"
-    config_file.write_text(cfg.model_dump_json(indent=2))
     args = [
-        "--config",
-        str(config_file),
-        "--base-model",
-        str(base_model),
-        "--train",
-        str(train_path),
-        "--model-output",
-        str(model_output),
-        "--work-dir",
-        str(work_dir),
-    ]
+        "--base-model", str(base_model), "--train", str(train_path),
+        "--model-output", str(model_output), "--work-dir", str(work_dir),
+    ]  # fmt: skip
     if eval_path:
         args += ["--eval", str(eval_path)]
-    run_torchrun("trainer.sft", args, cfg.nproc)
+    run_step_processes("trainer.sft", cfg, args, work_dir / "sft_config.json")
     return SFTResult(**json.loads((work_dir / SUMMARY_FILE).read_text()))
 
 

@@ -27,7 +27,13 @@ from eval.degeneracy import measure_degeneracy
 from eval.scoring import ComplianceScorer, RewardWeights, Verdict
 from trainer.backends import TorchBackend, make_backend
 from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
-from trainer.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from trainer.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    init_distributed,
+)
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt, load_prompts
@@ -286,7 +292,8 @@ def run_grpo(
                     **{f"eval_{k}": v for k, v in held_out.items()},
                 )
                 state["last_eval"] = {"step": done, **held_out}
-                if _better(cfg, held_out, state["baseline"], state["best"]):
+                # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
+                if broadcast_object(_better(cfg, held_out, state["baseline"], state["best"]), info):
                     state["best"] = {"step": done, **held_out}
                     _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:

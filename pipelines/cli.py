@@ -93,7 +93,7 @@ def run(
     """Run the pipeline. With --local: data prep (and the later steps) on this machine."""
     if not local:
         raise typer.BadParameter(
-            "only --local runs from here; for a cluster, `lingo compile` and submit the YAML",
+            "only --local runs from here; for a cluster use `lingo submit --endpoint URL`",
             param_hint="--local",
         )
     from pipelines.local_run import run_local
@@ -271,3 +271,92 @@ def estimate(
         raise typer.BadParameter(str(exc)) from exc
     except LayoutDoesNotFit:
         raise typer.Exit(1) from None
+
+
+EndpointOption = Annotated[
+    str,
+    typer.Option(
+        "--endpoint",
+        envvar="KFP_ENDPOINT",
+        help="KFP API base URL (bearer token, if needed, from $KFP_TOKEN).",
+    ),
+]
+
+
+@app.command()
+def submit(
+    endpoint: EndpointOption,
+    experiment: Annotated[
+        str, typer.Option(help="KFP experiment, created if missing.")
+    ] = "lingo-rl",
+    preset: PresetOption = DEFAULT_PRESET,
+    sets: SetOption = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the run until it ends.")] = False,
+) -> None:
+    """Compile the pipeline, upload it as a new version and start a run on a KFP server."""
+    from pipelines.kfp_client import (
+        KfpApiError,
+        KfpConnection,
+        RunFailedError,
+        submit_preset,
+        wait_for_run,
+    )
+
+    conn = KfpConnection.from_env(endpoint)
+    try:
+        submitted = submit_preset(conn, _load_preset(preset, sets), experiment=experiment)
+        typer.echo(f"run {submitted.run_id}: {submitted.url}")
+        if wait:
+            typer.echo(f"run {submitted.run_id}: {wait_for_run(conn, submitted.run_id).state}")
+    except (KfpApiError, RunFailedError) as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+
+
+@app.command()
+def schedule(
+    endpoint: EndpointOption,
+    cron: Annotated[str, typer.Option(help='Cron, 5 fields ("30 2 * * *") or KFP\'s 6.')],
+    preset: PresetOption = DEFAULT_PRESET,
+    sets: SetOption = None,
+    experiment: Annotated[
+        str, typer.Option(help="KFP experiment, created if missing.")
+    ] = "lingo-rl",
+) -> None:
+    """Schedule a recurring run that always uses the pipeline's latest version."""
+    from pipelines.kfp_client import KfpApiError, KfpConnection, schedule_preset
+
+    try:
+        recurring_id = schedule_preset(
+            KfpConnection.from_env(endpoint),
+            _load_preset(preset, sets),
+            cron,
+            experiment=experiment,
+        )
+    except ValueError as exc:  # a bad cron
+        raise typer.BadParameter(str(exc), param_hint="--cron") from exc
+    except KfpApiError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"recurring run {recurring_id} on {cron!r}")
+
+
+@app.command()
+def status(
+    run_id: Annotated[str, typer.Argument(help="The run id (lingo submit prints it).")],
+    endpoint: EndpointOption,
+) -> None:
+    """Show a run's state; exit 1 when it FAILED or was CANCELED."""
+    from pipelines.kfp_client import FAILED_STATES, KfpApiError, KfpConnection, get_run, run_url
+
+    conn = KfpConnection.from_env(endpoint)
+    try:
+        run = get_run(conn, run_id)
+    except KfpApiError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"{run.run_id} {run.state} {run.display_name} {run_url(conn, run_id)}")
+    if run.error:
+        typer.echo(f"error: {run.error}", err=True)
+    if run.state in FAILED_STATES:
+        raise typer.Exit(1)

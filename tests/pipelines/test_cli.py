@@ -11,7 +11,17 @@ def test_version_and_help_teach_the_commands():
     assert result.exit_code == 0 and result.output.startswith("lingo-rl ")
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("run", "compile", "data-prep", "presets"):
+    for command in (
+        "run",
+        "compile",
+        "data-prep",
+        "presets",
+        "estimate",
+        "eval",
+        "submit",
+        "schedule",
+        "status",
+    ):
         assert command in result.output
     assert "lingo run --local" in result.output
 
@@ -46,7 +56,7 @@ def test_bad_override_is_a_usage_error():
 
 def test_run_without_local_explains_what_to_do():
     result = runner.invoke(app, ["run"])
-    assert result.exit_code == 2 and "lingo compile" in result.output
+    assert result.exit_code == 2 and "lingo submit" in result.output
 
 
 def test_compile_writes_yaml(tmp_path):
@@ -54,3 +64,13 @@ def test_compile_writes_yaml(tmp_path):
     assert result.exit_code == 0 and (tmp_path / "p.yaml").read_text().startswith(
         "# PIPELINE DEFINITION"
     )
+
+
+def test_estimate_prints_the_table_and_fails_when_it_does_not_fit():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-gpt-oss", "--layout", "tiny-cpu"])
+    assert result.exit_code == 0, result.output
+    assert "verdict: fits" in result.output
+    result = runner.invoke(app, ["estimate", "--set", "micro_train_batch_size=64"])
+    assert result.exit_code == 1 and "does not fit" in result.output
+    result = runner.invoke(app, ["estimate", "--layout", "no-such-layout"])
+    assert result.exit_code == 2 and "no-such-layout" in result.output

@@ -1,0 +1,345 @@
+"""pipelines.kfp_client against a local HTTP server that speaks the KFP v2beta1 REST API.
+
+No KFP API server can run here (it needs Kubernetes, MySQL and Argo), so the server below is an
+emulator: a real ``http.server`` on 127.0.0.1 that records every call and answers with the
+documented v2beta1 response shapes. Request bodies are checked field by field against the
+models of ``kfp_server_api`` (the generated client of the same API), so a misspelt field fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from email import policy
+from email.parser import BytesParser
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import kfp_server_api
+import pytest
+
+from pipelines import kfp_client
+from pipelines.kfp_client import (
+    KfpApiError,
+    KfpConnection,
+    RunFailedError,
+    cron_with_seconds,
+    get_run,
+    schedule_preset,
+    submit_preset,
+    wait_for_run,
+)
+from pipelines.presets import apply_overrides, get_preset, pipeline_arguments
+
+TOKEN = "kfp-test-token-9f8e7d6c5b4a"
+
+
+def _check_fields(body: object, model: str, where: str = "") -> None:
+    """Every key of ``body`` is a field of ``kfp_server_api`` model ``model`` (recursively)."""
+    cls = getattr(kfp_server_api, model)
+    if hasattr(cls, "allowable_values"):  # an enum
+        assert body in cls.allowable_values, f"{where}: {body!r} not in {cls.allowable_values}"
+        return
+    json_to_attr = {v: k for k, v in cls.attribute_map.items()}
+    assert isinstance(body, dict), f"{where}: expected an object for {model}"
+    for key, value in body.items():
+        assert key in json_to_attr, f"{where}.{key} is not a field of {model}"
+        sub = cls.openapi_types[json_to_attr[key]]
+        if sub.startswith(("V2beta1", "RecurringRunMode")):
+            _check_fields(value, sub, f"{where}.{key}")
+
+
+class FakeKfp:
+    """State and recorded calls of the emulated KFP server."""
+
+    def __init__(self, run_states: list[dict]) -> None:
+        self.calls: list[dict] = []
+        self.pipelines: dict[str, dict] = {}
+        self.versions: dict[str, list[dict]] = {}
+        self.experiments: dict[str, dict] = {}
+        self.runs: dict[str, dict] = {}
+        self.run_states = run_states
+        self.counter = 0
+
+    def new_id(self, kind: str) -> str:
+        self.counter += 1
+        return f"{kind}-{self.counter:04d}"
+
+
+def _handler(fake: FakeKfp) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # keep pytest output clean
+            pass
+
+        def _reply(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _not_found(self, what: str) -> None:
+            message = f"{what} not found"
+            self._reply(404, {"error": message, "code": 5, "message": message, "details": []})
+
+        def _handle(self, method: str) -> None:
+            url = urlsplit(self.path)
+            query = {k: v[0] for k, v in parse_qs(url.query).items()}
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            call = {
+                "method": method,
+                "path": url.path,
+                "query": query,
+                "auth": self.headers.get("Authorization"),
+                "body": None,
+                "files": {},
+            }
+            content_type = self.headers.get("Content-Type", "")
+            if content_type.startswith("multipart/form-data"):
+                message = BytesParser(policy=policy.default).parsebytes(
+                    f"Content-Type: {content_type}\r\n\r\n".encode() + raw
+                )
+                for part in message.iter_parts():
+                    call["files"][part.get_param("name", header="content-disposition")] = (
+                        part.get_payload(decode=True)
+                    )
+            elif raw:
+                call["body"] = json.loads(raw)
+            fake.calls.append(call)
+            try:
+                self._route(method, url.path.removeprefix("/apis/v2beta1"), query, call)
+            except AssertionError as exc:  # a body field unknown to v2beta1: a 400, as KFP does
+                self._reply(400, {"error": str(exc), "code": 3, "message": str(exc)})
+
+        def _route(self, method: str, path: str, query: dict, call: dict) -> None:
+            parts = path.strip("/").split("/")
+            if (method, path) == ("GET", "/pipelines"):
+                name = json.loads(query["filter"])["predicates"][0]["string_value"]
+                hits = [p for p in fake.pipelines.values() if p["display_name"] == name]
+                return self._reply(
+                    200, {"pipelines": hits, "total_size": len(hits)} if hits else {}
+                )
+            if (method, path) == ("POST", "/pipelines/upload"):
+                pipeline = {
+                    "pipeline_id": fake.new_id("pipeline"),
+                    "name": query["name"],
+                    "display_name": query["display_name"],
+                    "created_at": "2026-01-01T00:00:00Z",
+                }
+                fake.pipelines[pipeline["pipeline_id"]] = pipeline
+                version = {
+                    "pipeline_id": pipeline["pipeline_id"],
+                    "pipeline_version_id": fake.new_id("version"),
+                    "display_name": query["name"],
+                }
+                fake.versions[pipeline["pipeline_id"]] = [version]
+                return self._reply(200, pipeline)
+            if (method, path) == ("POST", "/pipelines/upload_version"):
+                if query.get("pipelineid") not in fake.pipelines:
+                    return self._not_found(f"pipeline {query.get('pipelineid')}")
+                version = {
+                    "pipeline_id": query["pipelineid"],
+                    "pipeline_version_id": fake.new_id("version"),
+                    "name": query["name"],
+                    "display_name": query["display_name"],
+                }
+                fake.versions[query["pipelineid"]].insert(0, version)
+                return self._reply(200, version)
+            if method == "GET" and len(parts) == 3 and parts[0] == "pipelines":
+                versions = fake.versions.get(parts[1], [])
+                return self._reply(200, {"pipeline_versions": versions[:1], "total_size": 1})
+            if (method, path) == ("GET", "/experiments"):
+                name = json.loads(query["filter"])["predicates"][0]["string_value"]
+                hits = [e for e in fake.experiments.values() if e["display_name"] == name]
+                return self._reply(200, {"experiments": hits} if hits else {})
+            if (method, path) == ("POST", "/experiments"):
+                _check_fields(call["body"], "V2beta1Experiment")
+                experiment = {**call["body"], "experiment_id": fake.new_id("experiment")}
+                fake.experiments[experiment["experiment_id"]] = experiment
+                return self._reply(200, experiment)
+            if (method, path) == ("POST", "/runs"):
+                _check_fields(call["body"], "V2beta1Run")
+                run = {**call["body"], "run_id": fake.new_id("run"), "state": "PENDING"}
+                fake.runs[run["run_id"]] = {"run": run, "polls": 0}
+                return self._reply(200, run)
+            if method == "GET" and len(parts) == 2 and parts[0] == "runs":
+                if parts[1] not in fake.runs:
+                    return self._not_found(f"run {parts[1]}")
+                entry = fake.runs[parts[1]]
+                state = fake.run_states[min(entry["polls"], len(fake.run_states) - 1)]
+                entry["polls"] += 1
+                return self._reply(200, {**entry["run"], **state})
+            if (method, path) == ("POST", "/recurringruns"):
+                _check_fields(call["body"], "V2beta1RecurringRun")
+                recurring = {**call["body"], "recurring_run_id": fake.new_id("recurring")}
+                return self._reply(200, recurring)
+            return self._not_found(f"{method} {path}")
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._handle("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._handle("POST")
+
+    return Handler
+
+
+@pytest.fixture
+def kfp_server(request):
+    """A running emulated KFP server; ``request.param`` is the run's states, poll by poll."""
+    states = getattr(request, "param", [{"state": "RUNNING"}, {"state": "SUCCEEDED"}])
+    fake = FakeKfp(states)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    fake.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    yield fake
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def conn(kfp_server, monkeypatch) -> KfpConnection:
+    monkeypatch.setenv(kfp_client.TOKEN_ENV, TOKEN)
+    return KfpConnection.from_env(kfp_server.endpoint + "/")
+
+
+def _calls(fake: FakeKfp) -> list[tuple[str, str]]:
+    return [(c["method"], c["path"]) for c in fake.calls]
+
+
+def test_submit_uploads_creates_experiment_and_run_then_waits_to_success(kfp_server, conn, caplog):
+    caplog.set_level(logging.DEBUG)
+    preset = apply_overrides(get_preset("tiny-cpu"), {"sft.max_steps": "7"})
+
+    submitted = submit_preset(conn, preset, experiment="nightly")
+
+    assert _calls(kfp_server) == [
+        ("GET", "/apis/v2beta1/pipelines"),
+        ("POST", "/apis/v2beta1/pipelines/upload"),
+        ("GET", f"/apis/v2beta1/pipelines/{submitted.version.pipeline_id}/versions"),
+        ("GET", "/apis/v2beta1/experiments"),
+        ("POST", "/apis/v2beta1/experiments"),
+        ("POST", "/apis/v2beta1/runs"),
+    ]
+    assert all(c["auth"] == f"Bearer {TOKEN}" for c in kfp_server.calls)
+    upload = kfp_server.calls[1]
+    assert upload["query"]["name"] == "lingo-rl"
+    assert b"pipelineInfo:" in upload["files"]["uploadfile"]
+    assert kfp_server.calls[4]["body"] == {"display_name": "nightly"}
+    run_body = kfp_server.calls[5]["body"]
+    assert run_body["experiment_id"] == submitted.experiment_id
+    assert run_body["pipeline_version_reference"] == submitted.version.as_body()
+    assert submitted.version.pipeline_version_id.startswith("version-")
+    parameters = run_body["runtime_config"]["parameters"]
+    assert parameters == json.loads(json.dumps(pipeline_arguments(preset)))
+    assert parameters["sft_config"]["max_steps"] == 7
+    assert submitted.url == f"{kfp_server.endpoint}/#/runs/details/{submitted.run_id}"
+
+    final = wait_for_run(conn, submitted.run_id, poll_s=0)
+    assert final.state == "SUCCEEDED" and final.done
+    assert [r.getMessage() for r in caplog.records if "run run-" in r.getMessage()][-2:] == [
+        f"run {submitted.run_id}: RUNNING",
+        f"run {submitted.run_id}: SUCCEEDED",
+    ]
+    assert get_run(conn, submitted.run_id).state == "SUCCEEDED"
+    assert TOKEN not in caplog.text and TOKEN not in repr(conn)
+
+
+def test_second_submit_uploads_a_new_version_and_reuses_the_experiment(kfp_server, conn):
+    first = submit_preset(conn, get_preset("tiny-cpu"))
+    kfp_server.calls.clear()
+
+    second = submit_preset(conn, get_preset("tiny-cpu"))
+
+    assert _calls(kfp_server) == [
+        ("GET", "/apis/v2beta1/pipelines"),
+        ("POST", "/apis/v2beta1/pipelines/upload_version"),
+        ("GET", "/apis/v2beta1/experiments"),
+        ("POST", "/apis/v2beta1/runs"),
+    ]
+    assert kfp_server.calls[1]["query"]["pipelineid"] == first.version.pipeline_id
+    assert kfp_server.calls[1]["query"]["name"].startswith("lingo-rl-")
+    assert second.version.pipeline_id == first.version.pipeline_id
+    assert second.version.pipeline_version_id != first.version.pipeline_version_id
+    assert second.experiment_id == first.experiment_id
+    assert kfp_server.calls[3]["body"]["pipeline_version_reference"] == second.version.as_body()
+
+
+def test_schedule_creates_an_enabled_cron_recurring_run_on_the_latest_version(kfp_server, conn):
+    recurring_id = schedule_preset(conn, get_preset("tiny-cpu"), "30 2 * * *")
+
+    assert recurring_id.startswith("recurring-")
+    assert _calls(kfp_server)[-1] == ("POST", "/apis/v2beta1/recurringruns")
+    body = kfp_server.calls[-1]["body"]
+    assert body["trigger"] == {"cron_schedule": {"cron": "0 30 2 * * *"}}
+    assert body["mode"] == "ENABLE"
+    pipeline_id = next(iter(kfp_server.pipelines))
+    assert body["pipeline_version_reference"] == {"pipeline_id": pipeline_id}
+    assert body["experiment_id"] in kfp_server.experiments
+    assert body["runtime_config"]["parameters"]["data_source"] == "bundled"
+
+
+@pytest.mark.parametrize(
+    "kfp_server",
+    [[{"state": "RUNNING"}, {"state": "FAILED", "error": {"code": 2, "message": "sft OOMKilled"}}]],
+    indirect=True,
+)
+def test_a_failed_run_raises_with_the_server_message(kfp_server, conn):
+    submitted = submit_preset(conn, get_preset("tiny-cpu"))
+    with pytest.raises(RunFailedError, match=rf"run {submitted.run_id} FAILED: sft OOMKilled"):
+        wait_for_run(conn, submitted.run_id, poll_s=0)
+
+
+@pytest.mark.parametrize("kfp_server", [[{"state": "RUNNING"}]], indirect=True)
+def test_wait_times_out_on_a_run_that_never_ends(kfp_server, conn):
+    submitted = submit_preset(conn, get_preset("tiny-cpu"))
+    with pytest.raises(TimeoutError, match="still RUNNING"):
+        wait_for_run(conn, submitted.run_id, poll_s=0.01, timeout_s=0.05)
+
+
+def test_http_errors_name_the_endpoint_status_and_message(kfp_server, conn):
+    with pytest.raises(KfpApiError) as info:
+        get_run(conn, "no-such-run")
+    assert info.value.status == 404
+    assert str(info.value) == (
+        f"KFP GET {kfp_server.endpoint}/apis/v2beta1/runs/no-such-run failed (HTTP 404): "
+        "run no-such-run not found"
+    )
+    assert TOKEN not in str(info.value)
+
+
+def test_an_unreachable_server_is_a_clear_error(tmp_path: Path):
+    conn = KfpConnection("http://127.0.0.1:9", timeout_s=2)
+    with pytest.raises(
+        KfpApiError, match=r"KFP GET http://127.0.0.1:9/apis/v2beta1/runs/x .*no response"
+    ):
+        get_run(conn, "x")
+
+
+def test_no_token_sends_no_authorization_header(kfp_server, monkeypatch):
+    monkeypatch.delenv(kfp_client.TOKEN_ENV, raising=False)
+    with pytest.raises(KfpApiError):
+        get_run(KfpConnection.from_env(kfp_server.endpoint), "missing")
+    assert kfp_server.calls[0]["auth"] is None
+
+
+def test_endpoint_needs_a_scheme():
+    with pytest.raises(ValueError, match="must start with http"):
+        KfpConnection("kfp.example.com")
+
+
+@pytest.mark.parametrize(
+    ("cron", "expected"),
+    [("0 3 * * 1-5", "0 0 3 * * 1-5"), ("15 0 3 * * *", "15 0 3 * * *")],
+)
+def test_cron_gets_kfp_seconds_field(cron, expected):
+    assert cron_with_seconds(cron) == expected
+
+
+def test_cron_with_wrong_field_count_is_rejected():
+    with pytest.raises(ValueError, match="expected 5 fields"):
+        cron_with_seconds("daily")

@@ -16,6 +16,7 @@ from components.models import base_model, capacity_check, sft
 from data_prep.config import DataPrepConfig
 from eval.eval_config import EvalConfig
 from eval.gate import GateConfig
+from pipelines.platform import ClusterSettings, get_platform, with_platform
 from pipelines.presets import ModelSource, Preset, config_dict
 from trainer.grpo.config import GRPOConfig
 from trainer.sft.config import SFTConfig
@@ -45,98 +46,117 @@ class PipelineOutputs(NamedTuple):
     eval_results: Artifact
 
 
-@dsl.pipeline(
-    name=PIPELINE_NAME,
-    description=(
-        "GRPO post-training of gpt-oss to reason and answer in the user's language: "
-        "data prep → SFT → GRPO → eval."
-    ),
-)
-def lingo_pipeline(
-    data_source: str = _DATA.source,
-    data_hub_split: str = _DATA.hub_split,
-    data_eval_fraction: float = _DATA.eval_fraction,
-    data_seed: int = _DATA.seed,
-    data_max_bad_fraction: float = _DATA.max_bad_fraction,
-    data_answer_language_policy: str = _DATA.answer_language_policy,
-    data_max_field_chars: int = _DATA.max_field_chars,
-    data_reasoning_effort: str = _DATA.reasoning_effort,
-    data_augment_factor: int = _DATA.augment_factor,
-    data_workers: int = _DATA.workers,
-    model_source: str = _MODEL.source,
-    model_tiny_config: dict = _TINY_DEFAULT,
-    sft_config: dict = _SFT_DEFAULT,
-    grpo_config: dict = _GRPO_DEFAULT,
-    eval_config: dict = _EVAL_DEFAULT,
-    gate_config: dict = _GATE_DEFAULT,
-    layout: str = _LAYOUT_DEFAULT,
-    layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
-    mlflow_tracking_uri: str = "",
-) -> PipelineOutputs:
-    prep = data_prep(
-        source=data_source,
-        hub_split=data_hub_split,
-        eval_fraction=data_eval_fraction,
-        seed=data_seed,
-        max_bad_fraction=data_max_bad_fraction,
-        answer_language_policy=data_answer_language_policy,
-        max_field_chars=data_max_field_chars,
-        reasoning_effort=data_reasoning_effort,
-        augment_factor=data_augment_factor,
-        workers=data_workers,
+def build_pipeline(platform_settings: ClusterSettings | None = None):
+    """The pipeline with Kubernetes platform settings applied to its tasks (none: local)."""
+    platform = with_platform(platform_settings or get_platform("local"))
+
+    @dsl.pipeline(
+        name=PIPELINE_NAME,
+        description=(
+            "GRPO post-training of gpt-oss to reason and answer in the user's language: "
+            "data prep → SFT → GRPO → eval."
+        ),
     )
-    prep.set_display_name("data prep")
-    base = base_model(source=model_source, tiny_config=model_tiny_config)
-    base.set_display_name("base model")
-    capacity = capacity_check(
-        base_model=base.outputs["model"], layout=layout, overrides=layout_overrides
-    )
-    capacity.set_display_name("capacity check")
-    tuned = sft(
-        train_data=prep.outputs["train_data"],
-        eval_data=prep.outputs["eval_data"],
-        base_model=base.outputs["model"],
-        config=sft_config,
-    )
-    tuned.set_display_name("SFT + merge")
-    tuned.after(capacity)
-    policy = grpo(
-        train_data=prep.outputs["train_data"],
-        eval_data=prep.outputs["eval_data"],
-        sft_model=tuned.outputs["model"],
-        config=grpo_config,
-    )
-    policy.set_display_name("GRPO")
-    evaluation = evaluate(
-        base_model=base.outputs["model"],
-        sft_model=tuned.outputs["model"],
-        grpo_model=policy.outputs["model"],
-        config=eval_config,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-    )
-    evaluation.set_display_name("eval: base vs SFT vs GRPO")
-    decision = gate(
-        results=evaluation.outputs["results"],
-        grpo_model=policy.outputs["model"],
-        config=gate_config,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-    )
-    decision.set_display_name("promotion gate")
-    with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
-        register(
+    def lingo_pipeline(
+        data_source: str = _DATA.source,
+        data_hub_split: str = _DATA.hub_split,
+        data_eval_fraction: float = _DATA.eval_fraction,
+        data_seed: int = _DATA.seed,
+        data_max_bad_fraction: float = _DATA.max_bad_fraction,
+        data_answer_language_policy: str = _DATA.answer_language_policy,
+        data_max_field_chars: int = _DATA.max_field_chars,
+        data_reasoning_effort: str = _DATA.reasoning_effort,
+        data_augment_factor: int = _DATA.augment_factor,
+        data_workers: int = _DATA.workers,
+        model_source: str = _MODEL.source,
+        model_tiny_config: dict = _TINY_DEFAULT,
+        sft_config: dict = _SFT_DEFAULT,
+        grpo_config: dict = _GRPO_DEFAULT,
+        eval_config: dict = _EVAL_DEFAULT,
+        gate_config: dict = _GATE_DEFAULT,
+        layout: str = _LAYOUT_DEFAULT,
+        layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
+        mlflow_tracking_uri: str = "",
+    ) -> PipelineOutputs:
+        prep = data_prep(
+            source=data_source,
+            hub_split=data_hub_split,
+            eval_fraction=data_eval_fraction,
+            seed=data_seed,
+            max_bad_fraction=data_max_bad_fraction,
+            answer_language_policy=data_answer_language_policy,
+            max_field_chars=data_max_field_chars,
+            reasoning_effort=data_reasoning_effort,
+            augment_factor=data_augment_factor,
+            workers=data_workers,
+        )
+        prep.set_display_name("data prep")
+        platform(prep, "data-prep")
+        base = base_model(source=model_source, tiny_config=model_tiny_config)
+        base.set_display_name("base model")
+        platform(base, "base-model")
+        capacity = capacity_check(
+            base_model=base.outputs["model"], layout=layout, overrides=layout_overrides
+        )
+        capacity.set_display_name("capacity check")
+        platform(capacity, "capacity-check")
+        tuned = sft(
+            train_data=prep.outputs["train_data"],
+            eval_data=prep.outputs["eval_data"],
+            base_model=base.outputs["model"],
+            config=sft_config,
+        )
+        tuned.set_display_name("SFT + merge")
+        platform(tuned, "sft")
+        tuned.after(capacity)
+        policy = grpo(
+            train_data=prep.outputs["train_data"],
+            eval_data=prep.outputs["eval_data"],
+            sft_model=tuned.outputs["model"],
+            config=grpo_config,
+        )
+        policy.set_display_name("GRPO")
+        platform(policy, "grpo")
+        evaluation = evaluate(
+            base_model=base.outputs["model"],
+            sft_model=tuned.outputs["model"],
+            grpo_model=policy.outputs["model"],
+            config=eval_config,
+            mlflow_tracking_uri=mlflow_tracking_uri,
+        )
+        evaluation.set_display_name("eval: base vs SFT vs GRPO")
+        platform(evaluation, "evaluate")
+        decision = gate(
             results=evaluation.outputs["results"],
             grpo_model=policy.outputs["model"],
             config=gate_config,
             mlflow_tracking_uri=mlflow_tracking_uri,
-        ).set_display_name("register champion")
-    return PipelineOutputs(
-        train_data=prep.outputs["train_data"],
-        eval_data=prep.outputs["eval_data"],
-        dataset_card=prep.outputs["card"],
-        sft_model=tuned.outputs["model"],
-        sft_report=tuned.outputs["loss_plot"],
-        grpo_model=policy.outputs["model"],
-        grpo_report=policy.outputs["report"],
-        eval_report=evaluation.outputs["report"],
-        eval_results=evaluation.outputs["results"],
-    )
+        )
+        decision.set_display_name("promotion gate")
+        platform(decision, "gate")
+        with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
+            registered = register(
+                results=evaluation.outputs["results"],
+                grpo_model=policy.outputs["model"],
+                config=gate_config,
+                mlflow_tracking_uri=mlflow_tracking_uri,
+            )
+            registered.set_display_name("register champion")
+            platform(registered, "register")
+        return PipelineOutputs(
+            train_data=prep.outputs["train_data"],
+            eval_data=prep.outputs["eval_data"],
+            dataset_card=prep.outputs["card"],
+            sft_model=tuned.outputs["model"],
+            sft_report=tuned.outputs["loss_plot"],
+            grpo_model=policy.outputs["model"],
+            grpo_report=policy.outputs["report"],
+            eval_report=evaluation.outputs["report"],
+            eval_results=evaluation.outputs["results"],
+        )
+
+    return lingo_pipeline
+
+
+lingo_pipeline = build_pipeline()
+"""The pipeline without platform settings: what ``lingo run --local`` and the kept YAML use."""

@@ -46,6 +46,9 @@ class Preset(BaseModel):
     layout: str = "tiny-cpu"
     """Capacity-planner layout checked before SFT/GRPO (``lingo estimate --layout``)."""
     layout_overrides: dict[str, str] = Field(default_factory=dict)
+    platform: str = "local"
+    """Kubernetes settings compiled into the pipeline (pipelines/platform.py): ``local`` (none),
+    ``g5.12xlarge``, ``p5en.48xlarge``."""
 
 
 TINY_CPU = Preset(
@@ -92,6 +95,7 @@ TINY_CPU = Preset(
 
 GPT_OSS_20B = Preset(
     layout="g5.12xlarge-x6-openrlhf",
+    platform="g5.12xlarge",
     name="gpt-oss-20b",
     description=(
         "openai/gpt-oss-20b on the full HuggingFaceH4/Multilingual-Thinking dataset; "
@@ -161,6 +165,7 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
             "on 8 GPUs a node; DeepSpeed until the Megatron backend lands"
         ),
         "layout": "p5en.48xlarge-x2-megatron",
+        "platform": "p5en.48xlarge",
         "grpo": GPT_OSS_20B.grpo.model_copy(
             update={
                 "rollout": GPT_OSS_20B.grpo.rollout.model_copy(

@@ -12,7 +12,8 @@ from pipelines.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset, pipel
 
 
 def _load(path):
-    return yaml.safe_load(path.read_text())
+    """The pipeline spec: the first YAML document (a second one holds the platform spec)."""
+    return next(yaml.safe_load_all(path.read_text()))
 
 
 def test_kept_yaml_has_not_drifted(tmp_path):
@@ -62,3 +63,18 @@ def test_preset_values_become_parameter_defaults(tmp_path):
     path = compile_pipeline(tmp_path / "p.yaml", get_preset("gpt-oss-20b"))
     inputs = _load(path)["root"]["inputDefinitions"]["parameters"]
     assert inputs["data_source"]["defaultValue"] == "HuggingFaceH4/Multilingual-Thinking"
+
+
+def test_cluster_presets_compile_with_a_strict_platform_spec(tmp_path):
+    from kfp.pipeline_spec import pipeline_spec_pb2 as pb
+
+    path = compile_pipeline(tmp_path / "p.yaml", get_preset("gpt-oss-20b"))
+    spec_doc, platform_doc = list(yaml.safe_load_all(path.read_text()))
+    json_format.ParseDict(spec_doc, pb.PipelineSpec(), ignore_unknown_fields=False)
+    platform = json_format.ParseDict(platform_doc, pb.PlatformSpec(), ignore_unknown_fields=False)
+    executors = platform.platforms["kubernetes"].deployment_spec.executors
+    sft = dict(executors["exec-sft"])
+    assert sft["pvcMount"][0]["constant"] == "lingo-workspace"
+    assert "nodeSelector" in sft
+    # the local preset (the kept YAML) carries no platform settings
+    assert len(list(yaml.safe_load_all(COMPILED_PIPELINE.read_text()))) == 1

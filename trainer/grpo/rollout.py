@@ -98,12 +98,12 @@ class HFRolloutEngine:
                 position_ids=positions[:, :-1],
                 use_cache=True,
                 logits_to_keep=1,
-            ).past_key_values
+            ).cache
             cache.batch_repeat_interleave(n)
         generated = self.model.generate(
             input_ids=ids.repeat_interleave(n, 0),
             attention_mask=mask.repeat_interleave(n, 0),
-            past_key_values=cache,
+            cache=cache,
             do_sample=True,
             temperature=self.cfg.temperature,
             top_p=self.cfg.top_p,

@@ -1,0 +1,38 @@
+"""The command line of one training process (``python -m trainer.sft`` / ``trainer.grpo``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+
+def step_main(
+    prog: str,
+    config_class: type[BaseModel],
+    run: Callable[..., object],
+    model_flag: str,
+    eval_required: bool,
+    argv: list[str] | None = None,
+) -> None:
+    """Parse ``--config JSON --<model_flag> DIR --train --eval --model-output --work-dir`` and
+    call ``run(config, model, train, eval, model_output, work_dir)``."""
+    parser = argparse.ArgumentParser(prog=prog, description=f"One process of {prog}.")
+    parser.add_argument(
+        "--config", type=Path, required=True, help=f"{config_class.__name__} as JSON"
+    )
+    parser.add_argument(f"--{model_flag}", dest="model", required=True)
+    parser.add_argument("--train", required=True)
+    parser.add_argument("--eval", required=eval_required, default=None)
+    parser.add_argument("--model-output", required=True)
+    parser.add_argument("--work-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = config_class.model_validate(json.loads(args.config.read_text()))
+    run(config, args.model, args.train, args.eval, args.model_output, args.work_dir)

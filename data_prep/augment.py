@@ -14,12 +14,12 @@ Off by default (``augment_factor = 0``); the ``tiny-cpu`` preset turns it on.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import defaultdict
 from pathlib import Path
 
-from data_prep.atomic import atomic_writer
+import orjson
+
 from data_prep.labels import RowLabels
 from data_prep.records import build_record, content_key
 from data_prep.validate import ValidRow
@@ -27,10 +27,12 @@ from eval.languages import LanguageLabels
 from eval.sentences import split_sentences
 
 
-def augment_train_file(path: str | Path, factor: int, seed: int, reasoning_effort: str) -> int:
-    """Append ``factor`` synthetic examples per train row to ``path``; returns how many."""
-    path = Path(path)
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+def append_synthetic(records_path: Path, out, factor: int, seed: int, reasoning_effort: str) -> int:
+    """Append ``factor`` synthetic examples per record of ``records_path`` to ``out`` (binary).
+
+    Returns how many were written.
+    """
+    records = [orjson.loads(line) for line in Path(records_path).read_bytes().splitlines() if line]
     if factor <= 0 or not records:
         return 0
     analysis_pool: dict[str, list[str]] = defaultdict(list)
@@ -40,31 +42,28 @@ def augment_train_file(path: str | Path, factor: int, seed: int, reasoning_effor
         final_pool[record["answer_language"]] += split_sentences(record["final"])
     rng = random.Random(f"augment:{seed}")
     added = 0
-    with atomic_writer(path, "w") as out:
+    for k in range(factor):
         for record in records:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        for k in range(factor):
-            for record in records:
-                analyses = analysis_pool[record["reasoning_language"]]
-                finals = final_pool[record["answer_language"]]
-                if not analyses or not finals:
-                    continue
-                row = ValidRow(
-                    reasoning_language=record["reasoning_language"],
-                    developer=record["developer"],
-                    user=record["user"],
-                    analysis=" ".join(rng.sample(analyses, min(len(analyses), rng.randint(1, 3)))),
-                    final=" ".join(rng.sample(finals, min(len(finals), rng.randint(1, 2)))),
-                )
-                labels = RowLabels(
-                    LanguageLabels(record["reasoning_language"], record["answer_language"]),
-                    record["user_language"],
-                    record["answer_language_source"],
-                )
-                origin = f"synthetic:{record['id']}:{k}"
-                synthetic = build_record(row, labels, origin, content_key(row), reasoning_effort)
-                synthetic["id"] = f"syn-{synthetic['id'][3:]}"
-                synthetic["synthetic"] = True
-                out.write(json.dumps(synthetic, ensure_ascii=False) + "\n")
-                added += 1
+            analyses = analysis_pool[record["reasoning_language"]]
+            finals = final_pool[record["answer_language"]]
+            if not analyses or not finals:
+                continue
+            row = ValidRow(
+                reasoning_language=record["reasoning_language"],
+                developer=record["developer"],
+                user=record["user"],
+                analysis=" ".join(rng.sample(analyses, min(len(analyses), rng.randint(1, 3)))),
+                final=" ".join(rng.sample(finals, min(len(finals), rng.randint(1, 2)))),
+            )
+            labels = RowLabels(
+                LanguageLabels(record["reasoning_language"], record["answer_language"]),
+                record["user_language"],
+                record["answer_language_source"],
+            )
+            origin = f"synthetic:{record['id']}:{k}"
+            synthetic = build_record(row, labels, origin, content_key(row), reasoning_effort)
+            synthetic["id"] = f"syn-{synthetic['id'][3:]}"
+            synthetic["synthetic"] = True
+            out.write(orjson.dumps(synthetic, option=orjson.OPT_APPEND_NEWLINE))
+            added += 1
     return added

@@ -12,8 +12,9 @@ The split hash is seeded and depends only on a row's content, so the split is de
 independent of row order, and exactly stratified by reasoning language. Hashes are 64-bit:
 two different rows are taken for duplicates with probability about n² / 2⁶⁵ (3·10⁻⁸ for a
 million rows).
-Outputs appear atomically, only when the whole step succeeded; ``quarantine.jsonl`` is written
-even when the step fails (too many bad rows), so the rejected rows can be inspected.
+All outputs are written to temp files and appear together, fsynced, only when the whole step
+succeeded; ``quarantine.jsonl`` alone is put in place when the step fails (too many bad rows),
+so the rejected rows can be inspected.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from data_prep.atomic import atomic_write_text, atomic_writer
-from data_prep.augment import augment_train_file
+from data_prep.atomic import PendingFiles
+from data_prep.augment import append_synthetic
 from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
 from data_prep.process import ANSWER_SOURCES, Bad, process_rows, quarantine_entry
@@ -120,9 +121,9 @@ def prepare_dataset(
     spool_dir = Path(train_path).parent
     spool_dir.mkdir(parents=True, exist_ok=True)
     spool_fd, spool_name = tempfile.mkstemp(prefix=".spool-", suffix=".jsonl", dir=spool_dir)
-    failure: Exception | None = None
     try:
-        with atomic_writer(quarantine_path, "wb") as quarantine:
+        with PendingFiles() as outputs:
+            quarantine = outputs.open(quarantine_path)
             with os.fdopen(spool_fd, "wb") as spool:
                 rows = _first_pass(config, report, spool, quarantine)
             failure = _bad_fraction_error(config, report)
@@ -130,20 +131,22 @@ def prepare_dataset(
                 failure = EmptyDatasetError(
                     f"{config.source}: no valid rows ({report.rows_read} read)"
                 )
-            if failure is None:
-                _second_pass(
-                    config, report, Path(spool_name), rows, train_path, eval_path, quarantine
-                )
+            if failure is not None:
+                outputs.commit(only=[quarantine_path])  # rejected rows stay inspectable
+                raise failure  # train/eval are not written
+            train, evaluation = outputs.open(train_path), outputs.open(eval_path)
+            _second_pass(config, report, Path(spool_name), rows, train, evaluation, quarantine)
+            if config.augment_factor:
+                train.flush()
+                report.synthetic_rows = append_synthetic(
+                    outputs.temp_path(train_path), train, config.augment_factor, config.seed,
+                    config.reasoning_effort,
+                )  # fmt: skip
+            if card_path is not None:
+                outputs.open(card_path).write(render_card(config, report).encode())
+            outputs.commit()  # every output appears at once
     finally:
         Path(spool_name).unlink(missing_ok=True)
-    if failure is not None:
-        raise failure  # quarantine.jsonl is written; train/eval are not
-    if config.augment_factor:
-        report.synthetic_rows = augment_train_file(
-            train_path, config.augment_factor, config.seed, config.reasoning_effort
-        )
-    if card_path is not None:
-        atomic_write_text(card_path, render_card(config, report))
     log.info(
         "data prep: %d rows read, %d train, %d eval, %d quarantined (%d duplicates)",
         report.rows_read,
@@ -219,9 +222,7 @@ def _first_occurrences(content_hashes: np.ndarray) -> np.ndarray:
     return first
 
 
-def _second_pass(
-    config, report, spool: Path, rows: _SpooledRows, train_path, eval_path, quarantine
-):
+def _second_pass(config, report, spool: Path, rows: _SpooledRows, train, evaluation, quarantine):
     languages = np.frombuffer(rows.languages, dtype=np.uint8)
     split_hashes = np.frombuffer(rows.split_hashes, dtype=np.uint64)
     row_numbers = np.frombuffer(rows.row_numbers, dtype=np.uint64)
@@ -236,11 +237,7 @@ def _second_pass(
     for i, threshold in enumerate(thresholds):
         if threshold is not None:
             is_eval |= (languages == i) & (split_hashes <= threshold) & ~duplicate
-    with (
-        spool.open("rb") as src,
-        atomic_writer(train_path, "wb") as train,
-        atomic_writer(eval_path, "wb") as evaluation,
-    ):
+    with spool.open("rb") as src:
         for i, line in enumerate(src):
             if duplicate[i]:
                 _quarantine_duplicate(

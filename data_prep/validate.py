@@ -98,7 +98,7 @@ def _check_text(field: str, value: Any, max_chars: int, where: str = "field") ->
         return Rejection(
             NOT_A_STRING, f"{where} {field!r} is a {type(value).__name__}, not a string"
         )
-    if not value.strip():
+    if not value or value.isspace():
         return Rejection(EMPTY_FIELD, f"{where} {field!r} is empty")
     if len(value) > max_chars:
         return Rejection(
@@ -132,7 +132,9 @@ def _check_messages(data: dict, max_chars: int) -> Rejection | None:
         ("messages[2] (assistant)", "content", assistant.get("content"), "final"),
         ("messages[2] (assistant)", "thinking", assistant.get("thinking"), "analysis"),
     ):
-        if not isinstance(value, str) or value.strip() != data[field].strip():
+        if not isinstance(value, str) or (
+            value != data[field] and value.strip() != data[field].strip()
+        ):
             shown = "missing" if value is None else f"a {type(value).__name__}"
             what = "differs from" if isinstance(value, str) else f"is {shown}, expected"
             return Rejection(BROKEN_MESSAGES, f"{where} {key} {what} field {field!r}")

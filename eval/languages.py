@@ -49,6 +49,9 @@ _ALIASES: dict[str, str] = {
 }
 
 
+_CODES = frozenset(SUPPORTED_LANGUAGES)
+
+
 class UnknownLanguageError(ValueError):
     """A language name or code that lingo-rl does not train for."""
 
@@ -61,6 +64,8 @@ def normalize_language(value: object) -> str:
     Raises:
         UnknownLanguageError: ``value`` is not a string naming one of SUPPORTED_LANGUAGES.
     """
+    if isinstance(value, str) and value in _CODES:  # already a code: the hot-path case
+        return value
     if not isinstance(value, str):
         raise UnknownLanguageError(
             f"language must be a string, got {type(value).__name__}: {value!r}"

@@ -24,6 +24,10 @@ from trainer.distributed import DistInfo
 log = logging.getLogger(__name__)
 
 
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the last checkpoint is left as it was."""
+
+
 class OptimConfig(BaseModel):
     """Optimizer, schedule and backend settings shared by SFT and GRPO."""
 

@@ -52,6 +52,17 @@ def init_distributed(device: str = "auto", cpu_threads: int = 0) -> DistInfo:
     )
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the same seed on every rank)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def all_reduce_sum(value: float, info: DistInfo) -> float:
     """Sum a number over all processes (itself when there is one)."""
     if info.world_size == 1:

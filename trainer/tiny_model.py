@@ -113,8 +113,9 @@ def bundled_corpus() -> list[str]:
         if isinstance(outcome, Good):
             record = json.loads(outcome.record)
             texts.append(record["prompt"] + record["completion"])
-    eval_file = Path(__file__).resolve().parent.parent / "eval" / "data" / "eval_50.jsonl"
-    texts += [json.loads(line)["question"] for line in eval_file.read_text().splitlines()]
+    from eval.runner import BUNDLED_QUESTIONS
+
+    texts += [json.loads(line)["question"] for line in BUNDLED_QUESTIONS.read_text().splitlines()]
     return texts
 
 

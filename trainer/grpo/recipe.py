@@ -25,7 +25,7 @@ from tqdm import tqdm
 from eval.adapters import LanguageComplianceReward
 from eval.degeneracy import measure_degeneracy
 from eval.scoring import ComplianceScorer, RewardWeights, Verdict
-from trainer.backends import TorchBackend, make_backend
+from trainer.backends import NonFiniteLossError, TorchBackend, make_backend
 from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
 from trainer.distributed import (
     DistInfo,
@@ -33,12 +33,13 @@ from trainer.distributed import (
     barrier,
     broadcast_object,
     init_distributed,
+    seed_everything,
 )
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt, load_prompts
 from trainer.grpo.rollout import HFRolloutEngine, Rollout
-from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
+from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics
 from trainer.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 from trainer.tracking import log_artifact, mlflow_run
 
@@ -46,10 +47,6 @@ log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "grpo_summary.json"
 BEST_DIR = "best_policy"
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite; the last checkpoint is left as it was."""
 
 
 @dataclass
@@ -78,12 +75,6 @@ class _Batch:
     keep: torch.Tensor
     """1 for samples in groups with signal (or all, when filtering is off), else 0."""
     results: list
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
@@ -175,7 +166,7 @@ def run_grpo(
     """Train the policy from the SFT model; returns the result on rank 0 (None elsewhere)."""
     info = init_distributed(cfg.device, cfg.cpu_threads)
     work_dir, model_output = Path(work_dir), Path(model_output)
-    _seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
     tokenizer = load_tokenizer(sft_model)
     dtype = resolve_dtype(cfg.dtype, info.device)
     policy = load_causal_lm(sft_model, dtype, info.device)
@@ -560,7 +551,3 @@ def _export(source: Path, model_output: Path) -> None:
 def read_summary(work_dir: str | Path) -> GRPOResult:
     """The result a (possibly torchrun) GRPO run left in ``work_dir``."""
     return GRPOResult(**json.loads((Path(work_dir) / SUMMARY_FILE).read_text()))
-
-
-def metric_lines(work_dir: str | Path) -> list[dict]:
-    return read_metrics(Path(work_dir) / METRICS_FILE)

@@ -9,17 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer.backends import TorchBackend, make_backend
+from trainer.backends import NonFiniteLossError, TorchBackend, make_backend
 from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
-from trainer.distributed import DistInfo, all_reduce_sum, init_distributed
+from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
 from trainer.modeling import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
 from trainer.sft.config import SFTConfig
@@ -36,10 +34,6 @@ from trainer.tracking import log_artifact, mlflow_run
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sft_summary.json"
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite; the last checkpoint is left as it was."""
 
 
 @dataclass
@@ -61,12 +55,6 @@ class SFTResult:
 
 def _target_count(example: Example) -> int:
     return sum(1 for t in example.labels[1:] if t != -100)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def evaluate(module, examples: list[Example], micro_batch_size: int, pad_id: int, device) -> float:
@@ -103,7 +91,7 @@ def run_sft(
     """
     info = init_distributed(cfg.device, cfg.cpu_threads)
     work_dir, model_output = Path(work_dir), Path(model_output)
-    _seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
 
     tokenizer = load_tokenizer(base_model)
     dtype = resolve_dtype(cfg.dtype, info.device)

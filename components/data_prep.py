@@ -23,12 +23,15 @@ def data_prep(
     quarantine: Output[Dataset],
     metrics: Output[Metrics],
     card: Output[Markdown],
+    mlflow_tracking_uri: str = "",
+    mlflow_parent_run_id: str = "",
 ):
     """Validate, label and render Multilingual-Thinking rows into train/eval JSONL."""
     import logging
 
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare_dataset
+    from trainer.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = DataPrepConfig(
@@ -43,7 +46,14 @@ def data_prep(
         augment_factor=augment_factor,
         workers=workers,
     )
-    report = prepare_dataset(config, train_data.path, eval_data.path, quarantine.path, card.path)
+    configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
+    with mlflow_run("data-prep", config.model_dump()) as run:
+        report = prepare_dataset(
+            config, train_data.path, eval_data.path, quarantine.path, card.path
+        )
+        if run is not None:
+            log_metrics(report.metrics())
+            log_artifact(card.path, artifact_path="data-prep")
     for name, value in report.metrics().items():
         metrics.log_metric(name, value)
     train_data.metadata.update(

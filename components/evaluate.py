@@ -25,6 +25,7 @@ def evaluate(
     metrics: Output[Metrics],
     grpo_model: Input[Model] = None,
     mlflow_tracking_uri: str = "",
+    mlflow_parent_run_id: str = "",
 ):
     """Run base, SFT (and GRPO) side by side over the eval set; publish results and reports."""
     import logging
@@ -32,7 +33,7 @@ def evaluate(
     from eval.eval_step import run_eval_step, use_tracking_uri
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    use_tracking_uri(mlflow_tracking_uri)
+    use_tracking_uri(mlflow_tracking_uri, mlflow_parent_run_id)
     models = {
         "base": base_model.path,
         "sft": sft_model.path,
@@ -51,6 +52,7 @@ def gate(
     config: dict,
     report: Output[Markdown],
     mlflow_tracking_uri: str = "",
+    mlflow_parent_run_id: str = "",
 ) -> str:
     """Decide whether the GRPO model beats the champion: returns ``promote``, ``keep``,
     ``unchanged`` or ``skipped`` (the reason is in ``report``)."""
@@ -59,7 +61,7 @@ def gate(
     from eval.eval_step import run_gate_step, use_tracking_uri
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    use_tracking_uri(mlflow_tracking_uri)
+    use_tracking_uri(mlflow_tracking_uri, mlflow_parent_run_id)
     decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=False)
     return decision.decision.value
 
@@ -71,6 +73,7 @@ def register(
     config: dict,
     report: Output[Markdown],
     mlflow_tracking_uri: str = "",
+    mlflow_parent_run_id: str = "",
 ) -> str:
     """Register the GRPO model and move the champion alias to it when it (still) wins.
 
@@ -81,6 +84,6 @@ def register(
     from eval.eval_step import run_gate_step, use_tracking_uri
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    use_tracking_uri(mlflow_tracking_uri)
+    use_tracking_uri(mlflow_tracking_uri, mlflow_parent_run_id)
     decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=True)
     return decision.registered_version or ""

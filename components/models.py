@@ -8,7 +8,8 @@ from components.images import CPU_IMAGE, GPU_IMAGE
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def base_model(source: str, tiny_config: dict, model: Output[Model]):
-    """The base model as a HF directory: the tiny GPT-OSS, a local copy or a hub download."""
+    """The base model as a HF directory: the tiny GPT-OSS, a local copy, an ``s3://`` prefix
+    (``AWS_ENDPOINT_URL`` for S3-compatible stores) or a hub download."""
     import logging
 
     from trainer.base_model import materialize_base_model
@@ -29,23 +30,40 @@ def sft(
     metrics: Output[Metrics],
     loss_plot: Output[HTML],
     training_log: Output[Artifact],
+    job_manifest: Output[Artifact],
+    execution: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
+    pipeline_run_id: str = "",
+    mlflow_tracking_uri: str = "",
+    mlflow_parent_run_id: str = "",
 ):
-    """LoRA (or full) SFT on the train split, merged into the base weights."""
+    """LoRA (or full) SFT on the train split, merged into the base weights; in this pod, or
+    as a PyTorchJob (``execution.mode = pytorchjob``; its YAML is ``job_manifest``)."""
     import logging
     from pathlib import Path
 
+    from components.images import GPU_IMAGE
+    from trainer.cluster.config import ExecutionConfig, JobLaunch
     from trainer.sft.config import SFTConfig
     from trainer.sft.step import render_sft_html, run_sft_step, sft_metrics
+    from trainer.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     cfg = SFTConfig.model_validate(config)
-    result = run_sft_step(
-        cfg, base_model.path, train_data.path, eval_data.path, model.path, training_log.path
+    launch = JobLaunch(
+        ExecutionConfig.model_validate(execution), pipeline_run_id, job_manifest.path, GPU_IMAGE
     )
+    if not launch.as_job:
+        Path(job_manifest.path).write_text("# trained in the pipeline step's own pod\n")
+    result = run_sft_step(
+        cfg, base_model.path, train_data.path, eval_data.path, model.path, training_log.path,
+        launch,
+    )  # fmt: skip
     for name, value in sft_metrics(result).items():
         metrics.log_metric(name, value)
     Path(loss_plot.path).write_text(render_sft_html(result))
     model.metadata.update(format="huggingface", merged_adapter=result.merge["merged_adapter"])
+    job_manifest.metadata.update(mode=launch.execution.mode)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)

@@ -7,7 +7,6 @@ publishes, so the components stay a few lines and everything here is tested with
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -17,14 +16,15 @@ from eval.eval_config import EvalConfig
 from eval.gate import GateConfig, GateDecision, apply_gate, evaluate_gate
 from eval.report import kfp_metrics, load_results
 from eval.runner import ModelSpec, run_eval
+from trainer.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
 
 log = logging.getLogger(__name__)
 
 
-def use_tracking_uri(uri: str) -> None:
-    """Set ``MLFLOW_TRACKING_URI`` for this process when ``uri`` is non-empty."""
-    if uri:
-        os.environ["MLFLOW_TRACKING_URI"] = uri
+def use_tracking_uri(uri: str, parent_run_id: str = "") -> None:
+    """Set ``MLFLOW_TRACKING_URI`` (and the pipeline's parent run) for this process when
+    non-empty."""
+    configure_tracking(uri, parent_run_id)
 
 
 def run_eval_step(
@@ -74,4 +74,19 @@ def run_gate_step(
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(decision.to_markdown(), encoding="utf-8")
     log.info("gate: %s: %s", decision.decision.value, decision.reason)
+    params = {
+        "decision": decision.decision.value,
+        "metric": decision.metric,
+        "margin": decision.margin,
+        "reference": decision.reference,
+        "registered_version": decision.registered_version or "",
+    }
+    with mlflow_run("register" if apply else "gate", params) as run:
+        if run is not None:
+            log_metrics(
+                {"candidate_value": decision.candidate_value,
+                 "reference_value": decision.reference_value}
+            )  # fmt: skip
+            if report_path is not None:
+                log_artifact(report_path, artifact_path="gate")
     return decision

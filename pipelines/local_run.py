@@ -45,10 +45,31 @@ def run_local(preset: Preset, output_dir: Path, enable_caching: bool = False) ->
         pipeline_root=str(output_dir),
         enable_caching=enable_caching,
     )
+    before = {p.name for p in output_dir.iterdir()}
     start = time.monotonic()
     arguments = pipeline_arguments(preset)
     arguments["mlflow_tracking_uri"] = os.environ.get("MLFLOW_TRACKING_URI", "")
-    task = lingo_pipeline(**arguments)
+    arguments["mlflow_experiment"] = os.environ.get("MLFLOW_EXPERIMENT_NAME", "")
+    lingo_pipeline(**arguments)
     seconds = time.monotonic() - start
-    outputs = {name: Path(artifact.path) for name, artifact in task.outputs.items()}
-    return LocalRunResult(pipeline_root=output_dir, outputs=outputs, seconds=seconds)
+    return LocalRunResult(
+        pipeline_root=output_dir, outputs=_main_outputs(output_dir, before), seconds=seconds
+    )
+
+
+def _main_outputs(output_dir: Path, before: set[str]) -> dict[str, Path]:
+    """``MAIN_OUTPUTS`` of the run that just ended: kfp.local writes each task's outputs to
+    ``<pipeline_root>/<pipeline>-<timestamp>/<task>/<output>``."""
+    from pipelines.pipeline import MAIN_OUTPUTS, PIPELINE_NAME
+
+    runs = sorted(
+        p for p in output_dir.glob(f"{PIPELINE_NAME}-*") if p.is_dir() and p.name not in before
+    )
+    if not runs:
+        raise RuntimeError(f"the local run left no run directory under {output_dir}")
+    run = runs[-1]
+    return {
+        name: run / task / output
+        for name, (task, output) in MAIN_OUTPUTS.items()
+        if (run / task / output).exists()
+    }

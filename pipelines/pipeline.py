@@ -4,20 +4,19 @@ Parameters default to the typed step configs (``DataPrepConfig()`` …); a prese
 passed as arguments by ``lingo run --local`` and ``lingo compile --preset``.
 """
 
-from typing import NamedTuple
-
 from kfp import dsl
-from kfp.dsl import HTML, Artifact, Dataset, Markdown, Model
 
 from components.data_prep import data_prep
 from components.evaluate import evaluate, gate, register
 from components.grpo import grpo
 from components.models import base_model, capacity_check, sft
+from components.tracking import finalize, publish, start_tracking
 from data_prep.config import DataPrepConfig
 from eval.eval_config import EvalConfig
 from eval.gate import GateConfig
 from pipelines.platform import ClusterSettings, get_platform, with_platform
 from pipelines.presets import ModelSource, Preset, config_dict
+from trainer.cluster.config import ExecutionConfig
 from trainer.grpo.config import GRPOConfig
 from trainer.sft.config import SFTConfig
 
@@ -30,25 +29,29 @@ _GRPO_DEFAULT = config_dict(GRPOConfig())
 _EVAL_DEFAULT = config_dict(EvalConfig())
 _GATE_DEFAULT = config_dict(GateConfig())
 _LAYOUT_DEFAULT = Preset.model_fields["layout"].default
+_LOCAL_EXECUTION = config_dict(ExecutionConfig())
 
 
-class PipelineOutputs(NamedTuple):
-    """What a run hands back (the artifacts a user opens first)."""
-
-    train_data: Dataset
-    eval_data: Dataset
-    dataset_card: Markdown
-    sft_model: Model
-    sft_report: HTML
-    grpo_model: Model
-    grpo_report: HTML
-    eval_report: Markdown
-    eval_results: Artifact
+MAIN_OUTPUTS: dict[str, tuple[str, str]] = {
+    "train_data": ("data-prep", "train_data"),
+    "eval_data": ("data-prep", "eval_data"),
+    "dataset_card": ("data-prep", "card"),
+    "sft_model": ("sft", "model"),
+    "sft_report": ("sft", "loss_plot"),
+    "grpo_model": ("grpo", "model"),
+    "grpo_report": ("grpo", "report"),
+    "eval_report": ("evaluate", "report"),
+    "eval_results": ("evaluate", "results"),
+}
+"""The artifacts a user opens first: name → (task, output). The pipeline returns no outputs
+(KFP allows none from inside the exit handler's group); ``lingo run --local`` finds these
+under the run's directory."""
 
 
 def build_pipeline(platform_settings: ClusterSettings | None = None):
     """The pipeline with Kubernetes platform settings applied to its tasks (none: local)."""
-    platform = with_platform(platform_settings or get_platform("local"))
+    settings = platform_settings or get_platform("local")
+    platform = with_platform(settings)
 
     @dsl.pipeline(
         name=PIPELINE_NAME,
@@ -76,84 +79,124 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
         gate_config: dict = _GATE_DEFAULT,
         layout: str = _LAYOUT_DEFAULT,
         layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
+        sft_execution: dict = _LOCAL_EXECUTION,
+        grpo_execution: dict = _LOCAL_EXECUTION,
         mlflow_tracking_uri: str = "",
-    ) -> PipelineOutputs:
-        prep = data_prep(
-            source=data_source,
-            hub_split=data_hub_split,
-            eval_fraction=data_eval_fraction,
-            seed=data_seed,
-            max_bad_fraction=data_max_bad_fraction,
-            answer_language_policy=data_answer_language_policy,
-            max_field_chars=data_max_field_chars,
-            reasoning_effort=data_reasoning_effort,
-            augment_factor=data_augment_factor,
-            workers=data_workers,
-        )
-        prep.set_display_name("data prep")
-        platform(prep, "data-prep")
-        base = base_model(source=model_source, tiny_config=model_tiny_config)
-        base.set_display_name("base model")
-        platform(base, "base-model")
-        capacity = capacity_check(
-            base_model=base.outputs["model"], layout=layout, overrides=layout_overrides
-        )
-        capacity.set_display_name("capacity check")
-        platform(capacity, "capacity-check")
-        tuned = sft(
-            train_data=prep.outputs["train_data"],
-            eval_data=prep.outputs["eval_data"],
-            base_model=base.outputs["model"],
-            config=sft_config,
-        )
-        tuned.set_display_name("SFT + merge")
-        platform(tuned, "sft")
-        tuned.after(capacity)
-        policy = grpo(
-            train_data=prep.outputs["train_data"],
-            eval_data=prep.outputs["eval_data"],
-            sft_model=tuned.outputs["model"],
-            config=grpo_config,
-        )
-        policy.set_display_name("GRPO")
-        platform(policy, "grpo")
-        evaluation = evaluate(
-            base_model=base.outputs["model"],
-            sft_model=tuned.outputs["model"],
-            grpo_model=policy.outputs["model"],
-            config=eval_config,
+        mlflow_experiment: str = "",
+        export_uri: str = "",
+    ):
+        run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+        cleanup = finalize(
+            pipeline_run_id=run_id,
             mlflow_tracking_uri=mlflow_tracking_uri,
+            mlflow_experiment=mlflow_experiment,
+            delete_jobs=settings.training_jobs,
         )
-        evaluation.set_display_name("eval: base vs SFT vs GRPO")
-        platform(evaluation, "evaluate")
-        decision = gate(
-            results=evaluation.outputs["results"],
-            grpo_model=policy.outputs["model"],
-            config=gate_config,
-            mlflow_tracking_uri=mlflow_tracking_uri,
-        )
-        decision.set_display_name("promotion gate")
-        platform(decision, "gate")
-        with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
-            registered = register(
+        cleanup.set_display_name("finalize: jobs, MLflow run")
+        platform(cleanup, "finalize")
+        with dsl.ExitHandler(cleanup, name="lingo-rl"):
+            tracking = start_tracking(
+                pipeline_run_id=run_id,
+                pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
+                data_source=data_source,
+                model_source=model_source,
+                layout=layout,
+                sft_config=sft_config,
+                grpo_config=grpo_config,
+                mlflow_tracking_uri=mlflow_tracking_uri,
+                mlflow_experiment=mlflow_experiment,
+            )
+            tracking.set_display_name("MLflow run")
+            platform(tracking, "start-tracking")
+            parent_run = tracking.output
+            prep = data_prep(
+                source=data_source,
+                hub_split=data_hub_split,
+                eval_fraction=data_eval_fraction,
+                seed=data_seed,
+                max_bad_fraction=data_max_bad_fraction,
+                answer_language_policy=data_answer_language_policy,
+                max_field_chars=data_max_field_chars,
+                reasoning_effort=data_reasoning_effort,
+                augment_factor=data_augment_factor,
+                workers=data_workers,
+                mlflow_tracking_uri=mlflow_tracking_uri,
+                mlflow_parent_run_id=parent_run,
+            )
+            prep.set_display_name("data prep")
+            platform(prep, "data-prep")
+            base = base_model(source=model_source, tiny_config=model_tiny_config)
+            base.set_display_name("base model")
+            platform(base, "base-model")
+            capacity = capacity_check(
+                base_model=base.outputs["model"], layout=layout, overrides=layout_overrides
+            )
+            capacity.set_display_name("capacity check")
+            platform(capacity, "capacity-check")
+            tuned = sft(
+                train_data=prep.outputs["train_data"],
+                eval_data=prep.outputs["eval_data"],
+                base_model=base.outputs["model"],
+                config=sft_config,
+                execution=sft_execution,
+                pipeline_run_id=run_id,
+                mlflow_tracking_uri=mlflow_tracking_uri,
+                mlflow_parent_run_id=parent_run,
+            )
+            tuned.set_display_name("SFT + merge")
+            platform(tuned, "sft")
+            tuned.after(capacity)
+            policy = grpo(
+                train_data=prep.outputs["train_data"],
+                eval_data=prep.outputs["eval_data"],
+                sft_model=tuned.outputs["model"],
+                config=grpo_config,
+                execution=grpo_execution,
+                pipeline_run_id=run_id,
+                mlflow_tracking_uri=mlflow_tracking_uri,
+                mlflow_parent_run_id=parent_run,
+            )
+            policy.set_display_name("GRPO")
+            platform(policy, "grpo")
+            evaluation = evaluate(
+                base_model=base.outputs["model"],
+                sft_model=tuned.outputs["model"],
+                grpo_model=policy.outputs["model"],
+                config=eval_config,
+                mlflow_tracking_uri=mlflow_tracking_uri,
+                mlflow_parent_run_id=parent_run,
+            )
+            evaluation.set_display_name("eval: base vs SFT vs GRPO")
+            platform(evaluation, "evaluate")
+            with dsl.If(export_uri != "", name="export-to-object-storage"):
+                published = publish(
+                    grpo_model=policy.outputs["model"],
+                    eval_results=evaluation.outputs["results"],
+                    eval_report=evaluation.outputs["report"],
+                    export_uri=export_uri,
+                    pipeline_run_id=run_id,
+                )
+                published.set_display_name("publish to object storage")
+                platform(published, "publish")
+            decision = gate(
                 results=evaluation.outputs["results"],
                 grpo_model=policy.outputs["model"],
                 config=gate_config,
                 mlflow_tracking_uri=mlflow_tracking_uri,
+                mlflow_parent_run_id=parent_run,
             )
-            registered.set_display_name("register champion")
-            platform(registered, "register")
-        return PipelineOutputs(
-            train_data=prep.outputs["train_data"],
-            eval_data=prep.outputs["eval_data"],
-            dataset_card=prep.outputs["card"],
-            sft_model=tuned.outputs["model"],
-            sft_report=tuned.outputs["loss_plot"],
-            grpo_model=policy.outputs["model"],
-            grpo_report=policy.outputs["report"],
-            eval_report=evaluation.outputs["report"],
-            eval_results=evaluation.outputs["results"],
-        )
+            decision.set_display_name("promotion gate")
+            platform(decision, "gate")
+            with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
+                registered = register(
+                    results=evaluation.outputs["results"],
+                    grpo_model=policy.outputs["model"],
+                    config=gate_config,
+                    mlflow_tracking_uri=mlflow_tracking_uri,
+                    mlflow_parent_run_id=parent_run,
+                )
+                registered.set_display_name("register champion")
+                platform(registered, "register")
 
     return lingo_pipeline
 

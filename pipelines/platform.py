@@ -20,6 +20,7 @@ from kfp.dsl import PipelineTask
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 STEPS = (
+    "start-tracking",
     "data-prep",
     "base-model",
     "capacity-check",
@@ -28,6 +29,8 @@ STEPS = (
     "evaluate",
     "gate",
     "register",
+    "publish",
+    "finalize",
 )
 """The task names of ``lingo_pipeline``; ``apply_platform`` refuses any other step."""
 
@@ -112,6 +115,10 @@ class ClusterSettings(BaseModel):
     """Step → KFP caching on/off; steps not listed keep the compiler's default."""
     retry: RetryPolicy = RetryPolicy()
     image_pull_policy: Literal["Always", "Never", "IfNotPresent"] | None = None
+    training_jobs: bool = False
+    """SFT and GRPO launch PyTorchJobs (``ExecutionConfig`` mode ``pytorchjob``): their pipeline
+    pods only orchestrate and get ``cpu`` resources; the exit handler deletes the run's jobs
+    that are still active."""
 
     @model_validator(mode="after")
     def _known_steps(self) -> ClusterSettings:
@@ -157,7 +164,8 @@ def apply_platform(task: PipelineTask, step: str, settings: ClusterSettings) -> 
                 secret_key_to_env=dict(secret.key_to_env),
                 optional=secret.optional,
             )
-    _apply_resources(task, settings.gpu if step in settings.gpu_steps else settings.cpu)
+    on_gpu = step in settings.gpu_steps and not (settings.training_jobs and step in JOB_STEPS)
+    _apply_resources(task, settings.gpu if on_gpu else settings.cpu)
     if step in settings.caching:
         task.set_caching_options(enable_caching=settings.caching[step])
     if step in settings.retry.steps:
@@ -170,6 +178,24 @@ def apply_platform(task: PipelineTask, step: str, settings: ClusterSettings) -> 
     if settings.image_pull_policy:
         kubernetes.set_image_pull_policy(task, settings.image_pull_policy)
     return task
+
+
+def job_defaults(settings: ClusterSettings, step: str) -> dict:
+    """``ClusterJobConfig`` fields a PyTorchJob of ``step`` takes from the platform: the same
+    workspace volume (so staged inputs are visible) and the same Secrets, by name."""
+    if not settings.workspace_pvc:
+        return {}
+    secret_env = [
+        {"name": env, "secret": secret.secret_name, "key": key}
+        for secret in settings.secrets
+        if (secret.steps is None or step in secret.steps) and not secret.optional
+        for key, env in secret.key_to_env.items()
+    ]
+    return {
+        "shared_pvc": settings.workspace_pvc,
+        "shared_mount": settings.workspace_mount,
+        "secret_env": secret_env,
+    }
 
 
 def with_platform(settings: ClusterSettings) -> Callable[[PipelineTask, str], PipelineTask]:
@@ -236,7 +262,9 @@ DEFAULT_SECRETS = (
     ),
 )
 GPU_STEPS = ("sft", "grpo", "evaluate")
-NETWORK_STEPS = ("data-prep", "base-model", "evaluate", "register")
+JOB_STEPS = ("sft", "grpo")
+"""Steps that can run their training as a PyTorchJob."""
+NETWORK_STEPS = ("start-tracking", "data-prep", "base-model", "evaluate", "register", "publish")
 # data prep and the capacity check are pure functions of their inputs; training, eval, the
 # gate (reads the current champion) and register (side effects) always run
 CLUSTER_CACHING = {
@@ -248,6 +276,9 @@ CLUSTER_CACHING = {
     "evaluate": False,
     "gate": False,
     "register": False,
+    "start-tracking": False,
+    "publish": False,
+    "finalize": False,
 }
 CPU_STEP = StepResources(cpu_request="2", cpu_limit="8", memory_request="8Gi", memory_limit="32Gi")
 GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
@@ -258,7 +289,10 @@ def _aws_gpu_preset(
 ) -> ClusterSettings:
     return ClusterSettings(
         name=instance_type,
-        description=f"{gpus}x {gpu_product} per node ({instance_type}); GPU steps take a node.",
+        description=(
+            f"{gpus}x {gpu_product} per node ({instance_type}); SFT and GRPO train as "
+            "PyTorchJobs over several nodes, eval takes a node."
+        ),
         workspace_pvc="lingo-workspace",
         secrets=DEFAULT_SECRETS,
         gpu_steps=GPU_STEPS,
@@ -279,6 +313,7 @@ def _aws_gpu_preset(
         caching=CLUSTER_CACHING,
         retry=RetryPolicy(steps=NETWORK_STEPS),
         image_pull_policy="IfNotPresent",
+        training_jobs=True,
     )
 
 

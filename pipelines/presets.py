@@ -16,6 +16,7 @@ from data_prep.config import DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
 from trainer.backends import OptimConfig
+from trainer.cluster.config import ExecutionConfig
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.tiny_model import TinyModelConfig
@@ -49,6 +50,10 @@ class Preset(BaseModel):
     platform: str = "local"
     """Kubernetes settings compiled into the pipeline (pipelines/platform.py): ``local`` (none),
     ``g5.12xlarge``, ``p5en.48xlarge``."""
+    sft_execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
+    """Where SFT trains: in its pipeline pod (``local``) or as a PyTorchJob."""
+    grpo_execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
+    """Where GRPO trains: in its pipeline pod (``local``) or as a PyTorchJob."""
 
 
 TINY_CPU = Preset(
@@ -99,7 +104,8 @@ GPT_OSS_20B = Preset(
     name="gpt-oss-20b",
     description=(
         "openai/gpt-oss-20b on the full HuggingFaceH4/Multilingual-Thinking dataset; "
-        "SFT on one 8-GPU node with DeepSpeed ZeRO-3 (cluster: needs the hub or an S3 copy)."
+        "SFT on 2 g5.12xlarge nodes (8 A10G) with DeepSpeed ZeRO-3, GRPO on 4 (16 A10G), each "
+        "as a PyTorchJob (cluster: needs the hub or an S3 copy)."
     ),
     data_prep=DataPrepConfig(source="HuggingFaceH4/Multilingual-Thinking"),
     model=ModelSource(source="openai/gpt-oss-20b"),
@@ -154,6 +160,8 @@ GPT_OSS_20B = Preset(
         gradient_checkpointing=True,
         nproc=16,
     ),
+    sft_execution=ExecutionConfig(mode="pytorchjob", reference="g5.12xlarge", job={"nodes": 2}),
+    grpo_execution=ExecutionConfig(mode="pytorchjob", reference="g5.12xlarge"),
 )
 
 GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
@@ -175,12 +183,18 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
                 "nproc": 8,
             }
         ),
+        "sft_execution": ExecutionConfig(
+            mode="pytorchjob", reference="p5en.48xlarge", job={"nodes": 1}
+        ),
+        "grpo_execution": ExecutionConfig(
+            mode="pytorchjob", reference="p5en.48xlarge", job={"nodes": 1}
+        ),
     }
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, GPT_OSS_20B, GPT_OSS_20B_VERL)}
 DEFAULT_PRESET = "tiny-cpu"
-STEPS = ("data_prep", "model", "sft", "grpo", "eval", "gate")
+STEPS = ("data_prep", "model", "sft", "grpo", "eval", "gate", "sft_execution", "grpo_execution")
 
 
 class UnknownPresetError(KeyError):
@@ -240,6 +254,17 @@ def config_dict(config: BaseModel) -> dict:
     return config.model_dump(mode="json", exclude_none=True)
 
 
+def execution_argument(execution: ExecutionConfig, platform: str, step: str) -> dict:
+    """The ``<step>_execution`` parameter: a PyTorchJob takes the platform's workspace volume
+    and Secrets (``platform.job_defaults``) unless the preset sets them itself."""
+    if execution.mode == "local":
+        return config_dict(execution)
+    from pipelines.platform import get_platform, job_defaults
+
+    job = {**job_defaults(get_platform(platform), step), **execution.job}
+    return config_dict(execution.model_copy(update={"job": job}))
+
+
 def pipeline_arguments(preset: Preset) -> dict[str, object]:
     """The pipeline's parameter values for ``preset``.
 
@@ -256,5 +281,11 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     args["gate_config"] = config_dict(preset.gate)
     args["layout"] = preset.layout
     args["layout_overrides"] = dict(preset.layout_overrides)
-    args["mlflow_tracking_uri"] = ""  # per run, not per preset (lingo run --local reads the env)
+    args["sft_execution"] = execution_argument(preset.sft_execution, preset.platform, "sft")
+    args["grpo_execution"] = execution_argument(preset.grpo_execution, preset.platform, "grpo")
+    # per run, not per preset (lingo run --local reads MLFLOW_TRACKING_URI and
+    # MLFLOW_EXPERIMENT_NAME from the environment)
+    args["mlflow_tracking_uri"] = ""
+    args["mlflow_experiment"] = ""
+    args["export_uri"] = ""
     return args

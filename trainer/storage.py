@@ -46,6 +46,25 @@ class IntegrityError(StorageError):
     """Data read or written does not match its expected size, MD5/ETag or SHA-256."""
 
 
+class NoManifestError(StorageError):
+    """The prefix has no manifest: an incomplete ``upload_dir``, or not written by it."""
+
+
+def _list_prefix(client: S3Client, bucket: str, prefix: str, uri_prefix: str) -> list[dict]:
+    """Manifest-like entries (``sha256`` None) for every object under the prefix."""
+    entries = []
+    with _wrap_errors(uri_prefix, "list objects"):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                rel = item["Key"][len(prefix) :]
+                if not rel or rel.endswith("/"):
+                    continue  # the prefix itself, or a "directory" marker
+                if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+                    raise StorageError(f"{uri_prefix}: unsafe object key {item['Key']!r}")
+                entries.append({"key": rel, "size": item["Size"], "sha256": None})
+    return entries
+
+
 @dataclass(frozen=True)
 class UploadedObject:
     """What :func:`upload_file` wrote: the object, its size, SHA-256 and (unquoted) ETag."""
@@ -281,8 +300,13 @@ def download_dir(
     local_dir: str | os.PathLike[str],
     *,
     client: S3Client | None = None,
+    require_manifest: bool = True,
 ) -> Path:
     """Download a prefix written by :func:`upload_dir` into ``local_dir``, all or nothing.
+
+    With ``require_manifest=False`` a prefix without a manifest (a copy made with
+    ``aws s3 sync``, say) is listed instead and each object is checked against its listed size
+    and its ``sha256`` metadata when it has one.
 
     Files are fetched into ``<local_dir>.partial/`` (kept across failures, so a rerun resumes)
     and each is checked against the manifest's size and SHA-256; the directory is renamed to
@@ -306,7 +330,14 @@ def download_dir(
         raise StorageError(f"{local_dir}: exists and is not an empty directory; remove it first")
     bucket, prefix = _prefix_key(uri_prefix)
     client = client or _default_client()
-    manifest = _read_manifest(client, bucket, prefix, uri_prefix)
+    try:
+        manifest = _read_manifest(client, bucket, prefix, uri_prefix)
+    except NoManifestError:
+        if require_manifest:
+            raise
+        manifest = {"files": _list_prefix(client, bucket, prefix, uri_prefix)}
+        if not manifest["files"]:
+            raise StorageError(f"{uri_prefix}: no objects under this prefix") from None
     staging = local_dir.with_name(local_dir.name + ".partial")
     for entry in manifest["files"]:
         target = staging / entry["key"]
@@ -419,7 +450,7 @@ def _read_manifest(client: S3Client, bucket: str, prefix: str, uri_prefix: str) 
         body = client.get_object(Bucket=bucket, Key=prefix + MANIFEST_NAME)["Body"].read()
     except ClientError as exc:
         if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-            raise StorageError(
+            raise NoManifestError(
                 f"{uri_prefix}: incomplete upload: no {MANIFEST_NAME} at {manifest_uri} "
                 "(upload_dir writes it last; rerun the upload)"
             ) from exc
@@ -463,8 +494,10 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _matches(path: Path, size: int, sha256: str) -> bool:
-    return path.is_file() and path.stat().st_size == size and _file_sha256(path) == sha256
+def _matches(path: Path, size: int, sha256: str | None) -> bool:
+    if not (path.is_file() and path.stat().st_size == size):
+        return False
+    return sha256 is None or _file_sha256(path) == sha256
 
 
 def _discard(*paths: Path) -> None:

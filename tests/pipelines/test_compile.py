@@ -28,12 +28,25 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
     spec = pipeline_spec_pb2.PipelineSpec()
     json_format.ParseDict(_load(COMPILED_PIPELINE), spec, ignore_unknown_fields=False)
     assert spec.pipeline_info.name == "lingo-rl"
-    assert {"data-prep", "base-model", "sft", "grpo"} <= set(spec.root.dag.tasks)
-    assert list(spec.root.dag.tasks["grpo"].dependent_tasks) == ["data-prep", "sft"]
-    assert list(spec.root.dag.tasks["sft"].dependent_tasks) == [
+    # every step runs inside the exit handler's group; `finalize` runs after it, whatever
+    # happened to it (cancellation and failure included)
+    assert set(spec.root.dag.tasks) == {"exit-handler-1", "finalize"}
+    finalize = spec.root.dag.tasks["finalize"]
+    assert list(finalize.dependent_tasks) == ["exit-handler-1"]
+    assert (
+        pipeline_spec_pb2.PipelineTaskSpec.TriggerPolicy.TriggerStrategy.Name(
+            finalize.trigger_policy.strategy
+        )
+        == "ALL_UPSTREAM_TASKS_COMPLETED"
+    )
+    tasks = spec.components["comp-exit-handler-1"].dag.tasks
+    assert {"start-tracking", "data-prep", "base-model", "sft", "grpo", "evaluate"} <= set(tasks)
+    assert list(tasks["grpo"].dependent_tasks) == ["data-prep", "sft", "start-tracking"]
+    assert list(tasks["sft"].dependent_tasks) == [
         "base-model",
         "capacity-check",
         "data-prep",
+        "start-tracking",
     ]
     component = spec.components["comp-data-prep"]
     assert set(component.output_definitions.artifacts) == {
@@ -75,6 +88,10 @@ def test_cluster_presets_compile_with_a_strict_platform_spec(tmp_path):
     executors = platform.platforms["kubernetes"].deployment_spec.executors
     sft = dict(executors["exec-sft"])
     assert sft["pvcMount"][0]["constant"] == "lingo-workspace"
-    assert "nodeSelector" in sft
+    assert "nodeSelector" not in sft  # SFT launches a PyTorchJob: its pod orchestrates on CPU
+    assert "nodeSelector" in dict(executors["exec-evaluate"])
+    arguments = pipeline_arguments(get_preset("gpt-oss-20b"))
+    assert arguments["grpo_execution"]["mode"] == "pytorchjob"
+    assert arguments["grpo_execution"]["job"]["shared_pvc"] == "lingo-workspace"
     # the local preset (the kept YAML) carries no platform settings
     assert len(list(yaml.safe_load_all(COMPILED_PIPELINE.read_text()))) == 1

@@ -17,6 +17,7 @@ from pipelines.platform import (
     StepResources,
     apply_platform,
     get_platform,
+    job_defaults,
     with_platform,
 )
 
@@ -100,7 +101,8 @@ def _all_tasks(
 
 
 STEPS = ("data-prep", "base-model", "sft", "grpo", "evaluate", "register")
-GPU = {"sft", "grpo", "evaluate"}
+# the reference platforms train as PyTorchJobs: the sft/grpo pods only orchestrate, on CPU
+GPU = {"evaluate"}
 NETWORK = {"data-prep", "base-model", "evaluate", "register"}
 
 
@@ -168,9 +170,29 @@ def _executors(spec: pipeline_spec_pb2.PipelineSpec) -> dict:
 
 def test_p5en_gpu_steps_take_eight_h200(tmp_path):
     spec, configs = _parse(_compile(get_platform("p5en.48xlarge"), tmp_path / "p.yaml"))
-    accelerator = _executors(spec)["exec-grpo"].container.resources.accelerator
+    accelerator = _executors(spec)["exec-evaluate"].container.resources.accelerator
     assert (accelerator.resource_type, accelerator.resource_count) == ("nvidia.com/gpu", "8")
-    assert configs["grpo"].node_selector.labels["nvidia.com/gpu.product"] == "NVIDIA-H200"
+    assert configs["evaluate"].node_selector.labels["nvidia.com/gpu.product"] == "NVIDIA-H200"
+
+
+def test_training_in_the_step_pod_takes_the_gpus(tmp_path):
+    in_pod = get_platform("g5.12xlarge").model_copy(update={"training_jobs": False})
+    spec, configs = _parse(_compile(in_pod, tmp_path / "p.yaml"))
+    accelerator = _executors(spec)["exec-grpo"].container.resources.accelerator
+    assert (accelerator.resource_type, accelerator.resource_count) == ("nvidia.com/gpu", "4")
+    assert configs["sft"].node_selector.labels["nvidia.com/gpu.product"] == "NVIDIA-A10G"
+
+
+def test_job_defaults_share_the_workspace_and_the_secrets_by_name():
+    job = job_defaults(get_platform("g5.12xlarge"), "grpo")
+    assert (job["shared_pvc"], job["shared_mount"]) == ("lingo-workspace", "/mnt/shared")
+    assert {
+        "name": "MLFLOW_TRACKING_TOKEN",
+        "secret": "lingo-mlflow",
+        "key": "MLFLOW_TRACKING_TOKEN",
+    } in job["secret_env"]
+    assert all(item["secret"] != "lingo-hf" for item in job["secret_env"])  # not a GRPO secret
+    assert job_defaults(get_platform("local"), "grpo") == {}
 
 
 def test_local_settings_apply_nothing(tmp_path):

@@ -8,14 +8,13 @@ the emulator; the launcher filters pods by label itself.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
 import time
 
-import kmock
 import pytest
+from kube_emulator import kube_emulator
 from kubernetes import client as k8s
 
 from trainer.cluster.launcher import (
@@ -35,28 +34,9 @@ MASTER_LOG = b"step 1 loss 2.0\nstep 2 loss 1.5\n"
 
 @pytest.fixture
 def emulator():
-    """A kmock KubernetesEmulator on 127.0.0.1, served from its own event-loop thread."""
-    started = threading.Event()
-    state = {}
-
-    async def serve() -> None:
-        async with kmock.KubernetesEmulator() as api, kmock.Server(api) as server:
-            api.resources["kubeflow.org/v1/pytorchjobs"] = {}
-            api.resources["v1/pods"] = {}
-            api[f"get /api/v1/namespaces/{NAMESPACE}/pods/{MASTER}/log"] << MASTER_LOG
-            state.update(api=api, url=str(server.url).rstrip("/"), stop=asyncio.Event())
-            state["loop"] = asyncio.get_running_loop()
-            started.set()
-            await state["stop"].wait()
-
-    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
-    thread.start()
-    assert started.wait(10), "kmock did not start"
-    configuration = k8s.Configuration()
-    configuration.host = state["url"]
-    yield k8s.ApiClient(configuration)
-    state["loop"].call_soon_threadsafe(state["stop"].set)
-    thread.join(10)
+    """The emulator, with the master pod's log."""
+    with kube_emulator({MASTER: MASTER_LOG}, NAMESPACE) as api_client:
+        yield api_client
 
 
 def _manifest() -> dict:

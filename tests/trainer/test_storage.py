@@ -258,3 +258,50 @@ def test_partial_file_of_a_changed_object_is_discarded(s3, bucket, tmp_path):
     download_file(f"s3://{bucket}/w.bin", tmp_path / "w.bin", client=client)
     assert [k["Range"] for k in client.kwargs_of("get_object")] == ["bytes=0-"]
     assert (tmp_path / "w.bin").read_bytes() == data
+
+
+def test_download_dir_lists_a_prefix_without_a_manifest_when_allowed(s3, bucket, tmp_path):
+    """A model copied with `aws s3 sync` has no manifest: it is listed and size-checked."""
+    for key, body in {"m/config.json": b"{}", "m/sub/w.bin": b"x" * 100}.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+    with pytest.raises(StorageError, match="incomplete upload"):
+        download_dir(f"s3://{bucket}/m/", tmp_path / "strict")
+    out = download_dir(f"s3://{bucket}/m/", tmp_path / "listed", require_manifest=False)
+    assert (out / "sub" / "w.bin").read_bytes() == b"x" * 100
+    assert (out / "config.json").read_bytes() == b"{}"
+    with pytest.raises(StorageError, match="no objects under this prefix"):
+        download_dir(f"s3://{bucket}/empty/", tmp_path / "none", require_manifest=False)
+
+
+def test_base_model_comes_from_s3(s3, bucket, tmp_path, tiny_model_dir):
+    from trainer.base_model import materialize_base_model
+    from trainer.tiny_model import TinyModelConfig
+
+    upload_dir(tiny_model_dir, f"s3://{bucket}/models/tiny/")
+    out = materialize_base_model(f"s3://{bucket}/models/tiny", tmp_path / "base", TinyModelConfig())
+    for path in tiny_model_dir.iterdir():
+        assert (out / path.name).read_bytes() == path.read_bytes()
+
+
+def test_publish_uploads_the_model_and_the_eval_reports(s3, bucket, tmp_path, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from components.tracking import publish
+
+    results, report = tmp_path / "results.json", tmp_path / "report.md"
+    results.write_text('{"models": []}')
+    report.write_text("# eval\n")
+    prefix = publish.python_func(
+        grpo_model=SimpleNamespace(path=str(tiny_model_dir)),
+        eval_results=SimpleNamespace(path=str(results)),
+        eval_report=SimpleNamespace(path=str(report)),
+        export_uri=f"s3://{bucket}/exports/",
+        pipeline_run_id="run-7",
+    )
+    assert prefix == f"s3://{bucket}/exports/run-7"
+    back = download_dir(f"{prefix}/grpo-model/", tmp_path / "back")
+    assert sorted(p.name for p in back.iterdir()) == sorted(
+        p.name for p in tiny_model_dir.iterdir()
+    )
+    body = s3.get_object(Bucket=bucket, Key="exports/run-7/eval/report.md")["Body"].read()
+    assert body == b"# eval\n"

@@ -61,3 +61,62 @@ def test_sft_and_grpo_metrics_reach_mlflow(
     reward = client.get_metric_history(runs["grpo"].info.run_id, "mean_reward")
     assert [m.step for m in reward] == [1, 2]
     assert "loss.png" in [a.path for a in client.list_artifacts(runs["sft"].info.run_id)]
+
+
+def test_one_parent_run_per_pipeline_run_with_nested_step_runs(monkeypatch, tracking_uri):
+    """What the pipeline does across its pods: the first task opens the parent, each step
+    nests its run under MLFLOW_PARENT_RUN_ID, the exit handler closes the parent."""
+    from mlflow.tracking import MlflowClient
+
+    from eval.eval_step import use_tracking_uri
+    from trainer.tracking import (
+        PIPELINE_RUN_TAG,
+        find_pipeline_run,
+        finish_pipeline_run,
+        log_metrics,
+        mlflow_run,
+        start_pipeline_run,
+    )
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "lingo-pipeline")
+    monkeypatch.delenv("MLFLOW_PARENT_RUN_ID", raising=False)
+    parent = start_pipeline_run("kfp-run-1", "lingo-rl-run-1", {"sft.max_steps": 2})
+    assert start_pipeline_run("kfp-run-1", "retried task", {}) == parent  # idempotent
+    assert find_pipeline_run("kfp-run-1") == parent
+    assert find_pipeline_run("kfp-run-2") is None
+
+    use_tracking_uri(tracking_uri, parent)  # what each step's component does
+    for step in ("data-prep", "sft"):
+        with mlflow_run(step, {"step": step}) as run:
+            log_metrics({"rows": 10, "flag": True}, step=1)
+    finish_pipeline_run(parent, "CANCELLED", "cancelled by the user")
+
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name("lingo-pipeline")
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert set(runs) == {"lingo-rl-run-1", "data-prep", "sft"}
+    assert runs["lingo-rl-run-1"].data.tags[PIPELINE_RUN_TAG] == "kfp-run-1"
+    assert runs["lingo-rl-run-1"].data.params["sft.max_steps"] == "2"
+    assert runs["lingo-rl-run-1"].info.status == "KILLED"
+    assert runs["lingo-rl-run-1"].data.tags["lingo.error"] == "cancelled by the user"
+    for step in ("data-prep", "sft"):
+        assert runs[step].data.tags["mlflow.parentRunId"] == parent
+        assert runs[step].data.tags["lingo.step"] == step
+        assert runs[step].info.status == "FINISHED"
+    assert set(runs["sft"].data.metrics) == {"rows"}  # booleans are not metrics
+    assert run is not None
+
+
+def test_tracking_env_passes_settings_but_no_password(monkeypatch):
+    from trainer.tracking import tracking_env
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.team.svc:5000")
+    monkeypatch.setenv("MLFLOW_PARENT_RUN_ID", "abc")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert tracking_env() == {
+        "MLFLOW_TRACKING_URI": "http://mlflow.team.svc:5000",
+        "MLFLOW_PARENT_RUN_ID": "abc",
+    }
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://user:secret@mlflow.example.com")
+    assert "MLFLOW_TRACKING_URI" not in tracking_env()

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
@@ -233,23 +234,31 @@ class PyTorchJobLauncher:
             PyTorchJobFailed, TimeoutError: see ``wait``.
         """
         name = self.create(manifest)
+        stop = threading.Event()
         if stream_logs:
             threading.Thread(
-                target=self._log_master, args=(name, timeout_s, poll_s), daemon=True
+                target=self._log_master, args=(name, timeout_s, poll_s, stop), daemon=True
             ).start()
-        return self.wait(name, timeout_s, poll_s, progress)
+        try:
+            return self.wait(name, timeout_s, poll_s, progress)
+        finally:
+            stop.set()
 
-    def _log_master(self, name: str, timeout_s: float, poll_s: float) -> None:
+    def _log_master(
+        self, name: str, timeout_s: float, poll_s: float, stop: threading.Event
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         try:
             while not any(
                 p.status and p.status.phase in ("Running", "Succeeded", "Failed")
                 for p in self.pods(name, "master")
             ):
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or stop.wait(poll_s):
                     return
-                time.sleep(poll_s)
             for line in self.stream_master_logs(name):
+                if stop.is_set():
+                    return
                 log.info("[%s master] %s", name, line)
-        except k8s.ApiException as error:  # logs are a convenience; the job's state decides
-            log.warning("PyTorchJob %s: cannot stream the master log: %s", name, error.reason)
+        except (k8s.ApiException, urllib3.exceptions.HTTPError) as error:
+            # logs are a convenience; the job's state decides
+            log.warning("PyTorchJob %s: cannot stream the master log: %s", name, error)

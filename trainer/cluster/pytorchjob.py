@@ -11,11 +11,7 @@ and the Kubernetes client's pod models, then serialized to a plain dict.
 
 from __future__ import annotations
 
-import re
-from typing import Literal
-
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 try:
     from kubeflow.training import models as kf
@@ -30,151 +26,29 @@ KIND = "PyTorchJob"
 CONTAINER_NAME = "pytorch"
 """The training operator finds the training container by this name."""
 ISTIO_INJECT_ANNOTATION = "sidecar.istio.io/inject"
-GPU_RESOURCE = "nvidia.com/gpu"
-_SECRET_LIKE = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL", re.IGNORECASE)
 
+from trainer.cluster.config import (  # noqa: E402 (after the SDK check) - re-exported
+    GPU_RESOURCE,
+    GPU_TOLERATION,
+    REFERENCE_LAYOUTS,
+    ClusterJobConfig,
+    ElasticSettings,
+    SecretEnv,
+    Toleration,
+    reference_layout,
+)
 
-class SecretEnv(BaseModel):
-    """One environment variable read from a key of a Kubernetes Secret (names only)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    secret: str
-    key: str
-
-
-class Toleration(BaseModel):
-    """A pod toleration (see the Kubernetes ``Toleration`` type)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    key: str
-    operator: Literal["Exists", "Equal"] = "Exists"
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = "NoSchedule"
-
-
-class ElasticSettings(BaseModel):
-    """torchrun elastic rendezvous (c10d): the job keeps running between min and max nodes."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    min_nodes: int = Field(1, ge=1)
-    max_nodes: int = Field(1, ge=1)
-    max_restarts: int = Field(3, ge=0)
-
-
-GPU_TOLERATION = Toleration(key=GPU_RESOURCE)
-
-
-class ClusterJobConfig(BaseModel):
-    """Where and how a training step runs as a PyTorchJob.
-
-    Secrets are referenced by name only (``secret_env_from``, ``secret_env``); ``env`` holds
-    plain settings and rejects names that look like credentials.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    namespace: str = "default"
-    image: str
-    """The training image (a pipeline parameter); it must contain this package."""
-    nodes: int = Field(1, ge=1)
-    """Pods, one per node: a Master and ``nodes - 1`` Workers."""
-    gpus_per_node: int = Field(0, ge=0)
-    nproc_per_node: int | None = Field(None, ge=1)
-    """Processes per pod (``torchrun --nproc_per_node``); default one per GPU (1 on CPU)."""
-    cpu: str = "4"
-    memory: str = "16Gi"
-    shm_size: str = "8Gi"
-    """Size of the memory-backed ``/dev/shm`` (NCCL and data loaders use it)."""
-    shared_pvc: str = "lingo-rl-shared"
-    """PersistentVolumeClaim (ReadWriteMany) for weights, checkpoints and metrics."""
-    shared_mount: str = "/mnt/shared"
-    env: dict[str, str] = Field(default_factory=dict)
-    secret_env_from: list[str] = Field(default_factory=list)
-    """Secrets whose keys all become environment variables (``envFrom``)."""
-    secret_env: list[SecretEnv] = Field(default_factory=list)
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
-    service_account: str | None = None
-    elastic: ElasticSettings | None = None
-    backoff_limit: int = Field(0, ge=0)
-    """Pod restarts before the job fails; 0 lets the pipeline decide about retries."""
-    active_deadline_seconds: int | None = Field(None, ge=1)
-
-    @field_validator("env")
-    @classmethod
-    def _no_secret_values(cls, env: dict[str, str]) -> dict[str, str]:
-        leaked = sorted(name for name in env if _SECRET_LIKE.search(name))
-        if leaked:
-            raise ValueError(
-                f"env {leaked} look like credentials: put them in a Secret and reference it "
-                "with secret_env or secret_env_from"
-            )
-        return env
-
-    @model_validator(mode="after")
-    def _elastic_covers_nodes(self) -> ClusterJobConfig:
-        if self.elastic and not self.elastic.min_nodes <= self.nodes <= self.elastic.max_nodes:
-            raise ValueError(
-                f"nodes={self.nodes} is outside elastic min_nodes..max_nodes "
-                f"({self.elastic.min_nodes}..{self.elastic.max_nodes})"
-            )
-        return self
-
-    @property
-    def procs_per_node(self) -> int:
-        """Processes per pod: ``nproc_per_node``, else one per GPU, else 1."""
-        return self.nproc_per_node or self.gpus_per_node or 1
-
-    @property
-    def world_size(self) -> int:
-        """Training processes in the whole job."""
-        return self.nodes * self.procs_per_node
-
-
-def _instance(instance_type: str) -> dict[str, str]:
-    return {"node.kubernetes.io/instance-type": instance_type}
-
-
-REFERENCE_LAYOUTS: dict[str, dict] = {
-    # 6 nodes of 4× A10G (24 GB), 48 vCPU, 192 GiB: training takes 4 (Master + 3 Workers),
-    # the other two stay free for rollout engines and evaluation.
-    "g5.12xlarge": dict(
-        nodes=4,
-        gpus_per_node=4,
-        cpu="44",
-        memory="160Gi",
-        shm_size="32Gi",
-        node_selector=_instance("g5.12xlarge"),
-        tolerations=[GPU_TOLERATION],
-    ),
-    # 8× H200 (141 GB), 192 vCPU, 2 TiB per node.
-    "p5en.48xlarge": dict(
-        nodes=2,
-        gpus_per_node=8,
-        cpu="180",
-        memory="1800Gi",
-        shm_size="256Gi",
-        node_selector=_instance("p5en.48xlarge"),
-        tolerations=[GPU_TOLERATION],
-    ),
-}
-
-
-def reference_layout(
-    instance_type: Literal["g5.12xlarge", "p5en.48xlarge"], image: str, **overrides
-) -> ClusterJobConfig:
-    """The ``ClusterJobConfig`` of a reference cluster layout, with ``overrides`` applied.
-
-    Raises:
-        KeyError: ``instance_type`` is not one of ``REFERENCE_LAYOUTS``.
-    """
-    if instance_type not in REFERENCE_LAYOUTS:
-        raise KeyError(f"no reference layout {instance_type!r}; known: {sorted(REFERENCE_LAYOUTS)}")
-    return ClusterJobConfig(image=image, **{**REFERENCE_LAYOUTS[instance_type], **overrides})
+__all__ = [
+    "GPU_TOLERATION",
+    "REFERENCE_LAYOUTS",
+    "ClusterJobConfig",
+    "ElasticSettings",
+    "SecretEnv",
+    "Toleration",
+    "build_pytorchjob",
+    "manifest_yaml",
+    "reference_layout",
+]
 
 
 def entry_point_command(module: str, args: list[str]) -> list[str]:

@@ -6,6 +6,7 @@ import base64
 import html
 from pathlib import Path
 
+from trainer.cluster.config import JobLaunch
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import GRPOResult, read_summary, run_grpo
 from trainer.launch import run_step_processes
@@ -18,10 +19,21 @@ def run_grpo_step(
     eval_path: str | Path,
     model_output: str | Path,
     work_dir: str | Path,
+    launch: JobLaunch | None = None,
 ) -> GRPOResult:
-    """Run GRPO with ``cfg.nproc`` processes and return rank 0's result."""
+    """Run GRPO with ``cfg.nproc`` processes (here, or as a PyTorchJob when ``launch`` says so)
+    and return rank 0's result."""
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
+    if launch is not None and launch.as_job:
+        from trainer.cluster.step_job import StepJob, run_step_job
+
+        job = StepJob("grpo", "trainer.grpo", cfg, "sft-model", sft_model, train_path, eval_path)
+        run_step_job(
+            job, launch.execution, launch.run_id, model_output, work_dir,
+            launch.manifest_path, launch.image,
+        )  # fmt: skip
+        return read_summary(work_dir)
     if cfg.nproc == 1:
         result = run_grpo(cfg, sft_model, train_path, eval_path, model_output, work_dir)
         assert result is not None  # a single process is rank 0

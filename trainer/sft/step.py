@@ -7,6 +7,7 @@ import html
 import json
 from pathlib import Path
 
+from trainer.cluster.config import JobLaunch
 from trainer.launch import run_step_processes
 from trainer.sft.config import SFTConfig
 from trainer.sft.recipe import SUMMARY_FILE, SFTResult, run_sft
@@ -19,10 +20,21 @@ def run_sft_step(
     eval_path: str | Path | None,
     model_output: str | Path,
     work_dir: str | Path,
+    launch: JobLaunch | None = None,
 ) -> SFTResult:
-    """Run SFT with ``cfg.nproc`` processes and return rank 0's result."""
+    """Run SFT with ``cfg.nproc`` processes (here, or as a PyTorchJob when ``launch`` says so)
+    and return rank 0's result."""
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
+    if launch is not None and launch.as_job:
+        from trainer.cluster.step_job import StepJob, run_step_job
+
+        job = StepJob("sft", "trainer.sft", cfg, "base-model", base_model, train_path, eval_path)
+        run_step_job(
+            job, launch.execution, launch.run_id, model_output, work_dir,
+            launch.manifest_path, launch.image,
+        )  # fmt: skip
+        return SFTResult(**json.loads((work_dir / SUMMARY_FILE).read_text()))
     if cfg.nproc == 1:
         result = run_sft(cfg, base_model, train_path, eval_path, model_output, work_dir)
         assert result is not None  # a single process is rank 0

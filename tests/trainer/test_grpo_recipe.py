@@ -225,3 +225,49 @@ def test_update_layout_log_probs_equal_unpadded_forwards(tiny_model_dir):
             alone = algo.token_log_probs(logits, ids[:, 1:])[0, -len(rollout.response_ids) :]
             got = batched[row][layout.mask[row] > 0]
             assert torch.allclose(got, alone, atol=1e-5), row
+
+
+def test_shared_prefix_update_equals_full_rows_in_value_and_gradient(tiny_model_dir):
+    """Rows of the same prompt run the prompt once and index its KV cache out to the group:
+    the log-probs, entropies and parameter gradients equal those of the full rows. The prompts
+    are longer than the tiny model's sliding window (32), so the windowed layers' cache crop
+    is exercised; one response is empty and lengths differ."""
+    from trainer.grpo import algorithm as algo
+    from trainer.grpo.prompts import Prompt
+    from trainer.grpo.recipe import _log_probs, _sequences
+    from trainer.grpo.rollout import Rollout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    long_a = torch.randint(5, 900, (45,), generator=gen).tolist()
+    long_b = torch.randint(5, 900, (38,), generator=gen).tolist()
+    prompts = [Prompt(long_a, "fr", "a"), Prompt(long_b, "de", "b")]
+    responses = [[20, 21, 22], [40, 41, 42, 43, 44], [], [30, 31, 32, 33, 34, 35], [50]]
+    owners = [0, 0, 0, 1, 1]
+    rollouts = [Rollout(o, r, True) for o, r in zip(owners, responses, strict=True)]
+    layout = _sequences(prompts, rollouts, pad_id=0, device="cpu")
+    assert layout.shared is not None
+
+    def run(shared: bool):
+        model.zero_grad()
+        micro = (
+            layout
+            if shared
+            else type(layout)(layout.ids, layout.attention, layout.positions, layout.mask, None)
+        )
+        log_probs, entropy = _log_probs(model, micro, True)
+        loss = algo.aggregate_loss(
+            log_probs * torch.linspace(-1, 1, log_probs.shape[0])[:, None], layout.mask,
+            "token-mean",
+        )  # fmt: skip
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return log_probs.detach() * layout.mask, entropy.detach() * layout.mask, grads
+
+    full_lp, full_ent, full_grads = run(shared=False)
+    lp, ent, grads = run(shared=True)
+    torch.testing.assert_close(lp, full_lp, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(ent, full_ent, atol=2e-5, rtol=1e-4)
+    assert grads.keys() == full_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, full_grads[name], atol=1e-5, rtol=1e-3, msg=name)

@@ -1,0 +1,101 @@
+"""KFP components of the Megatron path: HF → Megatron conversion, and the export back to HF."""
+
+from kfp import dsl
+from kfp.dsl import Artifact, Input, Markdown, Model, Output
+
+from components.images import GPU_IMAGE
+
+
+@dsl.component(base_image=GPU_IMAGE, install_kfp_package=False)
+def convert_megatron(
+    hf_model: Input[Model],
+    layout: dict,
+    megatron_model: Output[Model],
+    verification_report: Output[Markdown],
+    manifest: Output[Artifact],
+):
+    """HF directory → Megatron ``torch_dist`` checkpoint with megatron-bridge.
+
+    ``layout`` is a ``MegatronLayout`` as a dict, or ``{"preset": name, **overrides}``. It is
+    checked against the model's config before any weight loads; the checkpoint gets a
+    manifest, and its next-token logits must match the HF model's within the dtype's
+    tolerance (the report is written either way). Nothing is published when a check fails.
+    """
+    import importlib
+    import logging
+    import shutil
+    from pathlib import Path
+
+    from trainer.megatron.layout import validate_layout
+    from trainer.megatron.manifest import MANIFEST_FILE, build_manifest, write_manifest
+    from trainer.megatron.verify import verify_conversion
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    checked = validate_layout(hf_model.path, layout)
+    bridge = importlib.import_module("trainer.megatron.bridge")
+    final = Path(megatron_model.path)
+    partial = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        bridge.convert_hf_to_megatron(hf_model.path, str(partial), checked.layout)
+        write_manifest(partial, build_manifest(hf_model.path, checked.layout, checked.world_size))
+        report = verify_conversion(
+            hf_model.path,
+            partial,
+            dtype=checked.layout.params_dtype,
+            report_path=verification_report.path,
+            json_path=partial / "lingo_verification.json",
+        )
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    shutil.copyfile(final / MANIFEST_FILE, manifest.path)
+    parallel = checked.layout.model_dump(include={"tp", "pp", "ep", "etp", "cp", "dp", "vpp"})
+    megatron_model.metadata.update(
+        format="megatron-torch_dist",
+        layout=checked.layout.name,
+        dtype=checked.layout.params_dtype,
+        world_size=checked.world_size,
+        max_abs_logit_diff=report.max_abs_diff,
+        **{k: v for k, v in parallel.items() if v is not None},
+    )
+
+
+@dsl.component(base_image=GPU_IMAGE, install_kfp_package=False)
+def export_hf(
+    checkpoint: Input[Model],
+    template_model: Input[Model],
+    source_format: str,
+    model: Output[Model],
+    dtype: str = "auto",
+    max_shard_size: str = "5GB",
+):
+    """A training checkpoint → a standard HF directory (sharded safetensors, the template's
+    tokenizer and chat template), checked to load with ``AutoModelForCausalLM``.
+
+    ``source_format``: ``deepspeed`` (a GRPO work dir, ``checkpoints/`` root or ``step-<N>``
+    dir; ZeRO shards consolidated by DeepSpeed) or ``megatron`` (a Megatron checkpoint,
+    exported by megatron-bridge; ``dtype`` and ``max_shard_size`` are the bridge's then).
+    """
+    import logging
+
+    from trainer.export_hf import export_deepspeed, export_megatron
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if source_format == "deepspeed":
+        result = export_deepspeed(
+            checkpoint.path, template_model.path, model.path, dtype, max_shard_size
+        )
+    elif source_format == "megatron":
+        result = export_megatron(checkpoint.path, template_model.path, model.path)
+    else:
+        raise ValueError(f"source_format={source_format!r}: expected 'deepspeed' or 'megatron'")
+    model.metadata.update(
+        format="huggingface",
+        source_format=result.source_format,
+        dtype=result.dtype,
+        shards=result.shards,
+        parameters=result.parameters,
+    )

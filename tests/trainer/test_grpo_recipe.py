@@ -271,3 +271,45 @@ def test_shared_prefix_update_equals_full_rows_in_value_and_gradient(tiny_model_
     assert grads.keys() == full_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, full_grads[name], atol=1e-5, rtol=1e-3, msg=name)
+
+
+def test_hf_engine_decode_loop_matches_greedy_generate(tiny_model_dir):
+    """With top-p so small that only the top token survives, our decode loop (prefill once,
+    cache copied to the samples, one forward per token) must give exactly HF's greedy
+    ``generate`` — prompts longer than the sliding window, of unequal lengths."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    engine = HFRolloutEngine(model, tokenizer, RolloutConfig(max_new_tokens=12, top_p=1e-6))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 900, (k,), generator=gen).tolist() for k in (40, 33, 9)]
+    out = engine.generate(prompts, 2, seed=0)
+    for rollout in out:
+        prompt = torch.tensor([prompts[rollout.prompt_index]])
+        greedy = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=sorted(engine.stop_ids),
+            pad_token_id=engine.pad_id,
+        )[0, prompt.shape[1] :].tolist()
+        expected, finished = cut_at_stop(greedy, engine.stop_ids, engine.pad_id)
+        assert (rollout.response_ids, rollout.finished) == (expected, finished)
+
+
+def test_hf_engine_samples_from_the_tempered_nucleus(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(40_000, 1)
+    torch.manual_seed(0)
+    plain = HFRolloutEngine(model, tokenizer, RolloutConfig())._sample(logits)
+    freq = torch.bincount(plain, minlength=4).float() / len(plain)
+    assert torch.allclose(freq, probs, atol=0.01), freq
+    nucleus = HFRolloutEngine(model, tokenizer, RolloutConfig(top_p=0.7))._sample(logits)
+    freq = torch.bincount(nucleus, minlength=4).float() / len(nucleus)
+    assert torch.allclose(freq, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.01), freq
+    hot = HFRolloutEngine(model, tokenizer, RolloutConfig(temperature=2.0))._sample(logits)
+    tempered = probs.sqrt() / probs.sqrt().sum()
+    freq = torch.bincount(hot, minlength=4).float() / len(hot)
+    assert torch.allclose(freq, tempered, atol=0.01), freq

@@ -1,4 +1,4 @@
-"""Rollout engines behind one small interface: Hugging Face ``generate`` and vLLM.
+"""Rollout engines behind one small interface: a Hugging Face model with its KV cache, and vLLM.
 
 An engine samples ``n`` responses per prompt (token ids in, token ids out) and takes the
 policy's new weights after each update (``sync_weights``). Responses end with the first stop
@@ -50,7 +50,7 @@ def cut_at_stop(ids: list[int], stop_ids: set[int], pad_id: int) -> tuple[list[i
 
 
 class HFRolloutEngine:
-    """Sampling with ``model.generate`` and its KV cache (CPU or GPU).
+    """Sampling with a Hugging Face model and its KV cache (CPU or GPU).
 
     ``model`` is a plain ``nn.Module`` the engine may share with the trainer (single process:
     the policy itself, so there is nothing to sync) or own (a copy, updated by sync_weights).
@@ -81,7 +81,13 @@ class HFRolloutEngine:
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], first_index: int, n: int, device):
-        """Prefill each prompt once, copy its KV cache to its n samples, then sample."""
+        """Prefill each prompt once, copy its KV cache to its n samples, then decode.
+
+        The decode loop is ours rather than ``model.generate``: one forward per token on the
+        cache, temperature and nucleus (top-p) filtering, and a sample drawn by the
+        exponential race (``argmax(p / E)``, ``E ~ Exp(1)``: the same distribution as
+        ``multinomial(p)``, as vLLM samples), stopping when every row has hit a stop token.
+        """
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -89,36 +95,53 @@ class HFRolloutEngine:
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
-        cache = None
-        if width > 1:  # all but the last prompt token; generate() feeds the last one
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            cache = self.model(
-                input_ids=ids[:, :-1],
-                attention_mask=mask[:, :-1],
-                position_ids=positions[:, :-1],
-                use_cache=True,
-                logits_to_keep=1,
-            ).cache
-            cache.batch_repeat_interleave(n)
-        generated = self.model.generate(
-            input_ids=ids.repeat_interleave(n, 0),
-            attention_mask=mask.repeat_interleave(n, 0),
-            cache=cache,
-            do_sample=True,
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-            max_new_tokens=self.cfg.max_new_tokens,
-            eos_token_id=sorted(self.stop_ids),
-            pad_token_id=self.pad_id,
+        prefill = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
+            logits_to_keep=1,
         )
+        cache = prefill.cache
+        cache.batch_repeat_interleave(n)
+        logits = prefill.logits[:, -1, :].repeat_interleave(n, 0)
+        attention = mask.repeat_interleave(n, 0)
+        position = mask.sum(-1).repeat_interleave(n, 0)
+        rows = attention.shape[0]
+        stop = torch.tensor(sorted(self.stop_ids), device=device)
+        tokens = torch.full((rows, self.cfg.max_new_tokens), self.pad_id, dtype=torch.long)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        for t in range(self.cfg.max_new_tokens):
+            token = torch.where(finished, self.pad_id, self._sample(logits))
+            tokens[:, t] = token.cpu()
+            finished |= torch.isin(token, stop)
+            if bool(finished.all()) or t == self.cfg.max_new_tokens - 1:
+                break
+            attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=1)
+            logits = self.model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=position[:, None],
+                cache=cache,
+                use_cache=True,
+            ).logits[:, -1, :]
+            position = position + 1
         out = []
-        for row in range(generated.shape[0]):
-            response, finished = cut_at_stop(
-                generated[row, width:].tolist(), self.stop_ids, self.pad_id
-            )
-            out.append(Rollout(first_index + row // n, response, finished))
+        for row in range(rows):
+            response, done = cut_at_stop(tokens[row].tolist(), self.stop_ids, self.pad_id)
+            out.append(Rollout(first_index + row // n, response, done))
         return out
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row from ``softmax(logits / temperature)``, nucleus-filtered."""
+        probs = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
+        if self.cfg.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always the top token)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.cfg.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        return torch.argmax(probs / torch.empty_like(probs).exponential_(), dim=-1)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())

@@ -8,7 +8,7 @@ BIN = $(VENV)/bin
 # DeepSpeed (dev extra, CPU tests) installs without compiling its CUDA ops.
 export DS_BUILD_OPS = 0
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-megatron lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,9 @@ test: setup  ## lint, then the test suite (slow/gpu/cluster tests deselected by 
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
+test-megatron:  ## the Megatron round trip HF -> Megatron -> HF on CPU, in a Python 3.12 env (tools/megatron_env.sh, ~5 GB)
+	bash tools/run_megatron_tests.sh -q
+
 lint:
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
@@ -36,4 +39,4 @@ bench: setup
 	$(BIN)/python bench/data_prep.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-megatron runs .pytest_cache .ruff_cache

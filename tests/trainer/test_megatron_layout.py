@@ -87,8 +87,10 @@ def test_each_rule_alone_names_its_field_and_numbers(layout, fragments):
 
 
 def test_tp_not_dividing_the_attention_heads_breaks_the_kv_head_rule_too():
-    # KV heads divide the attention heads (GQA), so a TP that misses one misses both
-    heads, kv_heads = _problems({"tp": 3, "gpus_per_node": 3})
+    # KV heads divide the attention heads (GQA), so a TP that misses one misses both (and
+    # 3 does not divide the vocabulary, 201088, either)
+    heads, kv_heads, vocab = _problems({"tp": 3, "gpus_per_node": 3})
+    assert "tp=3 does not divide vocab_size=201088" in vocab
     assert "tp=3 does not divide num_attention_heads=64" in heads
     assert "1, 2, 4, 8, 16, 32, 64" in heads
     assert "tp=3 does not divide num_key_value_heads=8" in kv_heads
@@ -125,7 +127,7 @@ def test_a_layout_that_does_not_fit_gpu_memory_is_rejected_with_the_planner_tabl
 
 def test_several_problems_are_reported_at_once():
     layout = {
-        "tp": 3,  # heads, KV heads; EP with TP without SP
+        "tp": 3,  # heads, KV heads, vocabulary; EP with TP without SP
         "pp": 5,  # layers
         "ep": 6,  # experts
         "etp": 2,  # GPT-OSS
@@ -133,13 +135,13 @@ def test_several_problems_are_reported_at_once():
         "gpus_per_node": 7,  # world not a multiple of tp × pp × cp, nor of etp × ep × pp
     }
     problems = _problems(layout, gpu_memory_gib=80)
-    assert len(problems) == 10, problems
+    assert len(problems) == 11, problems
     joined = "\n".join(problems)
     for fragment in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers"):
         assert fragment in joined
     with pytest.raises(LayoutError) as caught:
         validate_layout(GPT_OSS_20B, MegatronLayout(**layout), gpu_memory_gib=80)
-    assert "10 problem(s)" in str(caught.value)
+    assert "11 problem(s)" in str(caught.value)
     assert "GPU memory is checked once the rules above pass" in str(caught.value)
     assert isinstance(caught.value, ValueError)
     assert isinstance(caught.value, PlannerLayoutError)
@@ -227,6 +229,7 @@ def _violations(tp, pp, ep, cp, sp, world) -> int:
     """An independent count of the rules a layout breaks on gpt-oss-20b (rollout_tp 1)."""
     return sum(
         [
+            201088 % tp != 0,
             64 % tp != 0,
             8 % tp != 0,
             24 % pp != 0,

@@ -7,6 +7,7 @@ Megatron-Core lays two rank grids over the same processes
 the model's ``config.json`` and checks a layout against those grids and the model's shapes;
 every rule that fails is reported, all at once, in one ``LayoutError``:
 
+- TP divides ``vocab_size`` (the bridge does not pad the vocabulary for TP);
 - TP divides ``num_attention_heads`` and ``num_key_value_heads`` (a rank holds whole heads and
   whole query groups);
 - PP divides ``num_hidden_layers`` (even stages); a virtual PP needs PP ≥ 2 and divides
@@ -294,6 +295,12 @@ def _shape_problems(config: Mapping[str, Any], layout: MegatronLayout) -> list[s
         problems.append(
             f"tp={layout.tp} does not divide num_key_value_heads={kv_heads} (each tensor-parallel "
             f"rank holds whole query groups); tp must be one of {_divisors(kv_heads)}"
+        )
+    vocab = config.get("vocab_size")
+    if vocab and int(vocab) % layout.tp:
+        problems.append(
+            f"tp={layout.tp} does not divide vocab_size={vocab} (the embedding and output layer "
+            "are split by vocabulary over TP and megatron-bridge 0.6 does not pad it)"
         )
     if layers % layout.pp:
         problems.append(

@@ -1,7 +1,8 @@
 """Container images of the components: the one place they are named.
 
-Override at compile time with the environment variables ``LINGO_CPU_IMAGE`` and
-``LINGO_GPU_IMAGE`` (read when ``components`` is first imported, i.e. before compiling).
+Override at compile time with the environment variables ``LINGO_CPU_IMAGE``,
+``LINGO_GPU_IMAGE`` and ``LINGO_MEGATRON_IMAGE`` (read when ``components`` is first imported,
+i.e. before compiling).
 """
 
 from __future__ import annotations
@@ -19,3 +20,8 @@ CPU_IMAGE = os.environ.get("LINGO_CPU_IMAGE", f"ghcr.io/lingo-rl/lingo-rl-cpu:{_
 
 GPU_IMAGE = os.environ.get("LINGO_GPU_IMAGE", f"ghcr.io/lingo-rl/lingo-rl-gpu:{__version__}")
 """SFT and GRPO steps (CUDA torch, DeepSpeed, vLLM)."""
+
+MEGATRON_IMAGE = os.environ.get(
+    "LINGO_MEGATRON_IMAGE", f"ghcr.io/lingo-rl/lingo-rl-megatron:{__version__}"
+)
+"""The Megatron branch: conversion, GRPO on Megatron-Core, export (Python 3.12, TE)."""

@@ -3,10 +3,10 @@
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Markdown, Model, Output
 
-from components.images import GPU_IMAGE
+from components.images import MEGATRON_IMAGE
 
 
-@dsl.component(base_image=GPU_IMAGE, install_kfp_package=False)
+@dsl.component(base_image=MEGATRON_IMAGE, install_kfp_package=False)
 def convert_megatron(
     hf_model: Input[Model],
     layout: dict,
@@ -63,7 +63,7 @@ def convert_megatron(
     )
 
 
-@dsl.component(base_image=GPU_IMAGE, install_kfp_package=False)
+@dsl.component(base_image=MEGATRON_IMAGE, install_kfp_package=False)
 def export_hf(
     checkpoint: Input[Model],
     template_model: Input[Model],

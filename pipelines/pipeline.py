@@ -8,7 +8,8 @@ from kfp import dsl
 
 from components.data_prep import data_prep
 from components.evaluate import evaluate, gate, register
-from components.grpo import grpo
+from components.grpo import grpo, grpo_megatron
+from components.megatron import convert_megatron, export_hf
 from components.models import base_model, capacity_check, sft
 from components.tracking import finalize, publish, start_tracking
 from data_prep.config import DataPrepConfig
@@ -30,6 +31,7 @@ _EVAL_DEFAULT = config_dict(EvalConfig())
 _GATE_DEFAULT = config_dict(GateConfig())
 _LAYOUT_DEFAULT = Preset.model_fields["layout"].default
 _LOCAL_EXECUTION = config_dict(ExecutionConfig())
+_MEGATRON_LAYOUT_DEFAULT = Preset.model_fields["megatron_layout"].default_factory()
 
 
 MAIN_OUTPUTS: dict[str, tuple[str, str]] = {
@@ -79,6 +81,8 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
         gate_config: dict = _GATE_DEFAULT,
         layout: str = _LAYOUT_DEFAULT,
         layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
+        backend: str = "deepspeed",
+        megatron_layout: dict = _MEGATRON_LAYOUT_DEFAULT,
         sft_execution: dict = _LOCAL_EXECUTION,
         grpo_execution: dict = _LOCAL_EXECUTION,
         mlflow_tracking_uri: str = "",
@@ -146,57 +150,93 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
             tuned.set_display_name("SFT + merge")
             platform(tuned, "sft")
             tuned.after(capacity)
-            policy = grpo(
-                train_data=prep.outputs["train_data"],
-                eval_data=prep.outputs["eval_data"],
-                sft_model=tuned.outputs["model"],
-                config=grpo_config,
-                execution=grpo_execution,
-                pipeline_run_id=run_id,
-                mlflow_tracking_uri=mlflow_tracking_uri,
-                mlflow_parent_run_id=parent_run,
-            )
-            policy.set_display_name("GRPO")
-            platform(policy, "grpo")
-            evaluation = evaluate(
-                base_model=base.outputs["model"],
-                sft_model=tuned.outputs["model"],
-                grpo_model=policy.outputs["model"],
-                config=eval_config,
-                mlflow_tracking_uri=mlflow_tracking_uri,
-                mlflow_parent_run_id=parent_run,
-            )
-            evaluation.set_display_name("eval: base vs SFT vs GRPO")
-            platform(evaluation, "evaluate")
-            with dsl.If(export_uri != "", name="export-to-object-storage"):
-                published = publish(
-                    grpo_model=policy.outputs["model"],
-                    eval_results=evaluation.outputs["results"],
-                    eval_report=evaluation.outputs["report"],
-                    export_uri=export_uri,
-                    pipeline_run_id=run_id,
+
+            def evaluate_and_promote(policy_model) -> None:
+                """eval → gate → register, and publish: in each backend's branch (kfp.local
+                2.17 cannot resolve a dsl.OneOf of artifacts, so the branches do not merge)."""
+                evaluation = evaluate(
+                    base_model=base.outputs["model"],
+                    sft_model=tuned.outputs["model"],
+                    grpo_model=policy_model,
+                    config=eval_config,
+                    mlflow_tracking_uri=mlflow_tracking_uri,
+                    mlflow_parent_run_id=parent_run,
                 )
-                published.set_display_name("publish to object storage")
-                platform(published, "publish")
-            decision = gate(
-                results=evaluation.outputs["results"],
-                grpo_model=policy.outputs["model"],
-                config=gate_config,
-                mlflow_tracking_uri=mlflow_tracking_uri,
-                mlflow_parent_run_id=parent_run,
-            )
-            decision.set_display_name("promotion gate")
-            platform(decision, "gate")
-            with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
-                registered = register(
+                evaluation.set_display_name("eval: base vs SFT vs GRPO")
+                platform(evaluation, "evaluate")
+                with dsl.If(export_uri != "", name="export-to-object-storage"):
+                    published = publish(
+                        grpo_model=policy_model,
+                        eval_results=evaluation.outputs["results"],
+                        eval_report=evaluation.outputs["report"],
+                        export_uri=export_uri,
+                        pipeline_run_id=run_id,
+                    )
+                    published.set_display_name("publish to object storage")
+                    platform(published, "publish")
+                decision = gate(
                     results=evaluation.outputs["results"],
-                    grpo_model=policy.outputs["model"],
+                    grpo_model=policy_model,
                     config=gate_config,
                     mlflow_tracking_uri=mlflow_tracking_uri,
                     mlflow_parent_run_id=parent_run,
                 )
-                registered.set_display_name("register champion")
-                platform(registered, "register")
+                decision.set_display_name("promotion gate")
+                platform(decision, "gate")
+                with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
+                    registered = register(
+                        results=evaluation.outputs["results"],
+                        grpo_model=policy_model,
+                        config=gate_config,
+                        mlflow_tracking_uri=mlflow_tracking_uri,
+                        mlflow_parent_run_id=parent_run,
+                    )
+                    registered.set_display_name("register champion")
+                    platform(registered, "register")
+
+            with dsl.If(backend != "megatron", name="deepspeed-backend"):
+                hf_policy = grpo(
+                    train_data=prep.outputs["train_data"],
+                    eval_data=prep.outputs["eval_data"],
+                    sft_model=tuned.outputs["model"],
+                    config=grpo_config,
+                    execution=grpo_execution,
+                    pipeline_run_id=run_id,
+                    mlflow_tracking_uri=mlflow_tracking_uri,
+                    mlflow_parent_run_id=parent_run,
+                )
+                hf_policy.set_display_name("GRPO")
+                platform(hf_policy, "grpo")
+                evaluate_and_promote(hf_policy.outputs["model"])
+            with dsl.Else(name="megatron-backend"):
+                converted = convert_megatron(
+                    hf_model=tuned.outputs["model"], layout=megatron_layout
+                )
+                converted.set_display_name("convert to Megatron + precision check")
+                platform(converted, "convert-megatron")
+                megatron_policy = grpo_megatron(
+                    train_data=prep.outputs["train_data"],
+                    eval_data=prep.outputs["eval_data"],
+                    sft_model=tuned.outputs["model"],
+                    config=grpo_config,
+                    execution=grpo_execution,
+                    pipeline_run_id=run_id,
+                    mlflow_tracking_uri=mlflow_tracking_uri,
+                    mlflow_parent_run_id=parent_run,
+                    backend="megatron",
+                    megatron_checkpoint=converted.outputs["megatron_model"],
+                    megatron_layout=megatron_layout,
+                )
+                megatron_policy.set_display_name("GRPO (Megatron)")
+                platform(megatron_policy, "grpo")
+                exported = export_hf(
+                    checkpoint=megatron_policy.outputs["model"],
+                    template_model=tuned.outputs["model"],
+                    source_format="megatron",
+                )
+                exported.set_display_name("export to HF")
+                platform(exported, "export-hf")
+                evaluate_and_promote(exported.outputs["model"])
 
     return lingo_pipeline
 

@@ -26,6 +26,8 @@ STEPS = (
     "capacity-check",
     "sft",
     "grpo",
+    "convert-megatron",
+    "export-hf",
     "evaluate",
     "gate",
     "register",
@@ -261,7 +263,7 @@ DEFAULT_SECRETS = (
         steps=("data-prep", "base-model", "evaluate"),
     ),
 )
-GPU_STEPS = ("sft", "grpo", "evaluate")
+GPU_STEPS = ("sft", "grpo", "convert-megatron", "export-hf", "evaluate")
 JOB_STEPS = ("sft", "grpo")
 """Steps that can run their training as a PyTorchJob."""
 NETWORK_STEPS = ("start-tracking", "data-prep", "base-model", "evaluate", "register", "publish")
@@ -273,6 +275,8 @@ CLUSTER_CACHING = {
     "base-model": False,
     "sft": False,
     "grpo": False,
+    "convert-megatron": True,
+    "export-hf": False,
     "evaluate": False,
     "gate": False,
     "register": False,

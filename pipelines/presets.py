@@ -8,7 +8,7 @@ run, the compiled pipeline and the cluster job share one source of every default
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,6 +50,12 @@ class Preset(BaseModel):
     platform: str = "local"
     """Kubernetes settings compiled into the pipeline (pipelines/platform.py): ``local`` (none),
     ``g5.12xlarge``, ``p5en.48xlarge``."""
+    backend: Literal["deepspeed", "megatron"] = "deepspeed"
+    """The GRPO branch: ``deepspeed`` trains HF weights (``grpo.optim.backend`` torch or
+    deepspeed) and exports the policy itself; ``megatron`` runs convert_megatron → GRPO on
+    Megatron-Core → export_hf."""
+    megatron_layout: dict[str, Any] = Field(default_factory=lambda: {"preset": "tiny-cpu"})
+    """``trainer.megatron.layout`` layout of the Megatron branch (a preset name + overrides)."""
     sft_execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     """Where SFT trains: in its pipeline pod (``local``) or as a PyTorchJob."""
     grpo_execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
@@ -170,9 +176,18 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
         "description": (
             "openai/gpt-oss-20b with verl's GRPO settings for gpt-oss: n=16, clip 0.2/0.28, "
             "dual clip 10, low_var_kl 0.001, token-mean, vLLM colocated (hybrid, sleep/wake) "
-            "on 8 GPUs a node; DeepSpeed until the Megatron backend lands"
+            "on 8 GPUs a node; DeepSpeed by default, backend=megatron for verl's TP 8 / EP 8 "
+            "layout on one p5en node (then grpo.rollout.engine=hf: the Megatron image has no "
+            "vLLM)"
         ),
         "layout": "p5en.48xlarge-x2-megatron",
+        # verl's gpt-oss Megatron layout (TP 8, EP 8, PP = nodes) on one 8x H200 node
+        "megatron_layout": {
+            "preset": "verl-gpt-oss-8x8-h100",
+            "nodes": 1,
+            "pp": 1,
+            "gpu_memory_gib": 139.8,
+        },
         "platform": "p5en.48xlarge",
         "grpo": GPT_OSS_20B.grpo.model_copy(
             update={
@@ -194,7 +209,17 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, GPT_OSS_20B, GPT_OSS_20B_VERL)}
 DEFAULT_PRESET = "tiny-cpu"
-STEPS = ("data_prep", "model", "sft", "grpo", "eval", "gate", "sft_execution", "grpo_execution")
+STEPS = (
+    "data_prep",
+    "model",
+    "sft",
+    "grpo",
+    "eval",
+    "gate",
+    "sft_execution",
+    "grpo_execution",
+    "megatron_layout",
+)
 
 
 class UnknownPresetError(KeyError):
@@ -281,6 +306,8 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     args["gate_config"] = config_dict(preset.gate)
     args["layout"] = preset.layout
     args["layout_overrides"] = dict(preset.layout_overrides)
+    args["backend"] = preset.backend
+    args["megatron_layout"] = dict(preset.megatron_layout)
     args["sft_execution"] = execution_argument(preset.sft_execution, preset.platform, "sft")
     args["grpo_execution"] = execution_argument(preset.grpo_execution, preset.platform, "grpo")
     # per run, not per preset (lingo run --local reads MLFLOW_TRACKING_URI and

@@ -40,14 +40,34 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
         == "ALL_UPSTREAM_TASKS_COMPLETED"
     )
     tasks = spec.components["comp-exit-handler-1"].dag.tasks
-    assert {"start-tracking", "data-prep", "base-model", "sft", "grpo", "evaluate"} <= set(tasks)
-    assert list(tasks["grpo"].dependent_tasks) == ["data-prep", "sft", "start-tracking"]
+    assert {"start-tracking", "data-prep", "base-model", "sft"} <= set(tasks)
     assert list(tasks["sft"].dependent_tasks) == [
         "base-model",
         "capacity-check",
         "data-prep",
         "start-tracking",
     ]
+    # GRPO and what follows it: one branch per backend (dsl.If / dsl.Else on `backend`)
+    branches = [t for t in tasks if t.startswith("condition-branches")]
+    assert len(branches) == 1
+    assert list(tasks[branches[0]].dependent_tasks) == [
+        "base-model",
+        "data-prep",
+        "sft",
+        "start-tracking",
+    ]
+    dags = [
+        {t: sorted(task.dependent_tasks) for t, task in c.dag.tasks.items()}
+        for c in spec.components.values()
+        if c.dag.tasks
+    ]
+    deepspeed = next(d for d in dags if "grpo" in d)
+    assert deepspeed["grpo"] == [] and deepspeed["evaluate"] == ["grpo"]
+    assert deepspeed["gate"] == ["evaluate", "grpo"]
+    megatron = next(d for d in dags if "grpo-2" in d)
+    assert megatron["grpo-2"] == ["convert-megatron"]
+    assert megatron["export-hf"] == ["grpo-2"]
+    assert megatron["evaluate-2"] == ["export-hf"]
     component = spec.components["comp-data-prep"]
     assert set(component.output_definitions.artifacts) == {
         "train_data",

@@ -11,6 +11,7 @@ pipeline's exit handler can find and delete what a cancelled run left behind
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -54,6 +55,8 @@ class StepJob:
         model: the input model directory.
         train: the train split.
         eval: the eval split, or None.
+        config_paths: further inputs named by a config field (dotted, e.g.
+            ``optim.megatron.checkpoint``): staged too, and the field set to the staged copy.
     """
 
     step: str
@@ -63,6 +66,7 @@ class StepJob:
     model: str | Path
     train: str | Path
     eval: str | Path | None
+    config_paths: tuple[str, ...] = ()
 
 
 def label_value(text: str) -> str:
@@ -103,19 +107,31 @@ def stage_inputs(job: StepJob, shared: Path) -> list[str]:
     ):
         if source is None:
             continue
-        source = Path(source)
         target = inputs / flag
-        if source.is_dir():
-            shutil.copytree(source, target)
-        else:
-            shutil.copy2(source, target)
+        _copy(Path(source), target)
         staged[flag] = target
+    config = job.config.model_dump(mode="json")
+    for field in job.config_paths:
+        *parents, leaf = field.split(".")
+        node = config
+        for key in parents:
+            node = node[key]
+        target = inputs / field
+        _copy(Path(node[leaf]), target)
+        node[leaf] = str(target)
     config_file = shared / f"{job.step}_config.json"
-    config_file.write_text(job.config.model_dump_json(indent=2))
+    config_file.write_text(json.dumps(config, indent=2))
     args = ["--config", str(config_file)]
     for flag, path in staged.items():
         args += [f"--{flag}", str(path)]
     return [*args, "--model-output", str(shared / "model"), "--work-dir", str(shared / "work")]
+
+
+def _copy(source: Path, target: Path) -> None:
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copy2(source, target)
 
 
 def build_step_manifest(

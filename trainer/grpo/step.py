@@ -28,7 +28,11 @@ def run_grpo_step(
     if launch is not None and launch.as_job:
         from trainer.cluster.step_job import StepJob, run_step_job
 
-        job = StepJob("grpo", "trainer.grpo", cfg, "sft-model", sft_model, train_path, eval_path)
+        megatron = getattr(cfg.optim, "megatron", None)
+        staged = ("optim.megatron.checkpoint",) if megatron and megatron.checkpoint else ()
+        job = StepJob(
+            "grpo", "trainer.grpo", cfg, "sft-model", sft_model, train_path, eval_path, staged
+        )
         run_step_job(
             job, launch.execution, launch.run_id, model_output, work_dir,
             launch.manifest_path, launch.image,

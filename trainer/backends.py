@@ -1,23 +1,38 @@
-"""Training backends behind one small interface: plain PyTorch, and DeepSpeed ZeRO-0/1/2/3.
+"""Training backends behind one small interface: plain PyTorch, DeepSpeed ZeRO-0/1/2/3, and
+Megatron-Core (``trainer.megatron.backend``, GRPO only).
 
 A training loop computes a micro-batch loss already normalized for the **whole global batch**
-(e.g. summed token losses / tokens in the global batch, over every micro-batch and rank), calls
-``backward`` for each micro-batch and ``step`` once per optimizer step. Backends make the
-gradients the plain sum of those contributions, whatever the accumulation and data parallelism
-(DeepSpeed averages over ranks and scales by 1/gradient_accumulation_steps; we undo both), so a
-run on N processes follows the single-process run for the same global batch.
+(e.g. summed token losses / tokens in the global batch, over every micro-batch and rank).
+Backends make the gradients the plain sum of those contributions, whatever the accumulation and
+data parallelism (DeepSpeed averages over ranks and scales by 1/gradient_accumulation_steps,
+Megatron divides by the number of micro-batches and averages over data-parallel ranks; each
+backend undoes its own), so a run on N processes follows the single-process run for the same
+global batch.
+
+Two ways to drive a backend:
+
+- SFT calls ``module`` for each micro-batch, ``backward`` on its loss, and ``step`` once per
+  optimizer step (plain PyTorch and DeepSpeed);
+- GRPO hands the backend a whole mini-batch of micro-batches (``ResponseBatch``) and a loss
+  function: ``forward_backward(micro_batches, loss_fn)`` runs the policy's forward on each,
+  calls ``loss_fn(k, log_probs, entropy)`` and back-propagates, then the loop calls ``step``.
+  The backend owns the forward, so Megatron can run it through its pipeline schedule (with
+  pipeline parallelism no stage can call the whole model), while PyTorch and DeepSpeed run
+  the plain loop over ``ResponseBatch.hf_log_probs``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.distributed import DistInfo
 
@@ -28,12 +43,91 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; the last checkpoint is left as it was."""
 
 
-class OptimConfig(BaseModel):
-    """Optimizer, schedule and backend settings shared by SFT and GRPO."""
+RECOMPUTE_MODULES = frozenset({"core_attn", "moe_act", "layernorm", "mlp", "moe"})
+"""Megatron-Core's ``recompute_modules`` choices that apply to GPT-OSS (selective recompute)."""
+
+
+class MegatronSettings(BaseModel):
+    """How the Megatron backend (``optim.backend: megatron``) builds and trains the policy.
+
+    Attributes:
+        layout: a ``trainer.megatron.layout`` preset name (``verl-gpt-oss-8x8-h100``,
+            ``tiny-cpu``) or a mapping (``{"preset": name, **overrides}`` or plain fields).
+        checkpoint: the Megatron ``torch_dist`` checkpoint to start from (``convert_megatron``'s
+            output); the actor, and the reference when KL is on, load their weights from it.
+        recompute_granularity: activation recompute: ``full`` (whole layers) or ``selective``
+            (``recompute_modules`` only); ``None`` keeps every activation.
+        recompute_method: ``uniform`` or ``block`` (``full`` only).
+        recompute_num_layers: layers per recompute unit (``uniform``) or recomputed layers per
+            pipeline stage (``block``); ``full`` only.
+        recompute_modules: submodules recomputed by ``selective`` (default ``core_attn``).
+        use_distributed_optimizer: shard the optimizer state (and fp32 master weights) over
+            data-parallel ranks.
+        optimizer_offload_fraction: share of the optimizer state and update kept on the host
+            (Megatron-Core's ``HybridDeviceOptimizer``); > 0 needs the distributed optimizer.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["torch", "deepspeed"] = "torch"
+    layout: str | dict[str, Any]
+    checkpoint: str | None = None
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = Field(None, ge=1)
+    recompute_modules: list[str] = Field(default_factory=list)
+    use_distributed_optimizer: bool = True
+    optimizer_offload_fraction: float = Field(0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MegatronSettings:
+        from trainer.megatron.layout import resolve_megatron_layout
+
+        resolve_megatron_layout(self.layout)  # LayoutError (a ValueError) names the field
+        problems = []
+        granularity = self.recompute_granularity
+        full = granularity == "full"
+        if full and (self.recompute_method is None or self.recompute_num_layers is None):
+            problems.append(
+                "recompute_granularity=full needs recompute_method (uniform|block) and "
+                "recompute_num_layers (e.g. uniform, 1: every layer recomputed)"
+            )
+        if not full and (self.recompute_method or self.recompute_num_layers):
+            problems.append(
+                "recompute_method / recompute_num_layers apply to recompute_granularity=full only"
+            )
+        if self.recompute_modules and granularity != "selective":
+            problems.append("recompute_modules applies to recompute_granularity=selective only")
+        unknown = sorted(set(self.recompute_modules) - RECOMPUTE_MODULES)
+        if unknown:
+            problems.append(
+                f"recompute_modules {unknown} unknown; choose from {sorted(RECOMPUTE_MODULES)}"
+            )
+        if self.optimizer_offload_fraction > 0 and not self.use_distributed_optimizer:
+            problems.append(
+                "optimizer_offload_fraction > 0 needs use_distributed_optimizer=true (Megatron-"
+                "Core offloads through its precision-aware distributed optimizer)"
+            )
+        if problems:
+            raise ValueError("optim.megatron: " + "; ".join(problems))
+        return self
+
+    def resolved_layout(self):
+        """The layout as a ``trainer.megatron.layout.MegatronLayout``."""
+        from trainer.megatron.layout import resolve_megatron_layout
+
+        return resolve_megatron_layout(self.layout)
+
+
+class OptimConfig(BaseModel):
+    """Optimizer, schedule and backend settings shared by SFT and GRPO.
+
+    ``megatron`` (GRPO only) needs the ``megatron`` settings block; ``zero_stage``,
+    ``offload_optimizer`` and ``offload_params`` are DeepSpeed's.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["torch", "deepspeed", "megatron"] = "torch"
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -44,6 +138,27 @@ class OptimConfig(BaseModel):
     zero_stage: Literal[0, 1, 2, 3] = 3
     offload_optimizer: bool = False
     offload_params: bool = False
+    megatron: MegatronSettings | None = None
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> OptimConfig:
+        if self.backend == "megatron":
+            if self.megatron is None:
+                raise ValueError(
+                    "optim.backend=megatron needs an optim.megatron block with at least a layout "
+                    "(a preset such as 'verl-gpt-oss-8x8-h100' or 'tiny-cpu', or its fields)"
+                )
+            if self.offload_optimizer or self.offload_params:
+                raise ValueError(
+                    "optim.offload_optimizer / offload_params are DeepSpeed settings; with "
+                    "backend=megatron set optim.megatron.optimizer_offload_fraction instead"
+                )
+        elif self.megatron is not None:
+            raise ValueError(
+                f"optim.megatron is set but optim.backend is {self.backend!r}; set "
+                "backend=megatron or drop the megatron block"
+            )
+        return self
 
 
 class ProcessSettings(BaseModel):
@@ -100,13 +215,82 @@ def _scheduler_factory(cfg: OptimConfig, total_steps: int):
     return make
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's place among the data-parallel replicas (ranks that see different data).
+
+    With plain PyTorch and DeepSpeed every process is a replica; with Megatron only the ranks
+    of one data-parallel group are (the tensor/pipeline/expert-parallel ranks of a replica see
+    the same micro-batches). Loss normalizers and metrics are summed over these replicas.
+    """
+
+    rank: int
+    size: int
+    device: torch.device
+    group: Any = None
+    """``torch.distributed`` process group; ``None``: the whole world."""
+
+    def all_reduce_sum(self, value: float) -> float:
+        """Sum a number over the replicas (itself when there is one)."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return float(t.item())
+
+
+class ResponseBatch(Protocol):
+    """A micro-batch of prompt + response rows as the GRPO loop lays it out
+    (``trainer.grpo.recipe._Micro``): rows right-aligned, so every response ends in the last
+    column, and per-token values come back as ``[B, width]`` aligned with ``mask``."""
+
+    ids: torch.Tensor
+    """``[B, T]`` token ids, left-padded."""
+    attention: torch.Tensor
+    """``[B, T]`` 1 on real tokens."""
+    mask: torch.Tensor
+    """``[B, width]`` 1 on the response tokens."""
+
+    def hf_log_probs(
+        self, module: torch.nn.Module, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[B, width]`` response log-probs (and entropies) from a Hugging Face causal LM."""
+        ...
+
+
+LossFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+"""``loss_fn(k, log_probs, entropy) -> (loss, stats)`` for micro-batch ``k`` of a
+``forward_backward`` call: ``log_probs`` / ``entropy`` are ``[B, width]`` (with gradients),
+``loss`` is this micro-batch's share of the global loss, ``stats`` plain floats."""
+
+
 class TrainingBackend(Protocol):
     """What a training loop needs from a backend."""
 
-    module: torch.nn.Module
-    """Call it for forward passes (it may be a wrapper, e.g. a DeepSpeed engine)."""
+    module: Any
+    """Call it for forward passes (it may be a wrapper, e.g. a DeepSpeed engine); Megatron's
+    is its list of model chunks, driven only through ``forward_backward`` / ``log_probs``."""
+    data_parallel: DataParallel
 
     def backward(self, loss: torch.Tensor) -> None: ...
+
+    def forward_backward(
+        self, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
+    ) -> list[dict[str, float]]:
+        """Forward each micro-batch, ``loss_fn`` on its log-probs, backward; the gradients of
+        every micro-batch accumulate. Call once per optimizer step (Megatron reduces the
+        gradients over data-parallel ranks at the end of the call). Returns each micro-batch's
+        ``stats``, on every rank."""
+        ...
+
+    def log_probs(
+        self, micro_batches: Sequence[ResponseBatch], reference: bool = False
+    ) -> list[torch.Tensor]:
+        """``[B, width]`` response log-probs of each micro-batch, without gradients, under the
+        policy or (``reference=True``) the frozen reference model."""
+        ...
 
     def step(self) -> float:
         """Clip, update, advance the LR schedule, zero the grads; returns the grad norm."""
@@ -122,21 +306,77 @@ class TrainingBackend(Protocol):
         """The complete model weights on rank 0 (gathered for ZeRO-3); None on other ranks."""
         ...
 
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The policy's weights under Hugging Face names, one tensor at a time, on every rank
+        (for a rollout engine's ``sync_weights``). Collective: every rank iterates it."""
+        ...
+
+    def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
+        """Write the policy's weights and config as a Hugging Face directory into
+        ``directory`` (global rank 0 writes; collective)."""
+        ...
+
     def unwrapped(self) -> torch.nn.Module: ...
+
+    def close(self) -> None:
+        """Release what the backend set up (Megatron's parallel state)."""
+        ...
+
+
+def _hf_forward_backward(
+    backend, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
+) -> list[dict[str, float]]:
+    """The plain loop: each micro-batch's forward on the HF module, its loss, its backward."""
+    stats = []
+    for k, micro in enumerate(micro_batches):
+        log_probs, entropy = micro.hf_log_probs(backend.module, True)
+        loss, micro_stats = loss_fn(k, log_probs, entropy)
+        backend.backward(loss)
+        stats.append(micro_stats)
+    return stats
+
+
+@torch.no_grad()
+def _hf_log_probs(module, micro_batches: Sequence[ResponseBatch]) -> list[torch.Tensor]:
+    return [micro.hf_log_probs(module, False)[0] for micro in micro_batches]
+
+
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The reference model: the starting policy, frozen (taken before any partitioning)."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 class TorchBackend:
     """Single process (CPU or one GPU), plain PyTorch AdamW."""
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: OptimConfig,
+        total_steps: int,
+        with_reference: bool = False,
+    ) -> None:
         self.module = model
         self.cfg = cfg
+        self.reference = _frozen_copy(model) if with_reference else None
+        device = next(model.parameters()).device
+        self.data_parallel = DataParallel(0, 1, device)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = _optimizer_factory(cfg)(params)
         self.scheduler = _scheduler_factory(cfg, total_steps)(self.optimizer)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def forward_backward(
+        self, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
+    ) -> list[dict[str, float]]:
+        return _hf_forward_backward(self, micro_batches, loss_fn)
+
+    def log_probs(
+        self, micro_batches: Sequence[ResponseBatch], reference: bool = False
+    ) -> list[torch.Tensor]:
+        return _hf_log_probs(self.reference if reference else self.module, micro_batches)
 
     def step(self) -> float:
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -174,8 +414,17 @@ class TorchBackend:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
 
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return ((n, p.detach()) for n, p in self.module.named_parameters())
+
+    def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
+        self.module.save_pretrained(directory)
+
     def unwrapped(self) -> torch.nn.Module:
         return self.module
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class DeepSpeedBackend:
@@ -190,6 +439,7 @@ class DeepSpeedBackend:
         micro_batch_size: int,
         gradient_accumulation_steps: int,
         bf16: bool = False,
+        with_reference: bool = False,
     ) -> None:
         try:
             import deepspeed
@@ -204,6 +454,9 @@ class DeepSpeedBackend:
         self.cfg = cfg
         self.world_size = dist_info.world_size
         self.gas = gradient_accumulation_steps
+        self.data_parallel = DataParallel(dist_info.rank, dist_info.world_size, dist_info.device)
+        # before ZeRO-3 partitions the model in place: the reference keeps whole weights
+        self.reference = _frozen_copy(model) if with_reference else None
         zero: dict = {"stage": cfg.zero_stage}
         if cfg.zero_stage == 3:
             zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -256,6 +509,16 @@ class DeepSpeedBackend:
         if self._micro % self.gas != 0:
             self.engine.step()  # DeepSpeed's micro-step bookkeeping; updates only at the boundary
 
+    def forward_backward(
+        self, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
+    ) -> list[dict[str, float]]:
+        return _hf_forward_backward(self, micro_batches, loss_fn)
+
+    def log_probs(
+        self, micro_batches: Sequence[ResponseBatch], reference: bool = False
+    ) -> list[torch.Tensor]:
+        return _hf_log_probs(self.reference if reference else self.module, micro_batches)
+
     def step(self) -> float:
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
@@ -296,6 +559,22 @@ class DeepSpeedBackend:
     def unwrapped(self) -> torch.nn.Module:
         return self.engine.module
 
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.gathered_named_parameters()
+
+    def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
+        from trainer.modeling import load_causal_lm
+
+        weights = self.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+        if self.engine.global_rank != 0:
+            return
+        model = load_causal_lm(base_model, dtype)
+        model.load_state_dict(weights, strict=True)
+        model.save_pretrained(directory)
+
+    def close(self) -> None:
+        """Nothing to release (the process group belongs to the caller)."""
+
     def gathered_named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter, complete, on every rank (for a rollout engine's copy)."""
         import deepspeed
@@ -315,15 +594,49 @@ def make_backend(
     micro_batch_size: int,
     gradient_accumulation_steps: int,
     bf16: bool = False,
+    *,
+    with_reference: bool = False,
+    hf_dir: str | Path | None = None,
+    seed: int = 0,
+    pad_id: int = 0,
 ) -> TrainingBackend:
-    """The backend named by ``cfg.backend``."""
+    """The backend named by ``cfg.backend``.
+
+    ``with_reference``: also keep a frozen copy of the starting model for KL (``log_probs(...,
+    reference=True)``). Megatron builds its own actor (and reference) from
+    ``cfg.megatron.checkpoint`` with ``hf_dir``'s config; ``model`` is not trained there.
+    """
+    if cfg.backend == "megatron":
+        if hf_dir is None:
+            raise ValueError(
+                "backend 'megatron' needs the Hugging Face model directory (hf_dir) for its "
+                "config and tokenizer; it runs in the GRPO step only"
+            )
+        from trainer.megatron.backend import build_megatron_backend
+
+        return build_megatron_backend(
+            cfg,
+            total_steps,
+            dist_info,
+            hf_dir,
+            with_reference=with_reference,
+            seed=seed,
+            pad_id=pad_id,
+        )
     if cfg.backend == "deepspeed":
         return DeepSpeedBackend(
-            model, cfg, total_steps, dist_info, micro_batch_size, gradient_accumulation_steps, bf16
+            model,
+            cfg,
+            total_steps,
+            dist_info,
+            micro_batch_size,
+            gradient_accumulation_steps,
+            bf16,
+            with_reference=with_reference,
         )
     if dist_info.world_size > 1:
         raise ValueError(
             f"backend 'torch' runs one process, but {dist_info.world_size} were launched; "
             "use backend 'deepspeed' for several processes"
         )
-    return TorchBackend(model, cfg, total_steps)
+    return TorchBackend(model, cfg, total_steps, with_reference=with_reference)

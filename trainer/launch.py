@@ -25,11 +25,12 @@ def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
     ``cfg.nproc`` processes with ``--config config_file`` plus ``args``.
 
     Raises:
-        ValueError: several processes without the DeepSpeed backend.
+        ValueError: several processes with the single-process ``torch`` backend.
     """
-    if cfg.optim.backend != "deepspeed":
+    if cfg.optim.backend == "torch":
         raise ValueError(
-            f"nproc={cfg.nproc} needs optim.backend=deepspeed (got {cfg.optim.backend!r})"
+            f"nproc={cfg.nproc} needs optim.backend=deepspeed (or megatron for GRPO); "
+            "got 'torch', which runs one process"
         )
     config_file.write_text(cfg.model_dump_json(indent=2))
     run_torchrun(module, ["--config", str(config_file), *args], cfg.nproc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -13,6 +14,19 @@ log = logging.getLogger(__name__)
 
 class NotACausalLMError(ValueError):
     """A model directory that does not hold a causal language model."""
+
+
+def cache_keyword(model) -> str:
+    """The forward keyword that takes a KV cache: ``cache`` in recent transformers,
+    ``past_key_values`` before (megatron-bridge 0.6 pins transformers ≤ 5.12.1)."""
+    forward = getattr(model, "module", model).forward  # a DeepSpeed engine wraps the model
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def output_cache(output):
+    """The KV cache a forward with ``use_cache=True`` returned, under either name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

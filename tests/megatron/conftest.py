@@ -18,8 +18,9 @@ from trainer.tiny_model import TinyModelConfig, build_tiny_model
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     # cpu_patches and convert_worker are imported by name (a `megatron.` prefix would
-    # collide with the real megatron namespace package).
-    sys.path.insert(0, str(HERE))
+    # collide with the real megatron namespace package). Appended, not prepended: other
+    # tests do `from conftest import …` and must get tests/conftest.py, not this file.
+    sys.path.append(str(HERE))
 
 RUN_HINT = "run: bash tools/run_megatron_tests.sh"
 

@@ -134,3 +134,14 @@ def test_too_small_dataset_for_one_global_batch(tmp_path, tiny_model_dir, prepar
     one.write_text((prepared_data / "train.jsonl").read_text().splitlines()[0] + "\n")
     with pytest.raises(ValueError, match="fewer than one global batch"):
         run_sft(SFTConfig(**FAST), tiny_model_dir, one, None, tmp_path / "m", tmp_path / "w")
+
+
+def test_sft_refuses_the_megatron_backend():
+    from pydantic import ValidationError
+
+    from trainer.sft.config import SFTConfig
+
+    with pytest.raises(ValidationError, match="'megatron' is for GRPO"):
+        SFTConfig.model_validate(
+            {"optim": {"backend": "megatron", "megatron": {"layout": "tiny-cpu"}}}
+        )

@@ -96,19 +96,60 @@ class GRPOConfig(ProcessSettings):
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> GRPOConfig:
+        replicas, what = self.nproc, f"nproc {self.nproc}"
+        if self.optim.backend == "megatron":
+            replicas = _megatron_data_parallel(self)
+            what = f"the Megatron data-parallel size {replicas}"
         rollouts = self.prompts_per_step * self.rollout.n_samples
         if rollouts % self.mini_batch_size:
             raise ValueError(
                 f"prompts_per_step × n_samples = {rollouts} is not a multiple of "
                 f"mini_batch_size {self.mini_batch_size}"
             )
-        if self.mini_batch_size % (self.micro_batch_size * self.nproc):
+        if self.mini_batch_size % (self.micro_batch_size * replicas):
             raise ValueError(
                 f"mini_batch_size {self.mini_batch_size} is not a multiple of micro_batch_size "
-                f"{self.micro_batch_size} × nproc {self.nproc}"
+                f"{self.micro_batch_size} × {what}"
             )
-        if self.prompts_per_step % self.nproc:
+        if self.prompts_per_step % replicas:
             raise ValueError(
-                f"prompts_per_step {self.prompts_per_step} is not a multiple of nproc {self.nproc}"
+                f"prompts_per_step {self.prompts_per_step} is not a multiple of {what}"
             )
         return self
+
+
+def _megatron_data_parallel(cfg: GRPOConfig) -> int:
+    """The data-parallel size of a Megatron run, after the checks that need no model config.
+
+    The layout's world (``nodes × gpus_per_node``) must be the job's (``nproc``); the rules
+    between the layout and the model's shapes run at start (``validate_layout``), before any
+    weight is loaded.
+    """
+    settings = cfg.optim.megatron
+    layout = settings.resolved_layout()
+    world = layout.nodes * layout.gpus_per_node
+    problems = []
+    if cfg.nproc != world:
+        problems.append(
+            f"nproc={cfg.nproc} but layout {layout.name!r} runs on nodes × gpus_per_node = "
+            f"{layout.nodes} × {layout.gpus_per_node} = {world} processes; make them equal"
+        )
+    model_parallel = layout.tp * layout.pp * layout.cp
+    if world % model_parallel:
+        problems.append(
+            f"the layout's world {world} is not a multiple of tp × pp × cp = {model_parallel}"
+        )
+    if layout.cp != 1:
+        problems.append(
+            f"cp={layout.cp}: the GRPO Megatron backend runs cp=1 (context parallelism needs "
+            "each row split into 2·cp chunks and the response log-probs gathered back, which "
+            "it does not do); verl's gpt-oss recipe uses cp=1"
+        )
+    if cfg.gradient_checkpointing:
+        problems.append(
+            "gradient_checkpointing is the Hugging Face model's switch; with backend=megatron "
+            "set optim.megatron.recompute_granularity (e.g. full, uniform, 1 layer)"
+        )
+    if problems:
+        raise ValueError("optim.backend=megatron: " + "; ".join(problems))
+    return world // model_parallel

@@ -8,6 +8,7 @@ normalizers are summed over ranks so N processes follow the single-process run).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -25,11 +26,16 @@ from tqdm import tqdm
 from eval.adapters import LanguageComplianceReward
 from eval.degeneracy import measure_degeneracy
 from eval.scoring import ComplianceScorer, RewardWeights, Verdict
-from trainer.backends import NonFiniteLossError, TorchBackend, make_backend
+from trainer.backends import (
+    DataParallel,
+    LossFn,
+    NonFiniteLossError,
+    TrainingBackend,
+    make_backend,
+)
 from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
 from trainer.distributed import (
     DistInfo,
-    all_reduce_sum,
     barrier,
     broadcast_object,
     init_distributed,
@@ -40,7 +46,13 @@ from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt, load_prompts
 from trainer.grpo.rollout import HFRolloutEngine, Rollout
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics
-from trainer.modeling import load_causal_lm, load_tokenizer, resolve_dtype
+from trainer.modeling import (
+    cache_keyword,
+    load_causal_lm,
+    load_tokenizer,
+    output_cache,
+    resolve_dtype,
+)
 from trainer.tracking import log_artifact, mlflow_run
 
 log = logging.getLogger(__name__)
@@ -130,6 +142,10 @@ class _Micro:
     @property
     def width(self) -> int:
         return self.mask.shape[1]
+
+    def hf_log_probs(self, module, with_entropy: bool):
+        """The ``ResponseBatch`` forward of the PyTorch and DeepSpeed backends."""
+        return _log_probs(module, self, with_entropy)
 
 
 @dataclass
@@ -235,7 +251,7 @@ def _shared_prefix_logits(module, shared: _SharedPrefix) -> torch.Tensor:
     width = shared.response_ids.shape[1]
     if width == 1:
         return first
-    cache = prefill.cache
+    cache = output_cache(prefill)
     cache.batch_select_indices(shared.row_prompt)  # differentiable: gradients sum per prompt
     steps = torch.arange(width - 1, device=shared.response_ids.device)
     response_valid = (steps[None, :] < shared.response_lengths[:, None]).long()
@@ -245,8 +261,8 @@ def _shared_prefix_logits(module, shared: _SharedPrefix) -> torch.Tensor:
             [shared.prompt_attention[shared.row_prompt], response_valid], dim=1
         ),
         position_ids=shared.prompt_lengths[shared.row_prompt, None] + steps[None, :],
-        cache=cache,
         use_cache=True,
+        **{cache_keyword(module): cache},
     ).logits
     return torch.cat([first, rest], dim=1)
 
@@ -279,14 +295,10 @@ def run_grpo(
     policy = load_causal_lm(sft_model, dtype, info.device)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    reference = None
-    if cfg.algorithm.kl_loss_coef > 0:
-        reference = copy.deepcopy(policy).eval().requires_grad_(False)
     train_prompts = load_prompts(train_path, tokenizer, cfg.rollout.max_prompt_tokens)
     eval_prompts = load_prompts(eval_path, tokenizer, cfg.rollout.max_prompt_tokens)[
         : cfg.eval_prompts
     ]
-    per_rank = cfg.prompts_per_step // info.world_size
     if len(train_prompts) < cfg.prompts_per_step:
         raise ValueError(
             f"{train_path}: {len(train_prompts)} unique prompts, fewer than prompts_per_step "
@@ -295,9 +307,10 @@ def run_grpo(
     scorer = ComplianceScorer(weights=RewardWeights(**cfg.reward_weights))
     reward_fn = LanguageComplianceReward(scorer)
 
-    # the rollout engine's own copy must be taken before ZeRO-3 partitions the policy in place
+    # the rollout engine's own copy must be taken before ZeRO-3 partitions the policy in place;
+    # Megatron trains its own model, so the HF policy is the engine's copy
     rollout_copy = None
-    if cfg.optim.backend != "torch" and cfg.rollout.engine == "hf":
+    if cfg.optim.backend == "deepspeed" and cfg.rollout.engine == "hf":
         rollout_copy = copy.deepcopy(policy).requires_grad_(False)
     backend = make_backend(
         policy,
@@ -307,7 +320,15 @@ def run_grpo(
         cfg.micro_batch_size,
         _micro_per_mini(cfg, info),
         bf16=dtype == torch.bfloat16,
+        with_reference=cfg.algorithm.kl_loss_coef > 0,
+        hf_dir=sft_model,
+        seed=cfg.seed,
+        pad_id=tokenizer.pad_token_id,
     )
+    if cfg.optim.backend == "megatron":
+        policy.requires_grad_(False)
+    dp = backend.data_parallel
+    per_rank = cfg.prompts_per_step // dp.size
     engine = _rollout_engine(
         cfg, policy if rollout_copy is None else rollout_copy, tokenizer, sft_model
     )
@@ -318,7 +339,7 @@ def run_grpo(
     start_step = state["step"]
     _sync(engine, backend)
 
-    with mlflow_run("grpo", cfg.model_dump(), info.is_main) as run:
+    with mlflow_run("grpo", cfg.model_dump(), info.is_main) as run, contextlib.closing(backend):
         writer = MetricsWriter(
             work_dir / METRICS_FILE, cfg.max_steps, info.is_main, start_step, run
         )
@@ -346,20 +367,20 @@ def run_grpo(
                 train_prompts[shuffled[(first + i) % len(train_prompts)]]
                 for i in range(cfg.prompts_per_step)
             ]
-            mine = chosen[info.rank * per_rank : (info.rank + 1) * per_rank]
+            mine = chosen[dp.rank * per_rank : (dp.rank + 1) * per_rank]
 
             started = time.monotonic()
             rollouts = engine.generate(
                 [p.ids for p in mine],
                 cfg.rollout.n_samples,
-                seed=cfg.seed * 100_003 + step * 97 + info.rank,
+                seed=cfg.seed * 100_003 + step * 97 + dp.rank,
             )
             batch = _score(cfg, tokenizer, reward_fn, mine, rollouts)
             rollout_time = time.monotonic() - started
             started = time.monotonic()
             if hasattr(engine, "sleep"):
                 engine.sleep()  # colocated vLLM frees the GPU for the update
-            stats = _update(cfg, info, backend, reference, batch, tokenizer.pad_token_id, step)
+            stats = _update(cfg, backend, batch, tokenizer.pad_token_id, step)
             train_time = time.monotonic() - started
             _sync(engine, backend)
 
@@ -368,12 +389,12 @@ def run_grpo(
                     f"GRPO loss is {stats['loss']} at step {done}; stopping. The newest checkpoint "
                     f"in {checkpoints} is intact; lower optim.learning_rate."
                 )
-            tokens = all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)), info)
+            tokens = dp.all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)))
             writer.log(
                 done,
                 done * cfg.prompts_per_step / len(train_prompts),
                 **stats,
-                **_reward_metrics(batch, info),
+                **_reward_metrics(batch, dp),
                 rollout_time_s=rollout_time,
                 train_time_s=train_time,
                 tokens_per_s=tokens / max(1e-9, rollout_time + train_time),
@@ -437,14 +458,11 @@ def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model):
     return HFRolloutEngine(model, tokenizer, cfg.rollout)
 
 
-def _sync(engine, backend) -> None:
-    """Push the policy's weights to an engine that does not share them."""
+def _sync(engine, backend: TrainingBackend) -> None:
+    """Push the policy's weights to an engine that does not share them (streamed by name)."""
     if isinstance(engine, HFRolloutEngine) and engine.model is backend.unwrapped():
         return
-    if isinstance(backend, TorchBackend):
-        engine.sync_weights((n, p.detach()) for n, p in backend.unwrapped().named_parameters())
-    else:
-        engine.sync_weights(backend.gathered_named_parameters())
+    engine.sync_weights(backend.hf_weights())
 
 
 def _mini_batches(cfg: GRPOConfig) -> int:
@@ -452,6 +470,7 @@ def _mini_batches(cfg: GRPOConfig) -> int:
 
 
 def _micro_per_mini(cfg: GRPOConfig, info: DistInfo) -> int:
+    """DeepSpeed's gradient accumulation steps (every process a data-parallel replica)."""
     return cfg.mini_batch_size // (cfg.micro_batch_size * info.world_size)
 
 
@@ -476,27 +495,35 @@ def _score(cfg: GRPOConfig, tokenizer, reward_fn, prompts, rollouts) -> _Batch:
 
 
 def _update(
-    cfg: GRPOConfig, info: DistInfo, backend, reference, batch: _Batch, pad_id: int, step: int
+    cfg: GRPOConfig, backend: TrainingBackend, batch: _Batch, pad_id: int, step: int
 ) -> dict:
-    """PPO epochs over mini-batches of this step's rollouts; returns averaged statistics."""
+    """PPO epochs over mini-batches of this step's rollouts; returns averaged statistics.
+
+    The backend runs each mini-batch's forward and backward (``forward_backward``), calling
+    the ``_loss_fn`` loss of each micro-batch with its log-probs; normalizers are summed over
+    the data-parallel replicas, so every replica's loss is its share of the global one.
+    """
     a = cfg.algorithm
     agg = algo.get_loss_agg_mode(a.loss_agg_mode)
+    dp = backend.data_parallel
     n = len(batch.rollouts)
-    local_mini = cfg.mini_batch_size // info.world_size
-    device = info.device
+    local_mini = cfg.mini_batch_size // dp.size
+    device = dp.device
     # one on-policy update: the old log-probs equal the current ones, so reuse them (detached)
     single_update = a.ppo_epochs == 1 and local_mini >= n
     old_log_probs: list[torch.Tensor] = []
     if not single_update:
-        with torch.no_grad():
-            for start in range(0, n, cfg.micro_batch_size):
-                micro = _sequences(
+        old_log_probs = backend.log_probs(
+            [
+                _sequences(
                     batch.prompts,
                     batch.rollouts[start : start + cfg.micro_batch_size],
                     pad_id,
                     device,
                 )
-                old_log_probs.append(_log_probs(backend.module, micro, False)[0])
+                for start in range(0, n, cfg.micro_batch_size)
+            ]
+        )
     sums = {
         "loss": 0.0,
         "grad_norm": 0.0,
@@ -512,83 +539,105 @@ def _update(
             random.Random(f"{cfg.seed}:{step}:{epoch}").shuffle(order)
         for mini_start in range(0, n, local_mini):
             mini = order[mini_start : mini_start + local_mini]
-            masks = [
-                _sequences(
-                    batch.prompts,
-                    [batch.rollouts[i] for i in mini[s : s + cfg.micro_batch_size]],
-                    pad_id,
-                    device,
-                ).mask
-                * batch.keep[mini[s : s + cfg.micro_batch_size]].to(device)[:, None]
+            micros = [
+                mini[s : s + cfg.micro_batch_size]
                 for s in range(0, len(mini), cfg.micro_batch_size)
             ]
+            layouts = [
+                _sequences(batch.prompts, [batch.rollouts[i] for i in micro], pad_id, device)
+                for micro in micros
+            ]
+            masks = [
+                layout.mask * batch.keep[micro].to(device)[:, None]
+                for layout, micro in zip(layouts, micros, strict=True)
+            ]
             local_count = sum(float(agg.count(m)) for m in masks)
-            normalizer = max(all_reduce_sum(local_count, info), 1e-8)
+            normalizer = max(dp.all_reduce_sum(local_count), 1e-8)
+            ref_log_probs = backend.log_probs(layouts, reference=True) if a.kl_loss_coef else None
+            loss = _loss_fn(
+                cfg, batch, micros, masks, normalizer, old_log_probs, ref_log_probs, device
+            )
+            micro_stats = backend.forward_backward(layouts, loss)
             mini_loss = mini_clip = mini_entropy = mini_kl = 0.0
-            for k, s in enumerate(range(0, len(mini), cfg.micro_batch_size)):
-                micro = mini[s : s + cfg.micro_batch_size]
-                layout = _sequences(
-                    batch.prompts, [batch.rollouts[i] for i in micro], pad_id, device
-                )
-                mask = masks[k]
-                log_probs, entropy = _log_probs(backend.module, layout, True)
-                if single_update:
-                    old = log_probs.detach()
-                else:
-                    old = _gather_old(
-                        old_log_probs, micro, cfg.micro_batch_size, log_probs.shape[1]
-                    )
-                loss, pstats = algo.policy_loss(
-                    log_probs,
-                    old,
-                    batch.advantages[micro].to(device),
-                    mask,
-                    clip_ratio_low=a.clip_ratio_low,
-                    clip_ratio_high=a.clip_ratio_high,
-                    clip_ratio_c=a.clip_ratio_c,
-                    loss_agg_mode=a.loss_agg_mode,
-                    norm_length=cfg.rollout.max_new_tokens,
-                    global_normalizer=normalizer,
-                )
-                if reference is not None:
-                    with torch.no_grad():
-                        ref_lp, _ = _log_probs(reference, layout, False)
-                    kl = algo.kl_loss(
-                        log_probs,
-                        ref_lp,
-                        mask,
-                        a.kl_estimator,
-                        a.loss_agg_mode,
-                        norm_length=cfg.rollout.max_new_tokens,
-                        global_normalizer=normalizer,
-                    )
-                    loss = loss + a.kl_loss_coef * kl
-                    mini_kl += float(kl.detach())
-                else:  # KL to the rollout policy (k1), as a drift indicator
-                    mini_kl += float(pstats["approx_kl"]) * float(mask.sum()) / normalizer
-                ent = algo.aggregate_loss(
-                    entropy,
-                    mask,
-                    a.loss_agg_mode,
-                    norm_length=cfg.rollout.max_new_tokens,
-                    global_normalizer=normalizer,
-                )
-                if a.entropy_coeff:
-                    loss = loss - a.entropy_coeff * ent
-                backend.backward(loss)
-                mini_loss += float(loss.detach())
-                mini_entropy += float(ent.detach())
-                tokens = float(mask.sum())
-                mini_clip += float(pstats["clip_fraction"]) * tokens
+            for stats in micro_stats:
+                mini_loss += stats["loss"]
+                mini_entropy += stats["entropy"]
+                mini_kl += stats["kl"]
+                mini_clip += stats["clipped_tokens"]
             sums["learning_rate"] += backend.learning_rate()
             sums["grad_norm"] += backend.step()
-            sums["loss"] += all_reduce_sum(mini_loss, info)
-            sums["entropy"] += all_reduce_sum(mini_entropy, info)
-            sums["kl"] += all_reduce_sum(mini_kl, info)
-            masked_tokens = max(all_reduce_sum(sum(float(m.sum()) for m in masks), info), 1e-8)
-            sums["clip_fraction"] += all_reduce_sum(mini_clip, info) / masked_tokens
+            sums["loss"] += dp.all_reduce_sum(mini_loss)
+            sums["entropy"] += dp.all_reduce_sum(mini_entropy)
+            sums["kl"] += dp.all_reduce_sum(mini_kl)
+            masked_tokens = max(dp.all_reduce_sum(sum(float(m.sum()) for m in masks)), 1e-8)
+            sums["clip_fraction"] += dp.all_reduce_sum(mini_clip) / masked_tokens
             updates += 1
     return {k: v / max(1, updates) for k, v in sums.items()}
+
+
+def _loss_fn(
+    cfg: GRPOConfig,
+    batch: _Batch,
+    micros: list[list[int]],
+    masks: list[torch.Tensor],
+    normalizer: float,
+    old_log_probs: list[torch.Tensor],
+    ref_log_probs: list[torch.Tensor] | None,
+    device,
+) -> LossFn:
+    """The loss of micro-batch ``k`` of a mini-batch (its share of the global loss) and its
+    statistics, from its log-probs and entropies; ``old_log_probs`` empty: on-policy."""
+    a = cfg.algorithm
+
+    def loss(k: int, log_probs: torch.Tensor, entropy: torch.Tensor):
+        micro, mask = micros[k], masks[k]
+        if not old_log_probs:
+            old = log_probs.detach()
+        else:
+            old = _gather_old(old_log_probs, micro, cfg.micro_batch_size, log_probs.shape[1])
+        total, pstats = algo.policy_loss(
+            log_probs,
+            old,
+            batch.advantages[micro].to(device),
+            mask,
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=a.loss_agg_mode,
+            norm_length=cfg.rollout.max_new_tokens,
+            global_normalizer=normalizer,
+        )
+        if ref_log_probs is not None:
+            kl = algo.kl_loss(
+                log_probs,
+                ref_log_probs[k],
+                mask,
+                a.kl_estimator,
+                a.loss_agg_mode,
+                norm_length=cfg.rollout.max_new_tokens,
+                global_normalizer=normalizer,
+            )
+            total = total + a.kl_loss_coef * kl
+            kl_value = float(kl.detach())
+        else:  # KL to the rollout policy (k1), as a drift indicator
+            kl_value = float(pstats["approx_kl"]) * float(mask.sum()) / normalizer
+        ent = algo.aggregate_loss(
+            entropy,
+            mask,
+            a.loss_agg_mode,
+            norm_length=cfg.rollout.max_new_tokens,
+            global_normalizer=normalizer,
+        )
+        if a.entropy_coeff:
+            total = total - a.entropy_coeff * ent
+        return total, {
+            "loss": float(total.detach()),
+            "entropy": float(ent.detach()),
+            "kl": kl_value,
+            "clipped_tokens": float(pstats["clip_fraction"]) * float(mask.sum()),
+        }
+
+    return loss
 
 
 def _gather_old(
@@ -607,11 +656,11 @@ def _gather_old(
     return torch.stack(rows)
 
 
-def _reward_metrics(batch: _Batch, info: DistInfo) -> dict:
-    n = all_reduce_sum(float(len(batch.results)), info)
+def _reward_metrics(batch: _Batch, dp: DataParallel) -> dict:
+    n = dp.all_reduce_sum(float(len(batch.results)))
 
     def mean(values) -> float:
-        return all_reduce_sum(float(sum(values)), info) / max(1.0, n)
+        return dp.all_reduce_sum(float(sum(values))) / max(1.0, n)
 
     return {
         "mean_reward": mean(batch.rewards.tolist()),
@@ -626,25 +675,20 @@ def _reward_metrics(batch: _Batch, info: DistInfo) -> dict:
 
 
 def _save_policy(
-    backend, tokenizer, directory: Path, dtype, base_model, info: DistInfo | None = None
+    backend: TrainingBackend, tokenizer, directory: Path, dtype, base_model, info: DistInfo
 ) -> None:
-    """The current policy as a HF directory (rank 0 writes; every rank gathers under ZeRO-3)."""
-    weights = backend.full_state_dict() if not isinstance(backend, TorchBackend) else None
-    if info is not None and not info.is_main:
-        barrier(info)
-        return
-    model = backend.unwrapped() if isinstance(backend, TorchBackend) else None
-    if model is None:
-        model = load_causal_lm(base_model, dtype)
-        model.load_state_dict(weights, strict=True)
+    """The current policy as a HF directory (every rank takes part: ZeRO-3 and Megatron gather;
+    rank 0 writes), renamed into place when complete."""
     tmp = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
-    if info is not None:
-        barrier(info)
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier(info)
+    backend.save_hf_pretrained(tmp, base_model, dtype)
+    if info.is_main:
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+    barrier(info)
 
 
 def _export(source: Path, model_output: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from trainer.grpo.config import RolloutConfig
+from trainer.modeling import cache_keyword, output_cache
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,9 @@ class HFRolloutEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = prefill.cache
+        cache = output_cache(prefill)
         cache.batch_repeat_interleave(n)
+        keyword = cache_keyword(self.model)
         logits = prefill.logits[:, -1, :].repeat_interleave(n, 0)
         attention = mask.repeat_interleave(n, 0)
         position = mask.sum(-1).repeat_interleave(n, 0)
@@ -122,8 +124,8 @@ class HFRolloutEngine:
                 input_ids=token[:, None],
                 attention_mask=attention,
                 position_ids=position[:, None],
-                cache=cache,
                 use_cache=True,
+                **{keyword: cache},
             ).logits[:, -1, :]
             position = position + 1
         out = []

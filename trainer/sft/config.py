@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainer.backends import OptimConfig, ProcessSettings
 
@@ -53,3 +53,13 @@ class SFTConfig(ProcessSettings):
     """Checkpoint every this many steps (0: never)."""
     keep_checkpoints: int = Field(2, ge=1)
     merge_check_prompts: int = Field(4, ge=1)
+
+    @field_validator("optim")
+    @classmethod
+    def _hf_backend(cls, optim: OptimConfig) -> OptimConfig:
+        if optim.backend == "megatron":
+            raise ValueError(
+                "optim.backend 'megatron' is for GRPO; SFT trains the HF model with 'torch' or "
+                "'deepspeed' (the Megatron branch converts the SFT-merged model afterwards)"
+            )
+        return optim

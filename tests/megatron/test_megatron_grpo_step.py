@@ -347,6 +347,17 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
     loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
     for name, tensor in after.items():
         torch.testing.assert_close(loaded[name], tensor, atol=1e-6, rtol=0)
+
+    # 6. the GRPO step's output on this backend: a torch_dist checkpoint that the pipeline's
+    # export_hf step (bridge.export_megatron_to_hf) turns into the same HF weights
+    policy = tmp_path / "policy"
+    resumed.save_policy(policy)
+    assert (policy / "latest_checkpointed_iteration.txt").read_text() == "0"
+    exported = tmp_path / "exported"
+    bridge.export_megatron_to_hf(str(policy), str(hf_dir), str(exported))
+    reloaded = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    for name, tensor in after.items():
+        torch.testing.assert_close(reloaded[name], tensor, atol=1e-6, rtol=0)
     resumed.close()
 
 

@@ -677,13 +677,18 @@ def _reward_metrics(batch: _Batch, dp: DataParallel) -> dict:
 def _save_policy(
     backend: TrainingBackend, tokenizer, directory: Path, dtype, base_model, info: DistInfo
 ) -> None:
-    """The current policy as a HF directory (every rank takes part: ZeRO-3 and Megatron gather;
-    rank 0 writes), renamed into place when complete."""
+    """The current policy as a HF directory (every rank takes part: ZeRO-3 gathers; rank 0
+    writes), renamed into place when complete. The Megatron backend saves its own
+    ``torch_dist`` checkpoint instead (``save_policy``), which the pipeline's ``export_hf``
+    step turns into a HF directory."""
     tmp = directory.with_name(f".{directory.name}.partial")
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     barrier(info)
-    backend.save_hf_pretrained(tmp, base_model, dtype)
+    if hasattr(backend, "save_policy"):
+        backend.save_policy(tmp)
+    else:
+        backend.save_hf_pretrained(tmp, base_model, dtype)
     if info.is_main:
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(directory, ignore_errors=True)

@@ -519,6 +519,14 @@ class MegatronBackend:
                 state[name] = tensor.clone()
         return state if main else None
 
+    def save_policy(self, directory: Path) -> None:
+        """The actor's weights as a Megatron ``torch_dist`` checkpoint laid out like
+        ``convert_megatron``'s (the GRPO step's ``model`` output on this backend; the
+        pipeline's ``export_hf`` turns it into a HF directory). Collective."""
+        from trainer.megatron.bridge import save_megatron_model
+
+        save_megatron_model([_unwrap(chunk) for chunk in self.model], directory)
+
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
         """The actor as a HF directory: the weights streamed to safetensors shards of at most
         5 GB that rank 0 writes as they fill (``trainer.megatron.bridge``'s shard writer),

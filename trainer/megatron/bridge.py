@@ -282,7 +282,6 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: Para
         FileExistsError: ``out_dir`` exists.
         ValueError: ``layout.params_dtype`` is not bf16, fp16 or fp32.
     """
-    import torch.distributed as dist
 
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -293,33 +292,45 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: Para
     vpp = getattr(layout, "vpp", None)
     sizes = dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp)
     with megatron_parallel(**sizes, vpp=vpp):
-        from megatron.core import dist_checkpointing
-
         bridge = _auto_bridge().from_hf_pretrained(str(hf_dir), torch_dtype=dtype)
         provider = bridge.to_megatron_provider(load_weights=True)
         _configure_provider(provider, bridge.hf_pretrained.config, dtype)
         _set_sizes(provider, layout)
         model = _build_model(provider)
 
-        rank = dist.get_rank()
-        tmp = out_dir.with_name(f".{out_dir.name}.converting")
+        save_megatron_model(model, out_dir)
+    log.info("converted %s → %s (%s, %s)", hf_dir, out_dir, layout.params_dtype, sizes)
+
+
+def save_megatron_model(model: list[Any], out_dir: str | Path) -> Path:
+    """Save the model chunks (weights only) as a Megatron ``torch_dist`` checkpoint, laid out
+    as ``convert_hf_to_megatron`` writes it (``iter_0000000`` + the tracker file), so
+    ``export_megatron_to_hf`` and the GRPO backend read it back. Collective; written under
+    ``.<name>.converting`` and renamed into place when every rank has saved."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    out_dir = Path(out_dir)
+    rank = dist.get_rank()
+    tmp = out_dir.with_name(f".{out_dir.name}.converting")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / ITERATION_DIR).mkdir(parents=True)
+    dist.barrier()
+    try:
+        state = {"checkpoint_version": 3.0, "iteration": 0, **_model_state_dict(model)}
+        dist_checkpointing.save(state, str(tmp / ITERATION_DIR))
+        dist.barrier()
+        if rank == 0:
+            (tmp / TRACKER_FILE).write_text("0")
+            shutil.rmtree(out_dir, ignore_errors=True)
+            os.replace(tmp, out_dir)
+    except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / ITERATION_DIR).mkdir(parents=True)
-        dist.barrier()
-        try:
-            state = {"checkpoint_version": 3.0, "iteration": 0, **_model_state_dict(model)}
-            dist_checkpointing.save(state, str(tmp / ITERATION_DIR))
-            dist.barrier()
-            if rank == 0:
-                (tmp / TRACKER_FILE).write_text("0")
-                os.replace(tmp, out_dir)
-        except BaseException:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        dist.barrier()
-    log.info("converted %s → %s (%s, %s)", hf_dir, out_dir, layout.params_dtype, sizes)
+        raise
+    dist.barrier()
+    return out_dir
 
 
 def checkpoint_iteration_dir(megatron_dir: str | Path) -> Path:

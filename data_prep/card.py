@@ -4,20 +4,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from eval.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
 
 if TYPE_CHECKING:
     from data_prep.config import DataPrepConfig
+    from data_prep.lengths import LengthHistogram
     from data_prep.prepare import DataPrepReport
 
 
-def _length_cell(values) -> str:
-    if len(values) == 0:
+def _length_cell(lengths: LengthHistogram) -> str:
+    if len(lengths) == 0:
         return "–"
-    a = np.asarray(values)
-    return f"{a.mean():.0f} / {np.percentile(a, 50):.0f} / {np.percentile(a, 95):.0f} / {a.max()}"
+    median, p95 = lengths.percentile(50), lengths.percentile(95)
+    return f"{lengths.mean():.0f} / {median:.0f} / {p95:.0f} / {lengths.max}"
 
 
 def render_card(config: DataPrepConfig, report: DataPrepReport) -> str:

@@ -13,6 +13,8 @@ deterministic; the Hugging Face chat template of gpt-oss adds today's date).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 START, END, MESSAGE, CHANNEL, RETURN = (
     "<|start|>",
     "<|end|>",
@@ -57,13 +59,18 @@ def developer_instructions(
 
 def render_prompt(instructions: str, user: str, reasoning_effort: str = "medium") -> str:
     """System, developer and user messages, ending where the assistant starts to write."""
-    system = SYSTEM_MESSAGE.format(effort=reasoning_effort)
+    system = _system_message(reasoning_effort)
     return (
         f"{START}system{MESSAGE}{system}{END}"
         f"{START}developer{MESSAGE}# Instructions\n\n{instructions}{END}"
         f"{START}user{MESSAGE}{user}{END}"
         f"{START}assistant"
     )
+
+
+@lru_cache(maxsize=8)
+def _system_message(reasoning_effort: str) -> str:
+    return SYSTEM_MESSAGE.format(effort=reasoning_effort)
 
 
 def render_completion(analysis: str, final: str) -> str:

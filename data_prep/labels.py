@@ -13,8 +13,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from functools import lru_cache
+from typing import Literal, NamedTuple
 
 from eval.language_id import identify_language
 from eval.languages import SUPPORTED_LANGUAGES, LanguageLabels
@@ -23,8 +23,7 @@ AnswerSource = Literal["user", "final", "default", "reasoning"]
 DEFAULT_ANSWER_LANGUAGE = "en"
 
 
-@dataclass(frozen=True)
-class RowLabels:
+class RowLabels(NamedTuple):
     """Labels of one row, plus what they were derived from."""
 
     labels: LanguageLabels
@@ -38,7 +37,7 @@ def assign_labels(reasoning_language: str, user: str, final: str, policy: str) -
     user_language = identify_language(user)
     if policy == "same-as-reasoning":
         return RowLabels(
-            LanguageLabels(reasoning_language, reasoning_language), user_language, "reasoning"
+            _language_labels(reasoning_language, reasoning_language), user_language, "reasoning"
         )
     if policy != "user":
         raise ValueError(f"answer_language_policy {policy!r}: use 'user' or 'same-as-reasoning'")
@@ -50,4 +49,10 @@ def assign_labels(reasoning_language: str, user: str, final: str, policy: str) -
             answer, source = final_language, "final"
         else:
             answer, source = DEFAULT_ANSWER_LANGUAGE, "default"
-    return RowLabels(LanguageLabels(reasoning_language, answer), user_language, source)
+    return RowLabels(_language_labels(reasoning_language, answer), user_language, source)
+
+
+@lru_cache(maxsize=64)
+def _language_labels(reasoning: str, answer: str) -> LanguageLabels:
+    """The (immutable) labels of a language pair, built once per pair rather than per row."""
+    return LanguageLabels(reasoning, answer)

@@ -1,41 +1,47 @@
 """The data-prep step: load → validate (quarantine bad rows) → label → render → split → write.
 
-Streaming, in two passes, so memory never holds row contents (about 40 bytes of bookkeeping
-per valid row, in compact arrays: languages, hashes, row number, lengths):
+Streaming, in two passes; memory holds neither row contents nor per-row bookkeeping, so it
+does not grow with the row count:
 1. each row is validated; a bad row goes to the quarantine file with its row number, origin
-   and reason; a good row is labelled, rendered in harmony format and appended to a spool file;
-2. exact duplicates are found by sorting the content hashes (the first occurrence is kept);
-   per reasoning language, the ``round(n × eval_fraction)`` rows with the smallest split hash
-   form the eval split (at least one when the language has two or more rows); the spool is
-   copied line by line into ``train.jsonl``, ``eval.jsonl`` or, for duplicates, quarantine.
+   and reason; a good row is labelled and rendered in harmony format, then looked up by its
+   content hash in a disk-backed index (:mod:`data_prep.row_index`, SQLite): a duplicate
+   (the same example seen earlier; the first is kept) goes to a duplicates file, a new row to
+   the row spool (:mod:`data_prep.spool`) with its language and split hash;
+2. per reasoning language, the ``round(n × eval_fraction)`` distinct rows with the smallest
+   split hash form the eval split (at least one when the language has two or more rows): the
+   index gives each language's threshold; the row spool is copied, a block at a time, into
+   ``train.jsonl`` or ``eval.jsonl``, and the duplicates after the bad rows into quarantine.
 The split hash is seeded and depends only on a row's content, so the split is deterministic,
 independent of row order, and exactly stratified by reasoning language. Hashes are 64-bit:
 two different rows are taken for duplicates with probability about n² / 2⁶⁵ (3·10⁻⁸ for a
-million rows).
+million rows). What stays in memory: counters, length histograms for the card (bounded by
+``max_field_chars``), SQLite's page cache (capped), file buffers and one chunk of rows.
 All outputs are written to temp files and appear together, fsynced, only when the whole step
 succeeded; ``quarantine.jsonl`` alone is put in place when the step fails (too many bad rows),
-so the rejected rows can be inspected.
+so the rejected rows can be inspected. Scratch files live in a temp folder beside the outputs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
-from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import orjson
 
-from data_prep.atomic import PendingFiles
+from data_prep.atomic import IO_BUFFER, PendingFiles
 from data_prep.augment import append_synthetic
 from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
-from data_prep.process import ANSWER_SOURCES, Bad, process_rows, quarantine_entry
+from data_prep.lengths import LengthHistogram
+from data_prep.process import ANSWER_SOURCES, Bad, Good, process_rows, quarantine_entry
+from data_prep.row_index import RowIndex
 from data_prep.sources import iter_source
+from data_prep.spool import RowSpool
 from data_prep.validate import DUPLICATE, Rejection
 from eval.languages import SUPPORTED_LANGUAGES
 
@@ -71,7 +77,8 @@ class DataPrepReport:
     eval_by_language: Counter = field(default_factory=Counter)
     answer_languages: Counter = field(default_factory=Counter)
     answer_sources: Counter = field(default_factory=Counter)
-    lengths: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    lengths: dict[str, dict[str, LengthHistogram]] = field(default_factory=dict)
+    """Per reasoning language and field (user, analysis, final): lengths of the rows kept."""
 
     @property
     def bad_fraction(self) -> float:
@@ -118,14 +125,21 @@ def prepare_dataset(
         SourceError: the source cannot be read.
     """
     report = DataPrepReport(source=config.source)
-    spool_dir = Path(train_path).parent
-    spool_dir.mkdir(parents=True, exist_ok=True)
-    spool_fd, spool_name = tempfile.mkstemp(prefix=".spool-", suffix=".jsonl", dir=spool_dir)
-    try:
-        with PendingFiles() as outputs:
-            quarantine = outputs.open(quarantine_path)
-            with os.fdopen(spool_fd, "wb") as spool:
-                rows = _first_pass(config, report, spool, quarantine)
+    work_parent = Path(train_path).parent
+    work_parent.mkdir(parents=True, exist_ok=True)
+    with (
+        tempfile.TemporaryDirectory(prefix=".data-prep-", dir=work_parent) as work_dir,
+        PendingFiles() as outputs,
+    ):
+        work = Path(work_dir)
+        quarantine = outputs.open(quarantine_path)
+        index = RowIndex(work / "rows.sqlite")
+        try:
+            with (
+                RowSpool(work) as spool,
+                (work / "duplicates").open("wb", buffering=IO_BUFFER) as dups,
+            ):
+                kept = _first_pass(config, report, index, spool, dups, quarantine)
             failure = _bad_fraction_error(config, report)
             if failure is None and report.rows_valid == 0:
                 failure = EmptyDatasetError(
@@ -134,19 +148,26 @@ def prepare_dataset(
             if failure is not None:
                 outputs.commit(only=[quarantine_path])  # rejected rows stay inspectable
                 raise failure  # train/eval are not written
-            train, evaluation = outputs.open(train_path), outputs.open(eval_path)
-            _second_pass(config, report, Path(spool_name), rows, train, evaluation, quarantine)
-            if config.augment_factor:
-                train.flush()
-                report.synthetic_rows = append_synthetic(
-                    outputs.temp_path(train_path), train, config.augment_factor, config.seed,
-                    config.reasoning_effort,
-                )  # fmt: skip
-            if card_path is not None:
-                outputs.open(card_path).write(render_card(config, report).encode())
-            outputs.commit()  # every output appears at once
-    finally:
-        Path(spool_name).unlink(missing_ok=True)
+            thresholds = [
+                index.smallest_split_hash(i, k) if k else None
+                for i, k in enumerate(eval_count(n, config.eval_fraction) for n in kept.rows)
+            ]
+        finally:
+            index.close()
+        train, evaluation = outputs.open(train_path), outputs.open(eval_path)
+        eval_rows = spool.copy_split(thresholds, train, evaluation)
+        with (work / "duplicates").open("rb", buffering=IO_BUFFER) as dups:
+            shutil.copyfileobj(dups, quarantine)  # after the bad rows, as they were found
+        _count_statistics(report, kept, eval_rows)
+        if config.augment_factor:
+            train.flush()
+            report.synthetic_rows = append_synthetic(
+                outputs.temp_path(train_path), train, config.augment_factor, config.seed,
+                config.reasoning_effort,
+            )  # fmt: skip
+        if card_path is not None:
+            outputs.open(card_path).write(render_card(config, report).encode())
+        outputs.commit()  # every output appears at once
     log.info(
         "data prep: %d rows read, %d train, %d eval, %d quarantined (%d duplicates)",
         report.rows_read,
@@ -159,23 +180,32 @@ def prepare_dataset(
 
 
 @dataclass
-class _SpooledRows:
-    """Bookkeeping of the valid rows in spool order (numbers only, no row contents)."""
+class _KeptRows:
+    """Tallies of the distinct valid rows (the ones that go to train or eval), by language."""
 
-    languages: array = field(default_factory=lambda: array("B"))
-    answer_languages: array = field(default_factory=lambda: array("B"))
-    answer_sources: array = field(default_factory=lambda: array("B"))
-    content_hashes: array = field(default_factory=lambda: array("Q"))
-    split_hashes: array = field(default_factory=lambda: array("Q"))
-    row_numbers: array = field(default_factory=lambda: array("Q"))
-    lengths: dict[str, array] = field(
-        default_factory=lambda: {name: array("I") for name in LENGTH_FIELDS}
+    rows: list[int] = field(default_factory=lambda: [0] * len(SUPPORTED_LANGUAGES))
+    answer_languages: list[int] = field(default_factory=lambda: [0] * len(SUPPORTED_LANGUAGES))
+    answer_sources: list[int] = field(default_factory=lambda: [0] * len(ANSWER_SOURCES))
+    lengths: list[tuple[LengthHistogram, ...]] = field(
+        default_factory=lambda: [
+            tuple(LengthHistogram() for _ in LENGTH_FIELDS) for _ in SUPPORTED_LANGUAGES
+        ]
     )
 
+    def add(self, row: Good) -> None:
+        self.rows[row.language] += 1
+        self.answer_languages[row.answer_language] += 1
+        self.answer_sources[row.answer_source] += 1
+        for histogram, length in zip(self.lengths[row.language], row.lengths, strict=True):
+            histogram.add(length)
 
-def _first_pass(config, report, spool, quarantine) -> _SpooledRows:
-    """Validate, label and render every row; spool the valid ones, quarantine the bad ones."""
-    rows = _SpooledRows()
+
+def _first_pass(
+    config, report, index: RowIndex, spool: RowSpool, duplicates, quarantine
+) -> _KeptRows:
+    """Validate, label and render every row; spool the new ones, set aside the duplicates and
+    quarantine the bad ones."""
+    kept = _KeptRows()
     for outcome in process_rows(iter_source(config.source, config.hub_split), config):
         report.rows_read += 1
         if isinstance(outcome, Bad):
@@ -185,17 +215,15 @@ def _first_pass(config, report, spool, quarantine) -> _SpooledRows:
                 report.first_bad.append(f"row {outcome.index} ({outcome.origin}): {outcome.detail}")
             quarantine.write(outcome.entry)
             continue
-        spool.write(outcome.record)
-        rows.languages.append(outcome.language)
-        rows.answer_languages.append(outcome.answer_language)
-        rows.answer_sources.append(outcome.answer_source)
-        rows.content_hashes.append(outcome.content_hash)
-        rows.split_hashes.append(outcome.split_hash)
-        rows.row_numbers.append(outcome.index)
-        for name, length in zip(LENGTH_FIELDS, outcome.lengths, strict=True):
-            rows.lengths[name].append(length)
+        first = index.add(outcome.content_hash, outcome.index, outcome.language, outcome.split_hash)
+        if first is not None:
+            report.rows_duplicate += 1
+            duplicates.write(_duplicate_entry(outcome, first))
+            continue
+        spool.append(outcome.language, outcome.split_hash, outcome.record)
+        kept.add(outcome)
         report.rows_valid += 1
-    return rows
+    return kept
 
 
 def _bad_fraction_error(config: DataPrepConfig, report: DataPrepReport) -> Exception | None:
@@ -210,71 +238,25 @@ def _bad_fraction_error(config: DataPrepConfig, report: DataPrepReport) -> Excep
     )
 
 
-def _first_occurrences(content_hashes: np.ndarray) -> np.ndarray:
-    """For each row, the spool position of the first row with the same content hash."""
-    order = np.argsort(content_hashes, kind="stable")
-    ordered = content_hashes[order]
-    starts = np.ones(len(order), dtype=bool)
-    starts[1:] = ordered[1:] != ordered[:-1]
-    group_start = np.maximum.accumulate(np.where(starts, np.arange(len(order)), 0))
-    first = np.empty(len(order), dtype=np.int64)
-    first[order] = order[group_start]
-    return first
-
-
-def _second_pass(config, report, spool: Path, rows: _SpooledRows, train, evaluation, quarantine):
-    languages = np.frombuffer(rows.languages, dtype=np.uint8)
-    split_hashes = np.frombuffer(rows.split_hashes, dtype=np.uint64)
-    row_numbers = np.frombuffer(rows.row_numbers, dtype=np.uint64)
-    first = _first_occurrences(np.frombuffer(rows.content_hashes, dtype=np.uint64))
-    duplicate = first != np.arange(len(first))
-    thresholds: list[int | None] = []
-    for i, _lang in enumerate(SUPPORTED_LANGUAGES):
-        lang_hashes = split_hashes[(languages == i) & ~duplicate]
-        k = eval_count(len(lang_hashes), config.eval_fraction)
-        thresholds.append(int(np.partition(lang_hashes, k - 1)[k - 1]) if k else None)
-    is_eval = np.zeros(len(first), dtype=bool)
-    for i, threshold in enumerate(thresholds):
-        if threshold is not None:
-            is_eval |= (languages == i) & (split_hashes <= threshold) & ~duplicate
-    with spool.open("rb") as src:
-        for i, line in enumerate(src):
-            if duplicate[i]:
-                _quarantine_duplicate(
-                    report, quarantine, line, int(row_numbers[i]), int(row_numbers[first[i]])
-                )
-                continue
-            (evaluation if is_eval[i] else train).write(line)
-    _count_statistics(report, rows, languages, is_eval, ~duplicate)
-
-
-def _quarantine_duplicate(
-    report: DataPrepReport, out, line: bytes, row: int, original: int
-) -> None:
-    record = orjson.loads(line)
-    report.rows_valid -= 1
-    report.rows_duplicate += 1
-    report.reasons[DUPLICATE] += 1
+def _duplicate_entry(row: Good, first: int) -> bytes:
+    record = orjson.loads(row.record)
     kept = {k: record[k] for k in ("reasoning_language", "developer", "user", "analysis", "final")}
-    detail = f"exact duplicate of row {original}"
-    out.write(quarantine_entry(row, record["origin"], Rejection(DUPLICATE, detail), kept))
+    detail = f"exact duplicate of row {first}"
+    return quarantine_entry(row.index, record["origin"], Rejection(DUPLICATE, detail), kept)
 
 
-def _count_statistics(report, rows: _SpooledRows, languages, is_eval, kept) -> None:
+def _count_statistics(report: DataPrepReport, kept: _KeptRows, eval_rows: list[int]) -> None:
     """Counts and lengths for the report and the card, over the rows kept."""
-    answers = np.frombuffer(rows.answer_languages, dtype=np.uint8)[kept]
-    sources = np.frombuffer(rows.answer_sources, dtype=np.uint8)[kept]
-    lengths = {n: np.frombuffer(a, dtype=np.uint32)[kept] for n, a in rows.lengths.items()}
-    languages, is_eval = languages[kept], is_eval[kept]
-    report.eval_rows = int(is_eval.sum())
-    report.train_rows = int(len(is_eval) - report.eval_rows)
+    if report.rows_duplicate:
+        report.reasons[DUPLICATE] += report.rows_duplicate
+    report.eval_rows = sum(eval_rows)
+    report.train_rows = report.rows_valid - report.eval_rows
     for i, lang in enumerate(SUPPORTED_LANGUAGES):
-        mine = languages == i
-        report.eval_by_language[lang] = int((mine & is_eval).sum())
-        report.train_by_language[lang] = int((mine & ~is_eval).sum())
-        report.answer_languages[lang] = int((answers == i).sum())
-        if mine.any():
-            report.lengths[lang] = {name: values[mine] for name, values in lengths.items()}
+        report.eval_by_language[lang] = eval_rows[i]
+        report.train_by_language[lang] = kept.rows[i] - eval_rows[i]
+        report.answer_languages[lang] = kept.answer_languages[i]
+        if kept.rows[i]:
+            report.lengths[lang] = dict(zip(LENGTH_FIELDS, kept.lengths[i], strict=True))
     for i, source in enumerate(ANSWER_SOURCES):
-        if (sources == i).any():
-            report.answer_sources[source] = int((sources == i).sum())
+        if kept.answer_sources[i]:
+            report.answer_sources[source] = kept.answer_sources[i]

@@ -12,11 +12,8 @@ from eval.languages import LANGUAGE_NAMES
 
 def content_key(row: ValidRow) -> bytes:
     """16-byte digest of the fields that make two rows the same example."""
-    h = blake2b(digest_size=16)
-    for part in (row.reasoning_language, row.developer, row.user, row.analysis, row.final):
-        h.update(part.encode("utf-8"))
-        h.update(b"\x1f")
-    return h.digest()
+    parts = (row.reasoning_language, row.developer, row.user, row.analysis, row.final, "")
+    return blake2b("\x1f".join(parts).encode("utf-8"), digest_size=16).digest()
 
 
 def build_record(

@@ -13,12 +13,12 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
+from data_prep.atomic import IO_BUFFER
 from data_prep.config import BUNDLED_SOURCE
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,8 @@ class SourceError(ValueError):
     """The dataset source cannot be read (missing path, no data files, unknown scheme)."""
 
 
-@dataclass(frozen=True)
-class RawRow:
-    """One input row, as read.
+class RawRow(NamedTuple):
+    """One input row, as read (a named tuple: cheap to build, once per row).
 
     Attributes:
         index: 0-based position in the whole stream (the "row number" reported to users).
@@ -119,7 +118,7 @@ def iter_local(path: Path, start_index: int = 0) -> Iterator[RawRow]:
 
 def _iter_json_file(file: Path, name: str) -> Iterator[tuple[str, Any, bytes | None]]:
     """(origin, data, None) for a JSON array file; (origin, None, line) for JSON Lines."""
-    with file.open("rb") as fh:
+    with file.open("rb", buffering=IO_BUFFER) as fh:
         head = fh.read(4096).lstrip()
         fh.seek(0)
         if file.suffix == ".json" and head.startswith(b"["):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from eval.languages import UnknownLanguageError, normalize_language
 
@@ -55,8 +55,7 @@ class Rejection:
     detail: str
 
 
-@dataclass(frozen=True)
-class ValidRow:
+class ValidRow(NamedTuple):
     """The fields of a row that passed validation, with the reasoning language normalized."""
 
     reasoning_language: str
@@ -71,12 +70,12 @@ def validate_row(data: Any, max_field_chars: int) -> ValidRow | Rejection:
     if not isinstance(data, dict):
         return Rejection(NOT_AN_OBJECT, f"row is a {type(data).__name__}, expected a JSON object")
     for field in REQUIRED_FIELDS:
-        if field not in data or data[field] is None:
+        if data.get(field) is None:
             return Rejection(MISSING_FIELD, f"field {field!r} is missing")
     for field in TEXT_FIELDS:
-        problem = _check_text(field, data[field], max_field_chars)
-        if problem:
-            return problem
+        value = data[field]
+        if not _is_good_text(value, max_field_chars):
+            return _check_text(field, value, max_field_chars)
     try:
         reasoning_language = normalize_language(data["reasoning_language"])
     except UnknownLanguageError as exc:
@@ -93,7 +92,18 @@ def validate_row(data: Any, max_field_chars: int) -> ValidRow | Rejection:
     )
 
 
+def _is_good_text(value: Any, max_chars: int) -> bool:
+    """What _check_text accepts, decided fast (the usual case)."""
+    if not isinstance(value, str) or not 0 < len(value) <= max_chars or value.isspace():
+        return False
+    # isprintable() is a fast C loop, true for most text; the regex decides the rest
+    return value.isprintable() or _INVALID_CHAR.search(value) is None
+
+
 def _check_text(field: str, value: Any, max_chars: int, where: str = "field") -> Rejection | None:
+    """The first problem of a text value, or None."""
+    if _is_good_text(value, max_chars):
+        return None
     if not isinstance(value, str):
         return Rejection(
             NOT_A_STRING, f"{where} {field!r} is a {type(value).__name__}, not a string"
@@ -127,6 +137,24 @@ def _check_messages(data: dict, max_chars: int) -> Rejection | None:
         )
     system, user, assistant = messages
     # user/assistant texts must equal fields already checked; compare before checking text
+    identical = (
+        user.get("content") == data["user"]
+        and assistant.get("content") == data["final"]
+        and assistant.get("thinking") == data["analysis"]
+    )
+    if not identical:  # equal after stripping will do; else say which one differs
+        problem = _messages_text_problem(data, user, assistant)
+        if problem:
+            return problem
+    problem = _check_text("content", system.get("content"), max_chars, where="messages[0] (system)")
+    if problem:
+        return Rejection(BROKEN_MESSAGES, problem.detail)
+    if data["developer"].strip() not in system["content"]:
+        return Rejection(BROKEN_MESSAGES, "messages[0] (system) does not hold the 'developer' text")
+    return None
+
+
+def _messages_text_problem(data: dict, user: dict, assistant: dict) -> Rejection | None:
     for where, key, value, field in (
         ("messages[1] (user)", "content", user.get("content"), "user"),
         ("messages[2] (assistant)", "content", assistant.get("content"), "final"),
@@ -138,9 +166,4 @@ def _check_messages(data: dict, max_chars: int) -> Rejection | None:
             shown = "missing" if value is None else f"a {type(value).__name__}"
             what = "differs from" if isinstance(value, str) else f"is {shown}, expected"
             return Rejection(BROKEN_MESSAGES, f"{where} {key} {what} field {field!r}")
-    problem = _check_text("content", system.get("content"), max_chars, where="messages[0] (system)")
-    if problem:
-        return Rejection(BROKEN_MESSAGES, problem.detail)
-    if data["developer"].strip() not in system["content"]:
-        return Rejection(BROKEN_MESSAGES, "messages[0] (system) does not hold the 'developer' text")
     return None

@@ -268,7 +268,10 @@ def test_torch_backend_forward_backward_gives_the_numbers_of_the_loop_before(
         for key, value in zip(STAT_KEYS, before, strict=True):
             assert stats[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (case, step, key)
     weights = sum(float(p.detach().double().abs().sum()) for p in policy.parameters())
-    assert weights == pytest.approx(weight_sum, rel=1e-9)
+    # rel 1e-7, not tighter: the sums differ by ~3e-9 relative between CPU models (matmul
+    # kernels sum in another order; Adam turns a near-zero gradient's rounding into a full
+    # lr-sized step); a wrong update moves them by orders of magnitude more
+    assert weights == pytest.approx(weight_sum, rel=1e-7)
 
 
 # --- the Megatron backend's plumbing with stand-ins ---------------------------------------------

@@ -31,7 +31,7 @@ def data_prep(
 
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare_dataset
-    from trainer.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
+    from eval.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = DataPrepConfig(

@@ -38,10 +38,10 @@ def grpo(
     from pathlib import Path
 
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
+    from eval.tracking import configure_tracking
     from trainer.cluster.config import ExecutionConfig, JobLaunch
     from trainer.grpo.config import GRPOConfig
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
-    from trainer.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)

@@ -42,10 +42,10 @@ def sft(
     from pathlib import Path
 
     from components.images import GPU_IMAGE
+    from eval.tracking import configure_tracking
     from trainer.cluster.config import ExecutionConfig, JobLaunch
     from trainer.sft.config import SFTConfig
     from trainer.sft.step import render_sft_html, run_sft_step, sft_metrics
-    from trainer.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)

@@ -29,7 +29,7 @@ def start_tracking(
     sources, the layout and the SFT/GRPO configs (flattened, ``sft.optim.learning_rate``)."""
     import logging
 
-    from trainer.tracking import configure_tracking, start_pipeline_run
+    from eval.tracking import configure_tracking, start_pipeline_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, experiment=mlflow_experiment)
@@ -86,7 +86,7 @@ def finalize(
     ``lingo.pipeline_run_id`` tag: an exit task cannot take other tasks' outputs)."""
     import logging
 
-    from trainer.tracking import configure_tracking, find_pipeline_run, finish_pipeline_run
+    from eval.tracking import configure_tracking, find_pipeline_run, finish_pipeline_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("finalize")

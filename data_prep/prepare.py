@@ -33,7 +33,6 @@ from pathlib import Path
 
 import orjson
 
-from data_prep.atomic import IO_BUFFER, PendingFiles
 from data_prep.augment import append_synthetic
 from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
@@ -43,6 +42,7 @@ from data_prep.row_index import RowIndex
 from data_prep.sources import iter_source
 from data_prep.spool import RowSpool
 from data_prep.validate import DUPLICATE, Rejection
+from eval.atomic import IO_BUFFER, PendingFiles
 from eval.languages import SUPPORTED_LANGUAGES
 
 log = logging.getLogger(__name__)

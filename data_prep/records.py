@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from hashlib import blake2b
 
-from data_prep.harmony import developer_instructions, render_completion, render_prompt
 from data_prep.labels import RowLabels
 from data_prep.validate import ValidRow
+from eval.harmony import developer_instructions, render_completion, render_prompt
 from eval.languages import LANGUAGE_NAMES
 
 

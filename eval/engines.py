@@ -147,7 +147,7 @@ class HFEngine:
     ) -> None:
         import torch
 
-        from trainer.modeling import load_causal_lm, load_tokenizer, resolve_dtype
+        from eval.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 
         path = _require_model_dir(model_dir)
         if device == "auto":

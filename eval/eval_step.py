@@ -16,7 +16,7 @@ from eval.eval_config import EvalConfig
 from eval.gate import GateConfig, GateDecision, apply_gate, evaluate_gate
 from eval.report import kfp_metrics, load_results
 from eval.runner import ModelSpec, run_eval
-from trainer.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
+from eval.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
 
 log = logging.getLogger(__name__)
 

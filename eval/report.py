@@ -11,13 +11,15 @@ import base64
 import html
 import io
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_prep.atomic import atomic_write_text
+from eval.atomic import atomic_write_text
 from eval.eval_metrics import DETECTED_COLUMNS, METRICS
 from eval.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
+from eval.tracking import log_artifact, log_metrics, mlflow_run
 
 METRIC_TITLES: dict[str, str] = {
     "reasoning_language_accuracy": "reasoning in the requested language",
@@ -37,6 +39,8 @@ CHART_METRICS = (
 )
 MAX_FAILURES_LISTED = 10
 EXAMPLE_CHARS = 160
+
+log = logging.getLogger(__name__)
 
 
 def json_safe(value: object) -> object:
@@ -379,3 +383,22 @@ def load_results(path: str | Path) -> dict:
     if path.is_dir():
         path = path / "results.json"
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _metric_key(name: str) -> str:
+    return name.replace("-vs-", "_vs_")
+
+
+def log_eval_run(results: dict, paths: ReportPaths, run_name: str = "eval") -> str | None:
+    """Log the eval to MLflow; returns the run id, or ``None`` when tracking is off."""
+    params = {f"sampling.{k}": v for k, v in results["sampling"].items()}
+    params.update({f"model.{m['label']}": m["location"] for m in results["models"]})
+    params["questions_sha256"] = results["questions_sha256"]
+    with mlflow_run(run_name, params) as run:
+        if run is None:
+            return None
+        log_metrics({_metric_key(k): v for k, v in kfp_metrics(results).items()})
+        for path in (paths.results, paths.markdown, paths.html):
+            log_artifact(path, artifact_path="eval")
+        log.info("eval logged to MLflow run %s", run.info.run_id)
+        return run.info.run_id

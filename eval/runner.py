@@ -1,6 +1,6 @@
 """The 50-question eval: run models over the question set, score, summarize, write reports.
 
-Prompts follow the training convention (``data_prep.harmony``): developer instructions
+Prompts follow the training convention (``eval.harmony``): developer instructions
 ``reasoning language: <Name>`` then the fixed persona line, and the question as the user
 message. The eval asks for one language throughout (question, reasoning and answer in L), so
 every response is judged against ``LanguageLabels(L, L)``.
@@ -22,15 +22,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from data_prep.harmony import developer_instructions, render_prompt
 from eval.degeneracy import measure_degeneracy
 from eval.engines import Engine, Generation, GenerationRequest, make_engine
 from eval.eval_config import EvalConfig
 from eval.eval_metrics import MISSING, Outcome, Summary, deltas, summarize
+from eval.harmony import developer_instructions, render_prompt
 from eval.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
-from eval.report import write_reports
+from eval.report import log_eval_run, write_reports
 from eval.scoring import ComplianceResult, ComplianceScorer
-from eval.tracking import log_eval_run
 
 log = logging.getLogger(__name__)
 

@@ -1,37 +1,188 @@
-"""Log an eval run to MLflow when ``MLFLOW_TRACKING_URI`` is set (``mlflow-skinny`` is enough).
+"""MLflow tracking, active only when ``MLFLOW_TRACKING_URI`` is set (``mlflow-skinny`` is enough).
 
-The run (see ``trainer.tracking.mlflow_run``: nested under the pipeline's run when there is
-one) holds the sampling parameters and model locations as params,
-``eval.report.kfp_metrics`` as metrics, and ``results.json``, ``report.md``, ``report.html``
-as artifacts under ``eval/``.
+One pipeline run is one MLflow run (the *parent*, created by the pipeline's first task,
+``start_pipeline_run``, tagged with the KFP run id and closed by the exit handler,
+``finish_pipeline_run``); every step logs into a run nested under it. The parent's id reaches
+the steps as a component argument, which they put in ``MLFLOW_PARENT_RUN_ID``; torchrun workers
+and PyTorchJob pods inherit it. Without a parent (a step run on its own), a step's run is
+top-level. The experiment comes from ``MLFLOW_EXPERIMENT_NAME`` (default ``lingo-rl``). Only
+global rank 0 logs. mlflow is imported lazily.
 """
 
 from __future__ import annotations
 
 import logging
-
-from eval.report import ReportPaths, kfp_metrics
-from trainer.tracking import log_artifact, log_metrics, mlflow_run, tracking_enabled
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
-__all__ = ["log_eval_run", "tracking_enabled"]
+DEFAULT_EXPERIMENT = "lingo-rl"
+PARENT_RUN_ENV = "MLFLOW_PARENT_RUN_ID"
+PIPELINE_RUN_TAG = "lingo.pipeline_run_id"
+STEP_TAG = "lingo.step"
+TERMINAL_STATUS = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "CANCELLED": "KILLED"}
+"""KFP's final task state → MLflow's run status."""
 
 
-def _metric_key(name: str) -> str:
-    return name.replace("-vs-", "_vs_")
+def tracking_enabled() -> bool:
+    """True when an MLflow tracking URI is configured in the environment."""
+    return bool(os.environ.get("MLFLOW_TRACKING_URI"))
 
 
-def log_eval_run(results: dict, paths: ReportPaths, run_name: str = "eval") -> str | None:
-    """Log the eval to MLflow; returns the run id, or ``None`` when tracking is off."""
-    params = {f"sampling.{k}": v for k, v in results["sampling"].items()}
-    params.update({f"model.{m['label']}": m["location"] for m in results["models"]})
-    params["questions_sha256"] = results["questions_sha256"]
-    with mlflow_run(run_name, params) as run:
-        if run is None:
-            return None
-        log_metrics({_metric_key(k): v for k, v in kfp_metrics(results).items()})
-        for path in (paths.results, paths.markdown, paths.html):
-            log_artifact(path, artifact_path="eval")
-        log.info("eval logged to MLflow run %s", run.info.run_id)
-        return run.info.run_id
+def configure_tracking(
+    tracking_uri: str = "", parent_run_id: str = "", experiment: str = ""
+) -> None:
+    """Put the non-empty settings into this process's environment (components call this with
+    their arguments; values already in the environment, e.g. from a Secret, stay otherwise)."""
+    for name, value in (
+        ("MLFLOW_TRACKING_URI", tracking_uri),
+        (PARENT_RUN_ENV, parent_run_id),
+        ("MLFLOW_EXPERIMENT_NAME", experiment),
+    ):
+        if value:
+            os.environ[name] = value
+
+
+def tracking_env() -> dict[str, str]:
+    """The tracking settings a child process (a PyTorchJob pod) needs, minus credentials:
+    ``MLFLOW_TRACKING_TOKEN`` and the like travel as Secrets, and a URI holding a password
+    is left out (give the job the Secret instead)."""
+    env = {}
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", PARENT_RUN_ENV):
+        value = os.environ.get(name)
+        if name == "MLFLOW_TRACKING_URI" and value and urlsplit(value).password is not None:
+            log.warning("MLFLOW_TRACKING_URI holds a password: not passed on; use a Secret")
+            continue
+        if value:
+            env[name] = value
+    return env
+
+
+def _params(params: Mapping[str, object]) -> dict[str, str]:
+    return {k: str(v)[:500] for k, v in params.items()}
+
+
+def _experiment_id(client) -> str:
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(name)
+    except MlflowException:  # created concurrently by another step
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def find_pipeline_run(pipeline_run_id: str) -> str | None:
+    """The id of the parent run tagged with ``pipeline_run_id``, or None (also when off)."""
+    if not tracking_enabled():
+        return None
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    return _find(client, _experiment_id(client), pipeline_run_id)
+
+
+def _find(client, experiment_id: str, pipeline_run_id: str) -> str | None:
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id}'",
+        order_by=["attributes.start_time ASC"],
+    )
+    return found[0].info.run_id if found else None
+
+
+def start_pipeline_run(
+    pipeline_run_id: str, run_name: str, params: Mapping[str, object]
+) -> str | None:
+    """The parent run of one pipeline run: found by its ``lingo.pipeline_run_id`` tag (a
+    retried task reuses it) or created. Returns its id, or None when tracking is off."""
+    if not tracking_enabled():
+        return None
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    experiment_id = _experiment_id(client)
+    found = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id}'"
+    )
+    if found:
+        log.info(
+            "MLflow: pipeline run %s already has run %s", pipeline_run_id, found[0].info.run_id
+        )
+        return found[0].info.run_id
+    run = client.create_run(
+        experiment_id, run_name=run_name, tags={PIPELINE_RUN_TAG: pipeline_run_id}
+    )
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in _params(params).items()])
+    log.info("MLflow: pipeline run %s is run %s", pipeline_run_id, run.info.run_id)
+    return run.info.run_id
+
+
+def finish_pipeline_run(parent_run_id: str, state: str, message: str = "") -> None:
+    """Close the parent run with the pipeline's final state (``SUCCEEDED``, ``FAILED``,
+    ``CANCELLED``); the error message, if any, becomes the ``lingo.error`` tag."""
+    if not (tracking_enabled() and parent_run_id):
+        return
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    if message:
+        client.set_tag(parent_run_id, "lingo.error", message[:5000])
+    client.set_terminated(parent_run_id, TERMINAL_STATUS.get(state, "FAILED"))
+
+
+@contextmanager
+def mlflow_run(run_name: str, params: Mapping[str, object], is_main: bool = True) -> Iterator:
+    """An MLflow run for one step, or None when disabled.
+
+    Nested under the active run if there is one, else under ``MLFLOW_PARENT_RUN_ID`` (in the
+    parent's experiment), else top-level in ``MLFLOW_EXPERIMENT_NAME``.
+    """
+    if not (is_main and tracking_enabled()):
+        yield None
+        return
+    import mlflow
+
+    parent = os.environ.get(PARENT_RUN_ENV)
+    tags = {STEP_TAG: run_name}
+    if mlflow.active_run() is None and parent:
+        experiment_id = mlflow.tracking.MlflowClient().get_run(parent).info.experiment_id
+        run = mlflow.start_run(
+            run_name=run_name, experiment_id=experiment_id, parent_run_id=parent, tags=tags
+        )
+    else:
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT))
+        run = mlflow.start_run(run_name=run_name, nested=mlflow.active_run() is not None, tags=tags)
+    with run:
+        mlflow.log_params(_params(params))
+        yield run
+
+
+def log_metrics(values: Mapping[str, float | int | None], step: int | None = None) -> None:
+    """Log the numeric values to the active MLflow run."""
+    import mlflow
+
+    numeric = {
+        k: float(v)
+        for k, v in values.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    mlflow.log_metrics(numeric, step=step)
+
+
+def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
+    """Upload a file to the active MLflow run, if tracking is on and a run is active."""
+    if not tracking_enabled():
+        return
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.log_artifact(str(path), artifact_path=artifact_path)

@@ -563,7 +563,7 @@ class DeepSpeedBackend:
         return self.gathered_named_parameters()
 
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
-        from trainer.modeling import load_causal_lm
+        from eval.modeling import load_causal_lm
 
         weights = self.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
         if self.engine.global_rank != 0:

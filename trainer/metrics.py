@@ -39,7 +39,7 @@ class MetricsWriter:
         resume_step: when resuming from a checkpoint at this step, lines after it (written
             before the interruption, not covered by the checkpoint) are dropped, and the wall
             clock continues from the last kept line.
-        mlflow_run: log the same metrics to this active MLflow run (see ``trainer.tracking``).
+        mlflow_run: log the same metrics to this active MLflow run (see ``eval.tracking``).
     """
 
     def __init__(
@@ -90,7 +90,7 @@ class MetricsWriter:
             fh.write(json.dumps(line) + "\n")
             fh.flush()
         if self.mlflow_run is not None:
-            from trainer.tracking import log_metrics
+            from eval.tracking import log_metrics
 
             log_metrics({k: v for k, v in line.items() if k != "step"}, step)
         return line

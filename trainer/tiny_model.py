@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_prep.harmony import HARMONY_SPECIAL_TOKENS, SYSTEM_MESSAGE
+from eval.harmony import HARMONY_SPECIAL_TOKENS, SYSTEM_MESSAGE
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class TinyModelConfig(BaseModel):
 
 
 def harmony_chat_template() -> str:
-    """A Jinja chat template that renders messages exactly as ``data_prep.harmony`` does.
+    """A Jinja chat template that renders messages exactly as ``eval.harmony`` does.
 
     Messages: ``system``/``developer`` (the developer instructions), ``user``, ``assistant``
     (``content`` = final answer, optional ``thinking`` = analysis). The last assistant turn

@@ -13,14 +13,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from data_prep.harmony import render_prompt
 from eval.endpoint import ChatEndpointEngine, EndpointError, api_base
 from eval.engines import HFEngine, ModelNotFoundError, make_engine
 from eval.eval_config import DEFAULT_PERSONA, EndpointSettings, EvalConfig, SamplingSettings
+from eval.harmony import render_prompt
+from eval.modeling import load_causal_lm, load_tokenizer
 from eval.parsing import parse_response
 from eval.report import load_results
 from eval.runner import build_requests, load_questions, prompt_instructions, run_eval
-from trainer.modeling import load_causal_lm, load_tokenizer
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 SMALL = TinyModelConfig(

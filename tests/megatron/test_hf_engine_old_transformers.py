@@ -10,11 +10,11 @@ import torch
 def test_rollout_and_shared_prefix_under_the_pinned_transformers(megatron_bridge, tiny_models):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from eval.modeling import cache_keyword
     from trainer.grpo.config import RolloutConfig
     from trainer.grpo.prompts import Prompt
     from trainer.grpo.recipe import _sequences
     from trainer.grpo.rollout import HFRolloutEngine, Rollout
-    from trainer.modeling import cache_keyword
 
     model_dir = tiny_models["square"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -44,7 +44,7 @@ MAKE_CHECKPOINTS = textwrap.dedent(
     from trainer.backends import DeepSpeedBackend, OptimConfig
     from trainer.checkpoint import save_checkpoint
     from trainer.distributed import init_distributed
-    from trainer.modeling import load_causal_lm
+    from eval.modeling import load_causal_lm
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     info = init_distributed("cpu")

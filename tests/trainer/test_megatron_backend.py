@@ -29,6 +29,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from eval.modeling import load_causal_lm
 from trainer.backends import DataParallel, OptimConfig, TorchBackend, lr_factor, make_backend
 from trainer.distributed import DistInfo
 from trainer.grpo import algorithm as algo
@@ -44,7 +45,6 @@ from trainer.megatron.backend import (
     padded_length,
     vocab_parallel_log_probs,
 )
-from trainer.modeling import load_causal_lm
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))

@@ -17,6 +17,7 @@ import pytest
 import torch
 from kfp.dsl import Artifact, Markdown, Model
 
+from eval.modeling import load_causal_lm, load_tokenizer
 from trainer.megatron.layout import LayoutError
 from trainer.megatron.manifest import MANIFEST_FILE, read_manifest
 from trainer.megatron.verify import (
@@ -30,7 +31,6 @@ from trainer.megatron.verify import (
     hf_next_token_logits,
     verify_conversion,
 )
-from trainer.modeling import load_causal_lm, load_tokenizer
 
 
 def _logits(prompts=10, vocab=50, seed=0):

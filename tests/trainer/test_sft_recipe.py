@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from eval.modeling import NotACausalLMError, check_model_dir
 from trainer.metrics import read_metrics
-from trainer.modeling import NotACausalLMError, check_model_dir
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.sft.merge import AdapterMismatchError, load_adapter
 from trainer.sft.recipe import run_sft

@@ -69,7 +69,7 @@ def test_one_parent_run_per_pipeline_run_with_nested_step_runs(monkeypatch, trac
     from mlflow.tracking import MlflowClient
 
     from eval.eval_step import use_tracking_uri
-    from trainer.tracking import (
+    from eval.tracking import (
         PIPELINE_RUN_TAG,
         find_pipeline_run,
         finish_pipeline_run,
@@ -109,7 +109,7 @@ def test_one_parent_run_per_pipeline_run_with_nested_step_runs(monkeypatch, trac
 
 
 def test_tracking_env_passes_settings_but_no_password(monkeypatch):
-    from trainer.tracking import tracking_env
+    from eval.tracking import tracking_env
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.team.svc:5000")
     monkeypatch.setenv("MLFLOW_PARENT_RUN_ID", "abc")

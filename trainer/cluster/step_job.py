@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eval.tracking import tracking_env
 from trainer.cluster.config import ClusterJobConfig, ExecutionConfig
 from trainer.cluster.launcher import (
     GROUP,
@@ -33,7 +34,6 @@ from trainer.cluster.launcher import (
     metrics_progress,
 )
 from trainer.cluster.pytorchjob import build_pytorchjob, manifest_yaml
-from trainer.tracking import tracking_env
 
 log = logging.getLogger(__name__)
 

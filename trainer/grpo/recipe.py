@@ -25,7 +25,15 @@ from tqdm import tqdm
 
 from eval.adapters import LanguageComplianceReward
 from eval.degeneracy import measure_degeneracy
+from eval.modeling import (
+    cache_keyword,
+    load_causal_lm,
+    load_tokenizer,
+    output_cache,
+    resolve_dtype,
+)
 from eval.scoring import ComplianceScorer, RewardWeights, Verdict
+from eval.tracking import log_artifact, mlflow_run
 from trainer.backends import (
     DataParallel,
     LossFn,
@@ -46,14 +54,6 @@ from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt, load_prompts
 from trainer.grpo.rollout import HFRolloutEngine, Rollout
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics
-from trainer.modeling import (
-    cache_keyword,
-    load_causal_lm,
-    load_tokenizer,
-    output_cache,
-    resolve_dtype,
-)
-from trainer.tracking import log_artifact, mlflow_run
 
 log = logging.getLogger(__name__)
 

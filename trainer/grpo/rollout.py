@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
+from eval.modeling import cache_keyword, output_cache
 from trainer.grpo.config import RolloutConfig
-from trainer.modeling import cache_keyword, output_cache
 
 log = logging.getLogger(__name__)
 

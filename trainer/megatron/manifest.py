@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from eval.atomic import atomic_write_text
 from trainer.megatron.layout import MegatronLayout
 
 MANIFEST_FILE = "lingo_manifest.json"
@@ -185,18 +184,8 @@ def write_manifest(megatron_dir: str | Path, manifest: MegatronManifest) -> Path
         ManifestError: what was read back differs from what was written.
     """
     directory = Path(megatron_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / MANIFEST_FILE
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_FILE}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(manifest.model_dump_json(indent=2) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, manifest.model_dump_json(indent=2) + "\n")
     if read_manifest(directory) != manifest:
         raise ManifestError(f"{path}: the manifest read back differs from the one written")
     return path

@@ -25,13 +25,13 @@ nearly tied, so with ten prompts one flip is allowed in 16-bit and none in fp32.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from eval.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -294,9 +294,9 @@ def compare_logits(
 
 
 def encode_prompts(tokenizer, prompts: Sequence[VerificationPrompt]) -> list[list[int]]:
-    """Render each prompt as harmony text (``data_prep.harmony``) and encode it with
+    """Render each prompt as harmony text (``eval.harmony``) and encode it with
     ``tokenizer``; the text ends with ``<|start|>assistant``."""
-    from data_prep.harmony import render_prompt
+    from eval.harmony import render_prompt
 
     return [
         tokenizer(render_prompt(p.instructions, p.user), add_special_tokens=False)["input_ids"]
@@ -317,25 +317,13 @@ def hf_next_token_logits(model, input_ids: list[list[int]]):
     return torch.stack(rows)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(
     report: VerificationReport, report_path: str | Path, json_path: str | Path | None = None
 ) -> None:
     """Write the Markdown report to ``report_path`` and, if given, the JSON to ``json_path``."""
-    _write_atomic(Path(report_path), report.to_markdown())
+    atomic_write_text(Path(report_path), report.to_markdown())
     if json_path is not None:
-        _write_atomic(Path(json_path), report.to_json() + "\n")
+        atomic_write_text(Path(json_path), report.to_json() + "\n")
 
 
 def verify_conversion(
@@ -373,7 +361,7 @@ def verify_conversion(
 
     import torch
 
-    from trainer.modeling import load_causal_lm, load_tokenizer
+    from eval.modeling import load_causal_lm, load_tokenizer
 
     bridge = importlib.import_module("trainer.megatron.bridge")  # megatron-core: GPU image
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eval.modeling import load_causal_lm, load_tokenizer, resolve_dtype
+from eval.tracking import log_artifact, mlflow_run
 from trainer.backends import NonFiniteLossError, TorchBackend, make_backend
 from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
-from trainer.modeling import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
 from trainer.sft.config import SFTConfig
 from trainer.sft.data import (
     Example,
@@ -28,8 +29,8 @@ from trainer.sft.data import (
     micro_batches,
     token_loss_sum,
 )
+from trainer.sft.lora import apply_lora
 from trainer.sft.merge import merge_and_save
-from trainer.tracking import log_artifact, mlflow_run
 
 log = logging.getLogger(__name__)
 

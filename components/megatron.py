@@ -75,23 +75,31 @@ def export_hf(
     """A training checkpoint → a standard HF directory (sharded safetensors, the template's
     tokenizer and chat template), checked to load with ``AutoModelForCausalLM``.
 
-    ``source_format``: ``deepspeed`` (a GRPO work dir, ``checkpoints/`` root or ``step-<N>``
-    dir; ZeRO shards consolidated by DeepSpeed) or ``megatron`` (a Megatron checkpoint,
-    exported by megatron-bridge; ``dtype`` and ``max_shard_size`` are the bridge's then).
+    ``source_format``: ``hf`` (a HF directory a training step wrote: the DeepSpeed branch's
+    GRPO policy, re-sharded in ``dtype``), ``deepspeed`` (a GRPO work dir, ``checkpoints/``
+    root or ``step-<N>`` dir; ZeRO shards consolidated by DeepSpeed) or ``megatron`` (a
+    Megatron checkpoint, exported by megatron-bridge; ``dtype`` and ``max_shard_size`` are
+    the bridge's then).
     """
     import logging
 
-    from trainer.export_hf import export_deepspeed, export_megatron
+    from trainer.export_hf import export_deepspeed, export_hf_directory, export_megatron
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if source_format == "deepspeed":
+    if source_format == "hf":
+        result = export_hf_directory(
+            checkpoint.path, template_model.path, model.path, dtype, max_shard_size
+        )
+    elif source_format == "deepspeed":
         result = export_deepspeed(
             checkpoint.path, template_model.path, model.path, dtype, max_shard_size
         )
     elif source_format == "megatron":
         result = export_megatron(checkpoint.path, template_model.path, model.path)
     else:
-        raise ValueError(f"source_format={source_format!r}: expected 'deepspeed' or 'megatron'")
+        raise ValueError(
+            f"source_format={source_format!r}: expected 'hf', 'deepspeed' or 'megatron'"
+        )
     model.metadata.update(
         format="huggingface",
         source_format=result.source_format,

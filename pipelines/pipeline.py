@@ -40,7 +40,7 @@ MAIN_OUTPUTS: dict[str, tuple[str, str]] = {
     "dataset_card": ("data-prep", "card"),
     "sft_model": ("sft", "model"),
     "sft_report": ("sft", "loss_plot"),
-    "grpo_model": ("grpo", "model"),
+    "grpo_model": ("export-hf", "model"),
     "grpo_report": ("grpo", "report"),
     "eval_report": ("evaluate", "report"),
     "eval_results": ("evaluate", "results"),
@@ -151,6 +151,18 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
             platform(tuned, "sft")
             tuned.after(capacity)
 
+            def export_and_evaluate(policy_checkpoint, source_format: str) -> None:
+                """Both branches end in export_hf (a standard sharded HF directory with the
+                SFT model's tokenizer and chat template, checked to load), then eval."""
+                exported = export_hf(
+                    checkpoint=policy_checkpoint,
+                    template_model=tuned.outputs["model"],
+                    source_format=source_format,
+                )
+                exported.set_display_name("export to HF")
+                platform(exported, "export-hf")
+                evaluate_and_promote(exported.outputs["model"])
+
             def evaluate_and_promote(policy_model) -> None:
                 """eval → gate → register, and publish: in each backend's branch (kfp.local
                 2.17 cannot resolve a dsl.OneOf of artifacts, so the branches do not merge)."""
@@ -207,7 +219,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 )
                 hf_policy.set_display_name("GRPO")
                 platform(hf_policy, "grpo")
-                evaluate_and_promote(hf_policy.outputs["model"])
+                export_and_evaluate(hf_policy.outputs["model"], "hf")
             with dsl.Else(name="megatron-backend"):
                 converted = convert_megatron(
                     hf_model=tuned.outputs["model"], layout=megatron_layout
@@ -229,14 +241,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 )
                 megatron_policy.set_display_name("GRPO (Megatron)")
                 platform(megatron_policy, "grpo")
-                exported = export_hf(
-                    checkpoint=megatron_policy.outputs["model"],
-                    template_model=tuned.outputs["model"],
-                    source_format="megatron",
-                )
-                exported.set_display_name("export to HF")
-                platform(exported, "export-hf")
-                evaluate_and_promote(exported.outputs["model"])
+                export_and_evaluate(megatron_policy.outputs["model"], "megatron")
 
     return lingo_pipeline
 

@@ -1,9 +1,11 @@
 """Training checkpoints → a standard Hugging Face directory (sharded safetensors + tokenizer).
 
-Two sources end here: a DeepSpeed checkpoint as ``trainer.checkpoint.save_checkpoint`` writes
-it (``step-<N>/deepspeed/`` holding ZeRO-0..3 shards), consolidated with DeepSpeed's own
+Three sources end here: a HF directory a training step wrote (the DeepSpeed branch's GRPO
+policy), re-sharded and checked; a DeepSpeed checkpoint as
+``trainer.checkpoint.save_checkpoint`` writes it (``step-<N>/deepspeed/`` holding ZeRO-0..3
+shards), consolidated with DeepSpeed's own
 ``zero_to_fp32``; and a Megatron checkpoint, exported by megatron-bridge
-(``trainer.megatron.bridge.export_megatron_to_hf``). Either way the result is written under a
+(``trainer.megatron.bridge.export_megatron_to_hf``). Each way the result is written under a
 temp name, gets the tokenizer files and chat template of a template HF directory (the model
 the run started from), must load with ``AutoModelForCausalLM.from_pretrained`` with no
 missing, unexpected or mis-shaped weight, and only then is renamed into place.
@@ -62,7 +64,7 @@ class ExportResult:
     Attributes:
         output_dir: the HF directory.
         source: the checkpoint exported (the DeepSpeed tag directory or the Megatron dir).
-        source_format: ``deepspeed`` or ``megatron``.
+        source_format: ``hf``, ``deepspeed`` or ``megatron``.
         dtype: weights dtype written.
         tensors: weight tensors in the directory.
         parameters: elements over those tensors.
@@ -360,10 +362,59 @@ def export_deepspeed(
     state = normalize_state_dict_keys(
         consolidate_deepspeed_checkpoint(checkpoint_dir, tag, torch_dtype)
     )
+    return _write_export(
+        state, checkpoint_dir / tag, "deepspeed", template_dir, output_dir, torch_dtype,
+        max_shard_size,
+    )  # fmt: skip
+
+
+def export_hf_directory(
+    hf_dir: str | Path,
+    template_dir: str | Path,
+    output_dir: str | Path,
+    dtype: ExportDType = "auto",
+    max_shard_size: str | int = "5GB",
+) -> ExportResult:
+    """Export a HF directory a training step wrote (the DeepSpeed branch's GRPO policy, its
+    ZeRO-3 weights gathered on rank 0) in the same standard form as the other two sources:
+    re-sharded safetensors in ``dtype``, the template's tokenizer, chat template and
+    generation config, checked to load with exactly these weights.
+
+    Raises:
+        ExportError: no safetensors weights in ``hf_dir``, weights that do not fit the
+            template, or a result that does not load; nothing is left at ``output_dir``.
+    """
+    from safetensors.torch import load_file
+
+    hf_dir, template_dir, output_dir = Path(hf_dir), Path(template_dir), Path(output_dir)
+    shards = sorted(hf_dir.glob("*.safetensors")) if hf_dir.is_dir() else []
+    if not shards:
+        raise ExportError(f"{hf_dir}: no *.safetensors weights; not a HF model directory")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard))
+    torch_dtype = _resolve_dtype(dtype, template_dir)
+    return _write_export(
+        normalize_state_dict_keys(state), hf_dir, "hf", template_dir, output_dir, torch_dtype,
+        max_shard_size,
+    )  # fmt: skip
+
+
+def _write_export(
+    state: dict[str, torch.Tensor],
+    source: Path,
+    source_format: str,
+    template_dir: Path,
+    output_dir: Path,
+    torch_dtype: torch.dtype,
+    max_shard_size: str | int,
+) -> ExportResult:
+    """Write ``state`` as the template's architecture under a temp name, add the template's
+    files, check that it loads with exactly these weights, then rename it into place."""
     tmp = _partial_dir(output_dir)
     try:
         model = write_hf_model(state, template_dir, tmp, torch_dtype, max_shard_size)
-        del state
+        state.clear()
         copied = copy_template_files(template_dir, tmp)
         written = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
         tensors, parameters = check_loadable(tmp, written)
@@ -372,11 +423,11 @@ def export_deepspeed(
         raise
     shards = len(list(tmp.glob("*.safetensors")))
     _publish(tmp, output_dir)
-    log.info("exported %s/%s → %s (%d shards)", checkpoint_dir, tag, output_dir, shards)
+    log.info("exported %s (%s) → %s (%d shards)", source, source_format, output_dir, shards)
     return ExportResult(
         output_dir=output_dir,
-        source=checkpoint_dir / tag,
-        source_format="deepspeed",
+        source=source,
+        source_format=source_format,
         dtype=str(torch_dtype).removeprefix("torch."),
         tensors=tensors,
         parameters=parameters,

@@ -61,13 +61,15 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
         for c in spec.components.values()
         if c.dag.tasks
     ]
+    # both branches end in export_hf, then eval
     deepspeed = next(d for d in dags if "grpo" in d)
-    assert deepspeed["grpo"] == [] and deepspeed["evaluate"] == ["grpo"]
-    assert deepspeed["gate"] == ["evaluate", "grpo"]
+    assert deepspeed["grpo"] == [] and deepspeed["export-hf"] == ["grpo"]
+    assert deepspeed["evaluate"] == ["export-hf"]
+    assert deepspeed["gate"] == ["evaluate", "export-hf"]
     megatron = next(d for d in dags if "grpo-2" in d)
     assert megatron["grpo-2"] == ["convert-megatron"]
-    assert megatron["export-hf"] == ["grpo-2"]
-    assert megatron["evaluate-2"] == ["export-hf"]
+    assert megatron["export-hf-2"] == ["grpo-2"]
+    assert megatron["evaluate-2"] == ["export-hf-2"]
     component = spec.components["comp-data-prep"]
     assert set(component.output_definitions.artifacts) == {
         "train_data",

@@ -21,6 +21,7 @@ from trainer.export_hf import (
     check_loadable,
     copy_template_files,
     export_deepspeed,
+    export_hf_directory,
     export_megatron,
     normalize_state_dict_keys,
     resolve_deepspeed_checkpoint,
@@ -230,6 +231,72 @@ def test_template_without_tokenizer_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ExportError, match="no tokenizer"):
         copy_template_files(tmp_path, tmp_path / "out")
+
+
+@pytest.fixture
+def trained_hf_dir(tmp_path, tiny_model_dir):
+    """What the DeepSpeed branch's GRPO step writes: the policy's weights (here: the tiny
+    model's, changed) saved with ``save_pretrained`` in small shards, no tokenizer."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 1e-3)
+    out = tmp_path / "policy"
+    model.save_pretrained(out, max_shard_size="500KB")
+    assert len(list(out.glob("*.safetensors"))) > 1
+    return out, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_hf_directory_exports_exact_weights_with_the_templates_tokenizer(
+    trained_hf_dir, tiny_model_dir, tmp_path
+):
+    source, weights = trained_hf_dir
+    out = tmp_path / "out"
+    result = export_hf_directory(source, tiny_model_dir, out, "float32")
+    assert result.source_format == "hf" and result.dtype == "float32" and result.shards == 1
+    assert "chat_template.jinja" in result.copied_files or "tokenizer.json" in result.copied_files
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert set(loaded) == set(weights)
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
+    assert not list(tmp_path.glob(".out.partial"))
+
+    cast = export_hf_directory(source, tiny_model_dir, tmp_path / "bf16", "bfloat16")
+    assert cast.dtype == "bfloat16"
+    loaded = load_file(next((tmp_path / "bf16").glob("*.safetensors")))
+    assert all(loaded[k].dtype == torch.bfloat16 for k in loaded)
+    assert all(torch.equal(loaded[k], weights[k].to(torch.bfloat16)) for k in loaded)
+
+
+def test_hf_directory_without_weights_is_an_error_and_leaves_nothing(tiny_model_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"no \*\.safetensors weights"):
+        export_hf_directory(empty, tiny_model_dir, tmp_path / "out")
+    with pytest.raises(ExportError, match="not a HF model directory"):
+        export_hf_directory(tmp_path / "missing", tiny_model_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_hf_component_exports_the_grpo_policy_directory(
+    trained_hf_dir, tiny_model_dir, tmp_path
+):
+    from components.megatron import export_hf
+
+    source, weights = trained_hf_dir
+    model = Model(uri=str(tmp_path / "model"))
+    export_hf.python_func(
+        checkpoint=Model(uri=str(source)),
+        template_model=Model(uri=str(tiny_model_dir)),
+        source_format="hf",
+        model=model,
+    )
+    assert model.metadata["source_format"] == "hf" and model.metadata["dtype"] == "float32"
+    loaded = AutoModelForCausalLM.from_pretrained(model.path).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items())
 
 
 def test_export_hf_component_exports_the_deepspeed_work_dir(checkpoints, tiny_model_dir, tmp_path):

@@ -323,22 +323,31 @@ class TrainingBackend(Protocol):
         ...
 
 
-def _hf_forward_backward(
-    backend, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
-) -> list[dict[str, float]]:
-    """The plain loop: each micro-batch's forward on the HF module, its loss, its backward."""
-    stats = []
-    for k, micro in enumerate(micro_batches):
-        log_probs, entropy = micro.hf_log_probs(backend.module, True)
-        loss, micro_stats = loss_fn(k, log_probs, entropy)
-        backend.backward(loss)
-        stats.append(micro_stats)
-    return stats
+class _HFModuleBackend:
+    """What the backends that train a Hugging Face module (``self.module``, with
+    ``self.reference`` when KL is on) share: the plain micro-batch loop and log-probs."""
 
+    module: torch.nn.Module
+    reference: torch.nn.Module | None
 
-@torch.no_grad()
-def _hf_log_probs(module, micro_batches: Sequence[ResponseBatch]) -> list[torch.Tensor]:
-    return [micro.hf_log_probs(module, False)[0] for micro in micro_batches]
+    def forward_backward(
+        self, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
+    ) -> list[dict[str, float]]:
+        """Each micro-batch's forward on the HF module, its loss, its backward."""
+        stats = []
+        for k, micro in enumerate(micro_batches):
+            log_probs, entropy = micro.hf_log_probs(self.module, True)
+            loss, micro_stats = loss_fn(k, log_probs, entropy)
+            self.backward(loss)
+            stats.append(micro_stats)
+        return stats
+
+    @torch.no_grad()
+    def log_probs(
+        self, micro_batches: Sequence[ResponseBatch], reference: bool = False
+    ) -> list[torch.Tensor]:
+        module = self.reference if reference else self.module
+        return [micro.hf_log_probs(module, False)[0] for micro in micro_batches]
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -346,7 +355,7 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
-class TorchBackend:
+class TorchBackend(_HFModuleBackend):
     """Single process (CPU or one GPU), plain PyTorch AdamW."""
 
     def __init__(
@@ -367,16 +376,6 @@ class TorchBackend:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-
-    def forward_backward(
-        self, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
-    ) -> list[dict[str, float]]:
-        return _hf_forward_backward(self, micro_batches, loss_fn)
-
-    def log_probs(
-        self, micro_batches: Sequence[ResponseBatch], reference: bool = False
-    ) -> list[torch.Tensor]:
-        return _hf_log_probs(self.reference if reference else self.module, micro_batches)
 
     def step(self) -> float:
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -427,7 +426,7 @@ class TorchBackend:
         """Nothing to release."""
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(_HFModuleBackend):
     """DeepSpeed ZeRO-0/1/2/3 under torchrun (gloo on CPU, nccl on GPU), optional CPU offload."""
 
     def __init__(
@@ -508,16 +507,6 @@ class DeepSpeedBackend:
         self._micro += 1
         if self._micro % self.gas != 0:
             self.engine.step()  # DeepSpeed's micro-step bookkeeping; updates only at the boundary
-
-    def forward_backward(
-        self, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
-    ) -> list[dict[str, float]]:
-        return _hf_forward_backward(self, micro_batches, loss_fn)
-
-    def log_probs(
-        self, micro_batches: Sequence[ResponseBatch], reference: bool = False
-    ) -> list[torch.Tensor]:
-        return _hf_log_probs(self.reference if reference else self.module, micro_batches)
 
     def step(self) -> float:
         self.engine.step()

@@ -206,17 +206,18 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                     registered.set_display_name("register champion")
                     platform(registered, "register")
 
+            grpo_inputs = dict(  # the same GRPO inputs on both branches
+                train_data=prep.outputs["train_data"],
+                eval_data=prep.outputs["eval_data"],
+                sft_model=tuned.outputs["model"],
+                config=grpo_config,
+                execution=grpo_execution,
+                pipeline_run_id=run_id,
+                mlflow_tracking_uri=mlflow_tracking_uri,
+                mlflow_parent_run_id=parent_run,
+            )
             with dsl.If(backend != "megatron", name="deepspeed-backend"):
-                hf_policy = grpo(
-                    train_data=prep.outputs["train_data"],
-                    eval_data=prep.outputs["eval_data"],
-                    sft_model=tuned.outputs["model"],
-                    config=grpo_config,
-                    execution=grpo_execution,
-                    pipeline_run_id=run_id,
-                    mlflow_tracking_uri=mlflow_tracking_uri,
-                    mlflow_parent_run_id=parent_run,
-                )
+                hf_policy = grpo(**grpo_inputs)
                 hf_policy.set_display_name("GRPO")
                 platform(hf_policy, "grpo")
                 export_and_evaluate(hf_policy.outputs["model"], "hf")
@@ -227,14 +228,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 converted.set_display_name("convert to Megatron + precision check")
                 platform(converted, "convert-megatron")
                 megatron_policy = grpo_megatron(
-                    train_data=prep.outputs["train_data"],
-                    eval_data=prep.outputs["eval_data"],
-                    sft_model=tuned.outputs["model"],
-                    config=grpo_config,
-                    execution=grpo_execution,
-                    pipeline_run_id=run_id,
-                    mlflow_tracking_uri=mlflow_tracking_uri,
-                    mlflow_parent_run_id=parent_run,
+                    **grpo_inputs,
                     backend="megatron",
                     megatron_checkpoint=converted.outputs["megatron_model"],
                     megatron_layout=megatron_layout,

@@ -1,4 +1,11 @@
-"""Small texts for tokenizer tests."""
+"""Shared test inputs for the trainer tests: small texts for tokenizers, fixed GRPO rollouts."""
+
+import torch
+
+from trainer.grpo import algorithm as algo
+from trainer.grpo import recipe
+from trainer.grpo.prompts import Prompt
+from trainer.grpo.rollout import Rollout
 
 SMALL_CORPUS = [
     "<|start|>user<|message|>What is two plus two?<|end|>"
@@ -8,3 +15,28 @@ SMALL_CORPUS = [
     "Pienso en la pregunta y respondo en español de forma breve.",
     "Penso alla domanda e rispondo in italiano in modo chiaro.",
 ] * 20
+
+
+def fixed_grpo_batch(vocab: int = 1000) -> recipe._Batch:
+    """16 rollouts of 4 prompts (one longer than a 32-token sliding window), empty and unequal
+    responses, one group without signal; token ids in ``[5, vocab)``, seeded (the Megatron
+    backend's recorded numbers come from ``vocab=1000``)."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [
+        Prompt(torch.randint(5, vocab, (n,), generator=gen).tolist(), "fr", f"p{n}")
+        for n in (41, 12, 27, 35)
+    ]
+    rollouts, rewards = [], []
+    for p in range(4):
+        for s in range(4):
+            length = [0, 3, 9, 16][(p + s) % 4] if (p, s) != (1, 2) else 0
+            ids = torch.randint(5, vocab, (length,), generator=gen).tolist()
+            rollouts.append(Rollout(p, ids, s % 2 == 0))
+            rewards.append(float((p * 3 + s * 5) % 7) - 3.0)
+    rewards = torch.tensor(rewards)
+    rewards[4:8] = 1.0
+    groups = torch.tensor([r.prompt_index for r in rollouts])
+    advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
+    stats = algo.group_stats(rewards, groups)
+    keep = (~stats.all_equal[stats.index]).float()
+    return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))

@@ -31,13 +31,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests_helpers_trainer import fixed_grpo_batch
 
 from trainer.backends import lr_factor, make_backend
 from trainer.distributed import DistInfo
-from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.prompts import Prompt
-from trainer.grpo.rollout import Rollout
 from trainer.megatron.layout import MegatronLayout
 
 # --- what training needs on a CPU, beyond cpu_patches ------------------------------------
@@ -161,32 +159,6 @@ def training_cpu_patches():
 # --- the test ----------------------------------------------------------------------------
 
 
-def _fixed_batch(vocab: int):
-    """16 rollouts of 4 prompts (one longer than the 32-token sliding window), empty and
-    unequal responses, one group without signal; ids below ``vocab``."""
-    from trainer.grpo.recipe import _Batch
-
-    gen = torch.Generator().manual_seed(7)
-    prompts = [
-        Prompt(torch.randint(5, vocab, (n,), generator=gen).tolist(), "fr", f"p{n}")
-        for n in (41, 12, 27, 35)
-    ]
-    rollouts, rewards = [], []
-    for p in range(4):
-        for s in range(4):
-            length = [0, 3, 9, 16][(p + s) % 4] if (p, s) != (1, 2) else 0
-            ids = torch.randint(5, vocab, (length,), generator=gen).tolist()
-            rollouts.append(Rollout(p, ids, s % 2 == 0))
-            rewards.append(float((p * 3 + s * 5) % 7) - 3.0)
-    rewards = torch.tensor(rewards)
-    rewards[4:8] = 1.0
-    groups = torch.tensor([r.prompt_index for r in rollouts])
-    advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
-    stats = algo.group_stats(rewards, groups)
-    keep = (~stats.all_equal[stats.index]).float()
-    return _Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
-
-
 def _config(checkpoint: Path, distributed_optimizer: bool) -> GRPOConfig:
     return GRPOConfig.model_validate(
         {
@@ -248,7 +220,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
         )
 
     vocab = AutoConfig.from_pretrained(hf_dir).vocab_size
-    batch = _fixed_batch(vocab)
+    batch = fixed_grpo_batch(vocab)
     micros = [
         recipe._sequences(batch.prompts, batch.rollouts[s : s + 4], 0, device)
         for s in range(0, 16, 4)

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
+from tests_helpers_trainer import fixed_grpo_batch
 
 from eval.modeling import load_causal_lm
 from trainer.backends import DataParallel, OptimConfig, TorchBackend, lr_factor, make_backend
@@ -35,8 +36,6 @@ from trainer.distributed import DistInfo
 from trainer.grpo import algorithm as algo
 from trainer.grpo import recipe
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.prompts import Prompt
-from trainer.grpo.rollout import Rollout
 from trainer.megatron.backend import (
     MegatronBackend,
     ParallelContext,
@@ -133,27 +132,7 @@ def test_megatron_backend_names_the_extra_and_python_when_missing():
 
 
 def _fixed_batch() -> recipe._Batch:
-    """16 rollouts of 4 prompts (one longer than the sliding window), empty and unequal
-    responses, one group without signal."""
-    gen = torch.Generator().manual_seed(7)
-    prompts = [
-        Prompt(torch.randint(5, 1000, (n,), generator=gen).tolist(), "fr", f"p{n}")
-        for n in (41, 12, 27, 35)
-    ]
-    rollouts, rewards = [], []
-    for p in range(4):
-        for s in range(4):
-            length = [0, 3, 9, 16][(p + s) % 4] if (p, s) != (1, 2) else 0
-            ids = torch.randint(5, 1000, (length,), generator=gen).tolist()
-            rollouts.append(Rollout(p, ids, s % 2 == 0))
-            rewards.append(float((p * 3 + s * 5) % 7) - 3.0)
-    rewards = torch.tensor(rewards)
-    rewards[4:8] = 1.0
-    groups = torch.tensor([r.prompt_index for r in rollouts])
-    advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
-    stats = algo.group_stats(rewards, groups)
-    keep = (~stats.all_equal[stats.index]).float()
-    return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
+    return fixed_grpo_batch(1000)
 
 
 CASES = {

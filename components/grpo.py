@@ -39,7 +39,7 @@ def grpo(
 
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
     from eval.tracking import configure_tracking
-    from trainer.cluster.config import ExecutionConfig, JobLaunch
+    from trainer.cluster.config import JobLaunch
     from trainer.grpo.config import GRPOConfig
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
 
@@ -57,11 +57,7 @@ def grpo(
         config["optim"]["megatron"] = megatron
     cfg = GRPOConfig.model_validate(config)
     image = MEGATRON_IMAGE if cfg.optim.backend == "megatron" else GPU_IMAGE
-    launch = JobLaunch(
-        ExecutionConfig.model_validate(execution), pipeline_run_id, job_manifest.path, image
-    )
-    if not launch.as_job:
-        Path(job_manifest.path).write_text("# trained in the pipeline step's own pod\n")
+    launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image)
     result = run_grpo_step(
         cfg, sft_model.path, train_data.path, eval_data.path, model.path, training_log.path,
         launch,

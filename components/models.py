@@ -43,18 +43,14 @@ def sft(
 
     from components.images import GPU_IMAGE
     from eval.tracking import configure_tracking
-    from trainer.cluster.config import ExecutionConfig, JobLaunch
+    from trainer.cluster.config import JobLaunch
     from trainer.sft.config import SFTConfig
     from trainer.sft.step import render_sft_html, run_sft_step, sft_metrics
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     cfg = SFTConfig.model_validate(config)
-    launch = JobLaunch(
-        ExecutionConfig.model_validate(execution), pipeline_run_id, job_manifest.path, GPU_IMAGE
-    )
-    if not launch.as_job:
-        Path(job_manifest.path).write_text("# trained in the pipeline step's own pod\n")
+    launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, GPU_IMAGE)
     result = run_sft_step(
         cfg, base_model.path, train_data.path, eval_data.path, model.path, training_log.path,
         launch,

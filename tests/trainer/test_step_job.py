@@ -119,6 +119,15 @@ class Operator(threading.Thread):
         self._status({"type": "Created"}, {"type": outcome, "reason": outcome})
 
 
+def test_a_local_step_still_fills_its_job_manifest_artifact(tmp_path):
+    manifest = tmp_path / "job_manifest"
+    launch = JobLaunch.for_step({"mode": "local"}, RUN_ID, str(manifest), "img:1")
+    assert not launch.as_job
+    assert manifest.read_text() == "# trained in the pipeline step's own pod\n"
+    with pytest.raises(ValueError, match="mode"):
+        JobLaunch.for_step({"mode": "slurm"}, RUN_ID, str(manifest), "img:1")
+
+
 def test_sft_runs_as_a_pytorchjob_and_its_results_come_back(
     emulator,
     tmp_path,
@@ -129,7 +138,10 @@ def test_sft_runs_as_a_pytorchjob_and_its_results_come_back(
     name = job_name("sft", RUN_ID)
     operator = Operator(emulator, name)
     operator.start()
-    launch = JobLaunch(_execution(tmp_path), RUN_ID, str(tmp_path / "job.yaml"), "img:1")
+    # as the component builds it: from the execution parameter's plain dict
+    execution = _execution(tmp_path).model_dump()
+    launch = JobLaunch.for_step(execution, RUN_ID, str(tmp_path / "job.yaml"), "img:1")
+    assert launch.as_job and not (tmp_path / "job.yaml").exists()  # the job's YAML comes later
     cfg = SFTConfig.model_validate(SFT)
     model_out, work = tmp_path / "model", tmp_path / "work"
     # run_sft_step builds its own launcher from the kubeconfig: hand it ours

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -229,6 +230,16 @@ class JobLaunch:
     run_id: str
     manifest_path: str
     image: str
+
+    @classmethod
+    def for_step(cls, execution: dict, run_id: str, manifest_path: str, image: str) -> JobLaunch:
+        """A pipeline step's launch from its ``execution`` parameter. The job-manifest
+        artifact always gets a file: the job's YAML later, or (in ``local`` mode) a line
+        saying that the step trained in its own pod."""
+        launch = cls(ExecutionConfig.model_validate(execution), run_id, manifest_path, image)
+        if not launch.as_job:
+            Path(manifest_path).write_text("# trained in the pipeline step's own pod\n")
+        return launch
 
     @property
     def as_job(self) -> bool:

@@ -421,6 +421,23 @@ def _write_export(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    dtype = str(torch_dtype).removeprefix("torch.")
+    return _publish_export(
+        tmp, output_dir, source, source_format, dtype, tensors, parameters, copied
+    )
+
+
+def _publish_export(
+    tmp: Path,
+    output_dir: Path,
+    source: Path,
+    source_format: str,
+    dtype: str,
+    tensors: int,
+    parameters: int,
+    copied: tuple[str, ...],
+) -> ExportResult:
+    """Rename a checked export from its temp name into place, and say what it holds."""
     shards = len(list(tmp.glob("*.safetensors")))
     _publish(tmp, output_dir)
     log.info("exported %s (%s) → %s (%d shards)", source, source_format, output_dir, shards)
@@ -428,7 +445,7 @@ def _write_export(
         output_dir=output_dir,
         source=source,
         source_format=source_format,
-        dtype=str(torch_dtype).removeprefix("torch."),
+        dtype=dtype,
         tensors=tensors,
         parameters=parameters,
         shards=shards,
@@ -464,16 +481,7 @@ def export_megatron(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shards = len(list(tmp.glob("*.safetensors")))
-    _publish(tmp, output_dir)
-    log.info("exported Megatron %s → %s (%d shards)", megatron_dir, output_dir, shards)
-    return ExportResult(
-        output_dir=output_dir,
-        source=megatron_dir,
-        source_format="megatron",
-        dtype=str(config.get("dtype") or config.get("torch_dtype") or "unknown"),
-        tensors=tensors,
-        parameters=parameters,
-        shards=shards,
-        copied_files=copied,
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "unknown")
+    return _publish_export(
+        tmp, output_dir, megatron_dir, "megatron", dtype, tensors, parameters, copied
     )

@@ -15,13 +15,20 @@ correct answer         numeric answer equals the expected one      0.0         0
                        (reported; not rewarded by default)
 =====================  ==========================================  ==========  ==========
 
-Outcomes that are neither pass nor fail:
+No refuge: saying less never pays.
     * a part that is **missing** (no final channel, e.g. cut off by the token limit; no or
-      empty analysis channel) fails its language rule, and a missing final answer also fails
-      the brevity rule;
-    * a part that is present but **undetermined** (too little text to judge, e.g. ``"42"`` or
-      ``"Canberra."``) scores ``answer_undetermined`` / ``reasoning_undetermined`` (0.0);
+      empty analysis channel), **truncated** (reasoning cut off before the final channel) or
+      **undetermined** (present, but too little text to tell its language, e.g. ``"R."`` or
+      ``"Oui."`` when the identifier abstains) fails its language rule exactly as the wrong
+      language does; a missing final answer also fails the brevity rule;
+    * the one exception is a **language-neutral** final answer: digits and no letter at all
+      (``"42"``, ``"12,5 %"``), which scores ``answer_language_neutral`` (0.0): worse than an
+      answer in the right language, better than one in the wrong language;
     * correctness is only judged when an expected answer is given; otherwise it adds 0.
+
+So for a response whose parts are in the requested languages, shortening a part until its
+language can no longer be told, or dropping it, never raises the reward
+(``tests/eval/test_scoring.py`` checks it on every prefix of a response).
 
 Bounds: the reward always lies in ``RewardWeights.bounds()`` — with the defaults
 [-7.5, +7.0]. A response whose labels cannot be read (unknown language code) gets the neutral
@@ -72,22 +79,28 @@ class Verdict(StrEnum):
     MISMATCH = "mismatch"
     UNDETERMINED = "undetermined"
     MISSING = "missing"
+    NEUTRAL = "neutral"
+    """A final answer with digits and no letters: no language to judge (the answer only)."""
 
 
 @dataclass(frozen=True)
 class RewardWeights:
     """Reward for each rule's outcomes. Defaults are the reference recipe's.
 
+    A missing, truncated or undetermined part scores its rule's ``…_mismatch`` weight: there
+    is no weight of its own to set, so no setting can make saying less pay.
+    ``answer_language_neutral`` (a bare number) must lie between the answer's mismatch and
+    match weights.
+
     Raises:
-        ValueError: A weight is not a finite number.
+        ValueError: A weight is not a finite number, or the neutral weight is out of range.
     """
 
     answer_language_match: float = 5.0
     answer_language_mismatch: float = -5.0
-    answer_undetermined: float = 0.0
+    answer_language_neutral: float = 0.0
     reasoning_language_match: float = 1.5
     reasoning_language_mismatch: float = -1.5
-    reasoning_undetermined: float = 0.0
     brief_answer: float = 0.5
     long_answer: float = -1.0
     correct_answer: float = 0.0
@@ -101,16 +114,19 @@ class RewardWeights:
             if not math.isfinite(value):
                 raise ValueError(f"RewardWeights.{f.name} must be finite, got {value!r}")
             object.__setattr__(self, f.name, float(value))
+        low, high = sorted((self.answer_language_mismatch, self.answer_language_match))
+        if not low <= self.answer_language_neutral <= high:
+            raise ValueError(
+                f"RewardWeights.answer_language_neutral={self.answer_language_neutral} must lie "
+                f"between answer_language_mismatch and answer_language_match ({low}..{high}): "
+                "a bare number must not beat an answer in the right language"
+            )
 
     def bounds(self) -> tuple[float, float]:
         """Smallest and largest reward any response can get."""
         groups = (
-            (self.answer_language_match, self.answer_language_mismatch, self.answer_undetermined),
-            (
-                self.reasoning_language_match,
-                self.reasoning_language_mismatch,
-                self.reasoning_undetermined,
-            ),
+            (self.answer_language_match, self.answer_language_mismatch),
+            (self.reasoning_language_match, self.reasoning_language_mismatch),
             (self.brief_answer, self.long_answer),
             (self.correct_answer, self.wrong_answer, 0.0),
         )
@@ -175,6 +191,7 @@ class ComplianceResult:
             "answer_language_ok": float(self.answer_language_ok),
             "reasoning_language_ok": float(self.reasoning_language_ok),
             "answer_undetermined": float(self.answer_verdict is Verdict.UNDETERMINED),
+            "answer_neutral": float(self.answer_verdict is Verdict.NEUTRAL),
             "reasoning_undetermined": float(self.reasoning_verdict is Verdict.UNDETERMINED),
             "answer_missing": float(self.answer_verdict is Verdict.MISSING),
             "brief_ok": float(self.brief_ok),
@@ -338,11 +355,13 @@ class ComplianceScorer:
         )
 
     def _judge(
-        self, profile: LanguageProfile | None, target: str
+        self, profile: LanguageProfile | None, target: str, text: str | None = None
     ) -> tuple[Verdict, str | None, float]:
         if profile is None:
             return Verdict.MISSING, None, 0.0
         if not profile.determined:
+            if text is not None and _is_language_neutral(text):
+                return Verdict.NEUTRAL, profile.dominant, 0.0
             return Verdict.UNDETERMINED, profile.dominant, 0.0
         share = profile.fraction(target)
         verdict = Verdict.MATCH if share >= self.min_language_fraction else Verdict.MISMATCH
@@ -358,11 +377,13 @@ class ComplianceScorer:
         w = self.weights
         answer_profile, reasoning_profile = profiles
         answer_verdict, answer_language, answer_fraction = self._judge(
-            answer_profile, labels.answer
+            answer_profile, labels.answer, parsed.final
         )
         reasoning_verdict, reasoning_language, reasoning_fraction = self._judge(
             reasoning_profile, labels.reasoning
         )
+        if parsed.final is None and parsed.truncated:
+            reasoning_verdict = Verdict.MISSING  # cut off before the answer: not reasoning done
         has_answer = answer_verdict is not Verdict.MISSING
         final = parsed.final or ""
         sentences = count_sentences(final[:MAX_ANSWER_CHARS_FOR_SENTENCES]) if has_answer else 0
@@ -383,13 +404,10 @@ class ComplianceScorer:
                 answer_verdict,
                 w.answer_language_match,
                 w.answer_language_mismatch,
-                w.answer_undetermined,
+                w.answer_language_neutral,
             ),
             "reasoning_language": _verdict_reward(
-                reasoning_verdict,
-                w.reasoning_language_match,
-                w.reasoning_language_mismatch,
-                w.reasoning_undetermined,
+                reasoning_verdict, w.reasoning_language_match, w.reasoning_language_mismatch
             ),
             "brevity": w.brief_answer if brief_ok else w.long_answer,
             "correctness": correctness,
@@ -417,12 +435,24 @@ class ComplianceScorer:
 _COMPONENTS = ("answer_language", "reasoning_language", "brevity", "correctness")
 
 
-def _verdict_reward(verdict: Verdict, match: float, mismatch: float, undetermined: float) -> float:
+def _verdict_reward(
+    verdict: Verdict, match: float, mismatch: float, neutral: float | None = None
+) -> float:
+    """A language rule's reward: MISMATCH, MISSING and UNDETERMINED all score ``mismatch``."""
     if verdict is Verdict.MATCH:
         return match
-    if verdict is Verdict.UNDETERMINED:
-        return undetermined
-    return mismatch  # MISMATCH and MISSING
+    if verdict is Verdict.NEUTRAL and neutral is not None:
+        return neutral
+    return mismatch
+
+
+_LETTER = re.compile(r"[^\W\d_]")
+_DIGIT = re.compile(r"\d")
+
+
+def _is_language_neutral(text: str) -> bool:
+    """Digits and not one letter (``"42"``, ``"12,5 %"``): an answer no language owns."""
+    return _DIGIT.search(text) is not None and _LETTER.search(text) is None
 
 
 def _expected_number(value: object) -> float | None:

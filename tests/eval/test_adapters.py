@@ -118,3 +118,22 @@ def test_trl_without_a_label_column_is_a_clear_error() -> None:
 
 def test_the_adapters_share_one_scorer() -> None:
     assert adapters.default_scorer() is adapters.default_scorer()
+
+
+ONE_TOKEN_REASONING = (
+    "<|channel|>analysis<|message|>R.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Le prix total est de douze euros.<|return|>"
+)
+
+
+def test_every_adapter_scores_an_unidentifiable_reasoning_as_the_wrong_language() -> None:
+    """No refuge through any engine's convention: a one-token reasoning costs -1.5 in each."""
+    expected = 5.0 - 1.5 + 0.5
+    assert LanguageComplianceReward()([ONE_TOKEN_REASONING], ["fr"]).rewards == [expected]
+    assert openrlhf_reward_func([ONE_TOKEN_REASONING], [""], ["fr"])["rewards"].tolist() == [
+        expected
+    ]
+    assert verl_compute_score("lingo", ONE_TOKEN_REASONING, "fr")["score"] == expected
+    assert language_compliance_reward(["p"], [ONE_TOKEN_REASONING], label=["fr"]) == [expected]
+    logs = openrlhf_reward_func([ONE_TOKEN_REASONING], [""], ["fr"])["extra_logs"]
+    assert logs["reasoning_undetermined"].tolist() == [1.0]

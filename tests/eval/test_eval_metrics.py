@@ -50,8 +50,8 @@ FIXED = [
     ("fr", harmony(EN_REASONING, "168 élèves vont à l'école à pied."), 4.0),
     # reasoning de ✓ (+1.5), answer en ≠ de (-5), brief (+0.5)
     ("de", harmony(DE_REASONING, "168 students walk to school."), -3.0),
-    # reasoning es ✓ (+1.5), no final: answer missing (-5), not brief (-1)
-    ("es", harmony(ES_REASONING), -4.5),
+    # no final: reasoning cut off (counts as missing, -1.5), answer missing (-5), not brief (-1)
+    ("es", harmony(ES_REASONING), -7.5),
     # empty response: reasoning missing (-1.5), answer missing (-5), not brief (-1)
     ("it", "", -7.5),
 ]
@@ -84,20 +84,21 @@ def test_summary_of_fixed_responses(fixed_outcomes):
     assert (summary.responses, summary.failed) == (6, 1)
     overall = summary.overall
     # the failed response is left out: every rate is over 5 responses
-    assert overall["reasoning_language_accuracy"].value == pytest.approx(3 / 5)
+    # the cut-off Spanish reasoning did not finish: it fails the reasoning rule (no refuge)
+    assert overall["reasoning_language_accuracy"].value == pytest.approx(2 / 5)
     assert overall["answer_language_accuracy"].value == pytest.approx(2 / 5)
     assert overall["both_language_accuracy"].value == pytest.approx(1 / 5)
     assert overall["brevity"].value == pytest.approx(3 / 5)
     assert overall["answer_correct"].value == pytest.approx(3 / 5)
-    assert overall["mean_reward"].value == pytest.approx(-0.8)
+    assert overall["mean_reward"].value == pytest.approx(-1.4)
     assert overall["reasoning_language_accuracy"].n == 5
-    # Wilson 3/5 (textbook value) and t interval of the five rewards, by hand:
-    # s² = (7.8² + 4.8² + 2.2² + 3.7² + 6.7²) / 4 = 36.825, t(0.975, 4) = 2.776445
+    # Wilson 2/5 (textbook value) and t interval of the five rewards, by hand:
+    # s² = (8.4² + 5.4² + 1.6² + 6.1² + 6.1²) / 4 = 44.175, t(0.975, 4) = 2.776445
     wilson = overall["reasoning_language_accuracy"]
-    assert (wilson.low, wilson.high) == pytest.approx((0.2307, 0.8824), abs=1e-4)
-    half = 2.776445 * math.sqrt(36.825 / 5)
+    assert (wilson.low, wilson.high) == pytest.approx((0.1176, 0.7693), abs=1e-4)
+    half = 2.776445 * math.sqrt(44.175 / 5)
     reward = overall["mean_reward"]
-    assert (reward.low, reward.high) == pytest.approx((-0.8 - half, -0.8 + half), abs=1e-4)
+    assert (reward.low, reward.high) == pytest.approx((-1.4 - half, -1.4 + half), abs=1e-4)
     assert summary.per_language["fr"]["reasoning_language_accuracy"].value == 0.0
     assert summary.per_language["fr"]["answer_language_accuracy"].value == 1.0
     assert math.isnan(summary.per_language["en"]["mean_reward"].low)  # one response: no interval

@@ -82,7 +82,8 @@ def test_missing_final_fails_the_answer_and_brevity_rules(scorer: ComplianceScor
     assert result.parsed.truncated
     assert result.answer_verdict is Verdict.MISSING
     assert result.answer_language is None
-    assert result.reward == -5.0 + 1.5 - 1.0
+    # the reasoning was cut off before the answer: it fails its rule too (no refuge)
+    assert result.reward == -5.0 - 1.5 - 1.0
 
 
 def test_empty_final_counts_as_missing(scorer: ComplianceScorer) -> None:
@@ -97,12 +98,112 @@ def test_missing_reasoning_fails_the_reasoning_rule(scorer: ComplianceScorer) ->
     assert result.reward == 5.0 - 1.5 + 0.5
 
 
-def test_too_short_an_answer_is_undetermined_and_neutral(scorer: ComplianceScorer) -> None:
+def test_a_bare_number_is_neutral_between_right_and_wrong_language(
+    scorer: ComplianceScorer,
+) -> None:
     result = scorer.score(respond(FR_REASONING, "42"), "fr")
-    assert result.answer_verdict is Verdict.UNDETERMINED
-    assert result.answer_language == "und"
+    assert result.answer_verdict is Verdict.NEUTRAL
     assert result.components["answer_language"] == 0.0
     assert result.reward == 0.0 + 1.5 + 0.5
+    right = scorer.score(respond(FR_REASONING, FR_ANSWER), "fr").reward
+    wrong = scorer.score(respond(FR_REASONING, EN_ANSWER), "fr").reward
+    assert wrong < result.reward < right
+
+
+@pytest.mark.parametrize("answer", ["Oui.", "R.", "ok", "km/h", "42 km"])
+def test_an_unidentifiable_answer_scores_as_the_wrong_language(
+    scorer: ComplianceScorer, answer: str
+) -> None:
+    result = scorer.score(respond(FR_REASONING, answer), "fr")
+    wrong = scorer.score(respond(FR_REASONING, EN_ANSWER), "fr")
+    if result.answer_verdict is Verdict.MATCH:  # the identifier may know a short word
+        return
+    assert result.answer_verdict in (Verdict.UNDETERMINED, Verdict.MISMATCH)
+    assert result.components["answer_language"] == wrong.components["answer_language"] == -5.0
+
+
+@pytest.mark.parametrize("reasoning", ["R.", "De.", "", "...", "x"])
+def test_an_unidentifiable_or_empty_reasoning_scores_as_the_wrong_language(
+    scorer: ComplianceScorer, reasoning: str
+) -> None:
+    result = scorer.score(respond(reasoning, FR_ANSWER), "fr")
+    wrong = scorer.score(respond(EN_REASONING, FR_ANSWER), "fr")
+    assert result.reasoning_verdict in (Verdict.UNDETERMINED, Verdict.MISSING)
+    assert result.reward == wrong.reward == 5.0 - 1.5 + 0.5
+
+
+def test_reasoning_cut_off_before_the_answer_scores_as_missing(scorer: ComplianceScorer) -> None:
+    result = scorer.score(respond(FR_REASONING, None), "fr")
+    assert result.parsed.truncated
+    assert result.reasoning_verdict is Verdict.MISSING
+    assert result.reward == scorer.bounds[0] == -7.5
+
+
+def _prefixes(text: str) -> list[str]:
+    """Every prefix of ``text`` at a word boundary, the empty one included."""
+    cuts = [0] + [i for i, ch in enumerate(text) if ch == " "] + [len(text)]
+    return [text[:i] for i in cuts]
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "answer", "label"),
+    [
+        (FR_REASONING, FR_ANSWER, "fr"),
+        (EN_REASONING, EN_ANSWER, "en"),
+        (DE_REASONING, "Der Gesamtpreis beträgt zwölf Euro.", "de"),
+        (FR_REASONING, EN_ANSWER, "fr/en"),
+    ],
+)
+def test_no_refuge_shortening_a_compliant_response_never_raises_its_reward(
+    scorer: ComplianceScorer, reasoning: str, answer: str, label: str
+) -> None:
+    """A policy cannot gain by saying less: every shortening of the reasoning, of the answer,
+    or of both (down to nothing, or dropping the part) scores at most the full response."""
+    full = scorer.score(respond(reasoning, answer), label).reward
+    assert full == scorer.bounds[1]
+    shorter_reasonings = [*_prefixes(reasoning), None]
+    shorter_answers = [*_prefixes(answer), None]
+    responses = [respond(r, answer) for r in shorter_reasonings]
+    responses += [respond(reasoning, a) for a in shorter_answers]
+    responses += [
+        respond(r[: len(r) // 3] if r else r, a)
+        for r in shorter_reasonings
+        for a in shorter_answers[:3]
+    ]
+    rewards = [result.reward for result in scorer.score_batch(responses, label)]
+    assert max(rewards) <= full
+    # and the gain of the full answer over any unidentifiable shortening is the whole margin
+    dropped = scorer.score(respond(reasoning, None), label).reward
+    assert dropped == scorer.bounds[0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    reasoning_cut=st.floats(0.0, 1.0),
+    answer_cut=st.floats(0.0, 1.0),
+    label=st.sampled_from(["fr", "en", "de"]),
+)
+def test_no_refuge_property(reasoning_cut: float, answer_cut: float, label: str) -> None:
+    texts = {
+        "fr": (FR_REASONING, FR_ANSWER),
+        "en": (EN_REASONING, EN_ANSWER),
+        "de": (DE_REASONING, "Der Gesamtpreis beträgt zwölf Euro."),
+    }
+    reasoning, answer = texts[label]
+    scorer = ComplianceScorer()
+    short = respond(
+        reasoning[: int(len(reasoning) * reasoning_cut)], answer[: int(len(answer) * answer_cut)]
+    )
+    assert (
+        scorer.score(short, label).reward <= scorer.score(respond(reasoning, answer), label).reward
+    )
+
+
+def test_neutral_weight_must_not_beat_the_right_language() -> None:
+    with pytest.raises(ValueError, match="answer_language_neutral"):
+        RewardWeights(answer_language_neutral=6.0)
+    with pytest.raises(TypeError):
+        RewardWeights(answer_undetermined=0.0)  # no refuge weight to set
 
 
 def test_mostly_target_language_passes_and_half_does_not(scorer: ComplianceScorer) -> None:
@@ -251,23 +352,29 @@ def test_never_raises_and_stays_in_bounds(
     assert all(math.isfinite(v) for v in result.components.values())
 
 
+@st.composite
+def _weights(draw: st.DrawFn) -> RewardWeights:
+    match, mismatch = draw(_WEIGHT), draw(_WEIGHT)
+    low, high = sorted((match, mismatch))
+    neutral = min(max(low + draw(st.floats(0.0, 1.0)) * (high - low), low), high)
+    return draw(
+        st.builds(
+            RewardWeights,
+            answer_language_match=st.just(match),
+            answer_language_mismatch=st.just(mismatch),
+            answer_language_neutral=st.just(neutral),
+            reasoning_language_match=_WEIGHT,
+            reasoning_language_mismatch=_WEIGHT,
+            brief_answer=_WEIGHT,
+            long_answer=_WEIGHT,
+            correct_answer=_WEIGHT,
+            wrong_answer=_WEIGHT,
+        )
+    )
+
+
 @settings(max_examples=100, deadline=None)
-@given(
-    weights=st.builds(
-        RewardWeights,
-        answer_language_match=_WEIGHT,
-        answer_language_mismatch=_WEIGHT,
-        answer_undetermined=_WEIGHT,
-        reasoning_language_match=_WEIGHT,
-        reasoning_language_mismatch=_WEIGHT,
-        brief_answer=_WEIGHT,
-        long_answer=_WEIGHT,
-        correct_answer=_WEIGHT,
-        wrong_answer=_WEIGHT,
-    ),
-    response=_RESPONSES,
-    label=_LABELS,
-)
+@given(weights=_weights(), response=_RESPONSES, label=_LABELS)
 def test_any_weights_stay_in_their_bounds(
     weights: RewardWeights, response: object, label: object
 ) -> None:

@@ -6,7 +6,7 @@ from hashlib import blake2b
 
 from data_prep.labels import RowLabels
 from data_prep.validate import ValidRow
-from eval.harmony import developer_instructions, render_completion, render_prompt
+from eval.harmony import render_completion, task_prompt
 from eval.languages import LANGUAGE_NAMES
 
 
@@ -28,9 +28,12 @@ def build_record(
     as Hugging Face chat templates and TRL take it).
     """
     lang = labels.labels
-    answer_name = LANGUAGE_NAMES[lang.answer] if lang.answer != labels.user_language else None
-    instructions = developer_instructions(
-        LANGUAGE_NAMES[lang.reasoning], row.developer, answer_name
+    instructions, prompt = task_prompt(
+        LANGUAGE_NAMES[lang.reasoning],
+        LANGUAGE_NAMES[lang.answer],
+        row.developer,
+        row.user,
+        reasoning_effort,
     )
     return {
         "id": "mt-" + key[:8].hex(),
@@ -44,7 +47,7 @@ def build_record(
         "user": row.user,
         "analysis": row.analysis,
         "final": row.final,
-        "prompt": render_prompt(instructions, row.user, reasoning_effort),
+        "prompt": prompt,
         "completion": render_completion(row.analysis, row.final),
         "messages": [
             {"role": "system", "content": instructions},

@@ -42,19 +42,37 @@ SYSTEM_MESSAGE = (
 )
 
 
-def developer_instructions(
-    reasoning_language_name: str, developer: str, answer_language_name: str | None = None
-) -> str:
-    """The developer instructions of a prompt, in the dataset's convention.
+def task_instructions(reasoning_language_name: str, answer_language_name: str, persona: str) -> str:
+    """The developer instructions of every lingo-rl prompt: data prep, GRPO rollouts, the eval.
 
-    ``reasoning language: French`` first (as Multilingual-Thinking's system message does),
-    then ``answer language: English`` when the answer must be in another language than the
-    user wrote in, then the persona text.
+    Both languages are always named, as the reference recipe's system prompt does
+    (``reasoning language: French`` then ``answer language: French``), then the persona::
+
+        reasoning language: French
+        answer language: French
+
+        You are a helpful assistant who solves word problems.
+
+    One function for every path, so that the prompts a model is trained on are the prompts it
+    is judged on (``tests/eval/test_prompt_convention.py`` checks the three paths agree).
     """
-    lines = [f"reasoning language: {reasoning_language_name}"]
-    if answer_language_name:
-        lines.append(f"answer language: {answer_language_name}")
-    return "\n".join(lines) + "\n\n" + developer
+    return (
+        f"reasoning language: {reasoning_language_name}\n"
+        f"answer language: {answer_language_name}\n\n{persona}"
+    )
+
+
+def task_prompt(
+    reasoning_language_name: str,
+    answer_language_name: str,
+    persona: str,
+    user: str,
+    reasoning_effort: str = "medium",
+) -> tuple[str, str]:
+    """``(instructions, harmony prompt)`` of a question: :func:`task_instructions` rendered
+    with :func:`render_prompt`."""
+    instructions = task_instructions(reasoning_language_name, answer_language_name, persona)
+    return instructions, render_prompt(instructions, user, reasoning_effort)
 
 
 def render_prompt(instructions: str, user: str, reasoning_effort: str = "medium") -> str:

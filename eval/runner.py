@@ -26,7 +26,7 @@ from eval.degeneracy import measure_degeneracy
 from eval.engines import Engine, Generation, GenerationRequest, make_engine
 from eval.eval_config import EvalConfig
 from eval.eval_metrics import MISSING, Outcome, Summary, deltas, summarize
-from eval.harmony import developer_instructions, render_prompt
+from eval.harmony import task_prompt
 from eval.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
 from eval.report import log_eval_run, write_reports
 from eval.scoring import ComplianceResult, ComplianceScorer
@@ -125,9 +125,10 @@ class ModelSpec:
         return cls(label=label, location=location, served_model=served or None)
 
 
-def prompt_instructions(language: str, persona: str) -> str:
-    """The developer instructions for a question in ``language`` (reason and answer in it)."""
-    return developer_instructions(LANGUAGE_NAMES[language], persona)
+def question_prompt(question: Question, config: EvalConfig) -> tuple[str, str]:
+    """``(instructions, harmony prompt)`` of a question: reason and answer in its language."""
+    name = LANGUAGE_NAMES[question.language]
+    return task_prompt(name, name, config.persona, question.question, config.reasoning_effort)
 
 
 def build_requests(
@@ -137,10 +138,10 @@ def build_requests(
     out = []
     for sample in range(config.sampling.n):
         for question in questions:
-            instructions = prompt_instructions(question.language, config.persona)
+            instructions, prompt = question_prompt(question, config)
             request = GenerationRequest(
                 key=f"{question.id}#{sample}",
-                prompt=render_prompt(instructions, question.question, config.reasoning_effort),
+                prompt=prompt,
                 messages=(
                     {"role": "system", "content": instructions},
                     {"role": "user", "content": question.question},

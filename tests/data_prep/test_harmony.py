@@ -75,13 +75,12 @@ def test_rendering_matches_openai_harmony(harmony_encoding, row, policy):
     assert enc.encode(record["prompt"] + record["completion"], allowed_special="all") == full
 
 
-def test_answer_language_is_stated_only_when_it_differs_from_the_user():
+def test_both_languages_are_always_stated():
     valid = validate_row(make_row("Spanish"), 10_000)  # English user
     same = build_record(
         valid, assign_labels("es", valid.user, valid.final, "user"), "t", b"k" * 16, "medium"
     )
-    assert "answer language" not in same["prompt"]
-    assert "reasoning language: Spanish" in same["prompt"]
+    assert "reasoning language: Spanish\nanswer language: English" in same["prompt"]
     forced = build_record(
         valid,
         assign_labels("es", valid.user, valid.final, "same-as-reasoning"),

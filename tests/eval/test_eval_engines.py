@@ -20,7 +20,7 @@ from eval.harmony import render_prompt
 from eval.modeling import load_causal_lm, load_tokenizer
 from eval.parsing import parse_response
 from eval.report import load_results
-from eval.runner import build_requests, load_questions, prompt_instructions, run_eval
+from eval.runner import build_requests, load_questions, question_prompt, run_eval
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 SMALL = TinyModelConfig(
@@ -269,11 +269,9 @@ def test_endpoint_engine_against_a_server_of_the_tiny_model(tiny_model_dir, tmp_
     questions = {q.question: q for q in load_questions(limit=5)}
     assert len(app.rendered) == 5
     for (system, user), prompt in app.rendered:
-        language = questions[user["content"]].language
-        assert system == {
-            "role": "system",
-            "content": prompt_instructions(language, DEFAULT_PERSONA),
-        }
+        instructions, _ = question_prompt(questions[user["content"]], EvalConfig())
+        assert DEFAULT_PERSONA in instructions
+        assert system == {"role": "system", "content": instructions}
         assert prompt == render_prompt(system["content"], user["content"], "medium")
     assert seconds < 30
 

@@ -18,6 +18,7 @@ def data_prep(
     reasoning_effort: str,
     augment_factor: int,
     workers: int,
+    question_sets: list,
     train_data: Output[Dataset],
     eval_data: Output[Dataset],
     quarantine: Output[Dataset],
@@ -45,6 +46,7 @@ def data_prep(
         reasoning_effort=reasoning_effort,
         augment_factor=augment_factor,
         workers=workers,
+        question_sets=question_sets,
     )
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     with mlflow_run("data-prep", config.model_dump()) as run:
@@ -57,8 +59,9 @@ def data_prep(
     for name, value in report.metrics().items():
         metrics.log_metric(name, value)
     train_data.metadata.update(
-        rows=report.train_rows + report.synthetic_rows,
+        rows=report.train_rows + report.synthetic_rows + report.prompt_only_rows,
         synthetic_rows=report.synthetic_rows,
+        prompt_only_rows=report.prompt_only_rows,
         format="jsonl",
     )
     eval_data.metadata.update(rows=report.eval_rows, format="jsonl")

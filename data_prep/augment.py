@@ -33,6 +33,7 @@ def append_synthetic(records_path: Path, out, factor: int, seed: int, reasoning_
     Returns how many were written.
     """
     records = [orjson.loads(line) for line in Path(records_path).read_bytes().splitlines() if line]
+    records = [r for r in records if not r.get("prompt_only")]  # no answer to recombine
     if factor <= 0 or not records:
         return 0
     analysis_pool: dict[str, list[str]] = defaultdict(list)

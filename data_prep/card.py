@@ -31,6 +31,15 @@ def render_card(config: DataPrepConfig, report: DataPrepReport) -> str:
         f"- split: eval_fraction {config.eval_fraction}, seed {config.seed}, "
         "stratified by reasoning language",
         f"- synthetic train rows (augment_factor {config.augment_factor}): {report.synthetic_rows}",
+        *(
+            [
+                f"- prompt-only train rows (question sets, GRPO only): "
+                f"{report.prompt_only_rows} {dict(report.prompt_only_by_language)}; "
+                f"{report.question_rows_bad} quarantined"
+            ]
+            if config.question_sets
+            else []
+        ),
         f"- answer language policy: `{config.answer_language_policy}`; answer language taken from: "
         + ", ".join(f"{k} {v}" for k, v in sorted(report.answer_sources.items())),
         "",

@@ -12,6 +12,37 @@ HUB_DATASET_ID = "HuggingFaceH4/Multilingual-Thinking"
 AnswerLanguagePolicy = Literal["user", "same-as-reasoning"]
 
 
+class QuestionSetConfig(BaseModel):
+    """A set of questions written in the user's language, mixed into GRPO's prompts.
+
+    Each row becomes a prompt-only record (no reference answer, so SFT does not see it)
+    labelled (L, L): reason and answer in the question's language L, the deployed task. It
+    goes to the train split only; GRPO draws prompts in proportion to ``weight``.
+
+    Attributes:
+        source: A hub dataset id, a local directory / ``.jsonl`` / ``.json`` / ``.parquet``
+            path, or an ``s3://`` URI (read as ``DataPrepConfig.source`` is).
+        question_column: The column holding the question text.
+        language_column: A column holding the question's language (a code such as ``fr`` or
+            a name such as ``French``); ``None``: detected from the question.
+        split: Split to load when ``source`` is a hub dataset id.
+        weight: GRPO samples each prompt of this set with this weight (the main dataset's
+            prompts have weight 1): 2.0 makes one of its prompts twice as likely to be drawn.
+        max_rows: Read at most this many rows (``None``: all).
+        persona: The persona line of the prompts' developer instructions.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str
+    question_column: str = "question"
+    language_column: str | None = None
+    split: str = "train"
+    weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    max_rows: int | None = Field(None, ge=1)
+    persona: str = "You are a helpful assistant."
+
+
 class DataPrepConfig(BaseModel):
     """How raw Multilingual-Thinking rows become train/eval JSONL.
 
@@ -31,6 +62,8 @@ class DataPrepConfig(BaseModel):
             the same language (see data_prep/augment.py); for tiny-model demos. 0: none.
         workers: processes that validate and render rows when the source has more than
             ~1,000 rows; 0 means one per CPU core (at most 8). The output does not depend on it.
+        question_sets: multilingual question sets mixed into GRPO's prompts (prompt-only
+            rows in the train split; see QuestionSetConfig and docs/data_prep.md).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -45,3 +78,4 @@ class DataPrepConfig(BaseModel):
     reasoning_effort: Literal["low", "medium", "high"] = "medium"
     augment_factor: int = Field(0, ge=0)
     workers: int = Field(0, ge=0)
+    question_sets: list[QuestionSetConfig] = Field(default_factory=list)

@@ -38,6 +38,7 @@ from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
 from data_prep.lengths import LengthHistogram
 from data_prep.process import ANSWER_SOURCES, Bad, Good, process_rows, quarantine_entry
+from data_prep.question_sets import append_question_prompts
 from data_prep.row_index import RowIndex
 from data_prep.sources import iter_source
 from data_prep.spool import RowSpool
@@ -71,6 +72,10 @@ class DataPrepReport:
     train_rows: int = 0
     eval_rows: int = 0
     synthetic_rows: int = 0
+    prompt_only_rows: int = 0
+    """Train rows from ``question_sets``: prompts for GRPO, no reference answer."""
+    prompt_only_by_language: Counter = field(default_factory=Counter)
+    question_rows_bad: int = 0
     reasons: Counter = field(default_factory=Counter)
     first_bad: list[str] = field(default_factory=list)
     train_by_language: Counter = field(default_factory=Counter)
@@ -96,6 +101,8 @@ class DataPrepReport:
             "train_rows": self.train_rows,
             "eval_rows": self.eval_rows,
             "synthetic_train_rows": self.synthetic_rows,
+            "prompt_only_train_rows": self.prompt_only_rows,
+            "question_rows_quarantined": self.question_rows_bad,
         }
         for lang in SUPPORTED_LANGUAGES:
             out[f"train_rows_{lang}"] = self.train_by_language[lang]
@@ -165,15 +172,26 @@ def prepare_dataset(
                 outputs.temp_path(train_path), train, config.augment_factor, config.seed,
                 config.reasoning_effort,
             )  # fmt: skip
+        if config.question_sets:
+            questions = append_question_prompts(
+                config.question_sets, train, quarantine, config.reasoning_effort,
+                config.max_field_chars,
+            )  # fmt: skip
+            report.prompt_only_rows = questions.kept
+            report.question_rows_bad = questions.bad
+            report.prompt_only_by_language.update(questions.by_language)
         if card_path is not None:
             outputs.open(card_path).write(render_card(config, report).encode())
         outputs.commit()  # every output appears at once
     log.info(
-        "data prep: %d rows read, %d train, %d eval, %d quarantined (%d duplicates)",
+        "data prep: %d rows read, %d train (+%d synthetic, +%d prompt-only from question sets), "
+        "%d eval, %d quarantined (%d duplicates)",
         report.rows_read,
         report.train_rows,
+        report.synthetic_rows,
+        report.prompt_only_rows,
         report.eval_rows,
-        report.rows_bad + report.rows_duplicate,
+        report.rows_bad + report.rows_duplicate + report.question_rows_bad,
         report.rows_duplicate,
     )
     return report

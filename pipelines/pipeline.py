@@ -73,6 +73,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
         data_reasoning_effort: str = _DATA.reasoning_effort,
         data_augment_factor: int = _DATA.augment_factor,
         data_workers: int = _DATA.workers,
+        data_question_sets: list = [],  # noqa: B006 (KFP reads the default; never mutated)
         model_source: str = _MODEL.source,
         model_tiny_config: dict = _TINY_DEFAULT,
         sft_config: dict = _SFT_DEFAULT,
@@ -124,6 +125,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 reasoning_effort=data_reasoning_effort,
                 augment_factor=data_augment_factor,
                 workers=data_workers,
+                question_sets=data_question_sets,
                 mlflow_tracking_uri=mlflow_tracking_uri,
                 mlflow_parent_run_id=parent_run,
             )

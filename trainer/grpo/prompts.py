@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,8 @@ class Prompt:
     ids: list[int]
     label: str
     text: str
+    weight: float = 1.0
+    """How likely the prompt is drawn, relative to the others (a question set's ``weight``)."""
 
 
 def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[Prompt]:
@@ -37,7 +41,8 @@ def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[Pr
         try:
             record = json.loads(line)
             text, label = record["prompt"], record["label"]
-        except (json.JSONDecodeError, KeyError) as exc:
+            weight = float(record.get("prompt_weight", 1.0))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{line_no}: not a data-prep record ({exc})") from exc
         if text in seen:
             continue
@@ -46,7 +51,9 @@ def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[Pr
         if len(ids) > max_prompt_tokens:
             too_long += 1
             continue
-        prompts.append(Prompt(ids, label, text))
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{path}:{line_no}: prompt_weight {weight} must be a positive number")
+        prompts.append(Prompt(ids, label, text, weight))
     if too_long:
         log.warning(
             "%s: %d prompts longer than %d tokens dropped", path, too_long, max_prompt_tokens
@@ -57,3 +64,24 @@ def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[Pr
             f"({too_long} longer ones dropped); raise rollout.max_prompt_tokens"
         )
     return prompts
+
+
+def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> list[int]:
+    """Indices of the ``per_step`` prompts of (0-based) ``step``: deterministic in
+    ``(seed, step)``, so a resumed run draws what the uninterrupted one would have.
+
+    * Equal weights (the usual case): epochs. Each epoch is a seeded shuffle of all prompts,
+      walked ``per_step`` at a time, so every prompt is used once per epoch.
+    * Unequal weights (question sets mixed in): each step draws ``per_step`` distinct prompts
+      with probability proportional to their weights (weighted sampling without replacement,
+      Efraimidis–Spirakis keys ``u ** (1 / w)``, the largest ``per_step`` win).
+    """
+    n = len(prompts)
+    if len({p.weight for p in prompts}) <= 1:
+        order = list(range(n))
+        random.Random(f"{seed}:{step * per_step // n}").shuffle(order)
+        first = (step * per_step) % n
+        return [order[(first + i) % n] for i in range(per_step)]
+    rng = random.Random(f"{seed}:weighted:{step}")
+    keys = [rng.random() ** (1.0 / p.weight) for p in prompts]
+    return sorted(range(n), key=keys.__getitem__, reverse=True)[:per_step]

@@ -51,7 +51,7 @@ from trainer.distributed import (
 )
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.prompts import Prompt, load_prompts
+from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
 from trainer.grpo.rollout import HFRolloutEngine, Rollout
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics
 
@@ -359,13 +359,9 @@ def run_grpo(
         )
         for step in range(start_step, cfg.max_steps):
             done = step + 1
-            order = random.Random(f"{cfg.seed}:{step * cfg.prompts_per_step // len(train_prompts)}")
-            shuffled = list(range(len(train_prompts)))
-            order.shuffle(shuffled)
-            first = (step * cfg.prompts_per_step) % len(train_prompts)
             chosen = [
-                train_prompts[shuffled[(first + i) % len(train_prompts)]]
-                for i in range(cfg.prompts_per_step)
+                train_prompts[i]
+                for i in step_prompts(train_prompts, step, cfg.prompts_per_step, cfg.seed)
             ]
             mine = chosen[dp.rank * per_rank : (dp.rank + 1) * per_rank]
 

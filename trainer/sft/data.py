@@ -50,6 +50,8 @@ class LoadStats:
     dropped_overlong: int = 0
     truncated: int = 0
     dropped_prompt_too_long: int = 0
+    prompt_only: int = 0
+    """Prompt-only records (question sets, for GRPO): skipped, SFT needs an answer."""
     reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -82,6 +84,9 @@ def load_examples(
             stats.records += 1
             try:
                 record = json.loads(line)
+                if record.get("prompt_only"):  # a GRPO prompt from a question set: no answer
+                    stats.prompt_only += 1
+                    continue
                 example = encode_record(record, tokenizer)
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(

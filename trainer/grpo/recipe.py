@@ -108,7 +108,7 @@ def evaluate_policy(
             shares.append(measured.real_word_share)
         if not math.isnan(measured.repeated_ngram_rate):
             repeats.append(measured.repeated_ngram_rate)
-    return {
+    out = {
         "mean_reward": float(np.mean([r.reward for r in results])),
         "answer_language_accuracy": float(
             np.mean([r.answer_verdict == Verdict.MATCH for r in results])
@@ -116,10 +116,26 @@ def evaluate_policy(
         "reasoning_language_accuracy": float(
             np.mean([r.reasoning_verdict == Verdict.MATCH for r in results])
         ),
+        "both_language_accuracy": float(np.mean([_both_ok(r) for r in results])),
         "real_word_share": float(np.mean(shares)) if shares else 0.0,
         "repeated_ngram_rate": float(np.mean(repeats)) if repeats else 0.0,
         "finished_fraction": float(np.mean([r.finished for r in rollouts])),
     }
+    # per language of the prompt (its reasoning label): where the policy gains or loses
+    by_language: dict[str, list] = {}
+    for result in results:
+        if result.labels is not None:
+            by_language.setdefault(result.labels.reasoning, []).append(result)
+    for language in sorted(by_language):
+        group = by_language[language]
+        out[f"mean_reward_{language}"] = float(np.mean([r.reward for r in group]))
+        out[f"both_language_accuracy_{language}"] = float(np.mean([_both_ok(r) for r in group]))
+    return out
+
+
+def _both_ok(result) -> bool:
+    """Reasoning and answer both in their requested languages."""
+    return result.answer_verdict == Verdict.MATCH and result.reasoning_verdict == Verdict.MATCH
 
 
 @dataclass

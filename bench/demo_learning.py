@@ -1,0 +1,201 @@
+"""Does GRPO improve the model on the task it is judged on? The demo's learning path, measured.
+
+Runs what ``lingo run --local`` runs for a preset (default ``tiny-cpu``) through the same
+library calls — data prep → tiny base model → LoRA SFT + merge → GRPO → the 50-question eval
+of base, SFT and GRPO side by side — and prints:
+
+* the eval table (mean reward, reasoning / answer / both-language accuracy, real-word share,
+  each over questions × samples) and GRPO's gains over SFT;
+* whether SFT converged: its held-out loss fell by at most 2% over its last fifth of steps;
+* seconds per step of the pipeline.
+
+``check_thresholds`` holds issue #16's bar (GRPO both-language accuracy ≥ 0.40 and ≥ SFT's
++ 0.15, mean reward ≥ SFT's + 1.0, real-word share no more than 10% below SFT's, SFT
+converged); ``tests/test_demo_learning.py`` (slow) asserts it.
+
+Usage::
+
+    python bench/demo_learning.py [--preset tiny-cpu] [--set grpo.max_steps=60 ...]
+        [--work DIR] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data_prep.prepare import prepare_dataset  # noqa: E402
+from eval.runner import run_eval  # noqa: E402
+from pipelines.presets import Preset, apply_overrides, get_preset  # noqa: E402
+from trainer.grpo.recipe import run_grpo  # noqa: E402
+from trainer.sft.recipe import run_sft  # noqa: E402
+from trainer.tiny_model import build_tiny_model  # noqa: E402
+
+logger = logging.getLogger("bench.demo_learning")
+
+HEADLINE = (
+    "mean_reward",
+    "reasoning_language_accuracy",
+    "answer_language_accuracy",
+    "both_language_accuracy",
+    "real_word_share",
+)
+CONVERGED_DROP = 0.02
+"""SFT has converged when its held-out loss fell by at most this share over its last fifth."""
+
+
+@dataclass
+class DemoOutcome:
+    """What one run of the learning path measured."""
+
+    table: dict[str, dict[str, float]]
+    """Model label (base, sft, grpo) → headline metric → value over all responses."""
+    responses_per_model: int
+    sft_eval_losses: list[tuple[int, float]]
+    sft_converged: bool
+    sft_last_fifth_drop: float
+    grpo_exported_step: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def sft_convergence(metrics_file: Path) -> tuple[list[tuple[int, float]], float]:
+    """Held-out losses ``(step, loss)`` of an SFT run and the relative drop of the held-out
+    loss over the last fifth of its steps (from the last eval at or before 80% of the steps
+    to the final one)."""
+    lines = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    losses = [(int(m["step"]), float(m["eval_loss"])) for m in lines if "eval_loss" in m]
+    if len(losses) < 2:
+        raise ValueError(f"{metrics_file}: fewer than two held-out losses; lower sft.eval_every")
+    last_step, last = losses[-1]
+    before = [loss for step, loss in losses if step <= 0.8 * last_step] or [losses[0][1]]
+    return losses, (before[-1] - last) / before[-1]
+
+
+def run_demo(preset: Preset, work: Path) -> DemoOutcome:
+    """Run the learning path of ``preset`` in ``work`` and measure it."""
+    seconds: dict[str, float] = {}
+    began = time.perf_counter()
+    data = work / "data"
+    prepare_dataset(
+        preset.data_prep, data / "train.jsonl", data / "eval.jsonl", data / "quarantine.jsonl"
+    )
+    seconds["data_prep"] = time.perf_counter() - began
+    began = time.perf_counter()
+    base = build_tiny_model(work / "base", preset.model.tiny)
+    seconds["base_model"] = time.perf_counter() - began
+    began = time.perf_counter()
+    run_sft(
+        preset.sft, base, data / "train.jsonl", data / "eval.jsonl", work / "sft", work / "sft_work"
+    )
+    seconds["sft"] = time.perf_counter() - began
+    began = time.perf_counter()
+    grpo = run_grpo(
+        preset.grpo, work / "sft", data / "train.jsonl", data / "eval.jsonl",
+        work / "grpo", work / "grpo_work",
+    )  # fmt: skip
+    seconds["grpo"] = time.perf_counter() - began
+    began = time.perf_counter()
+    models = [f"base={base}", f"sft={work / 'sft'}", f"grpo={work / 'grpo'}"]
+    results = run_eval(models, preset.eval, work / "eval").to_dict()
+    seconds["eval"] = time.perf_counter() - began
+    table = {
+        model["label"]: {k: model["summary"]["overall"][k]["value"] for k in HEADLINE}
+        for model in results["models"]
+    }
+    losses, drop = sft_convergence(work / "sft_work" / "training_metrics.jsonl")
+    return DemoOutcome(
+        table=table,
+        responses_per_model=results["questions"] * preset.eval.sampling.n,
+        sft_eval_losses=losses,
+        sft_converged=drop <= CONVERGED_DROP,
+        sft_last_fifth_drop=drop,
+        grpo_exported_step=grpo.exported_step if grpo else -1,
+        seconds=seconds,
+    )
+
+
+def check_thresholds(outcome: DemoOutcome) -> list[str]:
+    """Issue #16's bar; the list of what falls short (empty: all met)."""
+    sft, grpo = outcome.table["sft"], outcome.table["grpo"]
+    problems = []
+    if grpo["both_language_accuracy"] < 0.40:
+        problems.append(f"GRPO both-language accuracy {grpo['both_language_accuracy']:.3f} < 0.40")
+    if grpo["both_language_accuracy"] < sft["both_language_accuracy"] + 0.15:
+        problems.append(
+            f"GRPO both-language accuracy {grpo['both_language_accuracy']:.3f} < SFT's "
+            f"{sft['both_language_accuracy']:.3f} + 0.15"
+        )
+    if grpo["mean_reward"] < sft["mean_reward"] + 1.0:
+        problems.append(
+            f"GRPO mean reward {grpo['mean_reward']:.2f} < SFT's {sft['mean_reward']:.2f} + 1.0"
+        )
+    if grpo["real_word_share"] < 0.9 * sft["real_word_share"]:
+        problems.append(
+            f"GRPO real-word share {grpo['real_word_share']:.3f} more than 10% below SFT's "
+            f"{sft['real_word_share']:.3f}"
+        )
+    if not outcome.sft_converged:
+        problems.append(
+            f"SFT not converged: held-out loss fell {outcome.sft_last_fifth_drop:.1%} over its "
+            f"last fifth (> {CONVERGED_DROP:.0%})"
+        )
+    return problems
+
+
+def format_outcome(outcome: DemoOutcome) -> str:
+    """The eval table, the gains and the timings, as text."""
+    names = ("reward", "reasoning", "answer", "both", "real-word")
+    lines = [
+        f"50-question eval, {outcome.responses_per_model} responses per model",
+        "model  " + "".join(f"{n:>11}" for n in names),
+    ]
+    for label, row in outcome.table.items():
+        lines.append(f"{label:<7}" + "".join(f"{row[k]:>11.3f}" for k in HEADLINE))
+    sft, grpo = outcome.table["sft"], outcome.table["grpo"]
+    lines.append(
+        "grpo - sft: reward {:+.2f}, both-language {:+.3f}, real-word {:+.1%}".format(
+            grpo["mean_reward"] - sft["mean_reward"],
+            grpo["both_language_accuracy"] - sft["both_language_accuracy"],
+            grpo["real_word_share"] / max(sft["real_word_share"], 1e-9) - 1,
+        )
+    )
+    losses = ", ".join(f"{step}: {loss:.3f}" for step, loss in outcome.sft_eval_losses)
+    lines.append(
+        f"SFT held-out loss ({losses}); last-fifth drop {outcome.sft_last_fifth_drop:.1%} "
+        f"({'converged' if outcome.sft_converged else 'NOT converged'})"
+    )
+    lines.append(f"GRPO exported step {outcome.grpo_exported_step}")
+    lines.append("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in outcome.seconds.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny-cpu")
+    parser.add_argument("--set", action="append", default=[], metavar="STEP.FIELD=VALUE")
+    parser.add_argument("--work", type=Path, help="keep the run here (default: a temp dir)")
+    parser.add_argument("--json", type=Path, help="write the outcome as JSON here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    overrides = dict(item.split("=", 1) for item in args.set)
+    preset = apply_overrides(get_preset(args.preset), overrides)
+    with tempfile.TemporaryDirectory(prefix="demo-learning-") as tmp:
+        outcome = run_demo(preset, args.work or Path(tmp))
+    print(format_outcome(outcome))
+    problems = check_thresholds(outcome)
+    print("thresholds: " + ("all met" if not problems else "; ".join(problems)))
+    if args.json:
+        args.json.write_text(json.dumps(asdict(outcome), indent=2))
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

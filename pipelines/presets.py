@@ -296,7 +296,7 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     Data prep's fields are flat parameters (``data_<field>``, easy to edit in the KFP UI);
     nested step configs are one dict parameter each (``sft_config``).
     """
-    data = preset.data_prep.model_dump(mode="json")
+    data = preset.data_prep.model_dump(mode="json", exclude_none=True)  # KFP: no nulls
     args: dict[str, object] = {f"data_{k}": v for k, v in data.items()}
     args["model_source"] = preset.model.source
     args["model_tiny_config"] = config_dict(preset.model.tiny)

@@ -20,12 +20,16 @@ OUTPUTS = ("train.jsonl", "eval.jsonl", "quarantine.jsonl", "card.md")
 # sha256 of the outputs for _mixed_rows() with DataPrepConfig(seed=5, eval_fraction=0.15,
 # max_bad_fraction=0.5), as written by the implementation before the disk-backed bookkeeping
 # (commit 8e73a2e: numpy arrays in memory). A change of the record format changes them on
-# purpose: then regenerate them and say why in the commit.
+# purpose: then regenerate them and say why in the commit. train.jsonl and card.md were
+# regenerated when language ID started deciding short text (eval/word_evidence.py): short
+# user messages such as "What do mitochondria do?" (was Italian) and "Why do cats purr?",
+# "Combien font 3/4 de 120 ?" (were undetermined, so the answer language came from the
+# reference answer) now get the user's language.
 EXPECTED_SHA256 = {
-    "train.jsonl": "ce70f100026c6a52b357e0f58e6fbc104731b8f8a04fc12ef04d7cafb0892221",
+    "train.jsonl": "bf581abb6aadbc35d6279e2f9c5f488517ae9ec637610b49725f4a6c106c06fa",
     "eval.jsonl": "75acfabd380f8719db00d87197cedbb317943904e9818ee2614eec0cf5f680a8",
     "quarantine.jsonl": "609f3680473bc42af718a29c6f44529aec41247375cd21bad3fdb8fbc755634d",
-    "card.md": "5a79596b9f39b35c3164685b2904ec59812d1902e86c3cc0188f835edda8bd56",
+    "card.md": "aca08e09385467301ec027fac63bcd754190decd77630a57ef211a036860ec9d",
 }
 
 

@@ -545,7 +545,10 @@ class _FastTextBatchModel:
         self._outcome_of_label = np.array([_outcome_index(label) for label in self._labels])
         self._output = np.ascontiguousarray(output[: nlabels - 1], dtype=np.float64)
         self._left, self._right, self._levels = _huffman_tree(counts[nwords:])
-        self._supported_paths = self._paths([self._labels.index(c) for c in SUPPORTED_LANGUAGES])
+        nodes, self._path_right, self._path_starts = self._paths(
+            [self._labels.index(code) for code in SUPPORTED_LANGUAGES]
+        )
+        self._path_output = np.ascontiguousarray(self._output[nodes].T)
         self._lock = threading.Lock()
         self._dim = dim
         self._clear_cache()
@@ -645,11 +648,10 @@ class _FastTextBatchModel:
         supported languages' leaves are evaluated."""
         if not texts:
             return np.zeros((0, len(_OUTCOMES)))
-        nodes, signs, owners = self._supported_paths
-        logits = self._hidden(texts) @ self._output[nodes].T
+        logits = self._hidden(texts) @ self._path_output
         p_right = 1.0 / (1.0 + np.exp(-logits))
-        steps = np.log(np.where(signs, p_right, 1.0 - p_right) + 1e-5)
-        probs = np.exp(np.add.reduceat(steps, owners, axis=1))
+        steps = np.log(np.where(self._path_right, p_right, 1.0 - p_right) + 1e-5)
+        probs = np.exp(np.add.reduceat(steps, self._path_starts, axis=1))
         return _with_other(np.where(probs >= _MIN_LABEL_PROBABILITY, probs, 0.0))
 
     def _paths(self, leaves: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -724,7 +726,7 @@ def _with_other(supported: np.ndarray) -> np.ndarray:
     its smoothing makes all labels sum to up to 1.0035, which would make the two paths
     differ)."""
     other = np.maximum(1.0 - supported.sum(axis=1, keepdims=True), 0.0)
-    return np.hstack((supported, other))
+    return np.concatenate((supported, other), axis=1)
 
 
 def _fnv1a(data: bytes) -> int:

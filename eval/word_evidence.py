@@ -95,7 +95,7 @@ class WordEvidence:
         self._column: dict[str, int] = {}
         # per word (row): log-likelihood under each supported language and OTHER
         self._table = np.zeros((1024, len(SUPPORTED_LANGUAGES) + 1))
-        self._known_in: list[int] = []  # per word: how many of the five lists know it
+        self._known_in = np.zeros(1024, np.intp)  # per word: how many of the five lists know it
 
     def _columns(self, words: list[str]) -> np.ndarray:
         """Row of ``_table`` of each lower-cased word, adding the words not yet cached."""
@@ -108,13 +108,14 @@ class WordEvidence:
                 new = set(words)
             needed = len(column) + len(new)
             if needed > len(self._table):
-                grown = np.zeros((max(needed, 2 * len(self._table)), self._table.shape[1]))
+                size = max(needed, 2 * len(self._table))
+                grown = np.zeros((size, self._table.shape[1]))
                 grown[: len(column)] = self._table[: len(column)]
                 self._table = grown
+                self._known_in = np.resize(self._known_in, size)
             for word in new:
                 row = len(column)
-                self._table[row], known_in = _word_row(word)
-                self._known_in.append(known_in)
+                self._table[row], self._known_in[row] = _word_row(word)
                 column[word] = row
         return np.fromiter(map(column.__getitem__, words), np.intp, len(words))
 
@@ -141,7 +142,7 @@ class WordEvidence:
         with self._lock:
             columns = self._columns([word.lower() for word in flat])
             likelihoods = self._table[columns]
-            known_in = [self._known_in[c] for c in columns.tolist()]
+            known_in = self._known_in[columns]
         starts = [0, *accumulate(counts[:-1])]
         likelihood = np.add.reduceat(likelihoods, starts, axis=0)
         score = np.log(distributions[gated] + PRIOR_FLOOR) + likelihood
@@ -150,22 +151,21 @@ class WordEvidence:
         # the best outcome's share of exp(score), computed without overflow
         posterior = 1.0 / np.exp(score - score[rows, best, None]).sum(axis=1)
         decided = posterior >= MIN_POSTERIOR
-        for j, start in enumerate(starts):
-            end = start + counts[j]
-            if decided[j] and _name_like(flat[start:end], known_in[start:end]):
-                others = np.delete(likelihood[j], best[j])
-                decided[j] = likelihood[j, best[j]] - others.max() >= NAME_MARGIN
+        # name-like: every word of four letters or more has a capital letter and is known in
+        # NAME_LANGUAGES of the five lists (and there is such a word)
+        for j in np.flatnonzero(decided).tolist():
+            start, end = starts[j], starts[j] + counts[j]
+            words = flat[start:end]
+            if not any(len(word) >= 4 for word in words) or any(
+                len(word) >= 4 and (word.islower() or known < NAME_LANGUAGES)
+                for word, known in zip(words, known_in[start:end].tolist(), strict=True)
+            ):
+                continue
+            words_only = likelihood[j].copy()
+            words_only[best[j]] = -np.inf
+            decided[j] = likelihood[j, best[j]] - words_only.max() >= NAME_MARGIN
         result[np.array(gated)[decided]] = best[decided]
         return result
-
-
-def _name_like(words: list[str], known_in: list[int]) -> bool:
-    """Whether every word of four letters or more has a capital letter and is known in
-    NAME_LANGUAGES of the five lists (and there is such a word)."""
-    long = [(word, known) for word, known in zip(words, known_in, strict=True) if len(word) >= 4]
-    return bool(long) and all(
-        not word.islower() and known >= NAME_LANGUAGES for word, known in long
-    )
 
 
 def _without_links(text: str) -> str:

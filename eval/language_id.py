@@ -252,9 +252,7 @@ class LanguageIdentifier:
 
     def _distributions(self, texts: list[str]) -> np.ndarray:
         """fastText's probability of each of _OUTCOMES for each text, by the numpy model
-        (also for ``identify``: on short text it evaluates only the tree nodes it needs, ~10x
-        fewer than fastText's C++ asked for every label); texts holding ``</s>`` go to
-        fastText itself."""
+        (``_distribution`` by fastText's C++ for texts holding ``</s>``)."""
         lines = [_model_input(text) for text in texts]
         fast = [i for i, line in enumerate(lines) if "</s>" not in line]
         if len(fast) == len(lines):
@@ -314,7 +312,9 @@ class LanguageIdentifier:
         return label[_LABEL_PREFIX:], prob
 
     def _distribution(self, text: str) -> np.ndarray:
-        """fastText's probability of each of _OUTCOMES; see ``_with_other``."""
+        """fastText's probability of each of _OUTCOMES (see ``_with_other``), by its C++:
+        ``identify`` uses it, as the numpy model would cache every new token (numbers too)
+        of every text it is asked about."""
         supported = np.zeros(len(SUPPORTED_LANGUAGES))
         for prob, label in self._fasttext_predictions(text, -1, _MIN_LABEL_PROBABILITY):
             index = _SUPPORTED_LABEL_INDEX.get(label)
@@ -327,7 +327,7 @@ class LanguageIdentifier:
             return UNDETERMINED
         if letters < self.short_text_letters:
             assert self._evidence is not None
-            outcome = self._evidence.outcomes(self._distributions([text]), [text])[0]
+            outcome = self._evidence.outcomes(self._distribution(text)[None], [text])[0]
             return UNDETERMINED if outcome < 0 else _OUTCOMES[outcome]
         return self._rule(*self._top(text), letters)
 

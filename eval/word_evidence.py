@@ -81,11 +81,11 @@ class WordEvidence:
     """Decides short texts from fastText's probabilities and the frequencies of their words.
 
     Word frequencies are looked up once per distinct lower-cased word and cached (up to
-    ``_CACHE_LIMIT`` words; the cache is emptied when a batch would overflow it); ``wordfreq``
+    65,536 words, ~15 MB; the cache is emptied when a batch would overflow it); ``wordfreq``
     and its lists are loaded on first use (~0.4 s). Thread-safe.
     """
 
-    _CACHE_LIMIT = 1 << 18
+    _CACHE_LIMIT = 1 << 16
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -60,9 +60,7 @@ def careful_profile(
     judged = total = 0
     for start, end, letters in pieces:
         total += letters
-        # fastText's own predict (short pieces: word evidence with the numpy model's
-        # distribution, which test_language_id.py compares with fastText's)
-        outcome = identifier._decide(text[start:end], letters)
+        outcome = identifier._decide(text[start:end], letters)  # fastText's own predict
         if outcome != UNDETERMINED:
             counts[outcome] += letters
             judged += letters
@@ -189,8 +187,6 @@ def test_word_cache_that_overflows_is_emptied_without_changing_results() -> None
     rng = random.Random(2)
     for _ in range(3):
         batch = [" ".join(rng.sample(texts, 8)) for _ in range(10)]
-        profiles = identifier.profiles(batch)
-        # checked before the careful path, which reads the same cache for short pieces
-        assert len(identifier._batch_model._token_index) > 64  # grew for this batch
-        for text, fast in zip(batch, profiles, strict=True):
+        for text, fast in zip(batch, identifier.profiles(batch), strict=True):
             assert_same(fast, careful_profile(identifier, text), text)
+        assert len(identifier._batch_model._token_index) > 64  # grew for this batch

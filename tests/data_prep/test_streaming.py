@@ -20,12 +20,17 @@ OUTPUTS = ("train.jsonl", "eval.jsonl", "quarantine.jsonl", "card.md")
 # sha256 of the outputs for _mixed_rows() with DataPrepConfig(seed=5, eval_fraction=0.15,
 # max_bad_fraction=0.5), as written by the implementation before the disk-backed bookkeeping
 # (commit 8e73a2e: numpy arrays in memory). A change of the record format changes them on
-# purpose: then regenerate them and say why in the commit.
+# purpose: then regenerate them and say why in the commit. train.jsonl and card.md were
+# regenerated when language ID started deciding short text (eval/word_evidence.py): short
+# user messages such as "What do mitochondria do?" (was Italian) and "Why do cats purr?",
+# "Combien font 3/4 de 120 ?" (were undetermined, so the answer language came from the
+# reference answer) now get the user's language. train.jsonl and eval.jsonl changed again when
+# the prompt convention started naming the answer language always (eval.harmony.task_prompt).
 EXPECTED_SHA256 = {
-    "train.jsonl": "42115d139271a07460a04231387da8b46abbcdbbb157ae831d19163f7e2093f3",
+    "train.jsonl": "51df16c2b43d19f7b8c5b1a48f6d388c2a58c4e20a7156378c749b35e97fe291",
     "eval.jsonl": "436ae3a267b403222ad32e530dcf2aa7b00d67dc7c21f1ed2068f57529e626d3",
     "quarantine.jsonl": "609f3680473bc42af718a29c6f44529aec41247375cd21bad3fdb8fbc755634d",
-    "card.md": "5a79596b9f39b35c3164685b2904ec59812d1902e86c3cc0188f835edda8bd56",
+    "card.md": "aca08e09385467301ec027fac63bcd754190decd77630a57ef211a036860ec9d",
 }
 
 

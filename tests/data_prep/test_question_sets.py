@@ -120,3 +120,22 @@ def test_bad_weight_is_a_clear_error(tmp_path) -> None:
     path.write_text(json.dumps({"prompt": "p", "label": "en", "prompt_weight": -1}) + "\n")
     with pytest.raises(ValueError, match="train.jsonl:1: prompt_weight"):
         load_prompts(path, lambda t, add_special_tokens=False: {"input_ids": [1]}, 10)
+
+
+def test_in_language_filter_keeps_only_the_deployed_task(tmp_path) -> None:
+    rows = [
+        {"prompt": "a", "label": "fr", "user_language": "fr", "reasoning_language": "fr",
+         "answer_language": "fr"},
+        {"prompt": "b", "label": "fr/en", "user_language": "en", "reasoning_language": "fr",
+         "answer_language": "en"},
+        {"prompt": "c", "label": "de", "user_language": "en", "reasoning_language": "de",
+         "answer_language": "de"},
+    ]  # fmt: skip
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = lambda t, add_special_tokens=False: {"input_ids": [1]}  # noqa: E731
+    assert [p.text for p in load_prompts(path, tokenizer, 10)] == ["a", "b", "c"]
+    assert [p.text for p in load_prompts(path, tokenizer, 10, "in-language")] == ["a"]
+    path.write_text(json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError, match="1 left out by prompt_filter=in-language"):
+        load_prompts(path, tokenizer, 10, "in-language")

@@ -84,6 +84,10 @@ class GRPOConfig(ProcessSettings):
     optim: OptimConfig = OptimConfig(learning_rate=1e-6, lr_scheduler="constant")
     reward_weights: dict[str, float] = Field(default_factory=dict)
     """Overrides of eval.scoring.RewardWeights fields (reference defaults otherwise)."""
+    prompt_filter: Literal["all", "in-language"] = "all"
+    """Which prompts of the train and held-out splits GRPO uses: ``all``, or ``in-language``
+    (only questions written in the language they ask the reasoning and answer in — the
+    deployed task; see docs/data_prep.md for which rows those are)."""
     prompts_per_step: int = Field(8, ge=1)
     mini_batch_size: int = Field(64, ge=1)
     micro_batch_size: int = Field(8, ge=1)

@@ -8,6 +8,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,18 @@ class Prompt:
     """How likely the prompt is drawn, relative to the others (a question set's ``weight``)."""
 
 
-def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[Prompt]:
+PromptFilter = Literal["all", "in-language"]
+
+
+def load_prompts(
+    path: str | Path, tokenizer, max_prompt_tokens: int, prompt_filter: PromptFilter = "all"
+) -> list[Prompt]:
     """Unique prompts of a data-prep JSONL file (synthetic rows share their base's prompt).
 
     Prompts longer than ``max_prompt_tokens`` are dropped and counted in the log.
+    ``prompt_filter="in-language"`` keeps only the prompts of the deployed task: a question
+    written in the language it asks the reasoning and the answer in (``user_language`` =
+    ``reasoning_language`` = ``answer_language``; question-set prompts always are).
 
     Raises:
         ValueError: no prompt fits, or a line is not a data-prep record.
@@ -34,7 +43,7 @@ def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[Pr
     path = Path(path)
     seen: set[str] = set()
     prompts: list[Prompt] = []
-    too_long = 0
+    too_long = filtered = 0
     for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -42,6 +51,9 @@ def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[Pr
             record = json.loads(line)
             text, label = record["prompt"], record["label"]
             weight = float(record.get("prompt_weight", 1.0))
+            if prompt_filter == "in-language" and not _in_language(record):
+                filtered += 1
+                continue
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{line_no}: not a data-prep record ({exc})") from exc
         if text in seen:
@@ -58,12 +70,20 @@ def load_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[Pr
         log.warning(
             "%s: %d prompts longer than %d tokens dropped", path, too_long, max_prompt_tokens
         )
+    if filtered:
+        log.info("%s: %d rows left out by prompt_filter=%s", path, filtered, prompt_filter)
     if not prompts:
         raise ValueError(
             f"{path}: no prompt of at most {max_prompt_tokens} tokens "
-            f"({too_long} longer ones dropped); raise rollout.max_prompt_tokens"
+            f"({too_long} longer ones dropped, {filtered} left out by prompt_filter="
+            f"{prompt_filter}); raise rollout.max_prompt_tokens or widen prompt_filter"
         )
     return prompts
+
+
+def _in_language(record: dict) -> bool:
+    """The question is written in the language the reasoning and the answer are asked in."""
+    return record["user_language"] == record["reasoning_language"] == record["answer_language"]
 
 
 def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> list[int]:

@@ -311,10 +311,9 @@ def run_grpo(
     policy = load_causal_lm(sft_model, dtype, info.device)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    train_prompts = load_prompts(train_path, tokenizer, cfg.rollout.max_prompt_tokens)
-    eval_prompts = load_prompts(eval_path, tokenizer, cfg.rollout.max_prompt_tokens)[
-        : cfg.eval_prompts
-    ]
+    limit, kept = cfg.rollout.max_prompt_tokens, cfg.prompt_filter
+    train_prompts = load_prompts(train_path, tokenizer, limit, kept)
+    eval_prompts = load_prompts(eval_path, tokenizer, limit, kept)[: cfg.eval_prompts]
     if len(train_prompts) < cfg.prompts_per_step:
         raise ValueError(
             f"{train_path}: {len(train_prompts)} unique prompts, fewer than prompts_per_step "

@@ -94,7 +94,9 @@ def test_results_json_keeps_every_response_and_the_sampling(report_dir):
     assert data["baseline"] == "base"
     # the prompt convention: developer instructions then persona, one language throughout
     request = next(r for r in engines["grpo"].seen if r.key == "p01-fr#1")
-    assert request.messages[0]["content"].startswith("reasoning language: French\n\n")
+    assert request.messages[0]["content"].startswith(
+        "reasoning language: French\nanswer language: French\n\n"
+    )
     assert request.prompt.endswith("<|start|>assistant")
     assert "<|start|>user<|message|>Une école compte 480 élèves" in request.prompt
     assert request.seed == 6

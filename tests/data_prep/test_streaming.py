@@ -25,17 +25,18 @@ OUTPUTS = ("train.jsonl", "eval.jsonl", "quarantine.jsonl", "card.md")
 # user messages such as "What do mitochondria do?" (was Italian) and "Why do cats purr?",
 # "Combien font 3/4 de 120 ?" (were undetermined, so the answer language came from the
 # reference answer) now get the user's language. train.jsonl and eval.jsonl changed again when
-# the prompt convention started naming the answer language always (eval.harmony.task_prompt).
+# the prompt convention started naming the answer language always (eval.harmony.task_prompt),
+# and all four when the bundled sample gained rows_in_language.jsonl (and lost 5 rows).
 EXPECTED_SHA256 = {
-    "train.jsonl": "51df16c2b43d19f7b8c5b1a48f6d388c2a58c4e20a7156378c749b35e97fe291",
-    "eval.jsonl": "436ae3a267b403222ad32e530dcf2aa7b00d67dc7c21f1ed2068f57529e626d3",
-    "quarantine.jsonl": "609f3680473bc42af718a29c6f44529aec41247375cd21bad3fdb8fbc755634d",
-    "card.md": "aca08e09385467301ec027fac63bcd754190decd77630a57ef211a036860ec9d",
+    "train.jsonl": "31f1374f120c86d53c73012ba09a6bf87842ce4ee87cfbd1fca1e501f590d359",
+    "eval.jsonl": "c8b8f94b68e6f57d29bb0f63d1e50af80e955d1eeddb1f4a11f9c9833fdfd708",
+    "quarantine.jsonl": "2cc8231593130647a8ebe9d59d8b47f17bd8f79c4705b6364ab030659eb74dee",
+    "card.md": "17c74b9ff18aa42beedd05a419c2677c664d42cecd34a8b93149a195aa1d1255",
 }
 
 
 def _mixed_rows() -> list[str]:
-    """1,062 lines: the bundled sample three times (copies made unique), 41 exact duplicates,
+    """2,076 lines: the bundled sample three times (copies made unique), 80 exact duplicates,
     six lines that are not JSON and one row in an unknown language, in a fixed shuffled order;
     more than data_prep.process.PARALLEL_MIN_ROWS, so with workers=0 worker processes start."""
     sample = [parse_row(r).data for r in iter_source("bundled")]
@@ -81,7 +82,7 @@ def _sha256(path) -> str:
 def test_outputs_are_byte_identical_to_the_reference(tmp_path, workers):
     config = {"seed": 5, "eval_fraction": 0.15, "max_bad_fraction": 0.5, "workers": workers}
     report, out = _prepare(tmp_path, _mixed_rows(), **config)
-    assert (report.rows_read, report.rows_duplicate, report.rows_bad) == (1062, 41, 7)
+    assert (report.rows_read, report.rows_duplicate, report.rows_bad) == (2076, 80, 7)
     assert {name: _sha256(out / name) for name in OUTPUTS} == EXPECTED_SHA256
 
 
@@ -105,7 +106,7 @@ def test_shuffled_input_gives_the_same_records_in_input_order(tmp_path):
         assert origins == sorted(origins)
     quarantines = (read_jsonl(o / "quarantine.jsonl") for o in (out, out2))
     reasons = [Counter(q["reason"] for q in quarantine) for quarantine in quarantines]
-    assert reasons[0] == reasons[1] == {"duplicate": 41, "invalid_json": 6, "unknown_language": 1}
+    assert reasons[0] == reasons[1] == {"duplicate": 80, "invalid_json": 6, "unknown_language": 1}
     assert report.metrics() == report2.metrics()
     # the card too, but for the source path and the row numbers of the first bad rows
     cards = [

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from eval.config_model import ConfigModel
 
 BUNDLED_SOURCE = "bundled"
 HUB_DATASET_ID = "HuggingFaceH4/Multilingual-Thinking"
@@ -12,7 +14,7 @@ HUB_DATASET_ID = "HuggingFaceH4/Multilingual-Thinking"
 AnswerLanguagePolicy = Literal["user", "same-as-reasoning"]
 
 
-class DataPrepConfig(BaseModel):
+class DataPrepConfig(ConfigModel):
     """How raw Multilingual-Thinking rows become train/eval JSONL.
 
     Attributes:

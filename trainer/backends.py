@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from eval.config_model import ConfigModel
 from trainer.distributed import DistInfo
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ RECOMPUTE_MODULES = frozenset({"core_attn", "moe_act", "layernorm", "mlp", "moe"
 """Megatron-Core's ``recompute_modules`` choices that apply to GPT-OSS (selective recompute)."""
 
 
-class MegatronSettings(BaseModel):
+class MegatronSettings(ConfigModel):
     """How the Megatron backend (``optim.backend: megatron``) builds and trains the policy.
 
     Attributes:
@@ -118,7 +119,7 @@ class MegatronSettings(BaseModel):
         return resolve_megatron_layout(self.layout)
 
 
-class OptimConfig(BaseModel):
+class OptimConfig(ConfigModel):
     """Optimizer, schedule and backend settings shared by SFT and GRPO.
 
     ``megatron`` (GRPO only) needs the ``megatron`` settings block; ``zero_stage``,
@@ -161,7 +162,7 @@ class OptimConfig(BaseModel):
         return self
 
 
-class ProcessSettings(BaseModel):
+class ProcessSettings(ConfigModel):
     """How a training step runs its processes; shared by the SFT and GRPO configs."""
 
     model_config = ConfigDict(extra="forbid")

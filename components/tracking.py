@@ -86,7 +86,12 @@ def finalize(
     ``lingo.pipeline_run_id`` tag: an exit task cannot take other tasks' outputs)."""
     import logging
 
-    from eval.tracking import configure_tracking, find_pipeline_run, finish_pipeline_run
+    from eval.tracking import (
+        TrackingUnreachableError,
+        configure_tracking,
+        find_pipeline_run,
+        finish_pipeline_run,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("finalize")
@@ -103,6 +108,10 @@ def finalize(
         except ApiException as error:  # e.g. 403: the pipeline's service account may not list
             log.warning("cannot clean up PyTorchJobs (%s %s)", error.status, error.reason)
     configure_tracking(mlflow_tracking_uri, experiment=mlflow_experiment)
-    parent_run_id = find_pipeline_run(pipeline_run_id)
+    try:
+        parent_run_id = find_pipeline_run(pipeline_run_id)
+    except TrackingUnreachableError as error:  # said once, fast; the run's own state stands
+        log.warning("MLflow run not closed: %s", error)
+        parent_run_id = None
     if parent_run_id:
         finish_pipeline_run(parent_run_id, status.state, status.error_message or "")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from eval.config_model import ConfigModel
 
 BUNDLED_SOURCE = "bundled"
 HUB_DATASET_ID = "HuggingFaceH4/Multilingual-Thinking"
@@ -12,7 +14,7 @@ HUB_DATASET_ID = "HuggingFaceH4/Multilingual-Thinking"
 AnswerLanguagePolicy = Literal["user", "same-as-reasoning"]
 
 
-class QuestionSetConfig(BaseModel):
+class QuestionSetConfig(ConfigModel):
     """A set of questions written in the user's language, mixed into GRPO's prompts.
 
     Each row becomes a prompt-only record (no reference answer, so SFT does not see it)
@@ -32,18 +34,16 @@ class QuestionSetConfig(BaseModel):
         persona: The persona line of the prompts' developer instructions.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
     source: str
     question_column: str = "question"
     language_column: str | None = None
     split: str = "train"
-    weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    weight: float = Field(1.0, gt=0.0)
     max_rows: int | None = Field(None, ge=1)
     persona: str = "You are a helpful assistant."
 
 
-class DataPrepConfig(BaseModel):
+class DataPrepConfig(ConfigModel):
     """How raw Multilingual-Thinking rows become train/eval JSONL.
 
     Attributes:

@@ -56,6 +56,10 @@ class TooManyBadRowsError(ValueError):
     """More rows were quarantined than ``max_bad_fraction`` allows."""
 
 
+WORK_PREFIX = ".data-prep-"
+"""The step's work folder beside its outputs: ``.data-prep-<pid>-<random>``."""
+
+
 class EmptyDatasetError(ValueError):
     """The source held no row that passed validation."""
 
@@ -134,8 +138,12 @@ def prepare_dataset(
     report = DataPrepReport(source=config.source)
     work_parent = Path(train_path).parent
     work_parent.mkdir(parents=True, exist_ok=True)
+    outputs_named = [train_path, eval_path, quarantine_path, card_path]
+    clean_leftovers(work_parent, [Path(p).name for p in outputs_named if p is not None])
     with (
-        tempfile.TemporaryDirectory(prefix=".data-prep-", dir=work_parent) as work_dir,
+        tempfile.TemporaryDirectory(
+            prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=work_parent
+        ) as work_dir,
         PendingFiles() as outputs,
     ):
         work = Path(work_dir)
@@ -153,6 +161,10 @@ def prepare_dataset(
                     f"{config.source}: no valid rows ({report.rows_read} read)"
                 )
             if failure is not None:
+                # an earlier run's train/eval must not sit beside this run's quarantine
+                for stale in (train_path, eval_path, card_path):
+                    if stale is not None:
+                        Path(stale).unlink(missing_ok=True)
                 outputs.commit(only=[quarantine_path])  # rejected rows stay inspectable
                 raise failure  # train/eval are not written
             thresholds = [
@@ -195,6 +207,36 @@ def prepare_dataset(
         report.rows_duplicate,
     )
     return report
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def clean_leftovers(directory: Path, output_names: list[str]) -> None:
+    """Remove what a killed data prep left in ``directory``: its work folder
+    (``.data-prep-<pid>-*``, when that process is gone) and, when no data prep is running
+    there, the temp files of ``output_names`` (``.<name>.*.partial``)."""
+    running = False
+    for work in directory.glob(f"{WORK_PREFIX}*"):
+        pid = work.name.removeprefix(WORK_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and _alive(int(pid)):
+            running = True
+            continue
+        log.warning("removing %s, left by a data prep that was killed", work)
+        shutil.rmtree(work, ignore_errors=True)
+    if running:
+        return
+    for name in output_names:
+        for partial in directory.glob(f".{name}.*.partial"):
+            log.warning("removing %s, left by a data prep that was killed", partial)
+            partial.unlink(missing_ok=True)
 
 
 @dataclass

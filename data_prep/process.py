@@ -12,6 +12,8 @@ import json
 import multiprocessing
 import os
 import pickle
+import signal
+import sys
 import traceback
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -169,7 +171,9 @@ def _in_workers(
     try:
         for _ in range(workers):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_worker, args=(theirs, config), daemon=True)
+            process = context.Process(
+                target=_worker, args=(theirs, config, os.getpid()), daemon=True
+            )
             process.start()
             theirs.close()
             connections.append(ours)
@@ -199,9 +203,23 @@ def _in_workers(
             connection.close()
 
 
-def _worker(connection, config: DataPrepConfig) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this worker when the data-prep process dies, even by SIGKILL
+    (Linux ``PR_SET_PDEATHSIG``); a daemon process is only stopped by a parent that exits
+    normally, and a forked worker holds its own pipe's other end, so it would wait forever."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+def _worker(connection, config: DataPrepConfig, parent: int) -> None:
     """A worker process: process each chunk received, send back its outcomes; an empty
     message means there are no more chunks."""
+    _die_with_parent(parent)
     while message := connection.recv_bytes():
         chunk = pickle.loads(message)
         try:

@@ -64,6 +64,18 @@ def parse_row(raw: RawRow) -> RawRow:
         return RawRow(raw.index, raw.origin, error=f"invalid JSON: {exc}", raw_text=text)
 
 
+def looks_like_path(source: str) -> bool:
+    """Whether ``source`` names a local path rather than a hub id (``org/name``): it starts
+    with ``.``, ``/`` or ``~``, has more than one ``/`` or a ``\\``, or ends in a data file
+    extension."""
+    return (
+        source.startswith((".", "/", "~"))
+        or source.count("/") > 1
+        or "\\" in source
+        or source.lower().endswith((*SUPPORTED_SUFFIXES, ".csv", ".txt", ".gz"))
+    )
+
+
 def describe_source(source: str) -> str:
     """What kind of source a string names: bundled, local, s3 or hub."""
     if source == BUNDLED_SOURCE:
@@ -72,6 +84,10 @@ def describe_source(source: str) -> str:
         return "s3"
     if Path(source).exists():
         return "local"
+    if looks_like_path(source):
+        raise SourceError(
+            f"{source}: no such file or directory (looked for {Path(source).absolute()})"
+        )
     if _HUB_ID.match(source):
         return "hub"
     raise SourceError(
@@ -135,13 +151,18 @@ def _iter_json_file(file: Path, name: str) -> Iterator[tuple[str, Any, bytes | N
 
 
 def _iter_parquet(file: Path, name: str) -> Iterator[tuple[str, Any, bytes | None]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     row = 0
-    for batch in pq.ParquetFile(file).iter_batches(batch_size=2048):
-        for data in batch.to_pylist():
-            yield f"{name}[{row}]", data, None
-            row += 1
+    try:
+        batches = pq.ParquetFile(file).iter_batches(batch_size=2048)
+        for batch in batches:
+            for data in batch.to_pylist():
+                yield f"{name}[{row}]", data, None
+                row += 1
+    except (pa.ArrowException, OSError) as exc:
+        raise SourceError(f"{file}: cannot read it as Parquet after {row} rows ({exc})") from exc
 
 
 def _iter_hub(dataset_id: str, split: str) -> Iterator[RawRow]:

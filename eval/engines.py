@@ -117,7 +117,8 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def _require_model_dir(path: str | Path) -> Path:
+def require_model_dir(path: str | Path) -> Path:
+    """``path`` as a Hugging Face model directory; ``ModelNotFoundError`` if it is not one."""
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFoundError(
@@ -149,7 +150,7 @@ class HFEngine:
 
         from eval.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 
-        path = _require_model_dir(model_dir)
+        path = require_model_dir(model_dir)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -240,7 +241,7 @@ class VLLMEngine:
     def __init__(
         self, model_dir: str | Path, dtype: str = "auto", gpu_memory_utilization: float = 0.85
     ) -> None:
-        path = _require_model_dir(model_dir)
+        path = require_model_dir(model_dir)
         try:
             from vllm import LLM
         except ImportError as err:

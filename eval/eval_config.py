@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from eval.config_model import ConfigModel
 
 DEFAULT_PERSONA = "You are a helpful assistant who solves word problems."
 """The fixed persona line after ``reasoning language: <Name>`` in the developer instructions."""
 
 
-class SamplingSettings(BaseModel):
+class SamplingSettings(ConfigModel):
     """Sampling parameters, recorded with the results.
 
     Attributes:
@@ -35,7 +37,7 @@ class SamplingSettings(BaseModel):
     n: int = Field(1, ge=1)
 
 
-class EndpointSettings(BaseModel):
+class EndpointSettings(ConfigModel):
     """Client settings for OpenAI-compatible chat endpoints (vLLM, KServe).
 
     Attributes:
@@ -63,7 +65,7 @@ class EndpointSettings(BaseModel):
     reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(ConfigModel):
     """Everything an eval run needs besides the models.
 
     Attributes:

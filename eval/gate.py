@@ -28,8 +28,9 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
+from eval.config_model import ConfigModel
 from eval.eval_metrics import METRICS
 from eval.registry import (
     RegisteredVersion,
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 LOWER_IS_BETTER = frozenset({"repeated_ngram_rate"})
 
 
-class GateConfig(BaseModel):
+class GateConfig(ConfigModel):
     """Settings of the gate.
 
     Attributes:

@@ -30,6 +30,10 @@ def output_cache(output):
     return cache if cache is not None else output.past_key_values
 
 
+class ModelLoadError(RuntimeError):
+    """A model directory whose weights cannot be loaded (corrupt or truncated files)."""
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` → bf16 on a GPU that supports it, else fp32."""
     if name == "float32":
@@ -85,7 +89,14 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | 
     kwargs = {"dtype": dtype}
     if device is None or device.type == "cpu":
         kwargs["attn_implementation"] = "eager"  # sdpa/flex/MXFP4 kernels do not run on CPU
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except Exception as exc:  # e.g. SafetensorError "HeaderTooSmall": the file is not named
+        weights = sorted(p.name for p in path.glob("*.safetensors")) or ["no *.safetensors"]
+        raise ModelLoadError(
+            f"{path}: cannot load the model's weights ({', '.join(weights)}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     if device is not None:
         model.to(device)
     return model

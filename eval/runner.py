@@ -23,7 +23,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from eval.degeneracy import measure_degeneracy
-from eval.engines import Engine, Generation, GenerationRequest, make_engine
+from eval.engines import (
+    Engine,
+    Generation,
+    GenerationRequest,
+    ModelNotFoundError,
+    is_endpoint,
+    make_engine,
+    require_model_dir,
+)
 from eval.eval_config import EvalConfig
 from eval.eval_metrics import MISSING, Outcome, Summary, deltas, summarize
 from eval.harmony import task_prompt
@@ -379,20 +387,48 @@ def run_eval(
     _check_labels(specs)
     questions_path = Path(config.questions) if config.questions else BUNDLED_QUESTIONS
     questions = load_questions(questions_path, config.languages, config.limit)
+    if engine_factory is _default_engine:  # another factory gives locations its own meaning
+        _check_locations(specs)
     scorer = ComplianceScorer()
-    runs = [evaluate_model(s, questions, config, engine_factory, scorer) for s in specs]
     results = EvalResults(
         config=config,
         questions_file=str(questions_path),
         questions_sha256=hashlib.sha256(questions_path.read_bytes()).hexdigest(),
         questions=len(questions),
-        runs=runs,
+        runs=[],
     )
-    data = results.to_dict()
-    paths = write_reports(data, output_dir)
-    log_eval_run(data, paths)
+    for spec in specs:
+        try:
+            run = evaluate_model(spec, questions, config, engine_factory, scorer)
+        except Exception as exc:
+            done = ", ".join(r.spec.label for r in results.runs)
+            kept = f"; the finished models' results ({done}) are in {output_dir}" if done else ""
+            raise ModelEvalError(
+                f"model {spec.label!r} ({spec.location}) failed: {type(exc).__name__}: {exc}{kept}"
+            ) from exc
+        results.runs.append(run)
+        paths = write_reports(results.to_dict(), output_dir)  # each model's, once it is done
+    log_eval_run(results.to_dict(), paths)
     check_failures(results)
     return results
+
+
+class ModelEvalError(RuntimeError):
+    """A model failed to load or generate; the models finished before it are written."""
+
+
+def _check_locations(specs: Sequence[ModelSpec]) -> None:
+    """Every model directory exists and is a model, before any generation (URLs: at use)."""
+    problems = []
+    for spec in specs:
+        if is_endpoint(spec.location):
+            continue
+        try:
+            require_model_dir(spec.location)
+        except ModelNotFoundError as exc:
+            problems.append(f"{spec.label}: {exc}")
+    if problems:
+        raise ModelNotFoundError("; ".join(problems))
 
 
 def run_eval_cli(

@@ -62,6 +62,45 @@ def tracking_env() -> dict[str, str]:
     return env
 
 
+class TrackingUnreachableError(RuntimeError):
+    """The configured MLflow tracking server does not answer."""
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` with the password of its user info (``user:password@host``) as ``***``."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return uri.replace(f":{parts.password}@", ":***@", 1)
+
+
+def check_tracking_server(timeout_s: float = 5.0) -> None:
+    """One bounded request to an http(s) tracking server, before MLflow's client (which
+    retries for minutes) talks to it.
+
+    Raises:
+        TrackingUnreachableError: no answer within ``timeout_s``; the message never holds
+            the URI's password.
+    """
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=timeout_s)  # any HTTP answer will do
+    except requests.RequestException as exc:
+        detail = str(exc)
+        password = urlsplit(uri).password
+        if password:
+            detail = detail.replace(password, "***")
+        raise TrackingUnreachableError(
+            f"MLflow tracking server {redact_uri(uri)} did not answer within {timeout_s:.0f} s "
+            f"({type(exc).__name__}: {detail}); start it, or unset MLFLOW_TRACKING_URI to track "
+            "to no server"
+        ) from None  # the chained exception may hold the URI's password
+
+
 def _params(params: Mapping[str, object]) -> dict[str, str]:
     return {k: str(v)[:500] for k, v in params.items()}
 
@@ -80,9 +119,14 @@ def _experiment_id(client) -> str:
 
 
 def find_pipeline_run(pipeline_run_id: str) -> str | None:
-    """The id of the parent run tagged with ``pipeline_run_id``, or None (also when off)."""
+    """The id of the parent run tagged with ``pipeline_run_id``, or None (also when off).
+
+    Raises:
+        TrackingUnreachableError: the tracking server does not answer (checked first).
+    """
     if not tracking_enabled():
         return None
+    check_tracking_server()
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
@@ -105,6 +149,7 @@ def start_pipeline_run(
     retried task reuses it) or created. Returns its id, or None when tracking is off."""
     if not tracking_enabled():
         return None
+    check_tracking_server()
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 

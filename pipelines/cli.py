@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 
+from data_prep.config import BUNDLED_SOURCE
 from pipelines.presets import DEFAULT_PRESET, PRESETS, apply_overrides, get_preset
+
+log = logging.getLogger(__name__)
 
 app = typer.Typer(
     help=(
@@ -53,10 +61,52 @@ def main(
     ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
+    _options.verbose = verbose
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+@dataclass
+class _GlobalOptions:
+    """The options given before the command (``lingo --verbose data-prep …``)."""
+
+    verbose: bool = False
+
+
+_options = _GlobalOptions()
+
+PROJECT_PACKAGES = ("data_prep", "trainer", "eval", "pipelines", "components")
+
+
+def _is_project_error(exc: BaseException) -> bool:
+    """Errors the project raises on purpose (their message is the whole story), and the
+    file-system errors that name their file; anything else is a bug and keeps its traceback."""
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
+        return True
+    return any(cls.__module__.split(".")[0] in PROJECT_PACKAGES for cls in type(exc).__mro__)
+
+
+def clear_errors(command: Callable) -> Callable:
+    """A command's own errors become one line on stderr and exit status 1 (the traceback
+    too under ``lingo --verbose``)."""
+
+    @functools.wraps(command)
+    def run_command(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            if not _is_project_error(exc):
+                raise
+            if _options.verbose:
+                typer.echo(traceback.format_exc(), err=True)
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
+
+    return run_command
 
 
 def _parse_sets(sets: list[str] | None) -> dict[str, str]:
@@ -70,13 +120,34 @@ def _parse_sets(sets: list[str] | None) -> dict[str, str]:
 
 
 def _load_preset(name: str, sets: list[str] | None):
+    overrides = _parse_sets(sets)
     try:
-        return apply_overrides(get_preset(name), _parse_sets(sets))
+        config = apply_overrides(get_preset(name), overrides)
     except (KeyError, ValueError) as exc:
         raise typer.BadParameter(str(exc).strip("'\"")) from exc
+    return _augment_bundled_only(config, overrides)
+
+
+def _augment_bundled_only(config, overrides: dict[str, str]):
+    """A preset's augmentation is for the bundled demo data: with another source it is off
+    unless ``--set data_prep.augment_factor=N`` asks for it."""
+    data_prep = config.data_prep
+    explicit = "data_prep.augment_factor" in overrides
+    if data_prep.source == BUNDLED_SOURCE or not data_prep.augment_factor or explicit:
+        return config
+    log.info(
+        "data_prep.augment_factor %d of preset %r is for the bundled demo data; off for source "
+        "%s (--set data_prep.augment_factor=N to augment it)",
+        data_prep.augment_factor,
+        config.name,
+        data_prep.source,
+    )
+    off = data_prep.model_copy(update={"augment_factor": 0})
+    return config.model_copy(update={"data_prep": off})
 
 
 @app.command()
+@clear_errors
 def run(
     local: Annotated[
         bool, typer.Option("--local", help="Run every step on this machine with kfp.local.")
@@ -137,6 +208,7 @@ def headline(results_json: Path) -> str:
 
 
 @app.command("compile")
+@clear_errors
 def compile_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="YAML file to write.")] = Path(
         "lingo_pipeline.yaml"
@@ -147,11 +219,17 @@ def compile_cmd(
     """Compile the pipeline to KFP v2 YAML, with the preset's values as parameter defaults."""
     from pipelines.compile import compile_pipeline
 
+    if not output.parent.is_dir():
+        raise typer.BadParameter(
+            f"directory {output.parent} does not exist; create it first", param_hint="--output"
+        )
+
     path = compile_pipeline(output, _load_preset(preset, sets))
     typer.echo(f"wrote {path}")
 
 
 @app.command("data-prep")
+@clear_errors
 def data_prep_cmd(
     output_dir: Annotated[
         Path, typer.Option("--output-dir", "-o", help="Directory for train/eval/quarantine JSONL.")
@@ -179,13 +257,15 @@ def data_prep_cmd(
         output_dir / "quarantine.jsonl",
         output_dir / "dataset_card.md",
     )
+    synthetic = f" (+{report.synthetic_rows} synthetic)" if report.synthetic_rows else ""
     typer.echo(
-        f"{report.rows_read} rows: {report.train_rows} train, {report.eval_rows} eval, "
+        f"{report.rows_read} rows: {report.train_rows} train{synthetic}, {report.eval_rows} eval, "
         f"{report.rows_bad + report.rows_duplicate} quarantined → {output_dir}"
     )
 
 
 @app.command("eval")
+@clear_errors
 def eval_cmd(
     model: Annotated[
         list[str],
@@ -284,6 +364,7 @@ EndpointOption = Annotated[
 
 
 @app.command()
+@clear_errors
 def submit(
     endpoint: EndpointOption,
     experiment: Annotated[
@@ -314,6 +395,7 @@ def submit(
 
 
 @app.command()
+@clear_errors
 def schedule(
     endpoint: EndpointOption,
     cron: Annotated[str, typer.Option(help='Cron, 5 fields ("30 2 * * *") or KFP\'s 6.')],
@@ -342,6 +424,7 @@ def schedule(
 
 
 @app.command()
+@clear_errors
 def status(
     run_id: Annotated[str, typer.Argument(help="The run id (lingo submit prints it).")],
     endpoint: EndpointOption,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import requests
 
@@ -312,7 +313,7 @@ class RunStatus:
 
 def get_run(conn: KfpConnection, run_id: str) -> RunStatus:
     """The current state of run ``run_id``."""
-    run = conn.request("GET", f"/runs/{run_id}")
+    run = conn.request("GET", f"/runs/{quote(run_id, safe='')}")
     error = run.get("error") or {}
     return RunStatus(
         run_id=run.get("run_id", run_id),
@@ -361,7 +362,7 @@ def wait_for_run(
 
 def run_url(conn: KfpConnection, run_id: str) -> str:
     """The run's page in the KFP UI."""
-    return f"{conn.endpoint}/#/runs/details/{run_id}"
+    return f"{conn.endpoint}/#/runs/details/{quote(run_id, safe='')}"
 
 
 @dataclass(frozen=True)

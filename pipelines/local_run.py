@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pipelines.presets import Preset, pipeline_arguments
 
@@ -40,6 +44,43 @@ def run_local(preset: Preset, output_dir: Path, enable_caching: bool = False) ->
     warnings.filterwarnings("ignore", message=".*custom or non-Python base image.*")
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
+    with output_dir_lock(output_dir):
+        return _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
+
+
+class OutputDirBusyError(RuntimeError):
+    """Another local run is writing into the same output directory."""
+
+
+LOCK_FILE = ".lingo-run.lock"
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: Path) -> Iterator[None]:
+    """Hold ``output_dir``'s run lock (released when the process ends, even killed).
+
+    Raises:
+        OutputDirBusyError: another run holds it.
+    """
+    path = output_dir / LOCK_FILE
+    with path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise OutputDirBusyError(
+                f"{output_dir} is in use by another local run (pid {holder}; lock {path}); "
+                "wait for it to end or pass another --output-dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+
+
+def _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching) -> LocalRunResult:
     local.init(
         runner=local.SubprocessRunner(use_venv=False),
         pipeline_root=str(output_dir),
@@ -48,13 +89,29 @@ def run_local(preset: Preset, output_dir: Path, enable_caching: bool = False) ->
     before = {p.name for p in output_dir.iterdir()}
     start = time.monotonic()
     arguments = pipeline_arguments(preset)
-    arguments["mlflow_tracking_uri"] = os.environ.get("MLFLOW_TRACKING_URI", "")
-    arguments["mlflow_experiment"] = os.environ.get("MLFLOW_EXPERIMENT_NAME", "")
+    arguments |= tracking_arguments()
     lingo_pipeline(**arguments)
     seconds = time.monotonic() - start
     return LocalRunResult(
         pipeline_root=output_dir, outputs=_main_outputs(output_dir, before), seconds=seconds
     )
+
+
+def tracking_arguments() -> dict[str, str]:
+    """The pipeline's MLflow arguments for a local run, from this process's environment.
+
+    A URI holding a password is not an argument (kfp.local prints every task's executor
+    input, arguments included): the components, subprocesses of this one, read it from the
+    inherited ``MLFLOW_TRACKING_URI``.
+    """
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri and urlsplit(uri).password is not None:
+        log.info("MLFLOW_TRACKING_URI holds a password: the steps read it from the environment")
+        uri = ""
+    return {
+        "mlflow_tracking_uri": uri,
+        "mlflow_experiment": os.environ.get("MLFLOW_EXPERIMENT_NAME", ""),
+    }
 
 
 def _main_outputs(output_dir: Path, before: set[str]) -> dict[str, Path]:

@@ -17,7 +17,9 @@ from typing import Literal
 
 from kfp import kubernetes
 from kfp.dsl import PipelineTask
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from eval.config_model import ConfigModel
 
 STEPS = (
     "start-tracking",
@@ -37,7 +39,7 @@ STEPS = (
 """The task names of ``lingo_pipeline``; ``apply_platform`` refuses any other step."""
 
 
-class SecretEnv(BaseModel):
+class SecretEnv(ConfigModel):
     """One Kubernetes Secret exposed as environment variables (by name and key only)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -50,7 +52,7 @@ class SecretEnv(BaseModel):
     optional: bool = False
 
 
-class Toleration(BaseModel):
+class Toleration(ConfigModel):
     """A pod toleration (Kubernetes ``Toleration``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -61,7 +63,7 @@ class Toleration(BaseModel):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
 
 
-class StepResources(BaseModel):
+class StepResources(ConfigModel):
     """Resources and placement of one class of steps (CPU steps or GPU steps)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -86,7 +88,7 @@ class StepResources(BaseModel):
         return self
 
 
-class RetryPolicy(BaseModel):
+class RetryPolicy(ConfigModel):
     """KFP task retries for the steps that talk to the network."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -98,7 +100,7 @@ class RetryPolicy(BaseModel):
     backoff_max_duration: str = "600s"
 
 
-class ClusterSettings(BaseModel):
+class ClusterSettings(ConfigModel):
     """Where and how every step runs on Kubernetes. The defaults apply nothing (``local``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from eval.config_model import ConfigModel
 from trainer.distributed import DistInfo
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ RECOMPUTE_MODULES = frozenset({"core_attn", "moe_act", "layernorm", "mlp", "moe"
 """Megatron-Core's ``recompute_modules`` choices that apply to GPT-OSS (selective recompute)."""
 
 
-class MegatronSettings(BaseModel):
+class MegatronSettings(ConfigModel):
     """How the Megatron backend (``optim.backend: megatron``) builds and trains the policy.
 
     Attributes:
@@ -118,7 +119,7 @@ class MegatronSettings(BaseModel):
         return resolve_megatron_layout(self.layout)
 
 
-class OptimConfig(BaseModel):
+class OptimConfig(ConfigModel):
     """Optimizer, schedule and backend settings shared by SFT and GRPO.
 
     ``megatron`` (GRPO only) needs the ``megatron`` settings block; ``zero_stage``,
@@ -135,6 +136,9 @@ class OptimConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     max_grad_norm: float = Field(1.0, gt=0)
+    max_zero_grad_steps: int = Field(3, ge=0)
+    """Fail the run when the gradient norm is 0 this many optimizer steps in a row (a
+    saturated, diverged model); 0: never (see trainer/divergence.py)."""
     zero_stage: Literal[0, 1, 2, 3] = 3
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -161,7 +165,7 @@ class OptimConfig(BaseModel):
         return self
 
 
-class ProcessSettings(BaseModel):
+class ProcessSettings(ConfigModel):
     """How a training step runs its processes; shared by the SFT and GRPO configs."""
 
     model_config = ConfigDict(extra="forbid")
@@ -213,6 +217,19 @@ def _scheduler_factory(cfg: OptimConfig, total_steps: int):
         )
 
     return make
+
+
+def rebase_schedule(optimizer, scheduler, learning_rate: float) -> None:
+    """Continue a ``LambdaLR`` schedule (restored from a checkpoint) from a new base rate.
+
+    A checkpoint restores the rate it was made with; a resume with another
+    ``optim.learning_rate`` calls this so that the schedule goes on from the new one.
+    """
+    scheduler.base_lrs = [learning_rate for _ in scheduler.base_lrs]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = learning_rate
+        group["lr"] = learning_rate * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 @dataclass(frozen=True)
@@ -301,6 +318,11 @@ class TrainingBackend(Protocol):
     def save_checkpoint(self, directory: Path) -> None: ...
 
     def load_checkpoint(self, directory: Path) -> None: ...
+
+    def set_base_learning_rate(self, learning_rate: float) -> None:
+        """After ``load_checkpoint``: go on with the schedule from ``learning_rate`` (a resume
+        with a changed ``optim.learning_rate``)."""
+        ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The complete model weights on rank 0 (gathered for ZeRO-3); None on other ranks."""
@@ -409,6 +431,9 @@ class TorchBackend(_HFModuleBackend):
                 params[name].copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def set_base_learning_rate(self, learning_rate: float) -> None:
+        rebase_schedule(self.optimizer, self.scheduler, learning_rate)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
@@ -521,6 +546,9 @@ class DeepSpeedBackend(_HFModuleBackend):
 
     def load_checkpoint(self, directory: Path) -> None:
         self.engine.load_checkpoint(str(directory), tag="deepspeed")
+
+    def set_base_learning_rate(self, learning_rate: float) -> None:
+        rebase_schedule(self.optimizer, self.scheduler, learning_rate)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         import deepspeed

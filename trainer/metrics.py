@@ -21,12 +21,32 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "training_metrics.jsonl"
 
 
+class MetricsFileError(ValueError):
+    """A metrics file has a line that is not JSON before its last line."""
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    """All lines of a metrics file (missing file: no lines)."""
+    """All lines of a metrics file (missing file: no lines).
+
+    A torn last line (a writer killed mid-line) is left out with a warning; ``MetricsWriter``
+    rewrites the file without it on resume. A bad line before the last raises
+    ``MetricsFileError`` naming the file and line.
+    """
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if any(rest.strip() for rest in lines[number:]):
+                raise MetricsFileError(f"{path}:{number}: not a JSON object ({exc})") from exc
+            log.warning("%s:%d: torn last line (%r) left out", path, number, line[:80])
+    return out
 
 
 class MetricsWriter:
@@ -58,6 +78,7 @@ class MetricsWriter:
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # a torn last line (killed mid-write) is dropped here: the rewrite below repairs it
         kept = (
             [m for m in read_metrics(self.path) if m["step"] <= resume_step] if resume_step else []
         )

@@ -14,8 +14,9 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from eval.config_model import ConfigModel
 from eval.harmony import HARMONY_SPECIAL_TOKENS, SYSTEM_MESSAGE
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|startoftext|>"
 
 
-class TinyModelConfig(BaseModel):
+class TinyModelConfig(ConfigModel):
     """Size of the tiny model (defaults: ~1.4M parameters, fp32, trains at ~0.1 s/step)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -14,6 +14,7 @@ from data_prep.prepare import (
     eval_count,
     prepare_dataset,
 )
+from data_prep.sources import SourceError
 from data_prep.validate import DUPLICATE
 
 
@@ -97,14 +98,27 @@ def test_empty_source_is_an_error(tmp_path):
         _run(tmp_path, src)
 
 
-def test_existing_outputs_survive_a_failed_run(tmp_path):
+def test_a_failed_run_leaves_no_older_train_eval_beside_its_quarantine(tmp_path):
+    # issue #17: on main the earlier run's train/eval stayed beside the failed run's
+    # quarantine, a complete-looking but stale output
     src = write_jsonl(tmp_path / "in.jsonl", make_rows(4))
     _run(tmp_path, src)
-    before = (tmp_path / "out" / "train.jsonl").read_text()
-    write_jsonl(tmp_path / "in.jsonl", ["{bad"] * 5)
+    out = tmp_path / "out"
+    assert (out / "train.jsonl").exists() and (out / "card.md").exists()
+    write_jsonl(tmp_path / "in.jsonl", [{"wrong": "columns"}] * 5)
     with pytest.raises(TooManyBadRowsError):
         _run(tmp_path, src)
-    assert (tmp_path / "out" / "train.jsonl").read_text() == before
+    assert sorted(p.name for p in out.iterdir()) == ["quarantine.jsonl"]
+    assert len(read_jsonl(out / "quarantine.jsonl")) == 5
+
+
+def test_a_source_that_cannot_be_read_leaves_the_earlier_outputs_whole(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", make_rows(4))
+    _run(tmp_path, src)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    with pytest.raises(SourceError):
+        _run(tmp_path, tmp_path / "missing.jsonl")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
 
 
 def test_records_carry_labels_prompt_and_completion(tmp_path):

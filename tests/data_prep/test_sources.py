@@ -66,8 +66,10 @@ def test_errors_name_the_source(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(SourceError, match="unsupported file type"):
         list(iter_local(tmp_path / "x.csv"))
-    with pytest.raises(SourceError, match="not an existing file"):
+    with pytest.raises(SourceError, match="/no/such/path.jsonl: no such file"):
         describe_source("/no/such/path.jsonl")
+    with pytest.raises(SourceError, match="not an existing file"):
+        describe_source("not a source")
     with pytest.raises(SourceError, match="no bucket"):
         split_s3_uri("s3:///key")
 
@@ -77,6 +79,24 @@ def test_source_kinds(tmp_path):
     assert describe_source("HuggingFaceH4/Multilingual-Thinking") == "hub"
     assert describe_source("s3://bucket/data/") == "s3"
     assert describe_source(str(tmp_path)) == "local"
+
+
+def test_a_corrupt_parquet_file_in_a_directory_is_named(tmp_path):
+    # issue #17: on main "ArrowInvalid: Parquet magic bytes not found", no file named
+    write_jsonl(tmp_path / "good.jsonl", make_rows(1))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(SourceError, match=r"sub/broken.parquet: cannot read it as Parquet"):
+        list(iter_local(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "source", ["mydata/rows.jsonl", "./rows", "../x", "~/data", "a/b/c", "rows.parquet", "x.json"]
+)
+def test_a_missing_path_is_no_such_file_not_a_hub_lookup(source):
+    # issue #17: on main "mydata/rows.jsonl" went to the hub (32 s of retries)
+    with pytest.raises(SourceError, match=f"{source}: no such file or directory"):
+        describe_source(source)
 
 
 def test_bundled_source_is_the_sample_directory():

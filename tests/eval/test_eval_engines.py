@@ -397,3 +397,36 @@ def test_run_eval_cli_on_a_model_directory(tiny_model_dir, tmp_path):
     }
     assert [r["id"] for r in data["responses"]] == ["p01-en", "p01-fr"]
     assert all(r["completion_tokens"] <= 4 for r in data["responses"])
+
+
+def test_every_model_location_is_checked_before_any_generation(tiny_model_dir, tmp_path):
+    from eval.runner import run_eval_cli
+
+    models = [f"good={tiny_model_dir}", f"gone={tmp_path / 'nope'}", f"empty={tmp_path}"]
+    with pytest.raises(ModelNotFoundError) as err:
+        run_eval_cli(models, tmp_path / "out", max_tokens=4, limit=1, device="cpu")
+    assert "gone: model directory" in str(err.value) and "empty: " in str(err.value)
+    assert not (tmp_path / "out").exists()  # nothing generated for "good" first
+
+
+def test_a_model_that_fails_to_load_keeps_the_finished_models_results(tiny_model_dir, tmp_path):
+    # issue #17: on main "good"'s finished results were thrown away when "bad" failed to load
+    import shutil
+
+    from eval.runner import ModelEvalError, run_eval_cli
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelEvalError, match=rf"model 'bad' \({bad}\) failed") as err:
+        run_eval_cli(
+            [f"good={tiny_model_dir}", f"bad={bad}"],
+            tmp_path / "out",
+            max_tokens=4,
+            limit=1,
+            device="cpu",
+        )
+    assert "(good) are in" in str(err.value) and "model.safetensors" in str(err.value)
+    data = load_results(tmp_path / "out")
+    assert [m["label"] for m in data["models"]] == ["good"]
+    assert len(data["responses"]) == 1

@@ -74,3 +74,46 @@ def test_estimate_prints_the_table_and_fails_when_it_does_not_fit():
     assert result.exit_code == 1 and "does not fit" in result.output
     result = runner.invoke(app, ["estimate", "--layout", "no-such-layout"])
     assert result.exit_code == 2 and "no-such-layout" in result.output
+
+
+def test_data_prep_of_a_users_file_adds_no_synthetic_rows_unless_asked(tmp_path):
+    # issue #17: on main the default preset's augment_factor=9 (for the bundled demo data)
+    # multiplied a user's file tenfold with synthetic rows while the summary said "N train"
+    src = write_jsonl(tmp_path / "in.jsonl", make_rows(10))
+    result = runner.invoke(app, ["data-prep", "--source", str(src), "-o", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    assert "50 rows: 45 train, 5 eval" in result.output and "synthetic" not in result.output
+    assert len(read_jsonl(tmp_path / "a" / "train.jsonl")) == 45
+    asked = ["--set", "data_prep.augment_factor=2", "-o", str(tmp_path / "b")]
+    result = runner.invoke(app, ["data-prep", "--source", str(src), *asked])
+    assert result.exit_code == 0, result.output
+    train = read_jsonl(tmp_path / "b" / "train.jsonl")
+    synthetic = len(train) - 45
+    assert synthetic > 0 and f"45 train (+{synthetic} synthetic)" in result.output
+
+
+def test_a_missing_relative_source_is_one_clear_error_not_a_hub_lookup(tmp_path, monkeypatch):
+    # issue #17: on main a Python traceback after 32 s of hub retries
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["data-prep", "--source", "mydata/rows.jsonl", "-o", "out"])
+    assert result.exit_code == 1
+    assert "error: mydata/rows.jsonl: no such file or directory" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out" / "train.jsonl").exists()
+    verbose = runner.invoke(
+        app, ["--verbose", "data-prep", "--source", "mydata/rows.jsonl", "-o", "out"]
+    )
+    assert verbose.exit_code == 1 and "Traceback" in verbose.output
+
+
+def test_eval_of_a_missing_model_is_one_clear_error(tmp_path):
+    result = runner.invoke(app, ["eval", "-m", f"gone={tmp_path / 'nope'}", "-o", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "error: gone: model directory" in result.output and "Traceback" not in result.output
+
+
+def test_compile_into_a_missing_directory_is_refused(tmp_path):
+    # issue #17: on main the directory tree was created silently
+    result = runner.invoke(app, ["compile", "-o", str(tmp_path / "no" / "dir" / "x.yaml")])
+    assert result.exit_code == 2
+    assert "does not exist" in " ".join(result.output.replace("│", " ").split())
+    assert not (tmp_path / "no").exists()

@@ -343,3 +343,14 @@ def test_cron_gets_kfp_seconds_field(cron, expected):
 def test_cron_with_wrong_field_count_is_rejected():
     with pytest.raises(ValueError, match="expected 5 fields"):
         cron_with_seconds("daily")
+
+
+def test_a_run_id_is_sent_encoded(kfp_server, conn):
+    # issue #17: on main "../../x?y" was sent as is, i.e. GET /apis/x?y
+    with pytest.raises(KfpApiError) as info:
+        get_run(conn, "../../x?y")
+    assert info.value.status == 404
+    assert "/apis/v2beta1/runs/..%2F..%2Fx%3Fy failed" in str(info.value)
+    from pipelines.kfp_client import run_url
+
+    assert run_url(conn, "a/b") == f"{conn.endpoint}/#/runs/details/a%2Fb"

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import read_jsonl, write_jsonl
 
 from pipelines.local_run import run_local
@@ -85,3 +86,35 @@ def test_capacity_check_fails_fast_with_the_table(tmp_path, capfd):
     out = capfd.readouterr()
     assert "LayoutDoesNotFit" in out.out + out.err
     assert not list((tmp_path / "runs").glob("*/sft"))  # SFT never started
+
+
+def test_a_second_run_into_the_same_output_dir_refuses_with_a_lock_message(tmp_path):
+    # issue #17: on main two runs into one directory each printed the newer run's outputs
+    import subprocess
+    import sys
+
+    from pipelines.local_run import OutputDirBusyError, run_local
+    from pipelines.presets import DEFAULT_PRESET, get_preset
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from pipelines.local_run import output_dir_lock\n"
+            f"with output_dir_lock(Path({str(tmp_path)!r})):\n"
+            "    print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(
+            OutputDirBusyError, match=rf"in use by another local run \(pid {holder.pid}"
+        ):
+            run_local(get_preset(DEFAULT_PRESET), tmp_path)
+        assert not list(tmp_path.glob("lingo-*"))  # the refused run started nothing
+    finally:
+        holder.kill()
+        holder.wait()

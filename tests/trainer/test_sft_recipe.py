@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from eval.modeling import NotACausalLMError, check_model_dir
+from eval.modeling import ModelLoadError, NotACausalLMError, check_model_dir
 from trainer.metrics import read_metrics
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.sft.merge import AdapterMismatchError, load_adapter
@@ -101,6 +101,18 @@ def test_bad_model_and_adapter_inputs_are_clear_errors(tmp_path, tiny_model_dir)
         check_model_dir(tmp_path / "vit")
     with pytest.raises(AdapterMismatchError, match="no adapter_config.json"):
         load_adapter(tiny_model_dir, tmp_path)
+
+
+def test_corrupt_weights_name_the_model_directory_and_file(tmp_path, tiny_model_dir, prepared_data):
+    # issue #17: on main a bare SafetensorError ("HeaderTooSmall"), no file named
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match=rf"{broken}: cannot load .*model.safetensors"):
+        _run(tmp_path, broken, prepared_data)
+    assert not (tmp_path / "model").exists()
 
 
 def test_adapter_for_another_base_is_rejected(tmp_path, tiny_model_dir):

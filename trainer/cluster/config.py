@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from eval.config_model import ConfigModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
 _SECRET_LIKE = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL", re.IGNORECASE)
 
 
-class SecretEnv(BaseModel):
+class SecretEnv(ConfigModel):
     """One environment variable read from a key of a Kubernetes Secret (names only)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -30,7 +32,7 @@ class SecretEnv(BaseModel):
     key: str
 
 
-class Toleration(BaseModel):
+class Toleration(ConfigModel):
     """A pod toleration (see the Kubernetes ``Toleration`` type)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -41,7 +43,7 @@ class Toleration(BaseModel):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = "NoSchedule"
 
 
-class ElasticSettings(BaseModel):
+class ElasticSettings(ConfigModel):
     """torchrun elastic rendezvous (c10d): the job keeps running between min and max nodes."""
 
     model_config = ConfigDict(extra="forbid")
@@ -54,7 +56,7 @@ class ElasticSettings(BaseModel):
 GPU_TOLERATION = Toleration(key=GPU_RESOURCE)
 
 
-class ClusterJobConfig(BaseModel):
+class ClusterJobConfig(ConfigModel):
     """Where and how a training step runs as a PyTorchJob.
 
     Secrets are referenced by name only (``secret_env_from``, ``secret_env``); ``env`` holds
@@ -163,7 +165,7 @@ def reference_layout(
     return ClusterJobConfig(image=image, **{**REFERENCE_LAYOUTS[instance_type], **overrides})
 
 
-class ExecutionConfig(BaseModel):
+class ExecutionConfig(ConfigModel):
     """How a training step (SFT, GRPO) runs: in the pipeline step's own pod, or as a PyTorchJob.
 
     ``local``: the step's process trains (``torchrun`` on its own GPUs when ``nproc`` > 1).

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from eval.config_model import ConfigModel
 from trainer.backends import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode
 
 
-class RolloutConfig(BaseModel):
+class RolloutConfig(ConfigModel):
     """How responses are sampled."""
 
     model_config = ConfigDict(extra="forbid")
@@ -31,7 +32,7 @@ class RolloutConfig(BaseModel):
     engine on its own GPUs, weights pushed after each update (non-hybrid)."""
 
 
-class AlgorithmConfig(BaseModel):
+class AlgorithmConfig(ConfigModel):
     """GRPO's loss (verl names)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -56,7 +57,7 @@ class AlgorithmConfig(BaseModel):
         return self
 
 
-class GuardConfig(BaseModel):
+class GuardConfig(ConfigModel):
     """Against reward hacking: keep the best held-out policy whose text stays real."""
 
     model_config = ConfigDict(extra="forbid")

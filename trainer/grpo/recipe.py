@@ -37,11 +37,10 @@ from eval.tracking import log_artifact, mlflow_run
 from trainer.backends import (
     DataParallel,
     LossFn,
-    NonFiniteLossError,
     TrainingBackend,
     make_backend,
 )
-from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
+from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
 from trainer.distributed import (
     DistInfo,
     barrier,
@@ -49,6 +48,7 @@ from trainer.distributed import (
     init_distributed,
     seed_everything,
 )
+from trainer.divergence import DivergenceGuard
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
@@ -349,8 +349,8 @@ def run_grpo(
     )
 
     checkpoints = work_dir / "checkpoints"
-    resume = find_resume_point(checkpoints, info)
-    state = load_checkpoint(resume, backend, info) if resume else {"step": 0}
+    run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(sft_model)}
+    state = resume(checkpoints, backend, info, run_config) or {"step": 0}
     start_step = state["step"]
     _sync(engine, backend)
 
@@ -365,6 +365,7 @@ def run_grpo(
             state["best"] = {"step": 0, **state["baseline"]}
             writer.log(0, 0.0, **{f"eval_{k}": v for k, v in state["baseline"].items()})
             _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
+        guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
         progress = tqdm(
             total=cfg.max_steps,
             initial=start_step,
@@ -393,13 +394,11 @@ def run_grpo(
                 engine.sleep()  # colocated vLLM frees the GPU for the update
             stats = _update(cfg, backend, batch, tokenizer.pad_token_id, step)
             train_time = time.monotonic() - started
+            # before anything from this step is saved (checkpoint, best policy, export)
+            signal = dp.all_reduce_sum(float(batch.keep.sum())) > 0
+            guard.check(done, stats["loss"], stats["grad_norm"], backend.module, signal)
             _sync(engine, backend)
 
-            if not math.isfinite(stats["loss"]):
-                raise NonFiniteLossError(
-                    f"GRPO loss is {stats['loss']} at step {done}; stopping. The newest checkpoint "
-                    f"in {checkpoints} is intact; lower optim.learning_rate."
-                )
             tokens = dp.all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)))
             writer.log(
                 done,
@@ -427,7 +426,9 @@ def run_grpo(
                     state["best"] = {"step": done, **held_out}
                     _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                save_checkpoint(checkpoints, done, backend, state, info, cfg.max_ckpt_num)
+                save_checkpoint(
+                    checkpoints, done, backend, state, info, cfg.max_ckpt_num, run_config
+                )
         progress.close()
 
         final_dir = work_dir / "final_policy"

@@ -496,6 +496,10 @@ class MegatronBackend:
         self.optimizer.load_state_dict(loaded["optimizer"])
         self._step = int(loaded["lr_step"])
 
+    def set_base_learning_rate(self, learning_rate: float) -> None:
+        """Nothing to do: each step's rate is ``cfg.learning_rate × lr_factor`` from the
+        config this backend was built with, not from the checkpoint."""
+
     # weights out
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
+from eval.config_model import ConfigModel
 from trainer.planner import (
     MODEL_PRESETS,
     Estimate,
@@ -81,7 +82,7 @@ class LayoutError(PlannerLayoutError):
         super().__init__("\n".join([*lines, note] if note else lines))
 
 
-class MegatronLayout(BaseModel):
+class MegatronLayout(ConfigModel):
     """How Megatron splits the model and where it runs.
 
     Attributes:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
+from eval.config_model import ConfigModel
 from trainer.backends import OptimConfig, ProcessSettings
 
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-class LoraSettings(BaseModel):
+class LoraSettings(ConfigModel):
     """LoRA via peft; ``r = 0`` means full fine-tuning (no adapter)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -17,9 +17,10 @@ from tqdm import tqdm
 
 from eval.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 from eval.tracking import log_artifact, mlflow_run
-from trainer.backends import NonFiniteLossError, TorchBackend, make_backend
-from trainer.checkpoint import find_resume_point, load_checkpoint, save_checkpoint
+from trainer.backends import TorchBackend, make_backend
+from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
+from trainer.divergence import DivergenceGuard
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
 from trainer.sft.config import SFTConfig
 from trainer.sft.data import (
@@ -128,8 +129,8 @@ def run_sft(
         bf16=dtype == torch.bfloat16,
     )
     checkpoints = work_dir / "checkpoints"
-    resume = find_resume_point(checkpoints, info)
-    start_step = load_checkpoint(resume, backend, info)["step"] if resume else 0
+    run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(base_model)}
+    start_step = (resume(checkpoints, backend, info, run_config) or {"step": 0})["step"]
 
     with mlflow_run("sft", cfg.model_dump(), info.is_main) as run:
         writer = MetricsWriter(work_dir / METRICS_FILE, max_steps, info.is_main, start_step, run)
@@ -145,6 +146,7 @@ def run_sft(
             max_steps,
             steps_per_epoch,
             checkpoints,
+            run_config,
         )
         final_weights = backend.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
         if not info.is_main:
@@ -196,12 +198,14 @@ def _train_loop(
     max_steps,
     steps_per_epoch,
     checkpoints,
+    run_config,
 ) -> None:
     lengths = [len(e.input_ids) for e in train]
     targets = [_target_count(e) for e in train]
     gas = cfg.gradient_accumulation_steps
     orders: dict[int, list[list[int]]] = {}
     backend.module.train()
+    guard = DivergenceGuard("SFT", checkpoints, info, cfg.optim.max_zero_grad_steps)
     progress = tqdm(
         total=max_steps, initial=start_step, desc="sft", mininterval=2.0, disable=not info.is_main
     )
@@ -229,12 +233,9 @@ def _train_loop(
         learning_rate = backend.learning_rate()
         grad_norm = backend.step()
         step_loss = all_reduce_sum(step_loss, info)
-        if not math.isfinite(step_loss):
-            raise NonFiniteLossError(
-                f"SFT loss is {step_loss} at step {step + 1}; stopping. The newest checkpoint in "
-                f"{checkpoints} is intact; lower optim.learning_rate or check the data."
-            )
         done = step + 1
+        # before this step's state can reach a checkpoint, the merge or the export
+        guard.check(done, step_loss, grad_norm, backend.module)
         writer.log(
             done,
             done / steps_per_epoch,
@@ -250,7 +251,13 @@ def _train_loop(
             writer.log(done, done / steps_per_epoch, eval_loss=eval_loss)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < max_steps:
             save_checkpoint(
-                checkpoints, done, backend, {"epoch": epoch}, info, cfg.keep_checkpoints
+                checkpoints,
+                done,
+                backend,
+                {"epoch": epoch},
+                info,
+                cfg.keep_checkpoints,
+                run_config,
             )
     progress.close()
 

@@ -1,0 +1,78 @@
+"""A killed data prep (issue #17): its workers die with it, and the next run into the same
+directory removes what it left (work folder, temp files)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import make_rows, write_jsonl
+
+from data_prep.config import DataPrepConfig
+from data_prep.prepare import prepare_dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except FileNotFoundError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_killed_data_prep_leaves_no_workers_and_the_next_run_cleans_up(tmp_path):
+    source = write_jsonl(tmp_path / "big.jsonl", make_rows(6000))  # 30,000 rows
+    out = tmp_path / "out"
+    script = textwrap.dedent(
+        f"""
+        from data_prep.config import DataPrepConfig
+        from data_prep.prepare import prepare_dataset
+        prepare_dataset(DataPrepConfig(source={str(source)!r}, workers=2),
+                        {str(out / "train.jsonl")!r}, {str(out / "eval.jsonl")!r},
+                        {str(out / "quarantine.jsonl")!r})
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    workers: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        workers = _children(proc.pid)
+        if len(workers) == 2:
+            break
+        time.sleep(0.05)
+    assert len(workers) == 2, "the data prep never started its two workers"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.1)
+    # on main both workers stayed, blocked on their pipes, for good
+    assert not any(_alive(w) for w in workers), "orphaned data-prep workers"
+    left = [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert any(name.startswith(".data-prep-") for name in left), left
+
+    small = write_jsonl(tmp_path / "small.jsonl", make_rows(4))
+    prepare_dataset(
+        DataPrepConfig(source=str(small), workers=1),
+        out / "train.jsonl",
+        out / "eval.jsonl",
+        out / "quarantine.jsonl",
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "eval.jsonl",
+        "quarantine.jsonl",
+        "train.jsonl",
+    ]

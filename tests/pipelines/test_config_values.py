@@ -1,0 +1,43 @@
+"""Config values are sane (issue #17): non-finite floats and booleans given for numbers are
+rejected when the overrides are parsed, naming the field."""
+
+import pytest
+from pydantic import ValidationError
+
+from pipelines.presets import DEFAULT_PRESET, apply_overrides, get_preset
+from trainer.backends import OptimConfig
+from trainer.grpo.config import GRPOConfig
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value", "field"),
+    [
+        ("grpo.optim.learning_rate", "Infinity", "learning_rate"),
+        ("grpo.rollout.temperature", "Infinity", "temperature"),
+        ("sft.optim.weight_decay", "NaN", "weight_decay"),
+        ("sft.max_steps", "true", "max_steps"),
+        ("data_prep.augment_factor", "false", "augment_factor"),
+        ("data_prep.eval_fraction", "NaN", "eval_fraction"),
+        ("grpo.reward_weights", '{"language": Infinity}', "reward_weights"),
+    ],
+)
+def test_non_finite_and_boolean_numbers_are_rejected_naming_the_field(dotted, value, field):
+    with pytest.raises(ValueError, match=field):
+        apply_overrides(get_preset(DEFAULT_PRESET), {dotted: value})
+
+
+def test_booleans_and_numbers_still_parse_where_they_belong():
+    preset = apply_overrides(
+        get_preset(DEFAULT_PRESET),
+        {"sft.max_steps": "7", "sft.gradient_checkpointing": "true", "sft.optim.zero_stage": "2"},
+    )
+    assert preset.sft.max_steps == 7 and preset.sft.gradient_checkpointing is True
+    assert preset.sft.optim.zero_stage == 2
+    with pytest.raises(ValidationError, match="zero_stage"):
+        OptimConfig(zero_stage=True)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_any_non_finite_learning_rate_is_rejected(value):
+    with pytest.raises(ValidationError, match="learning_rate"):
+        GRPOConfig.model_validate({"optim": {"learning_rate": value}})

@@ -28,7 +28,7 @@ from pipelines.presets import TINY_CPU
 @pytest.mark.slow
 def test_demo_grpo_beats_sft_on_the_50_question_eval(tmp_path) -> None:
     result = run_local(TINY_CPU, tmp_path / "runs")
-    results = json.loads((result.outputs["eval_results"] / "results.json").read_text())
+    results = json.loads(result.outputs["eval_results"].read_text())  # results.json
     table = {
         model["label"]: {k: model["summary"]["overall"][k]["value"] for k in HEADLINE}
         for model in results["models"]
@@ -41,7 +41,9 @@ def test_demo_grpo_beats_sft_on_the_50_question_eval(tmp_path) -> None:
         sft_eval_losses=losses,
         sft_converged=drop <= 0.02,
         sft_last_fifth_drop=drop,
-        grpo_exported_step=-1,
+        grpo_exported_step=json.loads(
+            (run_dir / "grpo" / "training_log" / "grpo_summary.json").read_text()
+        )["exported_step"],
         seconds={"pipeline": result.seconds},
     )
     print(format_outcome(outcome))

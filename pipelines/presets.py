@@ -107,7 +107,9 @@ TINY_CPU = Preset(
         eval_samples=2,
         checkpoint_every=20,
         dtype="float32",
-        cpu_threads=2,
+        # one thread: the rollout's token-by-token decode is many small ops, where a second
+        # thread costs more in synchronization than it gains (and ~10x when a core is busy)
+        cpu_threads=1,
     ),
     # the 50 questions for base, SFT and GRPO side by side; the tiny model's answers are short
     # 5 samples per question: 250 responses per model, so a difference of 0.15 is not noise

@@ -7,6 +7,26 @@ from trainer.grpo import recipe
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import Rollout
 
+
+def small_grpo_config(**overrides) -> dict:
+    """A GRPO config (as a dict for ``GRPOConfig.model_validate``) small enough for CPU tests:
+    4 prompts × 4 samples a step, no held-out eval, a checkpoint every step, float32."""
+    return {
+        "rollout": {"n_samples": 4, "max_new_tokens": 16},
+        "prompts_per_step": 4,
+        "mini_batch_size": 16,
+        "micro_batch_size": 8,
+        "max_steps": 4,
+        "eval_every": 0,
+        "eval_prompts": 4,
+        "eval_samples": 1,
+        "checkpoint_every": 1,
+        "max_ckpt_num": 5,
+        "dtype": "float32",
+        **overrides,
+    }
+
+
 SMALL_CORPUS = [
     "<|start|>user<|message|>What is two plus two?<|end|>"
     "<|start|>assistant<|channel|>final<|message|>Four.<|return|>",

@@ -3,6 +3,7 @@ diverged run fails naming the step and the last good checkpoint."""
 
 import pytest
 import torch
+from tests_helpers_trainer import small_grpo_config
 
 from trainer.distributed import DistInfo
 from trainer.divergence import DivergenceGuard, TrainingDivergedError, weights_square_sum
@@ -11,19 +12,7 @@ from trainer.grpo.recipe import run_grpo
 from trainer.sft.config import SFTConfig
 from trainer.sft.recipe import run_sft
 
-GRPO_SMALL = {
-    "rollout": {"n_samples": 4, "max_new_tokens": 16},
-    "prompts_per_step": 4,
-    "mini_batch_size": 16,
-    "micro_batch_size": 8,
-    "max_steps": 4,
-    "eval_every": 0,
-    "eval_prompts": 4,
-    "eval_samples": 1,
-    "checkpoint_every": 1,
-    "max_ckpt_num": 5,
-    "dtype": "float32",
-}
+GRPO_SMALL = small_grpo_config()
 INFO = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 

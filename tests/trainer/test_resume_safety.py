@@ -5,26 +5,19 @@ import json
 import logging
 
 import pytest
+from tests_helpers_trainer import small_grpo_config
 
 from trainer.checkpoint import ResumeConfigError, config_changes
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import run_grpo
 from trainer.metrics import MetricsFileError, read_metrics
 
-BASE = {
-    "rollout": {"n_samples": 4, "max_new_tokens": 8},
-    "prompts_per_step": 4,
-    "mini_batch_size": 16,
-    "micro_batch_size": 8,
-    "max_steps": 3,
-    "eval_every": 0,
-    "eval_prompts": 4,
-    "eval_samples": 1,
-    "checkpoint_every": 1,
-    "max_ckpt_num": 3,
-    "optim": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
-    "dtype": "float32",
-}
+BASE = small_grpo_config(
+    rollout={"n_samples": 4, "max_new_tokens": 8},
+    max_steps=3,
+    max_ckpt_num=3,
+    optim={"learning_rate": 1e-3, "lr_scheduler": "constant"},
+)
 
 
 def _run(tmp_path, model, data, **overrides):

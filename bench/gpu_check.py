@@ -23,7 +23,6 @@ may come from the wheels this script installs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -35,21 +34,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-# Python put bench/ first on the path, where bench/data_prep.py would shadow the package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(ROOT))
+# Python put bench/ first on the path, where bench/data_prep.py would shadow the package:
+# the repository goes first, bench/ (for the check modules) last.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.append(str(HERE))
 
-
-def _load_checks():
-    spec = importlib.util.spec_from_file_location("gpu_checks", HERE / "gpu_checks.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_checks"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-_checks = _load_checks()
-CHECKS, Sizes, run_check = _checks.CHECKS, _checks.Sizes, _checks.run_check
+from gpu_checks import CHECKS, Sizes, run_check  # noqa: E402 (after the path set-up)
 
 DEFAULT_WHEELS = ROOT / ".whl" / "gpu"
 DEFAULT_BUDGET_S = 450.0

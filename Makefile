@@ -8,7 +8,7 @@ BIN = $(VENV)/bin
 # DeepSpeed (dev extra, CPU tests) installs without compiling its CUDA ops.
 export DS_BUILD_OPS = 0
 
-.PHONY: setup demo test test-megatron lint format bench clean
+.PHONY: setup demo test test-megatron gpu-check-dry-run gpu-wheels lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ test: setup  ## lint, then the test suite (slow/gpu/cluster tests deselected by 
 
 test-megatron:  ## the Megatron round trip HF -> Megatron -> HF on CPU, in a Python 3.12 env (tools/megatron_env.sh, ~5 GB)
 	bash tools/run_megatron_tests.sh -q
+
+gpu-check-dry-run: setup  ## bench/gpu_check.py on CPU with tiny shapes, as the GPU machine's Python would see it (~3 min)
+	$(BIN)/python -m pytest -q -m slow tests/bench/test_gpu_check.py
+
+gpu-wheels: setup  ## the wheels bench/gpu_check.py carries to the GPU machine (.whl/gpu; needs PyPI)
+	$(BIN)/python tools/build_gpu_wheels.py
 
 lint:
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -28,6 +28,7 @@ import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from trainer.planner.estimate import estimate
+from trainer.planner.measured import cpu_allocator_peak, tensor_bytes
 from trainer.planner.model_presets import MODEL_PRESETS
 
 TOLERANCE = 0.20
@@ -56,27 +57,6 @@ def _tiny_model(gradient_checkpointing: bool) -> GptOssForCausalLM:
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
     return model
-
-
-def _allocator_peak(step) -> int:
-    """Run ``step`` under the profiler; return the allocator's peak above its starting point."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        step()
-    peak = 0
-    pending = list(prof.profiler.kineto_results.experimental_event_tree())
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        total = getattr(event.extra_fields, "total_allocated", None)
-        if total is not None:
-            peak = max(peak, total)
-    assert peak > 0, "the profiler recorded no allocations"
-    return peak
-
-
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @pytest.mark.parametrize(
@@ -111,10 +91,10 @@ def test_estimate_matches_measured_cpu_step(overrides: dict[str, str]) -> None:
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    before = _tensor_bytes(model.parameters()) + _tensor_bytes(
+    before = tensor_bytes(model.parameters()) + tensor_bytes(
         v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
     )
-    measured = before + _allocator_peak(step)
+    measured = before + cpu_allocator_peak(step)
 
     rank = result.resource("training_gpu")
     process = rank.term("process").bytes

@@ -1,0 +1,401 @@
+"""The checks of ``bench/gpu_check.py``; each runs in a process of its own.
+
+A check returns its figures when it passed and raises when it did not: ``CheckFailed`` for a
+result outside its bounds, ``CheckSkipped`` when it cannot run here (reported as a FAIL), any
+other exception for a crash. Only the standard library is imported at module level: the rest
+may come from the wheels the runner installed.
+
+Checks, in order (``Sizes`` holds the sizes of the full run and of the dry run):
+
+- ``device``: torch, transformers and the accelerator the checks run on.
+- ``sft``: LoRA SFT in bf16 on the tiny model; finite losses, a valid metrics file, the merged
+  model reloads with plain ``from_pretrained``.
+- ``grpo``: GRPO in bf16 with the HF rollout engine, from the SFT model; the same three.
+- ``bf16-numerics``: the policy's next-token log-probs (full vocabulary) and GRPO's response
+  token log-probs in bf16 against fp32, within the bf16 tolerance of the Megatron precision
+  check (``trainer.megatron.verify.TOLERANCES``).
+- ``planner`` (``bench/gpu_check_planner.py``): a model with gpt-oss-20b's layer shapes but
+  fewer layers (random weights), HF rollouts (tokens/s), then GRPO updates with the settings
+  of a one-GPU layout; the peak memory of the measured update against the planner's estimate
+  for that layout.
+- ``deepspeed``: GRPO through DeepSpeed ZeRO-2 under torchrun, one process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_check_planner import check_planner
+
+log = logging.getLogger("gpu_check")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class CheckFailed(AssertionError):
+    """A check ran and its result is outside its bounds."""
+
+
+class CheckSkipped(RuntimeError):
+    """A check cannot run here; the runner reports it as a FAIL, never as fine."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each check runs: the full run on a GPU, or the dry run's tiny shapes."""
+
+    device: str
+    dry_run: bool
+    sft_steps: int
+    grpo_steps: int
+    planner_model: str
+    """A ``trainer.planner`` model preset whose layer shapes the planner check builds."""
+    planner_layers: int
+    prompt_len: int
+    generate_len: int
+    micro_batch: int
+    rollout_prompts: int
+    rollout_samples: int
+    rollout_new_tokens: int
+    dtype: str
+    """Training dtype of the SFT, GRPO and DeepSpeed checks: bf16 on the GPU; the dry run
+    trains in fp32 (bf16 matmuls on a CPU without bf16 units run ~100× slower)."""
+
+    @classmethod
+    def for_run(cls, dry_run: bool, device: str) -> Sizes:
+        if dry_run:
+            return cls(device, True, 2, 1, "tiny-gpt-oss", 2, 32, 32, 2, 2, 2, 8, "float32")
+        return cls(device, False, 4, 2, "gpt-oss-20b", 2, 1024, 1024, 1, 8, 4, 128, "bfloat16")
+
+
+@dataclass(frozen=True)
+class Check:
+    """A check and its time limits (seconds) in the full run and in the dry run."""
+
+    run: Callable[[Sizes, Path], dict]
+    full_limit_s: float
+    dry_limit_s: float
+
+    def limit_s(self, dry_run: bool) -> float:
+        return self.dry_limit_s if dry_run else self.full_limit_s
+
+
+def _finite(values, what: str) -> None:
+    bad = [v for v in values if not isinstance(v, int | float) or not math.isfinite(v)]
+    if bad:
+        raise CheckFailed(f"{what}: not finite: {bad[:3]}")
+
+
+def _fixtures(sizes: Sizes, work: Path) -> tuple[Path, Path]:
+    """The tiny model and the prepared bundled data, built once per work dir."""
+    from data_prep.config import DataPrepConfig
+    from data_prep.prepare import prepare_dataset
+    from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+    data, model = work / "data", work / "tiny-model"
+    if not (data / "eval.jsonl").is_file():
+        tmp = work / ".data.partial"
+        tmp.mkdir(parents=True, exist_ok=True)
+        config = DataPrepConfig(workers=1)
+        prepare_dataset(config, tmp / "train.jsonl", tmp / "eval.jsonl", tmp / "quarantine.jsonl")
+        os.replace(tmp, data)
+    if not (model / "config.json").is_file():
+        small = TinyModelConfig(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            seed=0,
+        )
+        built = build_tiny_model(work / ".tiny-model.partial", small)
+        os.replace(built, model)
+    return model, data
+
+
+def _checked_metrics(path: str | Path, max_steps: int) -> list[dict]:
+    """The metrics file as the Kubeflow SDK reads it: every line with step, max_steps, epoch,
+    cumulative wall_time_s; the last step is max_steps; every loss finite."""
+    from trainer.metrics import read_metrics
+
+    lines = read_metrics(path)
+    if not lines:
+        raise CheckFailed(f"{path}: no metrics")
+    for number, line in enumerate(lines, 1):
+        missing = [k for k in ("step", "max_steps", "epoch", "wall_time_s") if k not in line]
+        if missing:
+            raise CheckFailed(f"{path}:{number}: lacks {missing}")
+    walls = [line["wall_time_s"] for line in lines]
+    if walls != sorted(walls):
+        raise CheckFailed(f"{path}: wall_time_s goes backwards: {walls}")
+    if lines[-1]["step"] != max_steps or lines[-1]["max_steps"] != max_steps:
+        raise CheckFailed(f"{path}: last line {lines[-1]} is not step {max_steps} of {max_steps}")
+    _finite([line["loss"] for line in lines if "loss" in line], f"{path}: loss")
+    return lines
+
+
+def _reloads(model_dir: str | Path) -> int:
+    """Parameters of the exported model, reloaded with plain ``from_pretrained``."""
+    from trainer.export_hf import check_loadable
+
+    return check_loadable(model_dir)[1]
+
+
+def check_device(sizes: Sizes, work: Path) -> dict:
+    import torch
+    import transformers
+
+    figures = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if sizes.device == "cpu":
+        return {**figures, "threads": torch.get_num_threads()}
+    if not torch.cuda.is_available():
+        raise CheckFailed(f"torch {torch.__version__}: torch.cuda.is_available() is False")
+    free, total = torch.cuda.mem_get_info()
+    return {
+        **figures,
+        "gpu": torch.cuda.get_device_name(0),
+        "cuda": torch.version.cuda,
+        "memory_gib": round(total / 2**30, 1),
+        "free_gib": round(free / 2**30, 1),
+    }
+
+
+def check_sft(sizes: Sizes, work: Path) -> dict:
+    from trainer.sft.config import SFTConfig
+    from trainer.sft.recipe import run_sft
+
+    model, data = _fixtures(sizes, work)
+    cfg = SFTConfig(
+        max_steps=sizes.sft_steps,
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        dtype=sizes.dtype,
+        device=sizes.device,
+        merge_check_prompts=2,
+        eval_max_examples=8,
+    )
+    started = time.monotonic()
+    result = run_sft(
+        cfg, model, data / "train.jsonl", data / "eval.jsonl", work / "sft", work / "sft-work"
+    )
+    seconds = time.monotonic() - started
+    lines = _checked_metrics(result.metrics_file, sizes.sft_steps)
+    losses = [line["loss"] for line in lines if "loss" in line]
+    if len(losses) != sizes.sft_steps:
+        raise CheckFailed(f"{len(losses)} loss lines for {sizes.sft_steps} steps")
+    if result.merge.get("dtype") != sizes.dtype:
+        raise CheckFailed(f"merged model dtype {result.merge.get('dtype')}, not {sizes.dtype}")
+    return {
+        "dtype": sizes.dtype,
+        "steps": sizes.sft_steps,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "s_per_step": seconds / sizes.sft_steps,
+        "reloaded_params": _reloads(result.model_dir),
+    }
+
+
+def _policy_dir(sizes: Sizes, work: Path) -> tuple[Path, str]:
+    """The SFT check's model when it ran, else the tiny model."""
+    if (work / "sft" / "config.json").is_file():
+        return work / "sft", "sft"
+    return _fixtures(sizes, work)[0], "tiny"
+
+
+def _grpo_config(sizes: Sizes, **optim):
+    from trainer.grpo.config import GRPOConfig
+
+    return GRPOConfig.model_validate(
+        {
+            "rollout": {"n_samples": 4, "max_new_tokens": 16},
+            "prompts_per_step": 4,
+            "mini_batch_size": 16,
+            "micro_batch_size": 8,
+            "max_steps": sizes.grpo_steps,
+            "eval_every": sizes.grpo_steps,
+            "eval_prompts": 4,
+            "eval_samples": 1,
+            "dtype": sizes.dtype,
+            "device": sizes.device,
+            **({"optim": optim} if optim else {}),
+        }
+    )
+
+
+def _grpo_figures(lines: list[dict], steps: int) -> dict:
+    train = [line for line in lines if "loss" in line]
+    if [line["step"] for line in train] != list(range(1, steps + 1)):
+        raise CheckFailed(f"update steps {[line['step'] for line in train]}, not 1..{steps}")
+    _finite([line["grad_norm"] for line in train], "grad_norm")
+    last = train[-1]
+    return {
+        "steps": steps,
+        "loss": last["loss"],
+        "grad_norm": last["grad_norm"],
+        "mean_reward": last["mean_reward"],
+        "rollout_s": last["rollout_time_s"],
+        "train_s": last["train_time_s"],
+        "tokens_per_s": last["tokens_per_s"],
+    }
+
+
+def check_grpo(sizes: Sizes, work: Path) -> dict:
+    from trainer.grpo.recipe import run_grpo
+
+    policy, source = _policy_dir(sizes, work)
+    data = _fixtures(sizes, work)[1]
+    result = run_grpo(
+        _grpo_config(sizes),
+        policy,
+        data / "train.jsonl",
+        data / "eval.jsonl",
+        work / "grpo",
+        work / "grpo-work",
+    )
+    figures = _grpo_figures(
+        _checked_metrics(result.metrics_file, sizes.grpo_steps), sizes.grpo_steps
+    )
+    return {"from": source, **figures, "reloaded_params": _reloads(result.model_dir)}
+
+
+def check_bf16_numerics(sizes: Sizes, work: Path) -> dict:
+    import torch
+
+    from eval.modeling import load_causal_lm, load_tokenizer
+    from trainer.grpo.prompts import Prompt
+    from trainer.grpo.recipe import _log_probs, _sequences
+    from trainer.grpo.rollout import Rollout
+    from trainer.megatron.verify import (
+        TOLERANCES,
+        VERIFICATION_PROMPTS,
+        compare_logits,
+        encode_prompts,
+    )
+
+    policy, source = _policy_dir(sizes, work)
+    device = torch.device(sizes.device)
+    tokenizer = load_tokenizer(policy)
+    encoded = encode_prompts(tokenizer, VERIFICATION_PROMPTS)
+    # the last 8 tokens of each prompt stand for a response: GRPO's token log-probs of them
+    prompts = [Prompt(ids=ids[:-8], label="en", text="") for ids in encoded]
+    rollouts = [Rollout(i, ids[-8:], True) for i, ids in enumerate(encoded)]
+    micro = _sequences(prompts, rollouts, tokenizer.pad_token_id, device)
+    next_token, tokens = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_causal_lm(policy, dtype, device).eval()
+        with torch.no_grad():
+            rows = [
+                model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1).logits[0, -1]
+                for ids in encoded
+            ]
+            next_token[dtype] = torch.log_softmax(torch.stack(rows).float(), dim=-1).cpu()
+            tokens[dtype] = _log_probs(model, micro, False)[0].float().cpu()
+        del model
+    report = compare_logits(
+        next_token[torch.float32],
+        next_token[torch.bfloat16],
+        "bf16",
+        names=[p.name for p in VERIFICATION_PROMPTS],
+        tokens=[len(ids) for ids in encoded],
+    )
+    tolerance = TOLERANCES["bf16"]
+    mask = micro.mask.cpu() > 0
+    token_diff = (tokens[torch.float32] - tokens[torch.bfloat16]).abs()[mask]
+    failures = list(report.failures)
+    if float(token_diff.max()) > tolerance.max_abs_diff:
+        failures.append(f"token log-prob max diff {float(token_diff.max()):.3g}")
+    if float(token_diff.mean()) > tolerance.mean_abs_diff:
+        failures.append(f"token log-prob mean diff {float(token_diff.mean()):.3g}")
+    if failures:
+        raise CheckFailed("; ".join(failures))
+    return {
+        "model": source,
+        "next_token_max_abs": report.max_abs_diff,
+        "next_token_mean_abs": report.mean_abs_diff,
+        "top1": report.top1_agreement,
+        "top5": report.topk_agreement,
+        "token_logprob_max_abs": float(token_diff.max()),
+        "token_logprob_mean_abs": float(token_diff.mean()),
+        "tolerance": f"max {tolerance.max_abs_diff} mean {tolerance.mean_abs_diff}",
+    }
+
+
+def check_deepspeed(sizes: Sizes, work: Path) -> dict:
+    try:
+        from deepspeed.git_version_info import installed_ops, version
+    except ImportError as missing:
+        raise CheckSkipped(
+            f"DeepSpeed cannot be imported ({missing}): its wheel was not carried "
+            "(tools/build_gpu_wheels.py builds it without ops)"
+        ) from missing
+
+    policy, source = _policy_dir(sizes, work)
+    data = _fixtures(sizes, work)[1]
+    config = work / "grpo-deepspeed.json"
+    cfg = _grpo_config(sizes, backend="deepspeed", zero_stage=2, learning_rate=1e-6)
+    config.write_text(cfg.model_dump_json())
+    out = work / "grpo-deepspeed"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "1", "-m", "trainer.grpo", "--config", str(config)]
+    command += ["--sft-model", str(policy), "--train", str(data / "train.jsonl")]
+    command += ["--eval", str(data / "eval.jsonl"), "--model-output", str(out / "model")]
+    command += ["--work-dir", str(out / "work")]
+    env = {**os.environ, "DS_ACCELERATOR": sizes.device, "DS_BUILD_OPS": "0"}
+    done = subprocess.run(command, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise CheckFailed(f"torchrun -m trainer.grpo (ZeRO-2) exited {done.returncode}")
+    lines = _checked_metrics(out / "work" / "training_metrics.jsonl", sizes.grpo_steps)
+    return {
+        "deepspeed": version,
+        "ops_prebuilt": sum(bool(v) for v in installed_ops.values()),
+        "zero_stage": 2,
+        "from": source,
+        **_grpo_figures(lines, sizes.grpo_steps),
+        "reloaded_params": _reloads(out / "model"),
+    }
+
+
+CHECKS: dict[str, Check] = {
+    "device": Check(check_device, 60, 60),
+    "sft": Check(check_sft, 90, 90),
+    "grpo": Check(check_grpo, 90, 90),
+    "bf16-numerics": Check(check_bf16_numerics, 60, 60),
+    "planner": Check(check_planner, 180, 90),
+    "deepspeed": Check(check_deepspeed, 120, 240),
+}
+
+
+def run_check(name: str, sizes: Sizes, args) -> int:
+    """Run one check in this process and write its outcome to ``args.result``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    status, figures, detail = "FAIL", {}, ""
+    try:
+        figures = CHECKS[name].run(sizes, args.work_dir)
+        status = "PASS"
+    except CheckSkipped as skipped:
+        detail = f"skipped, which counts as a failure: {skipped}"
+    except Exception as error:  # the check's crash is its result
+        traceback.print_exc()
+        first = (str(error).strip().splitlines() or [""])[0]
+        detail = f"{type(error).__name__}: {first}"[:400]
+    outcome = {
+        "status": status,
+        "figures": figures,
+        "detail": detail,
+    }
+    tmp = args.result.with_name(f".{args.result.name}.tmp")
+    tmp.write_text(json.dumps(outcome, indent=2))
+    os.replace(tmp, args.result)
+    return 0 if status == "PASS" else 1

@@ -11,7 +11,7 @@ of base, SFT and GRPO side by side — and prints:
 
 ``check_thresholds`` holds issue #16's bar (GRPO both-language accuracy ≥ 0.40 and ≥ SFT's
 + 0.15, mean reward ≥ SFT's + 1.0, real-word share no more than 10% below SFT's, SFT
-converged); ``tests/test_demo_learning.py`` (slow) asserts it.
+converged); ``tests/pipelines/test_demo_learning.py`` (slow) asserts it.
 
 Usage::
 

@@ -91,7 +91,7 @@ TINY_CPU = Preset(
         cpu_threads=2,  # the demo's steps run one at a time: both cores (~2x faster)
     ),
     grpo=GRPOConfig(
-        # measured on 2 CPU cores (DESIGN.md): lr 3e-4 learns in 60-90 steps, >= 1e-3 collapses
+        # measured on 2 CPU cores (docs/grpo.md): lr 3e-4 learns in 60-90 steps, >= 1e-3 collapses
         rollout=RolloutConfig(n_samples=8, max_new_tokens=128, temperature=1.0),
         algorithm=AlgorithmConfig(kl_loss_coef=0.0),
         optim=OptimConfig(learning_rate=3e-4, lr_scheduler="constant", warmup_steps=0),

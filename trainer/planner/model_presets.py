@@ -3,7 +3,7 @@
 The values are the architecture fields of the published ``config.json`` files of
 ``openai/gpt-oss-20b`` and ``openai/gpt-oss-120b`` (tokenizer ids, RoPE scaling and the
 MXFP4 quantization block are left out: they do not change memory). ``tiny-gpt-oss`` is the
-CPU test model described in ``docs/capacity.md`` and DESIGN.md.
+CPU test model described in ``docs/capacity.md``.
 """
 
 from __future__ import annotations

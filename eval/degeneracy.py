@@ -1,7 +1,8 @@
 """Degeneracy of generated text: signals the language-compliance reward does not see.
 
 A policy that hacks the reward emits strings of language-typical letter patterns that the
-language detector scores as perfect (seen in early GRPO runs on the tiny model). Two offline measures catch it:
+language detector scores as perfect (seen in early GRPO runs on the tiny model). Two offline
+measures catch it:
 
 * **real-word share**: the share of word tokens (those with at least one letter) found in the
   word list of any supported language. Word lists: ``wordfreq``'s ``small`` lists (the ~30k

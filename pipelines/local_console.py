@@ -31,7 +31,9 @@ from typing import TextIO
 
 TRAINING_BARS = ("sft", "grpo")
 TAIL_LINES = 30
-_BAR = re.compile(rf"^({'|'.join(TRAINING_BARS)}):\s+\d+%\|")  # tqdm: "sft:  45%|███▌ | 135/300 …"
+# tqdm's bar: "sft:  45%|███▌ | 135/300 [01:10<01:25,  1.93it/s, loss=3.1]" (other output
+# written to the same stream may follow it on the line: it is not part of the bar)
+_BAR = re.compile(rf"^(?:{'|'.join(TRAINING_BARS)}):\s+\d+%\|[^|]*\|[^\]]*\]")
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit)\b:")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"^Executing task '([^']+)'")
@@ -152,11 +154,11 @@ class QuietConsole:
 
     def _output_piece(self, piece: str, end: str) -> None:
         """One ``\\r``- or ``\\n``-terminated piece of a task's output."""
-        if _BAR.match(piece):
-            self.console.write("\r" + piece.ljust(self._bar_width))
+        if bar := _BAR.match(piece):
+            self.console.write("\r" + bar.group(0).ljust(self._bar_width))
             self.console.flush()
-            self._bar_width = len(piece)
-            if end == "\n":
+            self._bar_width = len(bar.group(0))
+            if end == "\n" and not piece[bar.end() :].strip():  # tqdm closed the bar
                 self._end_bar()
         if piece.strip() and end == "\n":
             self._tail.append(piece)

@@ -15,6 +15,8 @@ def chatty(fail: bool):
     print("an ordinary line of output", flush=True)
     for done in range(3):
         sys.stderr.write(f"\rsft:  {done * 50}%|##   | {done}/2 [00:01<00:01,  1.00it/s, loss=1]")
+        if done == 0:  # a warning lands on the bar's line (no \r before it): log only
+            sys.stderr.write("/x.py:1: FutureWarning: a warning\n")
         sys.stderr.flush()
     sys.stderr.write("\n")
     if fail:
@@ -46,6 +48,8 @@ def test_one_line_per_step_start_and_end_and_the_bars_the_rest_in_the_log(tmp_pa
     ]
     assert "\rsft:  100%|##   | 2/2" in console  # the training bar, redrawn in place
     assert "ordinary line" not in console and "executorInput" not in console
+    assert "FutureWarning" not in console and "FutureWarning: a warning" in log
+    assert len([line for line in lines if "%|" in line]) == 2  # one bar line per step
     assert "an ordinary line of output" in log and "Executing task 'chatty-2'" in log
     assert "executor" in log.lower()  # kfp.local's own dumps are kept in the log
     out = capsys.readouterr()

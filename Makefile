@@ -8,18 +8,26 @@ BIN = $(VENV)/bin
 # DeepSpeed (dev extra, CPU tests) installs without compiling its CUDA ops.
 export DS_BUILD_OPS = 0
 
-.PHONY: setup demo test test-megatron gpu-check-dry-run gpu-wheels lint format bench clean
+.PHONY: setup setup-runtime demo test test-megatron gpu-check-dry-run gpu-wheels lint format bench clean
 
+# the demo needs only the runtime dependencies and CPU torch; the tests add the `dev` extra
+setup-runtime: $(VENV)/.runtime-installed
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
-	touch $@
+$(VENV)/.runtime-installed: pyproject.toml
+	@echo "setting up $(VENV): CPU torch and lingo-rl's runtime dependencies"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	@$(BIN)/pip install --quiet --disable-pip-version-check -e .
+	@touch $@
 
-demo: setup  ## run the whole pipeline locally (kfp.local, tiny model, bundled data)
-	$(BIN)/lingo run --local --output-dir runs/local
+$(VENV)/.installed: $(VENV)/.runtime-installed
+	@echo "adding the test extras (dev) to $(VENV)"
+	@$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	@touch $@
+
+demo: setup-runtime  ## run the whole pipeline locally (kfp.local, tiny model, bundled data)
+	@$(BIN)/lingo run --local --output-dir runs/local
 
 test: setup  ## lint, then the test suite (slow/gpu/cluster tests deselected by default)
 	$(BIN)/ruff check .

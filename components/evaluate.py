@@ -9,7 +9,7 @@ beating the champion between the two steps. MLflow is reached through
 """
 
 from kfp import dsl
-from kfp.dsl import HTML, Artifact, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Artifact, ClassificationMetrics, Input, Markdown, Metrics, Model, Output
 
 from components.images import CPU_IMAGE, GPU_IMAGE
 
@@ -23,14 +23,25 @@ def evaluate(
     report: Output[Markdown],
     report_html: Output[HTML],
     metrics: Output[Metrics],
+    base_reasoning_language: Output[ClassificationMetrics],
+    base_answer_language: Output[ClassificationMetrics],
+    sft_reasoning_language: Output[ClassificationMetrics],
+    sft_answer_language: Output[ClassificationMetrics],
+    grpo_reasoning_language: Output[ClassificationMetrics],
+    grpo_answer_language: Output[ClassificationMetrics],
     grpo_model: Input[Model] = None,
     mlflow_tracking_uri: str = "",
     mlflow_parent_run_id: str = "",
 ):
-    """Run base, SFT (and GRPO) side by side over the eval set; publish results and reports."""
+    """Run base, SFT (and GRPO) side by side over the eval set; publish results and reports.
+
+    The KFP UI shows ``metrics`` (every model's overall figures) and, per model, the
+    requested → detected language confusion matrices of the reasoning and the answer.
+    """
     import logging
 
     from eval.eval_step import run_eval_step, use_tracking_uri
+    from eval.report import kfp_confusion_matrices, load_results
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     use_tracking_uri(mlflow_tracking_uri, mlflow_parent_run_id)
@@ -43,6 +54,17 @@ def evaluate(
     for name, value in scalars.items():
         metrics.log_metric(name, value)
     results.metadata.update(format="json", models=[k for k, v in models.items() if v])
+    matrices = kfp_confusion_matrices(load_results(results.path))
+    for name, artifact in {
+        "base_reasoning_language": base_reasoning_language,
+        "base_answer_language": base_answer_language,
+        "sft_reasoning_language": sft_reasoning_language,
+        "sft_answer_language": sft_answer_language,
+        "grpo_reasoning_language": grpo_reasoning_language,
+        "grpo_answer_language": grpo_answer_language,
+    }.items():
+        if name in matrices:  # no GRPO model: its two stay empty
+            artifact.log_confusion_matrix(*matrices[name])
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)

@@ -1,4 +1,4 @@
-"""Eval reports: ``results.json``, a Markdown and an HTML report, KFP metric scalars.
+"""Eval reports: ``results.json``, a Markdown and an HTML report, KFP metrics and matrices.
 
 Everything renders from the ``results.json`` content (``EvalResults.to_dict()``), so a report
 can be rebuilt from a stored results file. The HTML report embeds a PNG bar chart (matplotlib,
@@ -351,6 +351,32 @@ def kfp_metrics(results: dict) -> dict[str, float]:
         for metric, value in delta["overall"].items():
             if value is not None:
                 out[f"{label}-vs-{results['baseline']}/{metric}"] = float(value)
+    return out
+
+
+CONFUSION_PARTS = ("reasoning", "answer")
+
+
+def kfp_confusion_matrices(results: dict) -> dict[str, tuple[list[str], list[list[int]]]]:
+    """Square confusion matrices for KFP ``ClassificationMetrics``, one per model and part.
+
+    KFP wants the same categories on both axes, so rows and columns are ``DETECTED_COLUMNS``
+    (the five languages, ``other``, ``und``, ``missing``: what the scorer detects); the rows
+    of ``other``, ``und`` and ``missing`` are zero (a question always requests a language).
+
+    Returns:
+        ``"<model>_<part>_language"`` (e.g. ``grpo_answer_language``) → (categories, rows).
+    """
+    categories = list(DETECTED_COLUMNS)
+    out = {}
+    for m in results["models"]:
+        for part in CONFUSION_PARTS:
+            matrix = m["summary"]["confusion"][part]
+            rows = [
+                [int(matrix[row][col]) if row in matrix else 0 for col in categories]
+                for row in categories
+            ]
+            out[f"{m['label']}_{part}_language"] = (categories, rows)
     return out
 
 

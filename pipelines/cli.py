@@ -170,14 +170,28 @@ def run(
     from pipelines.local_run import run_local
 
     config = _load_preset(preset, sets)
-    result = run_local(config, output_dir, enable_caching=cache)
+    result = run_local(
+        config,
+        output_dir,
+        enable_caching=cache,
+        quiet=not _options.verbose,
+        on_log=lambda path: typer.echo(
+            f"local run of preset {config.name!r}: one line per step; kfp.local's output and "
+            f"the steps' logs go to {path}"
+        ),
+    )
     typer.echo(f"\nlocal run of preset {config.name!r} finished in {result.seconds:.1f} s")
+    outputs = dict(result.outputs)
+    reports = outputs.pop("reports", None)
     typer.echo(f"all task outputs: {result.pipeline_root}")
-    for name, path in result.outputs.items():
+    for name, path in outputs.items():
         typer.echo(f"  {name}: {path}")
-    if "eval_results" in result.outputs:
-        typer.echo(f"\neval report: {result.outputs['eval_report']}")
-        typer.echo(headline(result.outputs["eval_results"]))
+    if reports is not None:
+        names = ", ".join(sorted(p.name for p in reports.iterdir()))
+        typer.echo(f"\nreports (open the .html ones in a browser): {reports}/ {names}")
+    if "eval_results" in outputs:
+        typer.echo("\neval, base vs SFT vs GRPO (overall figures; per language: reports/eval.html)")
+        typer.echo(headline(outputs["eval_results"]))
 
 
 HEADLINE_METRICS = (
@@ -194,14 +208,15 @@ def headline(results_json: Path) -> str:
     import json
 
     results = json.loads(Path(results_json).read_text())
-    rows = [f"{'model':<8}" + "".join(f"{m:>30}" for m in HEADLINE_METRICS)]
+    widths = {m: len(m) + 2 for m in HEADLINE_METRICS}
+    rows = [f"{'model':<8}" + "".join(f"{m:>{w}}" for m, w in widths.items())]
     for model in results["models"]:
         overall = model["summary"]["overall"]
         cells = "".join(
-            f"{overall[m]['value']:>30.3f}"
+            f"{overall[m]['value']:>{w}.3f}"
             if overall.get(m, {}).get("value") is not None
-            else f"{'-':>30}"
-            for m in HEADLINE_METRICS
+            else f"{'-':>{w}}"
+            for m, w in widths.items()
         )
         rows.append(f"{model['label']:<8}{cells}")
     return "\n".join(rows)

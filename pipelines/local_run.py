@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pipelines.local_console import QuietConsole
 from pipelines.presets import Preset, pipeline_arguments
 
 log = logging.getLogger(__name__)
@@ -25,14 +27,29 @@ class LocalRunResult:
     pipeline_root: Path
     outputs: dict[str, Path]
     seconds: float
+    log_path: Path | None = None
+    """kfp.local's own output and every step's output (quiet runs)."""
 
 
-def run_local(preset: Preset, output_dir: Path, enable_caching: bool = False) -> LocalRunResult:
+def run_local(
+    preset: Preset,
+    output_dir: Path,
+    enable_caching: bool = False,
+    quiet: bool = True,
+    on_log: Callable[[Path], None] | None = None,
+) -> LocalRunResult:
     """Run the pipeline with ``preset``'s arguments under ``kfp.local``.
 
     Components run as subprocesses of this Python (``SubprocessRunner(use_venv=False)``),
     so they import the installed lingo-rl, exactly as they do inside the project's image.
-    Task outputs land under ``output_dir``; a failing step raises ``RuntimeError``.
+    Task outputs land under ``output_dir``. ``quiet`` (the default) prints one line per step
+    and the training bars, and keeps kfp.local's output in
+    ``output_dir/logs/run-<timestamp>.log`` (``on_log`` gets its path first); otherwise
+    kfp.local prints everything.
+
+    Raises:
+        LocalStepFailedError: a step failed (quiet runs; otherwise kfp.local's RuntimeError).
+        OutputDirBusyError: another run writes into ``output_dir``.
     """
     from kfp import local
 
@@ -45,7 +62,14 @@ def run_local(preset: Preset, output_dir: Path, enable_caching: bool = False) ->
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     with output_dir_lock(output_dir):
-        return _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
+        if not quiet:
+            return _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
+        log_path = output_dir / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        if on_log is not None:
+            on_log(log_path)
+        with QuietConsole(log_path):  # a failed step: LocalStepFailedError
+            result = _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
+        return dataclasses.replace(result, log_path=log_path)
 
 
 class OutputDirBusyError(RuntimeError):
@@ -125,8 +149,30 @@ def _main_outputs(output_dir: Path, before: set[str]) -> dict[str, Path]:
     if not runs:
         raise RuntimeError(f"the local run left no run directory under {output_dir}")
     run = runs[-1]
-    return {
+    outputs = {
         name: run / task / output
         for name, (task, output) in MAIN_OUTPUTS.items()
         if (run / task / output).exists()
     }
+    _link_reports(run / "reports", outputs)
+    return outputs
+
+
+REPORT_LINKS = {
+    "eval.html": "eval_report_html",
+    "eval.md": "eval_report",
+    "sft.html": "sft_report",
+    "grpo.html": "grpo_report",
+}
+"""``<run>/reports/<name>`` → the output it links to (kfp.local names files after outputs,
+without an extension; a browser opens these links)."""
+
+
+def _link_reports(reports: Path, outputs: dict[str, Path]) -> None:
+    for name, output in REPORT_LINKS.items():
+        if output in outputs:
+            reports.mkdir(exist_ok=True)
+            link = reports / name
+            link.unlink(missing_ok=True)
+            link.symlink_to(os.path.relpath(outputs[output], reports))
+            outputs.setdefault("reports", reports)

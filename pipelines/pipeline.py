@@ -43,6 +43,7 @@ MAIN_OUTPUTS: dict[str, tuple[str, str]] = {
     "grpo_model": ("export-hf", "model"),
     "grpo_report": ("grpo", "report"),
     "eval_report": ("evaluate", "report"),
+    "eval_report_html": ("evaluate", "report_html"),
     "eval_results": ("evaluate", "results"),
 }
 """The artifacts a user opens first: name → (task, output). The pipeline returns no outputs

@@ -1,9 +1,20 @@
 """Training metrics: ``training_metrics.jsonl`` (read by Kubeflow for progress/ETA), MLflow, plots.
 
-One JSON object per line, appended and flushed by global rank 0 only, each line carrying
-``step``, ``max_steps``, ``epoch`` and ``wall_time_s`` — seconds since training started,
-cumulative across resumes, so ``ETA = wall_time_s / step × (max_steps − step)``. Other ranks
-get a writer that does nothing.
+The file is an interface: the Open Data Hub Kubeflow SDK tails it for progress, ETA and the
+end-of-job message (docs/platform.md, "Training metrics"). Its convention:
+
+- one JSON object per optimizer step, appended and flushed by global rank 0 only (other
+  ranks get a writer that does nothing); metrics measured after the step (held-out eval) are
+  merged onto that step's line, so the last line always carries the train ``loss``;
+- every line carries ``step``, ``max_steps``, ``epoch`` and ``wall_time_s`` — seconds since
+  training started, cumulative across resumes, so ``ETA = wall_time_s / step × (max_steps −
+  step)``;
+- ``epoch`` is the fractional number of *planned* epochs completed (HF Trainer /
+  training_hub style, 0-based: ``planned_epochs × step / max_steps``, 0 before the first step,
+  exactly ``planned_epochs`` at the last). It never exceeds the configured number of epochs,
+  so the reader's 1-based ``currentEpoch = max(1, ceil(epoch))`` never passes the total.
+  Passes over the data, which can exceed it (``max_steps`` set beyond one epoch), are
+  ``data_passes``.
 """
 
 from __future__ import annotations
@@ -50,11 +61,13 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 class MetricsWriter:
-    """Append metric lines for one training run; resumable.
+    """Write one metric line per optimizer step for one training run; resumable.
 
     Args:
         path: the ``training_metrics.jsonl`` file.
         max_steps: total optimizer steps of the run.
+        planned_epochs: the configured number of epochs the ``max_steps`` steps stand for
+            (``epoch`` runs from 0 to this).
         is_main: only the global rank 0 process writes; others pass False.
         resume_step: when resuming from a checkpoint at this step, lines after it (written
             before the interruption, not covered by the checkpoint) are dropped, and the wall
@@ -66,12 +79,14 @@ class MetricsWriter:
         self,
         path: str | Path,
         max_steps: int,
+        planned_epochs: float = 1.0,
         is_main: bool = True,
         resume_step: int = 0,
         mlflow_run=None,
     ) -> None:
         self.path = Path(path)
         self.max_steps = max_steps
+        self.planned_epochs = planned_epochs
         self.is_main = is_main
         self.mlflow_run = mlflow_run
         self._offset = 0.0
@@ -84,37 +99,59 @@ class MetricsWriter:
         )
         if kept:
             self._offset = max(m["wall_time_s"] for m in kept)
-        tmp = self.path.with_name(f".{self.path.name}.partial")
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
-        os.replace(tmp, self.path)
+        self._written = [json.dumps(m) + "\n" for m in kept[:-1]]
+        self._last: dict | None = kept[-1] if kept else None
+        self._rewrite()
         self._start = time.monotonic()
+
+    def _rewrite(self) -> None:
+        """Replace the file with the lines so far (atomic: a reader sees old or new, whole)."""
+        tail = [json.dumps(self._last) + "\n"] if self._last is not None else []
+        tmp = self.path.with_name(f".{self.path.name}.partial")
+        tmp.write_text("".join(self._written + tail))
+        os.replace(tmp, self.path)
 
     def wall_time(self) -> float:
         """Seconds of training so far, including time before a resume."""
         return self._offset + (time.monotonic() - self._start) if self.is_main else 0.0
 
-    def log(self, step: int, epoch: float, **values: float | int | None) -> dict | None:
-        """Write one line (rank 0); non-finite floats are written as null."""
+    def epoch(self, step: int) -> float:
+        """Planned epochs completed after ``step`` steps: 0 … ``planned_epochs``."""
+        return round(self.planned_epochs * min(step, self.max_steps) / self.max_steps, 4)
+
+    def log(self, step: int, **values: float | int | None) -> dict | None:
+        """Write ``step``'s line (rank 0); non-finite floats are written as null.
+
+        A second call for the same step (the held-out eval after the update) merges its values
+        onto that step's line, rewritten in place, with ``wall_time_s`` moved to now.
+        """
         if not self.is_main:
             return None
-        line = {
+        clean = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in values.items()
+        }
+        header = {
             "step": step,
             "max_steps": self.max_steps,
-            "epoch": round(epoch, 4),
+            "epoch": self.epoch(step),
             "wall_time_s": round(self.wall_time(), 3),
         }
-        for key, value in values.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                value = None
-            line[key] = value
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(line) + "\n")
-            fh.flush()
+        if self._last is not None and self._last["step"] == step:
+            self._last = {**self._last, **header, **clean}
+            self._rewrite()
+        else:
+            if self._last is not None:
+                self._written.append(json.dumps(self._last) + "\n")
+            self._last = {**header, **clean}
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(self._last) + "\n")
+                fh.flush()
         if self.mlflow_run is not None:
             from eval.tracking import log_metrics
 
-            log_metrics({k: v for k, v in line.items() if k != "step"}, step)
-        return line
+            log_metrics({k: v for k, v in {**header, **clean}.items() if k != "step"}, step)
+        return self._last
 
 
 def plot_metrics(

@@ -223,6 +223,11 @@ def test_components_end_to_end(tracking, tmp_path):
     markdown, page = dsl.Markdown(uri=str(out / "report")), dsl.HTML(uri=str(out / "html"))
     metrics = dsl.Metrics(uri=str(out / "metrics"))
     config = {"limit": 5, "sampling": {"max_tokens": 8}, "batch_size": 5}
+    matrices = {
+        f"{model}_{part}_language": dsl.ClassificationMetrics(uri=str(out / f"{model}_{part}"))
+        for model in ("base", "sft", "grpo")
+        for part in ("reasoning", "answer")
+    }
     evaluate.python_func(
         base_model=dsl.Model(uri=str(tiny)),
         sft_model=dsl.Model(uri=str(tiny)),
@@ -232,6 +237,7 @@ def test_components_end_to_end(tracking, tmp_path):
         report=markdown,
         report_html=page,
         metrics=metrics,
+        **matrices,
         mlflow_tracking_uri=tracking,
     )
     data = json.loads(Path(results.path).read_text())
@@ -240,6 +246,8 @@ def test_components_end_to_end(tracking, tmp_path):
     assert "## Overall" in Path(markdown.path).read_text()
     assert "data:image/png;base64," in Path(page.path).read_text()
     assert metrics.metadata["grpo-vs-base/mean_reward"] == 0.0  # same weights, same seed
+    grpo_answers = matrices["grpo_answer_language"].metadata["confusionMatrix"]
+    assert sum(sum(row["row"]) for row in grpo_answers["rows"]) == 5
     runs = MlflowClient().search_runs(
         [MlflowClient().get_experiment_by_name("lingo-rl-tests").experiment_id],
         filter_string="attributes.run_name = 'eval'",

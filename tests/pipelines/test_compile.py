@@ -80,6 +80,28 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
     }
 
 
+def test_kfp_ui_views_have_their_artifact_types():
+    """The eval's confusion matrices and figures, and SFT/GRPO's figures, are typed artifacts
+    the KFP UI renders natively (issue #18)."""
+    spec = pipeline_spec_pb2.PipelineSpec()
+    json_format.ParseDict(_load(COMPILED_PIPELINE), spec, ignore_unknown_fields=False)
+
+    def schemas(component: str) -> dict[str, str]:
+        outputs = spec.components[component].output_definitions.artifacts
+        return {name: a.artifact_type.schema_title for name, a in outputs.items()}
+
+    for component in ("comp-evaluate", "comp-evaluate-2"):
+        evaluate = schemas(component)
+        matrices = {
+            f"{model}_{part}_language": "system.ClassificationMetrics"
+            for model in ("base", "sft", "grpo")
+            for part in ("reasoning", "answer")
+        }
+        assert evaluate.items() >= {**matrices, "metrics": "system.Metrics"}.items()
+    for component in ("comp-sft", "comp-grpo"):
+        assert schemas(component)["metrics"] == "system.Metrics"
+
+
 def test_pipeline_parameters_are_the_preset_fields_with_the_config_defaults():
     params = inspect.signature(lingo_pipeline.pipeline_func).parameters
     for preset in PRESETS.values():

@@ -5,6 +5,7 @@ import json
 import pytest
 from conftest import read_jsonl, write_jsonl
 
+from pipelines.local_console import LocalStepFailedError
 from pipelines.local_run import run_local
 from pipelines.presets import apply_overrides, get_preset
 
@@ -47,27 +48,37 @@ def test_local_pipeline_run_writes_the_step_outputs(tmp_path):
     report = result.outputs["sft_report"].read_text()
     assert "<img" in report and "last_loss" in report
     metrics = result.outputs["sft_model"].parent / "training_log" / "training_metrics.jsonl"
-    assert len(metrics.read_text().splitlines()) == 4  # 3 steps + the final eval line
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]  # the final eval is merged onto step 3
+    assert lines[-1]["loss"] is not None and "eval_loss" in lines[-1]
     policy = AutoModelForCausalLM.from_pretrained(result.outputs["grpo_model"])
     assert policy.config.hidden_size == 64
     assert "held-out" in result.outputs["grpo_report"].read_text()
     results = json.loads(result.outputs["eval_results"].read_text())
     assert [m["label"] for m in results["models"]] == ["base", "sft", "grpo"]
     assert result.outputs["eval_report"].read_text().strip()
+    reports = result.outputs["reports"]
+    assert sorted(p.name for p in reports.iterdir()) == [
+        "eval.html",
+        "eval.md",
+        "grpo.html",
+        "sft.html",
+    ]
+    assert "<html" in (reports / "eval.html").read_text().lower()
+    # quiet: kfp.local's own output went to the run's log, not to the terminal
+    assert result.log_path.parent == (tmp_path / "runs" / "logs").resolve()
+    assert "Executing task 'sft'" in result.log_path.read_text()
 
 
 def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):
     src = write_jsonl(tmp_path / "bad.jsonl", ["{nope"] * 3)
     preset = apply_overrides(get_preset("tiny-cpu"), {"data_prep.source": str(src)})
-    try:
+    with pytest.raises(LocalStepFailedError, match="step 'data-prep' failed: .*TooManyBadRows"):
         run_local(preset, tmp_path / "runs")
-    except RuntimeError as exc:
-        assert "data-prep" in str(exc)
-    else:
-        raise AssertionError("the run should fail")
-    out = capfd.readouterr()
-    assert "TooManyBadRowsError" in out.out + out.err
-    assert "bad.jsonl:1" in out.out + out.err
+    out = capfd.readouterr()  # the failing step's last lines, printed below its line
+    assert "data-prep          FAILURE" in out.out
+    assert "TooManyBadRowsError" in out.out
+    assert "bad.jsonl:1" in out.out
 
 
 def test_capacity_check_fails_fast_with_the_table(tmp_path, capfd):
@@ -77,12 +88,8 @@ def test_capacity_check_fails_fast_with_the_table(tmp_path, capfd):
         get_preset("tiny-cpu"), {k: v for k, v in too_small.items() if "." in k}
     )
     preset = preset.model_copy(update={"layout_overrides": {"host_memory_gib": "0.001"}})
-    try:
+    with pytest.raises(LocalStepFailedError, match="step 'capacity-check' failed"):
         run_local(preset, tmp_path / "runs")
-    except RuntimeError as exc:
-        assert "capacity-check" in str(exc)
-    else:
-        raise AssertionError("the run should stop at the capacity check")
     out = capfd.readouterr()
     assert "LayoutDoesNotFit" in out.out + out.err
     assert not list((tmp_path / "runs").glob("*/sft"))  # SFT never started

@@ -355,15 +355,16 @@ def run_grpo(
     _sync(engine, backend)
 
     with mlflow_run("grpo", cfg.model_dump(), info.is_main) as run, contextlib.closing(backend):
+        # GRPO plans steps, not epochs: the run is one planned epoch (``epoch`` 0 … 1)
         writer = MetricsWriter(
-            work_dir / METRICS_FILE, cfg.max_steps, info.is_main, start_step, run
+            work_dir / METRICS_FILE, cfg.max_steps, 1.0, info.is_main, start_step, run
         )
         if "baseline" not in state:
             state["baseline"] = evaluate_policy(
                 engine, tokenizer, eval_prompts, scorer, cfg.eval_samples, cfg.seed
             )
             state["best"] = {"step": 0, **state["baseline"]}
-            writer.log(0, 0.0, **{f"eval_{k}": v for k, v in state["baseline"].items()})
+            writer.log(0, **{f"eval_{k}": v for k, v in state["baseline"].items()})
             _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
         guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
         progress = tqdm(
@@ -402,7 +403,7 @@ def run_grpo(
             tokens = dp.all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)))
             writer.log(
                 done,
-                done * cfg.prompts_per_step / len(train_prompts),
+                data_passes=round(done * cfg.prompts_per_step / len(train_prompts), 4),
                 **stats,
                 **_reward_metrics(batch, dp),
                 rollout_time_s=rollout_time,
@@ -415,11 +416,8 @@ def run_grpo(
                 held_out = evaluate_policy(
                     engine, tokenizer, eval_prompts, scorer, cfg.eval_samples, cfg.seed
                 )
-                writer.log(
-                    done,
-                    done * cfg.prompts_per_step / len(train_prompts),
-                    **{f"eval_{k}": v for k, v in held_out.items()},
-                )
+                # merged onto this step's line: the last line always carries the train loss
+                writer.log(done, **{f"eval_{k}": v for k, v in held_out.items()})
                 state["last_eval"] = {"step": done, **held_out}
                 # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
                 if broadcast_object(_better(cfg, held_out, state["baseline"], state["best"]), info):

@@ -133,7 +133,11 @@ def run_sft(
     start_step = (resume(checkpoints, backend, info, run_config) or {"step": 0})["step"]
 
     with mlflow_run("sft", cfg.model_dump(), info.is_main) as run:
-        writer = MetricsWriter(work_dir / METRICS_FILE, max_steps, info.is_main, start_step, run)
+        # training by epochs, ``epoch`` counts them; by steps, the run is one planned epoch
+        planned_epochs = cfg.num_epochs if not cfg.max_steps else 1.0
+        writer = MetricsWriter(
+            work_dir / METRICS_FILE, max_steps, planned_epochs, info.is_main, start_step, run
+        )
         _train_loop(
             cfg,
             info,
@@ -238,7 +242,7 @@ def _train_loop(
         guard.check(done, step_loss, grad_norm, backend.module)
         writer.log(
             done,
-            done / steps_per_epoch,
+            data_passes=round(done / steps_per_epoch, 4),
             loss=step_loss,
             learning_rate=learning_rate,
             grad_norm=grad_norm,
@@ -248,7 +252,7 @@ def _train_loop(
         progress.set_postfix(loss=f"{step_loss:.3f}")
         if evals and ((cfg.eval_every and done % cfg.eval_every == 0) or done == max_steps):
             eval_loss = evaluate(backend.module, evals, cfg.micro_batch_size, pad_id, info.device)
-            writer.log(done, done / steps_per_epoch, eval_loss=eval_loss)
+            writer.log(done, eval_loss=eval_loss)  # merged onto this step's line
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < max_steps:
             save_checkpoint(
                 checkpoints,

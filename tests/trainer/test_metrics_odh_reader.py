@@ -1,0 +1,224 @@
+"""``training_metrics.jsonl`` read with the Open Data Hub Kubeflow SDK's rules (issue #18).
+
+The ODH SDK (opendatahub-io/kubeflow-sdk) injects a progress server into training pods
+(``kubeflow/trainer/rhai/instrumentation/traininghub_progression.py``) and writes an
+end-of-job message (``traininghub_codegen.py``). This harness re-implements the rules those
+files apply to a metrics file — it does not import or copy them — and checks them on the
+files a real tiny SFT and GRPO run write, cut at several points mid-run and complete:
+
+- ``lora_sft`` (our SFT): the last line only; progress ``round(100 × step / max_steps)``,
+  held at 99 until ``step == max_steps``; ``currentEpoch = max(1, ceil(epoch))``; train loss
+  from ``loss``.
+- ``lora_grpo`` (our GRPO): the last two lines, merged when they carry the last line's
+  ``step``; progress as above; ``ETA = int(wall_time_s / step × (max_steps − step))``, 0 at the
+  end; ``currentEpoch = max(1, ceil(epoch))`` of ``totalEpochs = 1``.
+- end of job: the last line only; final loss ``loss or train_loss or avg_loss or 0``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from trainer.grpo.config import GRPOConfig
+from trainer.grpo.recipe import run_grpo
+from trainer.metrics import MetricsWriter, read_metrics
+from trainer.sft.config import SFTConfig
+from trainer.sft.recipe import run_sft
+
+
+def _tail(path: Path, n: int) -> list[dict]:
+    """``tail -n N`` then ``json.loads`` per non-blank line, as the reader does."""
+    return [json.loads(line) for line in path.read_text().splitlines()[-n:] if line.strip()]
+
+
+def _percent(step: int, max_steps: int | None) -> int | None:
+    if not max_steps:
+        return None
+    percent = int(round(step / max_steps * 100))
+    return min(99, percent) if step < max_steps else min(100, percent)
+
+
+def _fmt(value) -> str | None:
+    if value is None or isinstance(value, bool):
+        return None
+    number = float(value)
+    return f"{number:.4f}" if math.isfinite(number) else None
+
+
+def read_lora_sft(path: Path) -> dict:
+    """What the SDK's ``lora_sft`` branch reports from a metrics file."""
+    m = _tail(path, 1)[-1]
+    step, epoch = m.get("step", 0), m.get("epoch", 0)
+    return {
+        "progressPercentage": _percent(step, m.get("max_steps")),
+        "estimatedRemainingSeconds": None,
+        "currentStep": step,
+        "currentEpoch": max(1, math.ceil(epoch)),
+        "totalEpochs": None,
+        "loss": _fmt(m.get("loss")),
+    }
+
+
+def read_lora_grpo(path: Path) -> dict:
+    """What the SDK's ``lora_grpo`` branch reports from a metrics file."""
+    lines = _tail(path, 2)
+    last_step = lines[-1].get("step")
+    m: dict = {}
+    for line in lines:
+        if last_step is None or line.get("step") == last_step:
+            m.update(line)
+    step, epoch, max_steps = m.get("step", 0), m.get("epoch", 0), m.get("max_steps")
+    wall = m.get("wall_time_s")
+    eta = None
+    if max_steps and step > 0 and wall and wall > 0:
+        eta = int(wall / step * (max_steps - step)) if max_steps > step else 0
+    return {
+        "progressPercentage": _percent(step, max_steps),
+        "estimatedRemainingSeconds": eta,
+        "currentStep": step,
+        "currentEpoch": max(1, math.ceil(epoch)),
+        "totalEpochs": 1,
+        "loss": _fmt(m.get("loss")),
+    }
+
+
+def end_of_job_loss(path: Path) -> str:
+    """The final loss the SDK's end-of-job message reports (last line only)."""
+    m = json.loads(path.read_text().splitlines()[-1])
+    return str(m.get("loss") or m.get("train_loss") or m.get("avg_loss") or 0)
+
+
+def _cuts(path: Path, tmp: Path) -> list[Path]:
+    """The file as a reader sees it after each line was written (every line, then complete)."""
+    lines = path.read_text().splitlines(keepends=True)
+    out = []
+    for n in range(1, len(lines) + 1):
+        cut = tmp / f"cut{n}" / path.name
+        cut.parent.mkdir(parents=True)
+        cut.write_text("".join(lines[:n]))
+        out.append(cut)
+    return out
+
+
+def _check(path: Path, tmp: Path, reader, planned_epochs: int) -> None:
+    lines = read_metrics(path)
+    steps = [m for m in lines if m["step"] > 0]
+    # one line per optimizer step (GRPO adds its step-0 baseline first)
+    assert [m["step"] for m in steps] == list(range(1, lines[-1]["max_steps"] + 1))
+    end = lines[-1]["wall_time_s"]
+    previous = -1
+    for cut in _cuts(path, tmp):
+        seen, last = reader(cut), read_metrics(cut)[-1]
+        assert seen["progressPercentage"] >= previous
+        previous = seen["progressPercentage"]
+        assert seen["currentEpoch"] <= (seen["totalEpochs"] or planned_epochs), seen
+        if last["step"] == 0:
+            assert seen["progressPercentage"] == 0
+            continue
+        # a train loss at every step, eval steps included
+        assert seen["loss"] == _fmt(last["loss"]) and seen["loss"] is not None, (cut, seen)
+        if last["step"] < last["max_steps"]:
+            assert seen["progressPercentage"] < 100
+            eta = seen["estimatedRemainingSeconds"]
+            if eta is not None:  # GRPO branch: within a wide margin of the real remainder
+                assert 0 <= eta <= 3 * (end - last["wall_time_s"]) + 10, (seen, end)
+    final = reader(path)
+    assert final["progressPercentage"] == 100
+    assert final["estimatedRemainingSeconds"] in (0, None)
+    # the last line is a train line: the end-of-job loss is the last train loss (GRPO's is
+    # exactly 0.0 on a step where no group had signal, which the reader writes as "0")
+    assert lines[-1]["loss"] is not None
+    assert float(end_of_job_loss(path)) == lines[-1]["loss"]
+
+
+@pytest.fixture(scope="module")
+def small_data(prepared_data, tmp_path_factory):
+    """A train split of 12 rows, so a few steps make more than one pass over the data."""
+    out = tmp_path_factory.mktemp("small")
+    rows = (prepared_data / "train.jsonl").read_text().splitlines(keepends=True)
+    (out / "train.jsonl").write_text("".join(rows[:12]))
+    (out / "eval.jsonl").write_text((prepared_data / "eval.jsonl").read_text())
+    return out
+
+
+def test_sft_metrics_read_right_by_the_odh_reader(tmp_path, tiny_model_dir, small_data):
+    cfg = SFTConfig(
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_seq_len=512,
+        merge_check_prompts=1,
+        eval_max_examples=4,
+        max_steps=7,  # 3 steps per pass over 12 rows: 2.33 passes
+        eval_every=3,
+    )
+    result = run_sft(
+        cfg,
+        tiny_model_dir,
+        small_data / "train.jsonl",
+        small_data / "eval.jsonl",
+        tmp_path / "model",
+        tmp_path / "work",
+    )
+    path = Path(result.metrics_file)
+    lines = read_metrics(path)
+    assert lines[-1]["data_passes"] > 2 and lines[-1]["epoch"] == 1.0
+    assert [m["step"] for m in lines if "eval_loss" in m] == [3, 6, 7]
+    _check(path, tmp_path / "cuts", read_lora_sft, planned_epochs=1)
+    _check(path, tmp_path / "cuts-grpo-rules", read_lora_grpo, planned_epochs=1)
+    assert end_of_job_loss(path) == str(result.last_loss) != "0"
+
+
+def test_grpo_metrics_read_right_by_the_odh_reader(tmp_path, tiny_model_dir, small_data):
+    cfg = GRPOConfig.model_validate(
+        {
+            "rollout": {"n_samples": 4, "max_new_tokens": 8},
+            "prompts_per_step": 4,
+            "mini_batch_size": 16,
+            "micro_batch_size": 8,
+            "max_steps": 4,  # 16 prompts drawn from 12: more than one pass
+            "eval_every": 2,
+            "eval_prompts": 2,
+            "eval_samples": 1,
+            "optim": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
+            "dtype": "float32",
+        }
+    )
+    result = run_grpo(
+        cfg,
+        tiny_model_dir,
+        small_data / "train.jsonl",
+        small_data / "eval.jsonl",
+        tmp_path / "model",
+        tmp_path / "work",
+    )
+    path = Path(result.metrics_file)
+    lines = read_metrics(path)
+    assert lines[-1]["data_passes"] > 1 and lines[-1]["epoch"] == 1.0
+    assert [m["step"] for m in lines if "eval_mean_reward" in m] == [0, 2, 4]
+    _check(path, tmp_path / "cuts", read_lora_grpo, planned_epochs=1)
+
+
+def test_eval_values_merge_onto_the_step_line_and_survive_a_resume(tmp_path):
+    path = tmp_path / "training_metrics.jsonl"
+    writer = MetricsWriter(path, max_steps=4, planned_epochs=2.0)
+    writer.log(1, loss=2.0)
+    writer.log(2, loss=1.5)
+    writer.log(2, eval_loss=1.7, bad=float("nan"))
+    lines = read_metrics(path)
+    assert [m["step"] for m in lines] == [1, 2]
+    assert lines[-1]["loss"] == 1.5 and lines[-1]["eval_loss"] == 1.7 and lines[-1]["bad"] is None
+    assert [m["epoch"] for m in lines] == [0.5, 1.0]  # planned epochs completed, 0 … 2
+    writer.log(3, loss=1.2)  # then killed; the checkpoint holds step 2
+    resumed = MetricsWriter(path, max_steps=4, planned_epochs=2.0, resume_step=2)
+    assert [m["step"] for m in read_metrics(path)] == [1, 2]
+    resumed.log(3, loss=1.1)
+    resumed.log(4, loss=1.0)
+    resumed.log(4, eval_loss=1.3)
+    lines = read_metrics(path)
+    assert [(m["step"], m["loss"]) for m in lines] == [(1, 2.0), (2, 1.5), (3, 1.1), (4, 1.0)]
+    assert lines[1]["eval_loss"] == 1.7 and lines[-1]["epoch"] == 2.0
+    assert end_of_job_loss(path) == "1.0"

@@ -157,6 +157,7 @@ GPT_OSS_20B = Preset(
             tensor_parallel_size=4,
             gpu_memory_utilization=0.85,
             colocate=False,
+            num_engines=2,
         ),
         algorithm=AlgorithmConfig(kl_loss_coef=0.001, kl_estimator="low_var_kl"),
         optim=OptimConfig(
@@ -204,7 +205,12 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
         "grpo": GPT_OSS_20B.grpo.model_copy(
             update={
                 "rollout": GPT_OSS_20B.grpo.rollout.model_copy(
-                    update={"n_samples": 16, "colocate": True, "gpu_memory_utilization": 0.5}
+                    update={
+                        "n_samples": 16,
+                        "colocate": True,
+                        "num_engines": 0,
+                        "gpu_memory_utilization": 0.5,
+                    }
                 ),
                 "prompts_per_step": 16,
                 "nproc": 8,
@@ -328,3 +334,25 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     args["mlflow_experiment"] = ""
     args["export_uri"] = ""
     return args
+
+
+def grpo_cluster(preset: Preset) -> tuple[int, int]:
+    """``(nodes, GPUs per node)`` the GRPO step's training processes run on: its PyTorchJob
+    (reference layout plus job overrides), or one node of ``grpo.nproc`` processes."""
+    execution = preset.grpo_execution
+    if execution.mode == "local":
+        return 1, preset.grpo.nproc
+    from trainer.cluster.config import REFERENCE_LAYOUTS
+
+    job = {**REFERENCE_LAYOUTS.get(execution.reference or "", {}), **execution.job}
+    nodes = int(job.get("nodes", 1))
+    per_node = int(job.get("nproc_per_node") or job.get("gpus_per_node") or 1)
+    return nodes, per_node
+
+
+def grpo_plan(preset: Preset):
+    """The GRPO step's ``trainer.placement.PlacementPlan``: training processes on its job's
+    nodes, dedicated rollout engines on the nodes after them."""
+    from trainer.placement import grpo_placement
+
+    return grpo_placement(preset.grpo, *grpo_cluster(preset))

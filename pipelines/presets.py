@@ -336,23 +336,9 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     return args
 
 
-def grpo_cluster(preset: Preset) -> tuple[int, int]:
-    """``(nodes, GPUs per node)`` the GRPO step's training processes run on: its PyTorchJob
-    (reference layout plus job overrides), or one node of ``grpo.nproc`` processes."""
-    execution = preset.grpo_execution
-    if execution.mode == "local":
-        return 1, preset.grpo.nproc
-    from trainer.cluster.config import REFERENCE_LAYOUTS
-
-    job = {**REFERENCE_LAYOUTS.get(execution.reference or "", {}), **execution.job}
-    nodes = int(job.get("nodes", 1))
-    per_node = int(job.get("nproc_per_node") or job.get("gpus_per_node") or 1)
-    return nodes, per_node
-
-
 def grpo_plan(preset: Preset):
     """The GRPO step's ``trainer.placement.PlacementPlan``: training processes on its job's
     nodes, dedicated rollout engines on the nodes after them."""
     from trainer.placement import grpo_placement
 
-    return grpo_placement(preset.grpo, *grpo_cluster(preset))
+    return grpo_placement(preset.grpo, *preset.grpo_execution.cluster(preset.grpo.nproc))

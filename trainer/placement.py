@@ -45,6 +45,7 @@ class ParallelLayout:
         colocate: engines on the training GPUs (hybrid) rather than on GPUs of their own.
         rollout_engines: dedicated engines (``colocate=False`` only; colocated runs have one
             per TP group of training processes).
+        engine: ``vllm``, or ``hf`` (each training process samples with its own model).
     """
 
     tp: int = 1
@@ -54,6 +55,7 @@ class ParallelLayout:
     rollout_tp: int = 1
     colocate: bool = True
     rollout_engines: int = 0
+    engine: Literal["vllm", "hf"] = "vllm"
 
     @property
     def training_processes(self) -> int:
@@ -148,8 +150,8 @@ class PlacementPlan:
         lines = [
             f"placement: {self.nodes} node(s) × {self.gpus_per_node} GPU(s), {self.gpus_used} "
             f"used; {len(self.training_ranks)} training processes (TP {lay.tp} × PP {lay.pp} "
-            f"× DP {lay.dp}, EP {lay.ep}); {len(self.engines)} rollout engine(s) of TP "
-            f"{lay.rollout_tp}, {mode}",
+            f"× DP {lay.dp}, EP {lay.ep}); {len(self.engines)} {lay.engine} rollout "
+            f"engine(s) of TP {lay.rollout_tp}, {mode}",
         ]
         for tp_group, ranks in enumerate(self.train_tp_groups):
             if len(self.train_tp_groups) > 8 and 4 <= tp_group < len(self.train_tp_groups) - 2:
@@ -306,6 +308,7 @@ def grpo_layout(cfg: GRPOConfig, world_size: int | None = None) -> ParallelLayou
         rollout_tp=rollout.tensor_parallel_size if vllm else 1,
         colocate=colocate,
         rollout_engines=0 if colocate else rollout.num_engines,
+        engine=rollout.engine,
     )
 
 

@@ -127,5 +127,5 @@ def test_what_cannot_be_placed_says_why(nodes, gpus, layout, message):
 
 def test_render_names_every_engine():
     text = grpo_plan(PRESETS["gpt-oss-20b"]).render()
-    assert "16 training processes" in text and "2 rollout engine(s) of TP 4" in text
+    assert "16 training processes" in text and "2 vllm rollout engine(s) of TP 4" in text
     assert "engine 1: ranks 20-23 on node 5 gpus 0,1,2,3" in text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipelines.presets import PRESETS, apply_overrides, config_dict, grpo_plan
-from trainer.planner import LayoutDoesNotFit, LayoutError
+from trainer.planner import LayoutDoesNotFit, LayoutError, Verdict
 from trainer.planner.run_layout import check_run, grpo_layout, run_estimates, sft_layout
 
 
@@ -81,6 +81,13 @@ def test_sft_is_checked_as_configured():
     assert (layout.nodes, layout.training_gpus, layout.rollout_gpus) == (2, 8, 0)
     assert (layout.lora_rank, layout.lora_experts, layout.sequence_length) == (8, True, 2049)
     assert layout.micro_train_batch_size == preset.sft.micro_batch_size
+
+
+def test_every_preset_fits_its_check():
+    for name, preset in PRESETS.items():
+        model = "tiny-gpt-oss" if name == "tiny-cpu" else "gpt-oss-20b"
+        _, estimates = _estimates(preset, model)
+        assert all(e.verdict is not Verdict.DOES_NOT_FIT for e in estimates.values()), name
 
 
 def test_check_run_reports_the_plan_and_both_steps_and_names_what_does_not_fit():

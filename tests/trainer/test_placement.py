@@ -129,3 +129,38 @@ def test_render_names_every_engine():
     text = grpo_plan(PRESETS["gpt-oss-20b"]).render()
     assert "16 training processes" in text and "2 vllm rollout engine(s) of TP 4" in text
     assert "engine 1: ranks 20-23 on node 5 gpus 0,1,2,3" in text
+
+
+def _grpo(**rollout):
+    from trainer.grpo.config import GRPOConfig
+
+    return GRPOConfig.model_validate(
+        {
+            "rollout": {"engine": "vllm", "tensor_parallel_size": 4, **rollout},
+            "prompts_per_step": 16,
+            "mini_batch_size": 128,
+            "micro_batch_size": 1,
+            "nproc": 16,
+            "optim": {"backend": "deepspeed"},
+        }
+    )
+
+
+def test_the_recipe_builds_an_engine_only_where_the_plan_says(monkeypatch):
+    """Under torchrun (2 nodes × 8), rank 13 is a worker of engine 3 (ranks 12-15, node 1
+    GPUs 4-7); a dedicated layout stops at start instead of 16 engines of TP 4 on GPU 0."""
+    import torch
+
+    from trainer.distributed import DistInfo
+    from trainer.grpo.recipe import run_placement
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    plan = run_placement(_grpo(), DistInfo(13, 16, 5, torch.device("cpu")))
+    engine = plan.engine_of(13)
+    assert (engine.index, engine.ranks, engine.node, engine.cuda_visible_devices) == (
+        3, (12, 13, 14, 15), 1, "4,5,6,7"
+    )  # fmt: skip
+    with pytest.raises(PlacementError, match="torchrun on node 1 gpu 6"):
+        run_placement(_grpo(), DistInfo(13, 16, 6, torch.device("cpu")))
+    with pytest.raises(PlacementError, match="starts no rollout-only processes"):
+        run_placement(_grpo(colocate=False, num_engines=2), DistInfo(0, 16, 0, torch.device("cpu")))

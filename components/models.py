@@ -64,21 +64,29 @@ def sft(
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def capacity_check(
-    base_model: Input[Model], layout: str, overrides: dict, report: Output[Markdown]
+    base_model: Input[Model],
+    layout: str,
+    overrides: dict,
+    sft_config: dict,
+    grpo_config: dict,
+    sft_execution: dict,
+    grpo_execution: dict,
+    report: Output[Markdown],
 ):
-    """Fail fast, before any heavy step, when the layout cannot hold the model (the table is in
-    the report and in the error)."""
+    """Fail fast, before any heavy step, when the run cannot fit: SFT and GRPO as configured
+    (processes, placement plan, batch, lengths) on ``layout``'s machines (the tables and the
+    GRPO placement plan are in the report, the tables in the error)."""
     import logging
     from pathlib import Path
 
-    from trainer.planner import LayoutDoesNotFit, check_layout, format_table
+    from trainer.planner import LayoutDoesNotFit
+    from trainer.planner.run_layout import check_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        result = check_layout(base_model.path, layout, {k: str(v) for k, v in overrides.items()})
-    except LayoutDoesNotFit as exc:
-        Path(report.path).write_text(f"# Capacity check: does not fit\n\n```\n{exc.table}\n```\n")
-        raise
-    Path(report.path).write_text(
-        f"# Capacity check: {result.verdict.value}\n\n```\n{format_table(result)}\n```\n"
-    )
+    text, failing = check_run(
+        base_model.path, layout, sft_config, grpo_config, sft_execution, grpo_execution,
+        {k: str(v) for k, v in overrides.items()},
+    )  # fmt: skip
+    Path(report.path).write_text(text)
+    if failing is not None:
+        raise LayoutDoesNotFit(failing, text)

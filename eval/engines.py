@@ -169,38 +169,47 @@ class HFEngine:
     def generate(
         self, requests: Sequence[GenerationRequest], sampling: SamplingSettings
     ) -> list[Generation]:
-        """Generate in batches of ``batch_size``; each batch is seeded with ``seed + index``."""
-        import torch
-
+        """Generate in batches of ``batch_size``; each request samples with its own generator
+        (seeded with ``request.seed``), so a response does not depend on its batch."""
         out: list[Generation] = []
-        for index, start in enumerate(range(0, len(requests), self.batch_size)):
+        for start in range(0, len(requests), self.batch_size):
             batch = requests[start : start + self.batch_size]
-            torch.manual_seed(sampling.seed + index)
             began = time.perf_counter()
-            out.extend(self._generate_batch([r.prompt for r in batch], sampling, began))
+            out.extend(self._generate_batch(batch, sampling, began))
         return out
 
     def _generate_batch(
-        self, prompts: list[str], sampling: SamplingSettings, began: float
+        self, requests: Sequence[GenerationRequest], sampling: SamplingSettings, began: float
     ) -> list[Generation]:
         import torch
+        from transformers import LogitsProcessorList
+
+        from eval.sampling import PerRowSampler, row_generators
 
         encoded = self.tokenizer(
-            prompts, return_tensors="pt", padding=True, add_special_tokens=False
+            [r.prompt for r in requests],
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
         ).to(self.device)
         kwargs: dict[str, object] = {
             "max_new_tokens": sampling.max_tokens,
             "eos_token_id": self.stop_ids,
             "pad_token_id": self.tokenizer.pad_token_id,
+            # PerRowSampler draws the token; generate's own step is greedy on its output
+            "do_sample": False,
+            "temperature": None,
+            "top_p": None,
+            "top_k": None,
         }
         if sampling.temperature > 0:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None)
+            generators = row_generators([r.seed for r in requests], self.device)
+            sampler = PerRowSampler(sampling.temperature, sampling.top_p, generators)
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
         with torch.inference_mode():
             output = self.model.generate(**encoded, **kwargs)
         new_tokens = output[:, encoded["input_ids"].shape[1] :].tolist()
-        latency = (time.perf_counter() - began) / len(prompts)
+        latency = (time.perf_counter() - began) / len(requests)
         results = []
         stops = set(self.stop_ids)
         for ids in new_tokens:
@@ -226,7 +235,8 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """vLLM offline generation (GPU; the ``gpu`` extra). One request seed per response.
+    """vLLM offline generation (GPU; the ``gpu`` extra). One request seed per response
+    (``request.seed``, from ``eval.seeds``).
 
     Args:
         model_dir: A Hugging Face model directory.
@@ -270,16 +280,7 @@ class VLLMEngine:
             for r in requests
         ]
         params = [
-            SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_tokens=sampling.max_tokens,
-                seed=r.seed,
-                stop_token_ids=self.stop_ids,
-                skip_special_tokens=False,
-                include_stop_str_in_output=True,
-            )
-            for r in requests
+            SamplingParams(**kw) for kw in vllm_request_params(requests, sampling, self.stop_ids)
         ]
         began = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -305,6 +306,26 @@ class VLLMEngine:
     def close(self) -> None:
         """Drop the engine."""
         del self.llm
+
+
+def vllm_request_params(
+    requests: Sequence[GenerationRequest], sampling: SamplingSettings, stop_ids: Sequence[int]
+) -> list[dict[str, object]]:
+    """``vllm.SamplingParams`` keyword arguments, one per request (``LLM.generate`` pairs a
+    list of params with the prompts one by one): one response each, with its own seed."""
+    return [
+        {
+            "n": 1,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+            "seed": r.seed,
+            "stop_token_ids": list(stop_ids),
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        for r in requests
+    ]
 
 
 def is_endpoint(location: str) -> bool:

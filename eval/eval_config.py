@@ -23,8 +23,9 @@ class SamplingSettings(ConfigModel):
         temperature: 0 means greedy decoding.
         top_p: Nucleus sampling mass.
         max_tokens: New tokens per response (analysis + final).
-        seed: Base seed; sample ``k`` of a question uses ``seed + k`` where the engine takes a
-            per-request seed (vLLM, endpoints), and batch ``b`` uses ``seed + b`` with HF.
+        seed: Base seed; sample ``k`` of question ``q`` uses its own seed
+            ``eval.seeds.sample_seed(seed, "eval", q, k)`` (vLLM and endpoints per request,
+            HF with one generator per row), never shared by two responses.
         n: Samples per question (for variance).
     """
 

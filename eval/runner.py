@@ -38,6 +38,7 @@ from eval.harmony import task_prompt
 from eval.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
 from eval.report import log_eval_run, write_reports
 from eval.scoring import ComplianceResult, ComplianceScorer
+from eval.seeds import sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def build_requests(
                     {"role": "system", "content": instructions},
                     {"role": "user", "content": question.question},
                 ),
-                seed=config.sampling.seed + sample,
+                seed=sample_seed(config.sampling.seed, "eval", question.id, sample),
             )
             out.append((question, sample, request))
     return out

@@ -15,7 +15,14 @@ import click
 import typer
 
 from data_prep.config import BUNDLED_SOURCE
-from pipelines.presets import DEFAULT_PRESET, PRESETS, apply_overrides, get_preset
+from pipelines.presets import (
+    DEFAULT_PRESET,
+    PRESETS,
+    Preset,
+    UnknownPresetError,
+    apply_overrides,
+    get_preset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -326,19 +333,28 @@ def presets() -> None:
 @app.command()
 def estimate(
     model: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="Model preset (gpt-oss-20b, gpt-oss-120b, tiny-gpt-oss), a model "
-            "directory or a config.json."
+            "directory or a config.json [default: gpt-oss-20b, or the --preset's model]."
         ),
-    ] = "gpt-oss-20b",
+    ] = None,
     layout: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="Layout preset: g5.12xlarge-x6-openrlhf, g5.12xlarge-x6-openrlhf-12train, "
-            "g5.12xlarge-x6-openrlhf-hybrid, p5en.48xlarge-x2-megatron, tiny-cpu."
+            "g5.12xlarge-x6-openrlhf-hybrid, p5en.48xlarge-x2-megatron, tiny-cpu "
+            "[default: g5.12xlarge-x6-openrlhf, or the --preset's layout]."
         ),
-    ] = "g5.12xlarge-x6-openrlhf",
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="A pipeline preset: print its GRPO placement plan and estimate its SFT and "
+            "GRPO steps as configured (processes, batch, lengths, engines) on the layout's "
+            "machines, as the pipeline's capacity check does."
+        ),
+    ] = None,
     sets: Annotated[
         list[str] | None,
         typer.Option(
@@ -350,6 +366,7 @@ def estimate(
     """Estimate GPU memory, host memory and storage of a GRPO/SFT layout, with a verdict.
 
     Exits with status 1 when the layout does not fit."""
+    from trainer.placement import PlacementError
     from trainer.planner import (
         LayoutDoesNotFit,
         LayoutError,
@@ -360,12 +377,42 @@ def estimate(
 
     overrides = _parse_sets(sets)
     try:
+        if preset is not None:
+            _estimate_preset(get_preset(preset), model, layout, overrides)
+            return
+        model, layout = model or "gpt-oss-20b", layout or "g5.12xlarge-x6-openrlhf"
         typer.echo(render_estimate(model, layout, overrides))
         check_layout(model, layout, overrides)
-    except (ModelSpecError, LayoutError) as exc:
+    except (ModelSpecError, LayoutError, PlacementError, UnknownPresetError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     except LayoutDoesNotFit:
         raise typer.Exit(1) from None
+
+
+def _estimate_preset(
+    preset: Preset, model: str | None, layout: str | None, overrides: dict[str, str]
+) -> None:
+    """``lingo estimate --preset``: the placement plan, then SFT's and GRPO's tables."""
+    from trainer.planner import MODEL_PRESETS, Verdict, format_table
+    from trainer.planner.run_layout import run_estimates
+
+    if model is None:  # the preset's model, where the planner knows it by name
+        name = "tiny-gpt-oss" if preset.model.source == "tiny" else preset.model.source
+        model = name.rsplit("/", 1)[-1] if name.rsplit("/", 1)[-1] in MODEL_PRESETS else name
+    plan, estimates = run_estimates(
+        model,
+        layout or preset.layout,
+        preset.sft,
+        preset.grpo,
+        preset.sft_execution.cluster(preset.sft.nproc),
+        preset.grpo_execution.cluster(preset.grpo.nproc),
+        {**preset.layout_overrides, **overrides},
+    )
+    typer.echo(plan.render())
+    for step, result in estimates.items():
+        typer.echo(f"\n{step.upper()}\n{format_table(result)}")
+    if any(e.verdict is Verdict.DOES_NOT_FIT for e in estimates.values()):
+        raise typer.Exit(1)
 
 
 EndpointOption = Annotated[

@@ -136,7 +136,13 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
             base.set_display_name("base model")
             platform(base, "base-model")
             capacity = capacity_check(
-                base_model=base.outputs["model"], layout=layout, overrides=layout_overrides
+                base_model=base.outputs["model"],
+                layout=layout,
+                overrides=layout_overrides,
+                sft_config=sft_config,
+                grpo_config=grpo_config,
+                sft_execution=sft_execution,
+                grpo_execution=grpo_execution,
             )
             capacity.set_display_name("capacity check")
             platform(capacity, "capacity-check")

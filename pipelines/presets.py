@@ -138,8 +138,11 @@ GPT_OSS_20B = Preset(
             backend="deepspeed", zero_stage=3, learning_rate=2e-4, warmup_steps=10, min_lr_ratio=0.1
         ),
         max_seq_len=2048,
-        micro_batch_size=4,
-        gradient_accumulation_steps=4,
+        # 1 × 16 rather than 4 × 4 (the same 16 sequences per rank and step): the capacity
+        # check puts 4 × 2,048 tokens at 33.5 GiB on a 22.5 GiB A10G (the logits' backward
+        # over a 201k vocabulary), 1 × 2,048 at 15.6 GiB
+        micro_batch_size=1,
+        gradient_accumulation_steps=16,
         num_epochs=1.0,
         eval_every=50,
         checkpoint_every=100,
@@ -160,6 +163,7 @@ GPT_OSS_20B = Preset(
             tensor_parallel_size=4,
             gpu_memory_utilization=0.85,
             colocate=False,
+            num_engines=2,
         ),
         algorithm=AlgorithmConfig(kl_loss_coef=0.001, kl_estimator="low_var_kl"),
         optim=OptimConfig(
@@ -207,7 +211,12 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
         "grpo": GPT_OSS_20B.grpo.model_copy(
             update={
                 "rollout": GPT_OSS_20B.grpo.rollout.model_copy(
-                    update={"n_samples": 16, "colocate": True, "gpu_memory_utilization": 0.5}
+                    update={
+                        "n_samples": 16,
+                        "colocate": True,
+                        "num_engines": 0,
+                        "gpu_memory_utilization": 0.5,
+                    }
                 ),
                 "prompts_per_step": 16,
                 "nproc": 8,
@@ -331,3 +340,11 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     args["mlflow_experiment"] = ""
     args["export_uri"] = ""
     return args
+
+
+def grpo_plan(preset: Preset):
+    """The GRPO step's ``trainer.placement.PlacementPlan``: training processes on its job's
+    nodes, dedicated rollout engines on the nodes after them."""
+    from trainer.placement import grpo_placement
+
+    return grpo_placement(preset.grpo, *preset.grpo_execution.cluster(preset.grpo.nproc))

@@ -14,13 +14,20 @@ import pytest
 import torch
 
 from eval.endpoint import ChatEndpointEngine, EndpointError, api_base
-from eval.engines import HFEngine, ModelNotFoundError, make_engine
+from eval.engines import (
+    GenerationRequest,
+    HFEngine,
+    ModelNotFoundError,
+    make_engine,
+    vllm_request_params,
+)
 from eval.eval_config import DEFAULT_PERSONA, EndpointSettings, EvalConfig, SamplingSettings
 from eval.harmony import render_prompt
 from eval.modeling import load_causal_lm, load_tokenizer
 from eval.parsing import parse_response
 from eval.report import load_results
 from eval.runner import build_requests, load_questions, question_prompt, run_eval
+from eval.seeds import sample_seed
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 SMALL = TinyModelConfig(
@@ -74,6 +81,42 @@ def test_hf_same_seed_same_samples(hf_engine, requests_5):
     first = [g.text for g in hf_engine.generate(requests_5, sampling)]
     second = [g.text for g in hf_engine.generate(requests_5, sampling)]
     assert first == second
+
+
+def _with_seed(request: GenerationRequest, seed: int, key: str) -> GenerationRequest:
+    return GenerationRequest(key, request.prompt, request.messages, seed)
+
+
+def test_hf_each_request_draws_its_own_stream(hf_engine, requests_5):
+    """The same prompt twice in one batch gives two samples; a request alone or in another
+    batch gives what it gave in the first; the same seeds give the same samples again."""
+    sampling = SamplingSettings(max_tokens=8, temperature=1.0)
+    prompt = requests_5[0]
+    twins = [_with_seed(prompt, seed, f"q#{seed}") for seed in (11, 12, 13, 14)]
+    texts = [g.text for g in hf_engine.generate(twins, sampling)]
+    assert len(set(texts)) == 4, texts
+    assert [g.text for g in hf_engine.generate(twins, sampling)] == texts
+    mixed = [twins[2], *requests_5[1:], twins[0]]
+    again = [g.text for g in hf_engine.generate(mixed, sampling)]
+    assert (again[0], again[-1]) == (texts[2], texts[0])
+    alone = hf_engine.generate([twins[1]], sampling)[0].text
+    assert alone == texts[1]
+
+
+def test_eval_requests_have_distinct_seeds_and_first_tokens_vary(hf_engine):
+    """Eval seeds are per (question, sample): never shared, reproducible; the first tokens
+    of sample k across questions are not one shared draw."""
+    config = EvalConfig(sampling=SamplingSettings(n=3, seed=5, temperature=1.0, max_tokens=1))
+    built = build_requests(load_questions(limit=8), config)
+    seeds = [r.seed for _, _, r in built]
+    assert len(set(seeds)) == len(seeds) == 24
+    assert seeds == [r.seed for _, _, r in build_requests(load_questions(limit=8), config)]
+    params = vllm_request_params([r for _, _, r in built], config.sampling, [7])
+    assert [p["seed"] for p in params] == seeds and {p["n"] for p in params} == {1}
+    first = [g.text for g in hf_engine.generate([r for _, _, r in built], config.sampling)]
+    for sample in range(3):
+        of_sample = [t for (_, k, _), t in zip(built, first, strict=True) if k == sample]
+        assert len(set(of_sample)) >= 4, of_sample
 
 
 def _force_token(engine: HFEngine, token: str) -> None:
@@ -260,9 +303,13 @@ def test_endpoint_engine_against_a_server_of_the_tiny_model(tiny_model_dir, tmp_
     assert not any(r["error"] for r in data["responses"])
     assert all(r["score"] is not None for r in data["responses"])
     assert {b["model"] for b in server.bodies} == {"tiny-gpt-oss"}
-    assert {(b["temperature"], b["top_p"], b["max_tokens"], b["seed"]) for b in server.bodies} == {
-        (0.7, 0.95, 16, 11)
+    assert {(b["temperature"], b["top_p"], b["max_tokens"]) for b in server.bodies} == {
+        (0.7, 0.95, 16)
     }
+    # one seed per question (and sample), from the run's seed 11: never shared
+    assert sorted(b["seed"] for b in server.bodies) == sorted(
+        sample_seed(11, "eval", q.id, 0) for q in load_questions(limit=5)
+    )
     assert set(server.auth) == {"Bearer s3cret"}
     assert server.max_in_flight <= 2
     # the server's chat template renders exactly the prompt the HF engine uses (training form)

@@ -13,6 +13,7 @@ from eval.engines import Generation, GenerationRequest, ModelNotFoundError
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.report import kfp_metrics, language_chart_png, load_results, render_markdown
 from eval.runner import ModelSpec, TooManyFailuresError, load_questions, run_eval
+from eval.seeds import sample_seed
 
 GOOD = {
     "en": ("I multiply the number of students by the share that walks.", "They are 168."),
@@ -99,7 +100,7 @@ def test_results_json_keeps_every_response_and_the_sampling(report_dir):
     )
     assert request.prompt.endswith("<|start|>assistant")
     assert "<|start|>user<|message|>Une école compte 480 élèves" in request.prompt
-    assert request.seed == 6
+    assert request.seed == sample_seed(5, "eval", "p01-fr", 1)  # its own: question and sample
 
 
 def test_metrics_and_deltas_of_fixed_responses(report_dir):

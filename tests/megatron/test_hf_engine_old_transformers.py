@@ -22,7 +22,7 @@ def test_rollout_and_shared_prefix_under_the_pinned_transformers(megatron_bridge
     print("cache keyword:", cache_keyword(model))
     engine = HFRolloutEngine(model, tokenizer, RolloutConfig(max_new_tokens=6, top_p=1e-6))
     prompt = list(range(5, 45))  # longer than the 32-token sliding window
-    out = engine.generate([prompt], 2, seed=0)
+    out = engine.generate([prompt], [[0, 1]])
     # the reference: greedy by full forwards, no cache (transformers 5.12.1's own `generate`
     # departs from it on this prompt: at token 6 its top-2 logits are 0.4319 vs 0.4303 and
     # it picks the second; a full forward and our cached loop agree on the first)

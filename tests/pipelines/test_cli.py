@@ -76,6 +76,21 @@ def test_estimate_prints_the_table_and_fails_when_it_does_not_fit():
     assert result.exit_code == 2 and "no-such-layout" in result.output
 
 
+def test_estimate_of_a_preset_prints_its_placement_plan_and_the_run_as_configured():
+    result = runner.invoke(app, ["estimate", "--preset", "gpt-oss-20b-verl"])
+    assert result.exit_code == 0, result.output
+    assert "2 vllm rollout engine(s) of TP 4, colocated" in result.output
+    assert "engine 1: ranks 4-7 on node 0 gpus 4,5,6,7" in result.output
+    assert "\nSFT\n" in result.output and "\nGRPO\n" in result.output
+    assert "micro-batch 1 × 1280 tokens" in result.output  # 1,024 prompt + 256 new tokens
+    result = runner.invoke(
+        app, ["estimate", "--preset", "tiny-cpu", "--set", "host_memory_gib=2.5"]
+    )
+    assert result.exit_code == 1 and "does not fit" in result.output
+    result = runner.invoke(app, ["estimate", "--preset", "no-such-preset"])
+    assert result.exit_code == 2 and "no-such-preset" in result.output
+
+
 def test_data_prep_of_a_users_file_adds_no_synthetic_rows_unless_asked(tmp_path):
     # issue #17: on main the default preset's augment_factor=9 (for the bundled demo data)
     # multiplied a user's file tenfold with synthetic rows while the summary said "N train"

@@ -7,6 +7,7 @@ with ``pytest -m gpu``.
 import pytest
 import torch
 
+from eval.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.recipe import run_grpo
 from trainer.metrics import read_metrics
@@ -84,7 +85,9 @@ def test_vllm_engine_samples_groups_and_takes_new_weights(tmp_path):
         RolloutConfig(max_new_tokens=8, gpu_memory_utilization=0.2, colocate=True),
     )
     prompt = tokenizer("<|start|>user<|message|>Hallo<|end|><|start|>assistant")["input_ids"]
-    out = engine.generate([prompt, prompt], 3, seed=0)
+    out = engine.generate([prompt, prompt], group_seeds(0, 0, [0, 1], 3))
+    # the same prompt in two slots: two groups, not one drawn twice
+    assert [r.response_ids for r in out[:3]] != [r.response_ids for r in out[3:]]
     assert [r.prompt_index for r in out] == [0, 0, 0, 1, 1, 1]
     engine.sleep()
     zeroed = [
@@ -92,5 +95,5 @@ def test_vllm_engine_samples_groups_and_takes_new_weights(tmp_path):
         for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()
     ]
     engine.sync_weights(zeroed)  # wakes the engine and loads the weights
-    again = engine.generate([prompt], 2, seed=0)
+    again = engine.generate([prompt], group_seeds(0, 1, [0], 2))
     assert len(again) == 2

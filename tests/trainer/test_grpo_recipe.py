@@ -11,6 +11,7 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eval.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.prompts import load_prompts
 from trainer.grpo.recipe import run_grpo
@@ -127,10 +128,13 @@ def test_hf_engine_groups_samples_and_stops_at_return(tiny_model_dir):
         tokenizer("<|start|>user<|message|>Hallo<|end|><|start|>assistant")["input_ids"],
         [5, 6, 7],
     ]
-    out = engine.generate(prompts, 3, seed=1)
+    seeds = group_seeds(1, 0, [0, 1], 3)
+    out = engine.generate(prompts, seeds)
     assert [r.prompt_index for r in out] == [0, 0, 0, 1, 1, 1]
     assert all(1 <= len(r.response_ids) <= 6 for r in out)
-    assert out == engine.generate(prompts, 3, seed=1)  # seeded
+    assert out == engine.generate(prompts, seeds)  # seeded
+    with pytest.raises(ValueError, match="same number"):
+        engine.generate(prompts, [[1, 2], [3]])
     ret = tokenizer.convert_tokens_to_ids("<|return|>")
     assert cut_at_stop([9, 9, ret, 9], {ret}, 0) == ([9, 9, ret], True)
     assert cut_at_stop([9, 9, 0, 0], {ret}, 0) == ([9, 9], False)
@@ -282,7 +286,7 @@ def test_hf_engine_decode_loop_matches_greedy_generate(tiny_model_dir):
     engine = HFRolloutEngine(model, tokenizer, RolloutConfig(max_new_tokens=12, top_p=1e-6))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 900, (k,), generator=gen).tolist() for k in (40, 33, 9)]
-    out = engine.generate(prompts, 2, seed=0)
+    out = engine.generate(prompts, group_seeds(0, 0, range(3), 2))
     for rollout in out:
         prompt = torch.tensor([prompts[rollout.prompt_index]])
         greedy = model.generate(

@@ -192,6 +192,15 @@ class ExecutionConfig(ConfigModel):
     """Delete a job that succeeded (its manifest stays an output artifact); a failed job is kept
     for ``kubectl describe`` until the pipeline's exit handler deletes it."""
 
+    def cluster(self, nproc: int) -> tuple[int, int]:
+        """``(nodes, processes per node)`` the step trains on: its PyTorchJob (reference
+        layout, then ``job`` overrides), or one node of ``nproc`` processes (``local``)."""
+        if self.mode == "local":
+            return 1, nproc
+        job = {**REFERENCE_LAYOUTS.get(self.reference or "", {}), **self.job}
+        per_node = job.get("nproc_per_node") or job.get("gpus_per_node") or 1
+        return int(job.get("nodes", 1)), int(per_node)
+
     @model_validator(mode="after")
     def _job_is_valid(self) -> ExecutionConfig:
         if self.mode == "local":

@@ -28,8 +28,27 @@ class RolloutConfig(ConfigModel):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     colocate: bool = True
-    """vLLM in the training process's GPU, sleeping during updates (hybrid); False: the
-    engine on its own GPUs, weights pushed after each update (non-hybrid)."""
+    """vLLM on the training processes' GPUs, sleeping during updates (hybrid: one engine per
+    ``tensor_parallel_size`` training processes); False: engines on GPUs of their own,
+    weights pushed after each update (non-hybrid). See ``trainer.placement``."""
+    num_engines: int = Field(0, ge=0)
+    """Dedicated engines (``colocate: false``; OpenRLHF's ``--vllm_num_engines``), each on
+    ``tensor_parallel_size`` GPUs after the training GPUs; colocated runs leave it 0."""
+
+    @model_validator(mode="after")
+    def _engines_match_placement(self) -> RolloutConfig:
+        if self.engine == "vllm" and not self.colocate and self.num_engines < 1:
+            raise ValueError(
+                "rollout.colocate=false puts vLLM on GPUs of its own: set rollout.num_engines "
+                "(≥ 1 engines of tensor_parallel_size GPUs each)"
+            )
+        if self.colocate and self.num_engines:
+            raise ValueError(
+                f"rollout.num_engines={self.num_engines} is for dedicated GPUs "
+                "(colocate=false); colocated runs have one engine per tensor_parallel_size "
+                "training processes"
+            )
+        return self
 
 
 class AlgorithmConfig(ConfigModel):

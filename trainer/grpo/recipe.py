@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -33,6 +34,7 @@ from eval.modeling import (
     resolve_dtype,
 )
 from eval.scoring import ComplianceScorer, RewardWeights, Verdict
+from eval.seeds import group_seeds
 from eval.tracking import log_artifact, mlflow_run
 from trainer.backends import (
     DataParallel,
@@ -52,8 +54,15 @@ from trainer.divergence import DivergenceGuard
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
-from trainer.grpo.rollout import HFRolloutEngine, Rollout
+from trainer.grpo.rollout import HFRolloutEngine, Rollout, generate_share
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics
+from trainer.placement import (
+    ParallelLayout,
+    PlacementError,
+    PlacementPlan,
+    grpo_placement,
+    plan_placement,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +105,13 @@ def _decode(tokenizer, ids: list[int]) -> str:
 def evaluate_policy(
     engine, tokenizer, prompts: list[Prompt], scorer, samples: int, seed: int
 ) -> dict:
-    """Held-out metrics: mean reward, language accuracies, and text degeneracy."""
-    rollouts = engine.generate([p.ids for p in prompts], samples, seed)
+    """Held-out metrics: mean reward, language accuracies, and text degeneracy.
+
+    Every evaluation draws the same seeds (common random numbers: policies are compared on
+    the same draws), one per (held-out prompt, sample).
+    """
+    seeds = group_seeds(seed, "held-out", range(len(prompts)), samples)
+    rollouts = engine.generate([p.ids for p in prompts], seeds)
     texts = [_decode(tokenizer, r.response_ids) for r in rollouts]
     results = scorer.score_batch(texts, [prompts[r.prompt_index].label for r in rollouts])
     shares, repeats = [], []
@@ -344,9 +358,13 @@ def run_grpo(
         policy.requires_grad_(False)
     dp = backend.data_parallel
     per_rank = cfg.prompts_per_step // dp.size
+    plan = run_placement(cfg, info)
     engine = _rollout_engine(
-        cfg, policy if rollout_copy is None else rollout_copy, tokenizer, sft_model
+        cfg, policy if rollout_copy is None else rollout_copy, tokenizer, sft_model, plan, info
     )
+    # the ranks whose prompts this rank's engine generates (all of a vLLM engine's workers)
+    vllm_group = plan.engine_of(info.rank) if cfg.rollout.engine == "vllm" else None
+    share = vllm_group.ranks if vllm_group else (dp.rank,)
 
     checkpoints = work_dir / "checkpoints"
     run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(sft_model)}
@@ -383,10 +401,11 @@ def run_grpo(
             mine = chosen[dp.rank * per_rank : (dp.rank + 1) * per_rank]
 
             started = time.monotonic()
-            rollouts = engine.generate(
-                [p.ids for p in mine],
-                cfg.rollout.n_samples,
-                seed=cfg.seed * 100_003 + step * 97 + dp.rank,
+            # one seed per (step, slot of the step's batch, sample): the same on every rank
+            # and every layout, never shared by two responses
+            seeds = group_seeds(cfg.seed, step, range(len(chosen)), cfg.rollout.n_samples)
+            rollouts = generate_share(
+                engine, [p.ids for p in chosen], seeds, share, dp.rank, per_rank
             )
             batch = _score(cfg, tokenizer, reward_fn, mine, rollouts)
             rollout_time = time.monotonic() - started
@@ -459,12 +478,55 @@ def run_grpo(
         return result
 
 
-def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model):
-    """HF generate on ``model`` (the policy itself in one process: nothing to sync) or vLLM."""
+def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
+    """This run's placement plan, from torchrun's world (``LOCAL_WORLD_SIZE`` processes a
+    node), checked against where this process actually is.
+
+    Raises:
+        PlacementError: dedicated rollout GPUs (this recipe starts no rollout-only
+            processes), Megatron with multi-process vLLM, or a plan that puts this process
+            on another GPU than torchrun did.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    vllm = cfg.rollout.engine == "vllm"
+    if vllm and not cfg.rollout.colocate:
+        raise PlacementError(
+            f"rollout.colocate=false places {cfg.rollout.num_engines} vLLM engine(s) on GPUs "
+            "of their own, after the training GPUs; this recipe starts no rollout-only "
+            "processes yet, so they would have nowhere to run. Set rollout.colocate=true "
+            "(one engine per tensor_parallel_size training processes) or rollout.engine=hf"
+        )
+    if vllm and info.world_size > 1 and cfg.optim.backend == "megatron":
+        raise PlacementError(
+            "rollout.engine=vllm with backend=megatron on several processes: the engines' "
+            "prompt shares follow data-parallel ranks, which Megatron numbers differently; "
+            "use rollout.engine=hf"
+        )
+    if info.world_size == 1:
+        # one process: vLLM starts its own tensor-parallel workers on the visible GPUs
+        return plan_placement(1, 1, ParallelLayout())
+    plan = grpo_placement(cfg, info.world_size // local, local)
+    mine = plan.processes[info.rank]
+    expected = (info.rank // local, info.local_rank)
+    if (mine.device.node, mine.device.local_gpu) != expected:
+        raise PlacementError(
+            f"rank {info.rank}: the plan puts it on {mine.device}, torchrun on node "
+            f"{expected[0]} gpu {expected[1]}"
+        )
+    return plan
+
+
+def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: PlacementPlan, info):
+    """HF generate on ``model`` (the policy itself in one process: nothing to sync), or the
+    vLLM engine this process is a worker of in ``plan`` (on its own GPU, with the other
+    ranks of its engine)."""
     if cfg.rollout.engine == "vllm":
         from trainer.grpo.rollout import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(str(sft_model), tokenizer, cfg.rollout, seed=cfg.seed)
+        engine = plan.engine_of(info.rank) if info.world_size > 1 else None
+        return VLLMRolloutEngine(
+            str(sft_model), tokenizer, cfg.rollout, cfg.seed, engine, info.world_size
+        )
     return HFRolloutEngine(model, tokenizer, cfg.rollout)
 
 

@@ -1,21 +1,26 @@
 """Rollout engines behind one small interface: a Hugging Face model with its KV cache, and vLLM.
 
-An engine samples ``n`` responses per prompt (token ids in, token ids out) and takes the
-policy's new weights after each update (``sync_weights``). Responses end with the first stop
-token (``<|return|>``, kept in the response so the policy learns to stop) or at the token limit.
+An engine samples one response per seed of each prompt (token ids in, token ids out) and takes
+the policy's new weights after each update (``sync_weights``). Every response has its own seed
+(``eval.seeds.sample_seed`` of the run seed, step, prompt slot and sample index), so no two
+responses share a random stream and a rerun draws the same ones. Responses end with the first
+stop token (``<|return|>``, kept in the response so the policy learns to stop) or at the token
+limit.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from eval.modeling import cache_keyword, output_cache
+from eval.sampling import row_generators, sample_tokens
 from trainer.grpo.config import RolloutConfig
+from trainer.placement import EnginePlacement
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +36,49 @@ class Rollout:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[Rollout]:
-        """``n`` responses per prompt, grouped: prompt 0's n responses first, then prompt 1's…"""
+    def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
+        """One response per seed of each prompt (``seeds[i]``: prompt ``i``'s, all of one
+        length ``n``), grouped: prompt 0's n responses first, then prompt 1's…"""
         ...
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the policy's updated weights (HF parameter names)."""
         ...
+
+
+def group_size(prompts: Sequence, seeds: Sequence[Sequence[int]]) -> int:
+    """``n``, the responses per prompt; every prompt must have ``n`` seeds."""
+    if len(seeds) != len(prompts) or len({len(s) for s in seeds}) > 1 or (seeds and not seeds[0]):
+        raise ValueError(
+            f"{len(prompts)} prompts with seed lists of lengths {[len(s) for s in seeds]}: give "
+            "each prompt the same number (≥ 1) of seeds"
+        )
+    return len(seeds[0]) if seeds else 0
+
+
+def generate_share(
+    engine: RolloutEngine,
+    prompts: Sequence[list[int]],
+    seeds: Sequence[Sequence[int]],
+    group: Sequence[int],
+    rank: int,
+    per_rank: int,
+) -> list[Rollout]:
+    """``rank``'s rollouts when one engine serves the ranks of ``group`` together.
+
+    ``prompts`` and ``seeds`` are the whole step's (slot ``s`` belongs to rank
+    ``s // per_rank``). The engine generates every slot of the group — the ranks of a vLLM
+    engine in ``external_launcher`` mode must all submit the same requests — and ``rank``
+    keeps its own, with prompt indices relative to its share.
+    """
+    slots = [s for member in group for s in range(member * per_rank, (member + 1) * per_rank)]
+    out = engine.generate([prompts[s] for s in slots], [seeds[s] for s in slots])
+    first = list(group).index(rank) * per_rank
+    return [
+        Rollout(r.prompt_index - first, r.response_ids, r.finished)
+        for r in out
+        if first <= r.prompt_index < first + per_rank
+    ]
 
 
 def cut_at_stop(ids: list[int], stop_ids: set[int], pad_id: int) -> tuple[list[int], bool]:
@@ -66,29 +107,35 @@ class HFRolloutEngine:
         self.stop_ids = set(eos if isinstance(eos, list) else [eos])
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
+        n = group_size(prompts, seeds)
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
-        torch.manual_seed(seed)
-        per_call = max(1, self.batch_size // n)
+        per_call = max(1, self.batch_size // max(n, 1))
         out: list[Rollout] = []
         try:
             for start in range(0, len(prompts), per_call):
                 chunk = prompts[start : start + per_call]
-                out += self._generate_chunk(chunk, start, n, device)
+                rows = [s for group in seeds[start : start + per_call] for s in group]
+                out += self._generate_chunk(chunk, rows, start, n, device)
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], first_index: int, n: int, device):
+    def _generate_chunk(
+        self, prompts: list[list[int]], seeds: list[int], first_index: int, n: int, device
+    ):
         """Prefill each prompt once, copy its KV cache to its n samples, then decode.
 
         The decode loop is ours rather than ``model.generate``: one forward per token on the
         cache, temperature and nucleus (top-p) filtering, and a sample drawn by the
         exponential race (``argmax(p / E)``, ``E ~ Exp(1)``: the same distribution as
         ``multinomial(p)``, as vLLM samples), stopping when every row has hit a stop token.
+        Row ``i`` draws its noise from its own generator (``seeds[i]``): its samples do not
+        depend on the other rows of the chunk.
         """
+        generators = row_generators(seeds, device)
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -114,7 +161,7 @@ class HFRolloutEngine:
         tokens = torch.full((rows, self.cfg.max_new_tokens), self.pad_id, dtype=torch.long)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         for t in range(self.cfg.max_new_tokens):
-            token = torch.where(finished, self.pad_id, self._sample(logits))
+            token = torch.where(finished, self.pad_id, self._sample(logits, generators))
             tokens[:, t] = token.cpu()
             finished |= torch.isin(token, stop)
             if bool(finished.all()) or t == self.cfg.max_new_tokens - 1:
@@ -134,16 +181,10 @@ class HFRolloutEngine:
             out.append(Rollout(first_index + row // n, response, done))
         return out
 
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row from ``softmax(logits / temperature)``, nucleus-filtered."""
-        probs = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
-        if self.cfg.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always the top token)
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.cfg.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        return torch.argmax(probs / torch.empty_like(probs).exponential_(), dim=-1)
+    def _sample(self, logits: torch.Tensor, generators=None) -> torch.Tensor:
+        """One token per row from ``softmax(logits / temperature)``, nucleus-filtered; row
+        ``i`` from ``generators[i]`` (the global generator when None)."""
+        return sample_tokens(logits, self.cfg.temperature, self.cfg.top_p, generators)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())
@@ -152,16 +193,75 @@ class HFRolloutEngine:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
 
+def vllm_engine_kwargs(
+    model_dir: str, cfg: RolloutConfig, engine: EnginePlacement | None, world_size: int, seed: int
+) -> dict[str, object]:
+    """``vllm.LLM`` keyword arguments for the engine a process takes part in.
+
+    Under torchrun (``world_size`` > 1) each process of an engine runs one of its workers on
+    its own GPU (``distributed_executor_backend="external_launcher"``; vLLM groups
+    ``tensor_parallel_size`` consecutive ranks into one engine, as ``trainer.placement``
+    does), and the workers of one engine share its seed. One process alone starts vLLM's
+    own workers.
+    """
+    kwargs: dict[str, object] = {
+        "model": str(model_dir),
+        "tensor_parallel_size": engine.tensor_parallel_size if engine else cfg.tensor_parallel_size,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "enable_sleep_mode": cfg.colocate,
+        "seed": seed + (engine.index if engine else 0),
+        "dtype": "bfloat16",
+    }
+    if world_size > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return kwargs
+
+
+def vllm_request_params(
+    seeds: Sequence[Sequence[int]], cfg: RolloutConfig
+) -> list[list[dict[str, object]]]:
+    """``vllm.SamplingParams`` keyword arguments for each response of each prompt.
+
+    One request per response (``n=1``) with its own seed: ``SamplingParams(n=k, seed=s)``
+    would seed sample ``i`` as ``s + i``, so one seed for every prompt makes sample ``i`` of
+    all prompts share a stream. ``LLM.generate`` takes a list of params paired one by one
+    with the prompts.
+    """
+    return [
+        [
+            {
+                "n": 1,
+                "temperature": cfg.temperature,
+                "top_p": cfg.top_p,
+                "max_tokens": cfg.max_new_tokens,
+                "seed": seed,
+                "skip_special_tokens": False,
+            }
+            for seed in group
+        ]
+        for group in seeds
+    ]
+
+
 class VLLMRolloutEngine:
-    """vLLM ``LLM.generate`` with ``n`` samples (GPU; the ``gpu`` extra).
+    """vLLM ``LLM.generate``, one request per response (GPU; the ``gpu`` extra).
 
     Colocated (hybrid): the engine shares the training GPU and sleeps (level 1: weights
     offloaded to host, KV cache freed) while the policy updates; ``wake_up`` before the next
     rollout. Dedicated (non-hybrid): the engine owns its GPUs and stays awake. Either way the
-    updated weights are loaded into the running engine through ``load_weights``.
+    updated weights are loaded into the running engine through ``load_weights``. ``engine``
+    is this process's engine in the run's ``PlacementPlan`` (None: one process, one engine).
     """
 
-    def __init__(self, model_dir: str, tokenizer, cfg: RolloutConfig, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer,
+        cfg: RolloutConfig,
+        seed: int = 0,
+        engine: EnginePlacement | None = None,
+        world_size: int = 1,
+    ) -> None:
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -170,35 +270,26 @@ class VLLMRolloutEngine:
             ) from exc
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.llm = LLM(
-            model=str(model_dir),
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_sleep_mode=cfg.colocate,
-            seed=seed,
-            dtype="bfloat16",
-        )
+        self.llm = LLM(**vllm_engine_kwargs(model_dir, cfg, engine, world_size, seed))
         self.asleep = False
 
-    def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        n = group_size(prompts, seeds)
         self.wake_up()
-        params = SamplingParams(
-            n=n,
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-            max_tokens=self.cfg.max_new_tokens,
-            seed=seed,
-            skip_special_tokens=False,
-        )
-        results = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        requests, params = [], []
+        for prompt, group in zip(prompts, vllm_request_params(seeds, self.cfg), strict=True):
+            for kwargs in group:
+                requests.append(TokensPrompt(prompt_token_ids=prompt))
+                params.append(SamplingParams(**kwargs))
+        results = self.llm.generate(requests, params, use_tqdm=False)
         out = []
         for index, result in enumerate(results):
-            for completion in result.outputs:
-                finished = completion.finish_reason == "stop"
-                out.append(Rollout(index, list(completion.token_ids), finished))
+            completion = result.outputs[0]
+            finished = completion.finish_reason == "stop"
+            out.append(Rollout(index // n, list(completion.token_ids), finished))
         return out
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,166 @@
+"""trainer.placement: processes, devices, TP groups and rollout engines of a run."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pipelines.presets import PRESETS, apply_overrides, grpo_plan
+from trainer.placement import (
+    Device,
+    ParallelLayout,
+    PlacementError,
+    PlacementPlan,
+    plan_placement,
+)
+
+
+def check_plan(plan: PlacementPlan) -> None:
+    """The invariants every plan keeps."""
+    gpus = Counter(p.device for p in plan.processes)
+    assert max(gpus.values()) == 1  # one process per GPU
+    assert all(
+        0 <= p.device.node < plan.nodes and 0 <= p.device.local_gpu < plan.gpus_per_node
+        for p in plan.processes
+    )
+    engine_gpus = [d for e in plan.engines for d in e.devices]
+    assert len(engine_gpus) == len(set(engine_gpus))  # no two engines share a GPU
+    for engine in plan.engines:
+        assert len({d.node for d in engine.devices}) == 1  # an engine stays on one node
+        assert engine.tensor_parallel_size == plan.layout.rollout_tp
+        assert all(plan.processes[r].engine == engine.index for r in engine.ranks)
+    for group in plan.train_tp_groups:
+        assert len({plan.processes[r].device.node for r in group}) == 1
+        assert len(group) == plan.layout.tp
+    lay = plan.layout
+    assert len(plan.training_ranks) == lay.tp * lay.pp * lay.dp
+    if lay.colocate:
+        assert len(plan.engines) * lay.rollout_tp == len(plan.training_ranks)
+        assert plan.rollout_only_ranks == ()
+    else:
+        assert len(plan.engines) == lay.rollout_engines
+        assert len(plan.rollout_only_ranks) == lay.rollout_engines * lay.rollout_tp
+        assert not set(engine_gpus) & {plan.processes[r].device for r in plan.training_ranks}
+    assert plan.gpus_used == len(plan.processes) <= plan.nodes * plan.gpus_per_node
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_has_a_valid_plan(name):
+    plan = grpo_plan(PRESETS[name])
+    check_plan(plan)
+    assert len(plan.training_ranks) == PRESETS[name].grpo.nproc
+
+
+def test_the_gpt_oss_20b_plan_is_the_openrlhf_split():
+    """16 training processes on 4 nodes of 4 A10G, 2 engines of TP 4 on nodes 4 and 5 — not
+    16 engines of 4 GPUs each on GPU 0."""
+    plan = grpo_plan(PRESETS["gpt-oss-20b"])
+    assert (plan.nodes, plan.gpus_per_node, plan.gpus_used) == (6, 4, 24)
+    assert [(e.node, e.cuda_visible_devices, e.ranks) for e in plan.engines] == [
+        (4, "0,1,2,3", (16, 17, 18, 19)),
+        (5, "0,1,2,3", (20, 21, 22, 23)),
+    ]
+    assert all(plan.engine_of(r) is None for r in plan.training_ranks)
+
+
+def test_the_verl_plan_colocates_one_engine_per_tp_group():
+    plan = grpo_plan(PRESETS["gpt-oss-20b-verl"])
+    assert (plan.nodes, plan.gpus_per_node, len(plan.engines)) == (1, 8, 2)
+    assert plan.engine_of(5).ranks == (4, 5, 6, 7)
+    assert plan.processes[5].roles == ("train", "rollout")
+    # backend=megatron, as the preset's description says: TP 8 / EP 8, HF rollouts
+    megatron = apply_overrides(
+        PRESETS["gpt-oss-20b-verl"],
+        {
+            "grpo.optim.backend": "megatron",
+            "grpo.optim.offload_optimizer": "false",
+            "grpo.optim.megatron": '{"layout": {"preset": "verl-gpt-oss-8x8-h100", '
+            '"nodes": 1, "pp": 1}}',
+            "grpo.gradient_checkpointing": "false",
+            "grpo.rollout.engine": "hf",
+        },
+    )
+    plan = grpo_plan(megatron)
+    check_plan(plan)
+    assert (plan.layout.tp, plan.layout.ep, plan.layout.dp) == (8, 8, 1)
+    assert plan.train_tp_groups == (tuple(range(8)),)
+    assert len(plan.engines) == 8  # an HF engine in each process
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpus", "layout"),
+    [
+        (2, 8, ParallelLayout(tp=4, pp=2, ep=4, dp=2, rollout_tp=8)),
+        (3, 8, ParallelLayout(tp=2, dp=8, rollout_tp=4, colocate=False, rollout_engines=2)),
+        (1, 8, ParallelLayout(dp=6, rollout_tp=2, colocate=False, rollout_engines=1)),
+        (4, 2, ParallelLayout(dp=8, rollout_tp=2)),
+    ],
+)
+def test_plans_keep_their_invariants(nodes, gpus, layout):
+    check_plan(plan_placement(nodes, gpus, layout))
+
+
+def test_devices_follow_torchrun():
+    plan = plan_placement(2, 4, ParallelLayout(tp=2, dp=4, rollout_tp=4))
+    assert plan.processes[6].device == Device(1, 2)
+    assert plan.train_tp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert [e.ranks for e in plan.engines] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpus", "layout", "message"),
+    [
+        (2, 4, ParallelLayout(tp=8), "TP group would cross nodes"),
+        (2, 4, ParallelLayout(dp=8, rollout_tp=8), "engine would cross nodes"),
+        (1, 4, ParallelLayout(dp=4, colocate=False, rollout_engines=1), "> 1 nodes × 4"),
+        (1, 8, ParallelLayout(dp=3, rollout_tp=2), "not a multiple of rollout TP"),
+        (1, 8, ParallelLayout(dp=4, colocate=False), "rollout_engines ≥ 1"),
+        (1, 8, ParallelLayout(tp=2, dp=3, ep=4), "EP 4 does not divide"),
+        (1, 8, ParallelLayout(dp=0), "dp=0 must be ≥ 1"),
+    ],
+)
+def test_what_cannot_be_placed_says_why(nodes, gpus, layout, message):
+    with pytest.raises(PlacementError, match=message):
+        plan_placement(nodes, gpus, layout)
+
+
+def test_render_names_every_engine():
+    text = grpo_plan(PRESETS["gpt-oss-20b"]).render()
+    assert "16 training processes" in text and "2 vllm rollout engine(s) of TP 4" in text
+    assert "engine 1: ranks 20-23 on node 5 gpus 0,1,2,3" in text
+
+
+def _grpo(**rollout):
+    from trainer.grpo.config import GRPOConfig
+
+    return GRPOConfig.model_validate(
+        {
+            "rollout": {"engine": "vllm", "tensor_parallel_size": 4, **rollout},
+            "prompts_per_step": 16,
+            "mini_batch_size": 128,
+            "micro_batch_size": 1,
+            "nproc": 16,
+            "optim": {"backend": "deepspeed"},
+        }
+    )
+
+
+def test_the_recipe_builds_an_engine_only_where_the_plan_says(monkeypatch):
+    """Under torchrun (2 nodes × 8), rank 13 is a worker of engine 3 (ranks 12-15, node 1
+    GPUs 4-7); a dedicated layout stops at start instead of 16 engines of TP 4 on GPU 0."""
+    import torch
+
+    from trainer.distributed import DistInfo
+    from trainer.grpo.recipe import run_placement
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    plan = run_placement(_grpo(), DistInfo(13, 16, 5, torch.device("cpu")))
+    engine = plan.engine_of(13)
+    assert (engine.index, engine.ranks, engine.node, engine.cuda_visible_devices) == (
+        3, (12, 13, 14, 15), 1, "4,5,6,7"
+    )  # fmt: skip
+    with pytest.raises(PlacementError, match="torchrun on node 1 gpu 6"):
+        run_placement(_grpo(), DistInfo(13, 16, 6, torch.device("cpu")))
+    with pytest.raises(PlacementError, match="starts no rollout-only processes"):
+        run_placement(_grpo(colocate=False, num_engines=2), DistInfo(0, 16, 0, torch.device("cpu")))

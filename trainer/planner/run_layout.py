@@ -1,0 +1,219 @@
+"""The layouts the capacity check estimates, derived from what the run will do.
+
+A layout preset (``layouts.LAYOUT_PRESETS``) describes the hardware (GPU and host memory,
+storage, what the OS keeps) and settings no step config decides (attention kernel, runtime
+ranges). Everything the SFT and GRPO configs and the GRPO placement plan decide — how many
+processes train on how many nodes, the backend and its parallel sizes, ZeRO stage and
+offload, micro-batch, sequence lengths, rollout engines, group size, KL, checkpoints kept —
+is taken from them, so the check estimates the run that will start, and changing a config
+changes the estimate. Explicit layout overrides still come last.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainer.planner.layouts import Layout, LayoutError, resolve_layout
+
+if TYPE_CHECKING:
+    from trainer.backends import OptimConfig
+    from trainer.grpo.config import GRPOConfig
+    from trainer.placement import PlacementPlan
+    from trainer.sft.config import SFTConfig
+
+
+def _dtype(config_dtype: str, hardware: Layout) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(config_dtype, hardware.dtype)
+
+
+def _training_fields(optim: OptimConfig) -> dict[str, object]:
+    """Backend, ZeRO stage and offload of a step's optimizer settings."""
+    if optim.backend == "megatron":
+        return {
+            "backend": "megatron",
+            "adam_offload": optim.megatron.optimizer_offload_fraction > 0,
+            "param_offload": False,
+        }
+    return {
+        "backend": "deepspeed",
+        # the torch backend is one plain process: DeepSpeed stage 0 is the planner's model of it
+        "zero_stage": optim.zero_stage if optim.backend == "deepspeed" else 0,
+        "adam_offload": optim.backend == "deepspeed" and optim.offload_optimizer,
+        "param_offload": optim.backend == "deepspeed" and optim.offload_params,
+    }
+
+
+def _validated(hardware: Layout, name: str, fields: dict, overrides: dict[str, str] | None):
+    try:
+        derived = Layout.model_validate({**hardware.model_dump(), **fields, "name": name})
+    except ValueError as error:
+        raise LayoutError(
+            f"{name}: the run does not fit layout {hardware.name!r}: {error}"
+        ) from None
+    return resolve_layout(derived, overrides)
+
+
+def grpo_layout(
+    hardware: str | Layout,
+    grpo: GRPOConfig,
+    plan: PlacementPlan,
+    overrides: dict[str, str] | None = None,
+) -> Layout:
+    """The GRPO run as a planner layout: ``hardware``'s machines, ``grpo`` and ``plan``'s run.
+
+    Args:
+        hardware: a layout preset name or ``Layout`` (memory, storage, device, kernels).
+        grpo: the GRPO step's config.
+        plan: its placement plan (``trainer.placement.grpo_placement``).
+        overrides: ``key=value`` layout fields applied last (``lingo estimate --set``).
+
+    Raises:
+        LayoutError: the run cannot be described on that hardware (e.g. rollout GPUs on a
+            CPU layout) or an override is invalid.
+    """
+    base = resolve_layout(hardware)
+    lay = plan.layout
+    vllm = grpo.rollout.engine == "vllm"
+    megatron = grpo.optim.backend == "megatron"
+    fields: dict[str, object] = {
+        "nodes": plan.nodes,
+        "gpus_per_node": plan.gpus_per_node,
+        "training_gpus": len(plan.training_ranks),
+        # the HF engine rolls out with the training model: no rollout GPU of its own
+        "rollout_gpus": len(plan.engines) * lay.rollout_tp if vllm else 0,
+        "hybrid": vllm and lay.colocate,
+        # the recipe sleeps vLLM during the update; it does not park training state while
+        # vLLM is awake
+        "deepspeed_enable_sleep": False,
+        **_training_fields(grpo.optim),
+        "tensor_parallel": lay.tp,
+        "pipeline_parallel": lay.pp,
+        "expert_parallel": lay.ep,
+        "dtype": _dtype(grpo.dtype, base),
+        "micro_train_batch_size": grpo.micro_batch_size,
+        "prompt_max_len": grpo.rollout.max_prompt_tokens,
+        "generate_max_len": grpo.rollout.max_new_tokens,
+        "gradient_checkpointing": (
+            grpo.optim.megatron.recompute_granularity is not None
+            if megatron
+            else grpo.gradient_checkpointing
+        ),
+        "lora_rank": 0,  # GRPO trains every weight of the merged SFT model
+        "lora_experts": False,
+        "kl": grpo.algorithm.kl_loss_coef > 0,
+        "rollout_batch_size": grpo.prompts_per_step,
+        "n_samples_per_prompt": grpo.rollout.n_samples,
+        "vllm_tensor_parallel_size": lay.rollout_tp if vllm else 1,
+        "vllm_gpu_memory_utilization": grpo.rollout.gpu_memory_utilization,
+        "rollout_dtype": "bf16",  # the engine is built with dtype=bfloat16
+        "max_ckpt_num": grpo.max_ckpt_num,
+    }
+    return _validated(base, f"{base.name} (GRPO as configured)", fields, overrides)
+
+
+def sft_layout(
+    hardware: str | Layout,
+    sft: SFTConfig,
+    nodes: int,
+    gpus_per_node: int,
+    overrides: dict[str, str] | None = None,
+) -> Layout:
+    """The SFT run as a planner layout: ``sft.nproc`` processes on ``nodes × gpus_per_node``,
+    no rollouts; a training row is one sequence of ``max_seq_len`` tokens (counted as the
+    prompt, with one generated token, since the planner's sequence is prompt + completion)."""
+    base = resolve_layout(hardware)
+    fields: dict[str, object] = {
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "training_gpus": sft.nproc,
+        "rollout_gpus": 0,
+        "hybrid": False,
+        "deepspeed_enable_sleep": False,
+        **_training_fields(sft.optim),
+        "tensor_parallel": 1,
+        "pipeline_parallel": 1,
+        "expert_parallel": 1,
+        "dtype": _dtype(sft.dtype, base),
+        "micro_train_batch_size": sft.micro_batch_size,
+        "prompt_max_len": sft.max_seq_len,
+        "generate_max_len": 1,
+        "gradient_checkpointing": sft.gradient_checkpointing,
+        "lora_rank": sft.lora.r,
+        "lora_experts": sft.lora.experts,
+        "kl": False,
+        "max_ckpt_num": sft.keep_checkpoints,
+    }
+    return _validated(base, f"{base.name} (SFT as configured)", fields, overrides)
+
+
+def run_estimates(
+    model,
+    hardware: str | Layout,
+    sft: SFTConfig,
+    grpo: GRPOConfig,
+    sft_cluster: tuple[int, int],
+    grpo_cluster: tuple[int, int],
+    overrides: dict[str, str] | None = None,
+):
+    """The SFT and GRPO estimates of a run, with the GRPO placement plan.
+
+    Args:
+        model: see ``load_model_spec`` (preset, directory, ``config.json``, mapping).
+        hardware: the layout preset that describes the machines.
+        sft: the SFT step's config.
+        grpo: the GRPO step's config.
+        sft_cluster: ``(nodes, processes per node)`` of the SFT job.
+        grpo_cluster: ``(nodes, processes per node)`` of the GRPO job (its training
+            processes; dedicated rollout engines are placed on the nodes after them).
+        overrides: layout fields applied last, to both.
+
+    Returns:
+        ``(plan, {"sft": Estimate, "grpo": Estimate})``.
+    """
+    from trainer.placement import grpo_placement
+    from trainer.planner.estimate import estimate_layout
+    from trainer.planner.model_spec import load_model_spec
+
+    spec = load_model_spec(model)
+    plan = grpo_placement(grpo, *grpo_cluster)
+    layouts = {
+        "sft": sft_layout(hardware, sft, *sft_cluster, overrides),
+        "grpo": grpo_layout(hardware, grpo, plan, overrides),
+    }
+    return plan, {step: estimate_layout(spec, layout) for step, layout in layouts.items()}
+
+
+def check_run(
+    model,
+    hardware: str,
+    sft_config: dict,
+    grpo_config: dict,
+    sft_execution: dict,
+    grpo_execution: dict,
+    overrides: dict[str, str] | None = None,
+):
+    """The pipeline's capacity check: ``(Markdown report, first estimate that does not fit
+    or None)`` for the configs as the pipeline passes them (dicts), validated here.
+
+    Raises:
+        LayoutError, PlacementError, ModelSpecError: the run cannot be described at all.
+    """
+    from trainer.cluster.config import ExecutionConfig
+    from trainer.grpo.config import GRPOConfig
+    from trainer.planner.quantities import Verdict
+    from trainer.planner.report import format_table
+    from trainer.sft.config import SFTConfig
+
+    sft = SFTConfig.model_validate(sft_config)
+    grpo = GRPOConfig.model_validate(grpo_config)
+    sft_cluster = ExecutionConfig.model_validate(sft_execution).cluster(sft.nproc)
+    grpo_cluster = ExecutionConfig.model_validate(grpo_execution).cluster(grpo.nproc)
+    plan, estimates = run_estimates(
+        model, hardware, sft, grpo, sft_cluster, grpo_cluster, overrides
+    )
+    failing = next((e for e in estimates.values() if e.verdict is Verdict.DOES_NOT_FIT), None)
+    verdicts = ", ".join(f"{step.upper()} {e.verdict.value}" for step, e in estimates.items())
+    parts = [f"# Capacity check: {verdicts}", "", "## GRPO placement", "", "```", plan.render()]
+    for step, result in estimates.items():
+        parts += ["```", "", f"## {step.upper()}", "", "```", format_table(result)]
+    return "\n".join([*parts, "```", ""]), failing

@@ -13,7 +13,7 @@ from eval.eval_metrics import DETECTED_COLUMNS
 # the components name the project's images; here they run in this Python (as in the demo)
 pytestmark = pytest.mark.filterwarnings("ignore:.*custom or non-Python base image")
 TINY = {"vocab_size": 600, "hidden_size": 64, "intermediate_size": 64, "seed": 0}
-EVAL = {"limit": 5, "sampling": {"max_tokens": 8}, "device": "cpu"}
+EVAL = {"limit": 5, "sampling": {"max_tokens": 8, "n": 1}, "device": "cpu"}
 
 
 @dsl.pipeline
@@ -28,6 +28,7 @@ def _artifacts(task_dir) -> dict[str, dict]:
     return {name: a["artifacts"][0].get("metadata", {}) for name, a in output["artifacts"].items()}
 
 
+@pytest.mark.slow  # ~40 s (two kfp.local tasks); test_eval_gate's component test is the fast one
 def test_eval_publishes_confusion_matrices_and_headline_metrics(tmp_path):
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path))
     eval_two_models()

@@ -17,7 +17,9 @@ correct answer         numeric answer equals the expected one      0.0         0
 
 No refuge: saying less never pays.
     * a part that is **missing** (no final channel, e.g. cut off by the token limit; no or
-      empty analysis channel), **truncated** (reasoning cut off before the final channel) or
+      empty analysis channel), **truncated** (reasoning cut off before the final channel; a
+      final answer cut off by the token limit, i.e. with no end token, when the response is
+      read with its special tokens, as GRPO's rollouts and the eval read it) or
       **undetermined** (present, but too little text to tell its language, e.g. ``"R."`` or
       ``"Oui."`` when the identifier abstains) fails its language rule exactly as the wrong
       language does; a missing final answer also fails the brevity rule;
@@ -384,6 +386,11 @@ class ComplianceScorer:
         )
         if parsed.final is None and parsed.truncated:
             reasoning_verdict = Verdict.MISSING  # cut off before the answer: not reasoning done
+        if parsed.final is not None and parsed.truncated:
+            # the answer was cut off by the token limit (no end token): not an answer given.
+            # Scored on its text, a policy gains by never stopping: a longer answer is easier
+            # to identify (seen in the demo: GRPO stopped ending its answers, 77% -> 23%)
+            answer_verdict = Verdict.MISSING
         has_answer = answer_verdict is not Verdict.MISSING
         final = parsed.final or ""
         sentences = count_sentences(final[:MAX_ANSWER_CHARS_FOR_SENTENCES]) if has_answer else 0

@@ -139,6 +139,22 @@ def test_reasoning_cut_off_before_the_answer_scores_as_missing(scorer: Complianc
     assert result.reward == scorer.bounds[0] == -7.5
 
 
+def test_an_answer_cut_off_by_the_token_limit_scores_as_the_wrong_language(
+    scorer: ComplianceScorer,
+) -> None:
+    """Reproduces the demo's GRPO run: the policy stopped ending its answers (finished share
+    0.77 -> 0.23) because a long answer cut off by the limit still scored its language."""
+    finished = scorer.score(respond(FR_REASONING, FR_ANSWER), "fr")
+    cut_off = scorer.score(respond(FR_REASONING, FR_ANSWER).removesuffix("<|return|>"), "fr")
+    wrong = scorer.score(respond(FR_REASONING, EN_ANSWER), "fr")
+    assert finished.answer_verdict is Verdict.MATCH and not finished.parsed.truncated
+    assert cut_off.parsed.truncated and cut_off.answer_verdict is Verdict.MISSING
+    assert cut_off.reasoning_verdict is Verdict.MATCH  # the reasoning was finished
+    assert cut_off.components["answer_language"] == wrong.components["answer_language"] == -5.0
+    assert cut_off.components["brevity"] == -1.0
+    assert cut_off.reward < wrong.reward < finished.reward
+
+
 def _prefixes(text: str) -> list[str]:
     """Every prefix of ``text`` at a word boundary, the empty one included."""
     cuts = [0] + [i for i, ch in enumerate(text) if ch == " "] + [len(text)]

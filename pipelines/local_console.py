@@ -35,6 +35,9 @@ TAIL_LINES = 30
 # written to the same stream may follow it on the line: it is not part of the bar)
 _BAR = re.compile(rf"^(?:{'|'.join(TRAINING_BARS)}):\s+\d+%\|[^|]*\|[^\]]*\]")
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit)\b:")
+_TRACEBACK = "Traceback (most recent call last):"
+# the line a traceback ends with: the exception's (dotted) class name, a colon, its message
+_RAISED = re.compile(r"^(?:\w+\.)*[A-Z]\w*: ")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"^Executing task '([^']+)'")
 _FINISHED = re.compile(r"^Task '([^']+)' finished with status (\w+)")
@@ -47,13 +50,19 @@ class LocalStepFailedError(RuntimeError):
         step: the task name (``data-prep``, ``sft``…).
         log_path: the run's log file, which holds the step's whole output.
         tail: the step's last output lines.
+        raised: the exception line of the step's traceback, when it printed one (it names the
+            error even when the exception's message runs past the tail).
     """
 
-    def __init__(self, step: str, log_path: Path, tail: list[str]) -> None:
+    def __init__(
+        self, step: str, log_path: Path, tail: list[str], raised: str | None = None
+    ) -> None:
         self.step, self.log_path, self.tail = step, log_path, tail
         lines = [line.strip() for line in tail if line.strip()] or ["no output"]
         # a traceback's exception line (its message may run over the lines after it)
-        last = next((line for line in reversed(lines) if _EXCEPTION.match(line)), lines[-1])
+        last = raised or next(
+            (line for line in reversed(lines) if _EXCEPTION.match(line)), lines[-1]
+        )
         super().__init__(f"step {step!r} failed: {last} (its whole output: {log_path})")
 
 
@@ -68,10 +77,14 @@ class QuietConsole:
     def __init__(self, log_path: Path, console: TextIO | None = None) -> None:
         self.log_path = log_path
         self.console = console or sys.stdout
-        self.failed: tuple[str, list[str]] | None = None
+        self.failed: tuple[str, list[str], str | None] | None = None
         self._started: dict[str, float] = {}
         self._current: str | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        # the step's exception line (``LayoutDoesNotFit: …``): kept even when the exception's
+        # message (a table) runs longer than the tail
+        self._raised: str | None = None
+        self._in_traceback = False
         self._bar_width = 0
         self._stack = contextlib.ExitStack()
 
@@ -93,7 +106,8 @@ class QuietConsole:
         self._end_bar()
         self._stack.close()
         if isinstance(exc, RuntimeError) and self.failed is not None:
-            raise LocalStepFailedError(self.failed[0], self.log_path, self.failed[1]) from exc
+            step, tail, raised = self.failed
+            raise LocalStepFailedError(step, self.log_path, tail, raised) from exc
 
     # kfp.local's messages: every root-logger record goes to the log; step starts and ends
     # also make a console line
@@ -112,15 +126,19 @@ class QuietConsole:
         self._current = step
         self._started[step] = time.monotonic()
         self._tail.clear()
+        self._raised, self._in_traceback = None, False
         self._say(f"{time.strftime('%H:%M:%S')}  {step:<18} started")
 
     def _step_finished(self, step: str, status: str) -> None:
         seconds = time.monotonic() - self._started.get(step, time.monotonic())
         self._say(f"{time.strftime('%H:%M:%S')}  {step:<18} {status:<8} {seconds:7.1f} s")
         if status != "SUCCESS" and self.failed is None:
-            self.failed = (step, list(self._tail))
+            tail = list(self._tail)
+            if self._raised is not None and self._raised not in tail:
+                tail = [self._raised, "…"] + tail
+            self.failed = (step, tail, self._raised)
             self._say(f"--- last lines of {step}'s output (all of it: {self.log_path}) ---")
-            for line in self._tail:
+            for line in tail:
                 self._say(f"  {line}")
             self._say("---")
         self._current = None
@@ -162,6 +180,12 @@ class QuietConsole:
                 self._end_bar()
         if piece.strip() and end == "\n":
             self._tail.append(piece)
+            if piece.startswith(_TRACEBACK):
+                self._in_traceback = True
+            elif self._in_traceback and not piece[0].isspace():
+                self._in_traceback = False
+                if _RAISED.match(piece):
+                    self._raised = piece
 
     def _end_bar(self) -> None:
         if self._bar_width:

@@ -29,6 +29,18 @@ def two_steps(fail: bool = False):
     chatty(fail=fail).after(first)
 
 
+@dsl.component(base_image="python:3.11", install_kfp_package=False)
+def long_failure():
+    # an exception whose name does not end in Error and whose message (a table) runs longer
+    # than the printed tail, like the capacity check's LayoutDoesNotFit
+    raise UserWarning("does not fit:\n" + "\n".join(f"| row {i} | 1.0 GiB |" for i in range(40)))
+
+
+@dsl.pipeline
+def one_long_failure():
+    long_failure()
+
+
 def _run(tmp_path, fail: bool, console: io.StringIO) -> tuple[str, str]:
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     with QuietConsole(tmp_path / "logs" / "run.log", console):
@@ -66,3 +78,16 @@ def test_a_failing_step_prints_its_tail_and_raises_naming_it(tmp_path):
     printed = console.getvalue()
     assert "chatty-2           FAILURE" in printed
     assert "ValueError: the reason it failed" in printed  # the tail, below the step's line
+
+
+def test_a_long_exception_message_still_names_the_exception(tmp_path):
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
+    console = io.StringIO()
+    with (
+        pytest.raises(LocalStepFailedError, match="failed: UserWarning: does not fit") as e,
+        QuietConsole(tmp_path / "logs" / "run.log", console),
+    ):
+        one_long_failure()
+    assert e.value.tail[0] == "UserWarning: does not fit:" and e.value.tail[1] == "…"
+    assert "  UserWarning: does not fit:" in console.getvalue()
+    assert "| row 39 | 1.0 GiB |" in console.getvalue()  # and the tail after it

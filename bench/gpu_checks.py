@@ -100,7 +100,7 @@ def _fixtures(sizes: Sizes, work: Path) -> tuple[Path, Path]:
     """The tiny model and the prepared bundled data, built once per work dir."""
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare_dataset
-    from trainer.tiny_model import TinyModelConfig, build_tiny_model
+    from trainer.tiny_model import SMALLEST, build_tiny_model
 
     data, model = work / "data", work / "tiny-model"
     if not (data / "eval.jsonl").is_file():
@@ -110,15 +110,7 @@ def _fixtures(sizes: Sizes, work: Path) -> tuple[Path, Path]:
         prepare_dataset(config, tmp / "train.jsonl", tmp / "eval.jsonl", tmp / "quarantine.jsonl")
         os.replace(tmp, data)
     if not (model / "config.json").is_file():
-        small = TinyModelConfig(
-            vocab_size=1024,
-            hidden_size=64,
-            intermediate_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            seed=0,
-        )
+        small = SMALLEST
         built = build_tiny_model(work / ".tiny-model.partial", small)
         os.replace(built, model)
     return model, data

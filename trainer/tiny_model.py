@@ -45,6 +45,19 @@ class TinyModelConfig(ConfigModel):
     seed: int = 0
 
 
+SMALLEST = TinyModelConfig(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    seed=0,
+)
+"""The smallest tiny model the tests and the GPU check's CPU dry run build (~0.26M
+parameters, a step in well under a second)."""
+
+
 def harmony_chat_template() -> str:
     """A Jinja chat template that renders messages exactly as ``eval.harmony`` does.
 

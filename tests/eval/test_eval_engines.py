@@ -28,17 +28,9 @@ from eval.parsing import parse_response
 from eval.report import load_results
 from eval.runner import build_requests, load_questions, question_prompt, run_eval
 from eval.seeds import sample_seed
-from trainer.tiny_model import TinyModelConfig, build_tiny_model
+from trainer.tiny_model import SMALLEST, build_tiny_model
 
-SMALL = TinyModelConfig(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=64,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    seed=0,
-)
+SMALL = SMALLEST
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=6)
 
 

@@ -15,7 +15,7 @@ from eval.eval_metrics import Outcome, summarize
 from eval.gate import Decision, GateConfig, apply_gate, decide, evaluate_gate
 from eval.registry import RegisteredVersion, content_sha256
 from eval.report import json_safe
-from trainer.tiny_model import TinyModelConfig, build_tiny_model
+from trainer.tiny_model import SMALLEST, build_tiny_model
 
 METRIC = "both_language_accuracy"
 
@@ -209,14 +209,7 @@ def test_components_end_to_end(tracking, tmp_path):
 
     tiny = build_tiny_model(
         tmp_path / "tiny",
-        TinyModelConfig(
-            vocab_size=1024,
-            hidden_size=64,
-            intermediate_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-        ),
+        SMALLEST,
     )
     out = tmp_path / "outputs"
     results = dsl.Artifact(uri=str(out / "results"))

@@ -6,17 +6,9 @@ import pytest
 
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare_dataset
-from trainer.tiny_model import TinyModelConfig, build_tiny_model
+from trainer.tiny_model import SMALLEST, build_tiny_model
 
-SMALL = TinyModelConfig(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=64,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    seed=0,
-)
+SMALL = SMALLEST
 
 
 @pytest.fixture(scope="session")

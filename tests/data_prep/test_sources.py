@@ -93,8 +93,14 @@ def test_a_corrupt_parquet_file_in_a_directory_is_named(tmp_path):
 @pytest.mark.parametrize(
     "source", ["mydata/rows.jsonl", "./rows", "../x", "~/data", "a/b/c", "rows.parquet", "x.json"]
 )
-def test_a_missing_path_is_no_such_file_not_a_hub_lookup(source):
-    # issue #17: on main "mydata/rows.jsonl" went to the hub (32 s of retries)
+def test_a_missing_path_is_no_such_file_not_a_hub_lookup(source, tmp_path, monkeypatch):
+    # issue #17: on main "mydata/rows.jsonl" went to the hub (32 s of retries). Relative and
+    # home paths resolve inside an empty folder, whatever the checkout's neighbours are
+    # (a clone at /tmp/ci once had a sibling /tmp/x)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "cwd")
     with pytest.raises(SourceError, match=f"{source}: no such file or directory"):
         describe_source(source)
 

@@ -94,6 +94,7 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     import torch
     from gpu_checks import CheckFailed, _finite
 
+    from eval.seeds import group_seeds
     from trainer.backends import TorchBackend
     from trainer.grpo.config import GRPOConfig, RolloutConfig
     from trainer.grpo.prompts import Prompt
@@ -123,7 +124,8 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     prompts = _random_ids(generator, sizes.rollout_prompts, sizes.prompt_len, vocab)
     _synchronize(sizes.device)
     started = time.monotonic()
-    sampled = engine.generate(prompts, sizes.rollout_samples, seed=0)
+    seeds = group_seeds(0, "gpu-check", range(len(prompts)), sizes.rollout_samples)
+    sampled = engine.generate(prompts, seeds)
     _synchronize(sizes.device)
     rollout_s = time.monotonic() - started
     rollout_tokens = sum(len(r.response_ids) for r in sampled)

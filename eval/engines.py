@@ -8,6 +8,7 @@ fails comes back as a ``Generation`` with ``error`` set: nothing is dropped sile
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -242,6 +243,8 @@ class VLLMEngine:
         model_dir: A Hugging Face model directory.
         dtype: ``auto``, ``float32`` or ``bfloat16``.
         gpu_memory_utilization: vLLM's share of GPU memory.
+        max_num_batched_tokens: vLLM's cap on the tokens of one scheduler step (None: its
+            default; see ``vllm_scheduling_kwargs`` for vLLM's CPU build).
 
     Raises:
         ModelNotFoundError: ``model_dir`` is missing or not a model directory.
@@ -249,7 +252,11 @@ class VLLMEngine:
     """
 
     def __init__(
-        self, model_dir: str | Path, dtype: str = "auto", gpu_memory_utilization: float = 0.85
+        self,
+        model_dir: str | Path,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.85,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         path = require_model_dir(model_dir)
         try:
@@ -258,7 +265,15 @@ class VLLMEngine:
             raise ImportError(
                 "the vllm eval engine needs vLLM: pip install 'lingo-rl[gpu]' (or use engine=hf)"
             ) from err
-        self.llm = LLM(model=str(path), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization)
+        from vllm.platforms import current_platform
+
+        kwargs: dict[str, object] = {"model": str(path), "dtype": dtype}
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        model_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        kwargs |= vllm_scheduling_kwargs(
+            max_num_batched_tokens, model_len or 8192, current_platform.is_cpu()
+        )
+        self.llm = LLM(**kwargs)
         tokenizer = self.llm.get_tokenizer()
         vocab = tokenizer.get_vocab()
         stops = {vocab[t] for t in STOP_TOKENS if t in vocab}
@@ -308,6 +323,25 @@ class VLLMEngine:
         del self.llm
 
 
+def vllm_scheduling_kwargs(
+    max_num_batched_tokens: int | None, max_model_len: int, cpu: bool
+) -> dict[str, object]:
+    """``vllm.LLM`` scheduler arguments: the step's token cap when set, and on vLLM's CPU
+    build prompts that are never split.
+
+    There a seeded request that chunked prefill splits crashes the engine ("CPU Generator
+    does not use offset": the sampler rewinds the request's generator, which CPU generators
+    cannot do), and every request here is seeded. So on CPU chunked prefill is off and a step
+    holds at least one whole ``max_model_len`` sequence (vLLM requires it then).
+    """
+    if cpu:
+        budget = max(max_num_batched_tokens or 0, max_model_len)
+        return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
+    return (
+        {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    )
+
+
 def vllm_request_params(
     requests: Sequence[GenerationRequest], sampling: SamplingSettings, stop_ids: Sequence[int]
 ) -> list[dict[str, object]]:
@@ -344,5 +378,10 @@ def make_engine(location: str, config: EvalConfig, served_model: str | None = No
 
         return ChatEndpointEngine(location, served_model, config.endpoint)
     if config.engine == "vllm":
-        return VLLMEngine(location, config.dtype, config.vllm_gpu_memory_utilization)
+        return VLLMEngine(
+            location,
+            config.dtype,
+            config.vllm_gpu_memory_utilization,
+            config.vllm_max_num_batched_tokens,
+        )
     return HFEngine(location, config.device, config.dtype, config.batch_size)

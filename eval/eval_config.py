@@ -84,6 +84,9 @@ class EvalConfig(ConfigModel):
         limit: Only the first ``limit`` questions (after the language filter); ``None``: all.
         max_failure_fraction: The run fails when a model's failed responses exceed this share.
         vllm_gpu_memory_utilization: vLLM's share of GPU memory.
+        vllm_max_num_batched_tokens: vLLM's cap on the tokens of one scheduler step
+            (``None``: vLLM's default; on vLLM's CPU build at least the model's length, as
+            prompts are never split there: ``eval.engines.vllm_scheduling_kwargs``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -101,3 +104,4 @@ class EvalConfig(ConfigModel):
     limit: int | None = Field(None, ge=1)
     max_failure_fraction: float = Field(0.1, ge=0.0, le=1.0)
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    vllm_max_num_batched_tokens: int | None = Field(None, ge=16)

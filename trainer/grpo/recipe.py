@@ -9,7 +9,6 @@ normalizers are summed over ranks so N processes follow the single-process run).
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -40,6 +39,7 @@ from trainer.backends import (
     DataParallel,
     LossFn,
     TrainingBackend,
+    deepspeed_config,
     make_backend,
 )
 from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
@@ -71,6 +71,7 @@ from trainer.placement import (
     grpo_placement,
     plan_placement,
 )
+from trainer.zero3 import gather_windows, load_partitioned
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +331,21 @@ def run_grpo(
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(sft_model)
     dtype = resolve_dtype(cfg.dtype, info.device)
-    policy = load_causal_lm(sft_model, dtype, info.device)
+    ds_config = None
+    if cfg.optim.backend == "deepspeed":
+        # one configuration for the partitioned load and deepspeed.initialize
+        ds_config = deepspeed_config(
+            cfg.optim,
+            info.device,
+            cfg.micro_batch_size,
+            _micro_per_mini(cfg, info),
+            bf16=dtype == torch.bfloat16,
+            zero_settings=gather_windows(sft_model) if _zero3(cfg) else None,
+        )
+    if _zero3(cfg):  # built partitioned: no rank ever holds the whole model
+        policy = load_partitioned(sft_model, dtype, ds_config, info.device)
+    else:
+        policy = load_causal_lm(sft_model, dtype, info.device)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     limit, kept = cfg.rollout.max_prompt_tokens, cfg.prompt_filter
@@ -344,11 +359,6 @@ def run_grpo(
     scorer = ComplianceScorer(weights=RewardWeights(**cfg.reward_weights))
     reward_fn = LanguageComplianceReward(scorer)
 
-    # the rollout engine's own copy must be taken before ZeRO-3 partitions the policy in place;
-    # Megatron trains its own model, so the HF policy is the engine's copy
-    rollout_copy = None
-    if cfg.optim.backend == "deepspeed" and cfg.rollout.engine == "hf":
-        rollout_copy = copy.deepcopy(policy).requires_grad_(False)
     backend = make_backend(
         policy,
         cfg.optim,
@@ -359,6 +369,7 @@ def run_grpo(
         bf16=dtype == torch.bfloat16,
         with_reference=cfg.algorithm.kl_loss_coef > 0,
         hf_dir=sft_model,
+        ds_config=ds_config,
         seed=cfg.seed,
         pad_id=tokenizer.pad_token_id,
     )
@@ -367,9 +378,10 @@ def run_grpo(
     dp = backend.data_parallel
     per_rank = cfg.prompts_per_step // dp.size
     plan = run_placement(cfg, info)
-    engine = _rollout_engine(
-        cfg, policy if rollout_copy is None else rollout_copy, tokenizer, sft_model, plan, info
-    )
+    # the HF engine samples with the trained module itself (under ZeRO-3 partitioned, every
+    # rank stepping in lockstep); Megatron trains its own model, so the HF policy is a copy
+    rollout_model = backend.unwrapped() if cfg.optim.backend == "deepspeed" else policy
+    engine = _rollout_engine(cfg, rollout_model, tokenizer, sft_model, plan, info)
     # the ranks whose prompts this rank's engine generates (all of a vLLM engine's workers)
     vllm_group = plan.engine_of(info.rank) if cfg.rollout.engine == "vllm" else None
     share = vllm_group.ranks if vllm_group else (dp.rank,)
@@ -533,7 +545,7 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
 
 
 def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: PlacementPlan, info):
-    """HF generate on ``model`` (the policy itself in one process: nothing to sync), or the
+    """HF generate on ``model`` (the trained module itself: nothing to sync), or the
     vLLM engine this process is a worker of in ``plan`` (on its own GPU, with the other
     ranks of its engine), in the policy's dtype."""
     if cfg.rollout.engine == "vllm":
@@ -551,7 +563,12 @@ def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: Placemen
             dtype=str(resolve_dtype(cfg.dtype, info.device)).removeprefix("torch."),
             sleep_mode=cfg.rollout.colocate and info.device.type == "cuda",
         )
-    return HFRolloutEngine(model, tokenizer, cfg.rollout)
+    lockstep = _zero3(cfg) and info.world_size > 1
+    return HFRolloutEngine(model, tokenizer, cfg.rollout, lockstep=lockstep)
+
+
+def _zero3(cfg: GRPOConfig) -> bool:
+    return cfg.optim.backend == "deepspeed" and cfg.optim.zero_stage == 3
 
 
 def _sync(

@@ -103,14 +103,22 @@ def cut_at_stop(ids: list[int], stop_ids: set[int], pad_id: int) -> tuple[list[i
 class HFRolloutEngine:
     """Sampling with a Hugging Face model and its KV cache (CPU or GPU).
 
-    ``model`` is a plain ``nn.Module`` the engine may share with the trainer (single process:
-    the policy itself, so there is nothing to sync) or own (a copy, updated by sync_weights).
+    ``model`` is a plain ``nn.Module`` the engine may share with the trainer (the policy
+    itself, so there is nothing to sync) or own (a copy, updated by sync_weights).
+
+    ``lockstep``: every rank runs the same number of forward passes, as a ZeRO-3 partitioned
+    model needs (each forward gathers its parameters collectively): a rank whose rows have all
+    stopped keeps stepping until every rank's have (one all-reduce per decode step, as HF's
+    ``synced_gpus``). Every rank must then call ``generate`` with as many prompts.
     """
 
-    def __init__(self, model, tokenizer, cfg: RolloutConfig, batch_size: int = 64) -> None:
+    def __init__(
+        self, model, tokenizer, cfg: RolloutConfig, batch_size: int = 64, lockstep: bool = False
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.batch_size = batch_size
+        self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
         eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
         self.stop_ids = set(eos if isinstance(eos, list) else [eos])
@@ -122,6 +130,15 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         per_call = max(1, self.batch_size // max(n, 1))
+        if self.lockstep:
+            counts = torch.tensor([len(prompts), -len(prompts)], device=device)
+            torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+            if int(counts[0]) != -int(counts[1]):
+                raise ValueError(
+                    f"lockstep generation: the ranks have {-int(counts[1])} to "
+                    f"{int(counts[0])} prompts; every rank must generate as many (ZeRO-3 "
+                    "forwards are collective)"
+                )
         out: list[Rollout] = []
         try:
             for start in range(0, len(prompts), per_call):
@@ -140,7 +157,8 @@ class HFRolloutEngine:
         The decode loop is ours rather than ``model.generate``: one forward per token on the
         cache, temperature and nucleus (top-p) filtering, and a sample drawn by the
         exponential race (``argmax(p / E)``, ``E ~ Exp(1)``: the same distribution as
-        ``multinomial(p)``, as vLLM samples), stopping when every row has hit a stop token.
+        ``multinomial(p)``, as vLLM samples), stopping when every row has hit a stop token
+        (in ``lockstep``: every row of every rank).
         Row ``i`` draws its noise from its own generator (``seeds[i]``): its samples do not
         depend on the other rows of the chunk.
         """
@@ -173,7 +191,7 @@ class HFRolloutEngine:
             token = torch.where(finished, self.pad_id, self._sample(logits, generators))
             tokens[:, t] = token.cpu()
             finished |= torch.isin(token, stop)
-            if bool(finished.all()) or t == self.cfg.max_new_tokens - 1:
+            if t == self.cfg.max_new_tokens - 1 or self._all_done(bool(finished.all()), device):
                 break
             attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=1)
             logits = self.model(
@@ -189,6 +207,14 @@ class HFRolloutEngine:
             response, done = cut_at_stop(tokens[row].tolist(), self.stop_ids, self.pad_id)
             out.append(Rollout(first_index + row // n, response, done))
         return out
+
+    def _all_done(self, done: bool, device) -> bool:
+        """``done`` on every rank (lockstep), else this rank's ``done``."""
+        if not self.lockstep:
+            return done
+        flag = torch.tensor([int(done)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _sample(self, logits: torch.Tensor, generators=None) -> torch.Tensor:
         """One token per row from ``softmax(logits / temperature)``, nucleus-filtered; row

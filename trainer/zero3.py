@@ -1,0 +1,245 @@
+"""ZeRO-3 without a full copy of the model on any rank.
+
+- ``load_partitioned``: a Hugging Face causal LM built partitioned (transformers'
+  ``HfDeepSpeedConfig`` makes ``from_config`` run under ``deepspeed.zero.Init``), then filled
+  from its safetensors one tensor at a time: rank 0 reads a tensor from the file (plain reads,
+  no memory map, so no page of the file stays resident), the ranks gather that one parameter,
+  rank 0 copies it in, and DeepSpeed re-partitions it.
+- ``gathered_parameters``: the weights under their names, one gathered parameter at a time
+  (for a rollout engine that keeps its own copy).
+- ``save_gathered``: a Hugging Face directory written by rank 0 one gathered tensor at a time
+  (the safetensors header is computed from the partitioned shapes first).
+- ``gather_windows``: ZeRO-3's bucket and live-parameter sizes bounded by the model's largest
+  tensor, so a model smaller than DeepSpeed's absolute defaults is not kept gathered whole.
+
+Every function here is collective: all ranks call it, in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from eval.modeling import ModelLoadError, check_model_dir
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+DEEPSPEED_WINDOW_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "sub_group_size": 1_000_000_000,
+}
+"""DeepSpeed's defaults (elements) for the ZeRO-3 settings ``gather_windows`` bounds."""
+
+
+class SafetensorsEntry:
+    """Where one tensor lies in a safetensors file."""
+
+    def __init__(self, file: Path, data_start: int, header: dict) -> None:
+        self.file = file
+        self.dtype = SAFETENSORS_DTYPES[header["dtype"]]
+        self.shape = tuple(header["shape"])
+        self.begin, self.end = (data_start + o for o in header["data_offsets"])
+
+    def read(self) -> torch.Tensor:
+        """The tensor, read from the file into memory of its own."""
+        buffer = bytearray(self.end - self.begin)
+        with self.file.open("rb") as fh:
+            fh.seek(self.begin)
+            fh.readinto(buffer)
+        if not buffer:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(buffer, dtype=self.dtype).reshape(self.shape)
+
+
+def safetensors_entries(model_dir: str | Path) -> dict[str, SafetensorsEntry]:
+    """Every tensor of a HF directory's ``*.safetensors`` files, by name (headers only)."""
+    entries: dict[str, SafetensorsEntry] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors files to load")
+    for file in files:
+        with file.open("rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+        header.pop("__metadata__", None)
+        for name, entry in header.items():
+            entries[name] = SafetensorsEntry(file, 8 + length, entry)
+    return entries
+
+
+def gather_windows(model_dir: str | Path) -> dict[str, int]:
+    """ZeRO-3 settings for ``model_dir``: each of DeepSpeed's absolute window sizes, bounded by
+    the model's largest tensor (in elements).
+
+    DeepSpeed keeps parameters gathered while they fit ``stage3_max_live_parameters`` and are
+    reused within ``stage3_max_reuse_distance`` (10⁹ elements each): a model under a billion
+    parameters stays gathered whole through a decode loop; and the optimizer steps over
+    ``sub_group_size`` elements at a time, with temporaries of that size. Bounded by the
+    largest tensor (which must be gathered anyway), at most about one tensor is live beyond
+    the one in use, and the optimizer's temporaries are of one tensor's size.
+    """
+    largest = max(math.prod(e.shape) for e in safetensors_entries(model_dir).values())
+    return {key: min(default, largest) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
+
+
+def init_deepspeed_comm(device: torch.device) -> None:
+    """DeepSpeed's communication on the process group torchrun set up (gloo on CPU)."""
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError(
+            "backend 'deepspeed' needs DeepSpeed: pip install 'lingo-rl[gpu]' "
+            "(on CPU: DS_BUILD_OPS=0 pip install deepspeed)"
+        ) from exc
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+
+
+def load_partitioned(
+    path: str | Path, dtype: torch.dtype, ds_config: dict, device: torch.device
+) -> torch.nn.Module:
+    """The causal LM in ``path`` built partitioned over the ranks (ZeRO-3) and loaded.
+
+    ``ds_config`` must be the configuration later given to ``deepspeed.initialize``. No rank
+    holds more than one gathered tensor (plus DeepSpeed's own windows) at any time.
+
+    Raises:
+        ModelLoadError: the files lack a weight of the model, or hold one of another shape.
+    """
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    init_deepspeed_comm(device)
+    path = check_model_dir(path)
+    config = AutoConfig.from_pretrained(path)
+    kwargs = {"dtype": dtype}
+    if device.type == "cpu":
+        kwargs["attn_implementation"] = "eager"  # sdpa/flex/MXFP4 kernels do not run on CPU
+    # transformers builds under zero.Init while this object lives; dropped right after, so a
+    # later rank-0-only load (an export) is a plain one
+    hf_ds_config = HfDeepSpeedConfig(ds_config)
+    try:
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_ds_config
+    entries = safetensors_entries(path)
+    problems = []
+    for name, param in model.named_parameters():
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        if name not in entries:
+            problems.append(f"{name} is missing")
+        elif entries[name].shape != shape:
+            problems.append(
+                f"{name} has shape {list(entries[name].shape)}, the model {list(shape)}"
+            )
+    if problems:  # every rank read the same headers: all raise, none waits in a collective
+        raise ModelLoadError(f"{path}: the weights do not fit the model: {'; '.join(problems[:5])}")
+    first = dist.get_rank() == 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if first:
+                    param.data.copy_(entries[name].read())
+        for name, buffer in model.named_buffers():
+            if name in entries:  # buffers are whole on every rank: rank 0's value to all
+                value = entries[name].read() if first else torch.empty_like(buffer, device="cpu")
+                value = value.to(buffer.device, buffer.dtype)
+                dist.broadcast(value, src=0)
+                buffer.copy_(value)
+    return model
+
+
+def gathered_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for each parameter, gathered whole, one at a time.
+
+    The tensor is valid only until the next item is requested: the parameter is released
+    (re-partitioned) then, so the consumer copies it before moving on. Collective: every rank
+    iterates to the end.
+    """
+    import deepspeed
+
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            yield name, param.detach()
+
+
+def save_gathered(
+    module: torch.nn.Module, directory: str | Path, config, dtype: torch.dtype, writer: bool
+) -> None:
+    """Write ``module`` (partitioned or not) as a HF directory: ``config`` (its ``dtype`` set)
+    and one ``model.safetensors`` streamed one gathered tensor at a time; ``writer``: this rank
+    writes (rank 0). Collective."""
+    import deepspeed
+
+    directory = Path(directory)
+    params = dict(module.named_parameters())
+    buffers = {
+        n: b for n, b in module.named_buffers() if n in set(module.state_dict()) and n not in params
+    }
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in [*params.items(), *buffers.items()]:
+        shape = list(getattr(tensor, "ds_shape", tensor.shape))
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": _DTYPE_NAMES[dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    fh = None
+    if writer:
+        directory.mkdir(parents=True, exist_ok=True)
+        fh = (directory / "model.safetensors").open("wb")
+        fh.write(struct.pack("<Q", len(encoded)) + encoded)
+    try:
+        with torch.no_grad():
+            for param in params.values():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    if fh is not None:
+                        fh.write(_bytes(param, dtype))
+            for buffer in buffers.values():
+                if fh is not None:
+                    fh.write(_bytes(buffer, dtype))
+    finally:
+        if fh is not None:
+            fh.close()
+    if writer:
+        config.dtype = dtype
+        config.save_pretrained(directory)
+        generation = getattr(module, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(directory)
+
+
+def _bytes(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview:
+    flat = tensor.detach().to("cpu", dtype).contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())

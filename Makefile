@@ -8,7 +8,7 @@ BIN = $(VENV)/bin
 # DeepSpeed (dev extra, CPU tests) installs without compiling its CUDA ops.
 export DS_BUILD_OPS = 0
 
-.PHONY: setup setup-runtime demo test test-megatron gpu-check-dry-run gpu-wheels lint format bench clean
+.PHONY: setup setup-runtime demo test test-megatron test-vllm gpu-check-dry-run gpu-wheels lint format bench clean
 
 # the demo needs only the runtime dependencies and CPU torch; the tests add the `dev` extra
 setup-runtime: $(VENV)/.runtime-installed
@@ -37,6 +37,9 @@ test: setup  ## lint, then the test suite (slow/gpu/cluster tests deselected by 
 test-megatron:  ## the Megatron round trip HF -> Megatron -> HF on CPU, in a Python 3.12 env (tools/megatron_env.sh, ~5 GB)
 	bash tools/run_megatron_tests.sh -q
 
+test-vllm:  ## the vLLM engines on vLLM's CPU build (tests/vllm), in their own env (tools/vllm_env.sh, ~2.5 GB)
+	bash tools/run_vllm_tests.sh -q
+
 gpu-check-dry-run: setup  ## bench/gpu_check.py on CPU with tiny shapes, as the GPU machine's Python would see it (~3 min)
 	$(BIN)/python -m pytest -q -m slow tests/bench/test_gpu_check.py
 
@@ -53,4 +56,4 @@ bench: setup
 	$(BIN)/python bench/data_prep.py
 
 clean:
-	rm -rf $(VENV) .venv-megatron runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-megatron .venv-vllm runs .pytest_cache .ruff_cache

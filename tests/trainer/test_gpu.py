@@ -68,8 +68,7 @@ def test_grpo_on_gpu_with_hf_rollouts(tmp_path, tiny_model_dir, prepared_data):
     assert [m["step"] for m in read_metrics(result.metrics_file) if "loss" in m] == [1, 2]
 
 
-def test_vllm_engine_samples_groups_and_takes_new_weights(tmp_path):
-    pytest.importorskip("vllm")
+def _vllm_engine(tmp_path, sleep_mode: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.grpo.rollout import VLLMRolloutEngine
@@ -82,18 +81,51 @@ def test_vllm_engine_samples_groups_and_takes_new_weights(tmp_path):
     engine = VLLMRolloutEngine(
         str(model_dir),
         tokenizer,
-        RolloutConfig(max_new_tokens=8, gpu_memory_utilization=0.2, colocate=True),
+        RolloutConfig(max_new_tokens=8, max_prompt_tokens=512, gpu_memory_utilization=0.2),
+        dtype="bfloat16",
+        sleep_mode=sleep_mode,
     )
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    return engine, policy, tokenizer
+
+
+def test_vllm_engine_samples_groups_and_takes_new_weights(tmp_path):
+    pytest.importorskip("vllm")
+    from trainer.grpo.rollout import HFRolloutEngine
+    from trainer.grpo.sync_check import max_abs_diff, sync_tolerance
+
+    engine, policy, tokenizer = _vllm_engine(tmp_path, sleep_mode=False)
     prompt = tokenizer("<|start|>user<|message|>Hallo<|end|><|start|>assistant")["input_ids"]
     out = engine.generate([prompt, prompt], group_seeds(0, 0, [0, 1], 3))
     # the same prompt in two slots: two groups, not one drawn twice
     assert [r.response_ids for r in out[:3]] != [r.response_ids for r in out[3:]]
     assert [r.prompt_index for r in out] == [0, 0, 0, 1, 1, 1]
+
+    def diff():
+        mine = HFRolloutEngine(policy, tokenizer, RolloutConfig())
+        return max_abs_diff(
+            engine.token_log_probs(prompt[:-4], prompt[-4:]),
+            mine.token_log_probs(prompt[:-4], prompt[-4:]),
+        )
+
+    tolerance = sync_tolerance(None, torch.bfloat16)
+    assert diff() < tolerance
+    with torch.no_grad():
+        for _, param in policy.named_parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    assert diff() > tolerance
+    engine.sync_weights((n, p.detach()) for n, p in policy.named_parameters())
+    assert diff() < tolerance  # every weight group, experts included, on the GPU's kernels
+
+
+def test_vllm_sleep_frees_gpu_memory_and_wakes_with_its_weights(tmp_path):
+    pytest.importorskip("vllm")
+    engine, policy, tokenizer = _vllm_engine(tmp_path, sleep_mode=True)
+    prompt = tokenizer("<|start|>user<|message|>Hola<|end|><|start|>assistant")["input_ids"]
+    before = engine.token_log_probs(prompt[:-4], prompt[-4:])
+    free_awake, _ = torch.cuda.mem_get_info()
     engine.sleep()
-    zeroed = [
-        (n, torch.zeros_like(p))
-        for n, p in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()
-    ]
-    engine.sync_weights(zeroed)  # wakes the engine and loads the weights
-    again = engine.generate([prompt], group_seeds(0, 1, [0], 2))
-    assert len(again) == 2
+    free_asleep, _ = torch.cuda.mem_get_info()
+    # level 1: weights to host, KV cache dropped (0.2 of the GPU): most of it comes back
+    assert free_asleep - free_awake > 0.1 * torch.cuda.get_device_properties(0).total_memory
+    assert engine.token_log_probs(prompt[:-4], prompt[-4:]) == before  # wakes, same weights

@@ -25,9 +25,10 @@ def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
     ``cfg.nproc`` processes with ``--config config_file`` plus ``args``.
 
     Raises:
-        ValueError: several processes with the single-process ``torch`` backend.
+        ValueError: several training processes with the single-process ``torch`` backend.
     """
-    if cfg.optim.backend == "torch":
+    training = getattr(cfg, "training_processes", cfg.nproc)  # GRPO: less rollout-only ones
+    if cfg.optim.backend == "torch" and training > 1:
         raise ValueError(
             f"nproc={cfg.nproc} needs optim.backend=deepspeed (or megatron for GRPO); "
             "got 'torch', which runs one process"

@@ -289,7 +289,7 @@ def plan_placement(nodes: int, gpus_per_node: int, layout: ParallelLayout) -> Pl
 def grpo_layout(cfg: GRPOConfig, world_size: int | None = None) -> ParallelLayout:
     """The parallel layout of a GRPO config on ``world_size`` training processes
     (``cfg.nproc`` by default): Megatron's TP / PP / EP from its layout, else pure data
-    parallelism; the HF rollout engine counts as a colocated engine of TP 1 per process."""
+    parallelism; an HF rollout engine has TP 1 (one per training process when colocated)."""
     world = world_size or cfg.nproc
     rollout = cfg.rollout
     tp = pp = ep = cp = 1
@@ -299,7 +299,7 @@ def grpo_layout(cfg: GRPOConfig, world_size: int | None = None) -> ParallelLayou
     if world % (tp * pp * cp):
         raise PlacementError(f"{world} processes are not a multiple of TP × PP × CP")
     vllm = rollout.engine == "vllm"
-    colocate = rollout.colocate or not vllm
+    colocate = rollout.colocate
     return ParallelLayout(
         tp=tp,
         pp=pp,

@@ -28,12 +28,17 @@ class RolloutConfig(ConfigModel):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     colocate: bool = True
-    """vLLM on the training processes' GPUs, sleeping during updates (hybrid: one engine per
-    ``tensor_parallel_size`` training processes); False: engines on GPUs of their own,
-    weights pushed after each update (non-hybrid). See ``trainer.placement``."""
+    """Engines on the training processes' GPUs (hybrid: one engine per ``tensor_parallel_size``
+    training processes; vLLM sleeps during updates); False: engines in rollout-only
+    processes on devices of their own, weights pushed after each update (non-hybrid,
+    ``trainer.grpo.remote``). See ``trainer.placement``."""
     num_engines: int = Field(0, ge=0)
     """Dedicated engines (``colocate: false``; OpenRLHF's ``--vllm_num_engines``), each on
-    ``tensor_parallel_size`` GPUs after the training GPUs; colocated runs leave it 0."""
+    ``tensor_parallel_size`` devices after the training processes' (the HF engine: 1);
+    colocated runs leave it 0."""
+    sync_bucket_mb: int = Field(64, ge=1)
+    """Dedicated engines: the weight sync broadcasts the policy in buckets of at most this
+    many MiB (one bucket in flight at a time)."""
     max_num_batched_tokens: int | None = Field(None, ge=16)
     """vLLM's cap on the tokens of one scheduler step (None: vLLM's default; on vLLM's CPU build
     at least ``max_prompt_tokens + max_new_tokens``, as prompts are never split there:
@@ -47,10 +52,10 @@ class RolloutConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _engines_match_placement(self) -> RolloutConfig:
-        if self.engine == "vllm" and not self.colocate and self.num_engines < 1:
+        if not self.colocate and self.num_engines < 1:
             raise ValueError(
-                "rollout.colocate=false puts vLLM on GPUs of its own: set rollout.num_engines "
-                "(≥ 1 engines of tensor_parallel_size GPUs each)"
+                "rollout.colocate=false puts the engines in processes of their own: set "
+                "rollout.num_engines (≥ 1 engines of tensor_parallel_size devices each)"
             )
         if self.colocate and self.num_engines:
             raise ValueError(
@@ -128,9 +133,24 @@ class GRPOConfig(ProcessSettings):
     checkpoint_every: int = Field(0, ge=0)
     max_ckpt_num: int = Field(2, ge=1)
 
+    @property
+    def training_processes(self) -> int:
+        """The processes that train: ``nproc`` less the rollout-only ones (dedicated engines,
+        ``rollout.colocate=false``: ``num_engines × tensor_parallel_size``, 1 per HF engine)."""
+        if self.rollout.colocate:
+            return self.nproc
+        per_engine = self.rollout.tensor_parallel_size if self.rollout.engine == "vllm" else 1
+        return self.nproc - self.rollout.num_engines * per_engine
+
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> GRPOConfig:
-        replicas, what = self.nproc, f"nproc {self.nproc}"
+        if self.training_processes < 1:
+            raise ValueError(
+                f"nproc={self.nproc} leaves no training process beside "
+                f"{self.nproc - self.training_processes} rollout-only processes "
+                "(rollout.num_engines × tensor_parallel_size): raise nproc"
+            )
+        replicas, what = self.training_processes, f"{self.training_processes} training processes"
         if self.optim.backend == "megatron":
             replicas = _megatron_data_parallel(self)
             what = f"the Megatron data-parallel size {replicas}"

@@ -68,6 +68,7 @@ from trainer.placement import (
     ParallelLayout,
     PlacementError,
     PlacementPlan,
+    grpo_layout,
     grpo_placement,
     plan_placement,
 )
@@ -329,6 +330,43 @@ def run_grpo(
     info = init_distributed(cfg.device, cfg.cpu_threads)
     work_dir, model_output = Path(work_dir), Path(model_output)
     seed_everything(cfg.seed)
+    plan = run_placement(cfg, info)
+    if plan.rollout_only_ranks:  # dedicated engines: one training process drives them
+        if info.rank in plan.rollout_only_ranks:
+            _serve_rollouts(cfg, sft_model, plan, info)
+            return None
+        remote = _remote_engines(cfg, plan, info)
+        info = DistInfo(0, 1, info.local_rank, info.device)  # the training side alone
+        with contextlib.closing(remote):
+            return _train(
+                cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan, remote
+            )
+    return _train(cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan)
+
+
+def _remote_engines(cfg: GRPOConfig, plan: PlacementPlan, info: DistInfo):
+    from trainer.grpo.remote import RemoteRolloutEngine
+
+    return RemoteRolloutEngine(
+        [engine.ranks[0] for engine in plan.engines],
+        None,
+        info.device,
+        cfg.rollout.sync_bucket_mb << 20,
+    )
+
+
+def _train(
+    cfg: GRPOConfig,
+    sft_model: str | Path,
+    train_path: str | Path,
+    eval_path: str | Path,
+    model_output: Path,
+    work_dir: Path,
+    info: DistInfo,
+    plan: PlacementPlan,
+    remote=None,
+) -> GRPOResult | None:
+    """The training processes' part of ``run_grpo`` (``remote``: the dedicated engines)."""
     tokenizer = load_tokenizer(sft_model)
     dtype = resolve_dtype(cfg.dtype, info.device)
     ds_config = None
@@ -377,11 +415,10 @@ def run_grpo(
         policy.requires_grad_(False)
     dp = backend.data_parallel
     per_rank = cfg.prompts_per_step // dp.size
-    plan = run_placement(cfg, info)
     # the HF engine samples with the trained module itself (under ZeRO-3 partitioned, every
     # rank stepping in lockstep); Megatron trains its own model, so the HF policy is a copy
     rollout_model = backend.unwrapped() if cfg.optim.backend == "deepspeed" else policy
-    engine = _rollout_engine(cfg, rollout_model, tokenizer, sft_model, plan, info)
+    engine = remote or _rollout_engine(cfg, rollout_model, tokenizer, sft_model, plan, info)
     # the ranks whose prompts this rank's engine generates (all of a vLLM engine's workers)
     vllm_group = plan.engine_of(info.rank) if cfg.rollout.engine == "vllm" else None
     share = vllm_group.ranks if vllm_group else (dp.rank,)
@@ -510,20 +547,45 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
     """This run's placement plan, from torchrun's world (``LOCAL_WORLD_SIZE`` processes a
     node), checked against where this process actually is.
 
+    Colocated: every process trains (and runs or shares an engine). Dedicated
+    (``rollout.colocate=false``): the last ``num_engines × tensor_parallel_size`` processes
+    of the job are rollout-only, the rest train.
+
     Raises:
-        PlacementError: dedicated rollout GPUs (this recipe starts no rollout-only
-            processes), Megatron with multi-process vLLM, or a plan that puts this process
-            on another GPU than torchrun did.
+        PlacementError: dedicated engines that this recipe cannot run yet (vLLM, or more
+            than one training process), a world too small for them, Megatron with
+            multi-process vLLM, or a plan that puts this process on another device than
+            torchrun did.
     """
     local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    vllm = cfg.rollout.engine == "vllm"
-    if vllm and not cfg.rollout.colocate:
-        raise PlacementError(
-            f"rollout.colocate=false places {cfg.rollout.num_engines} vLLM engine(s) on GPUs "
-            "of their own, after the training GPUs; this recipe starts no rollout-only "
-            "processes yet, so they would have nowhere to run. Set rollout.colocate=true "
-            "(one engine per tensor_parallel_size training processes) or rollout.engine=hf"
-        )
+    rollout = cfg.rollout
+    vllm = rollout.engine == "vllm"
+    if not rollout.colocate:
+        engine_processes = rollout.num_engines * (rollout.tensor_parallel_size if vllm else 1)
+        training = info.world_size - engine_processes
+        problems = []
+        if vllm:
+            problems.append(
+                "vLLM in rollout-only processes is not built yet (its workers would join the "
+                "training job's process group); use rollout.engine=hf for dedicated engines, "
+                "or rollout.colocate=true"
+            )
+        if cfg.optim.backend != "torch":
+            problems.append(
+                f"optim.backend={cfg.optim.backend} with dedicated engines is not built yet "
+                "(its process group would take in the rollout-only processes); use "
+                "optim.backend=torch (one training process)"
+            )
+        if training != 1:
+            problems.append(
+                f"{info.world_size} processes for {engine_processes} rollout-only processes "
+                f"leave {training} training processes; dedicated engines run with exactly "
+                f"one training process for now: start {engine_processes + 1} processes "
+                "(torchrun --nproc-per-node), or set rollout.colocate=true"
+            )
+        if problems:
+            raise PlacementError("; ".join(problems))
+        return plan_placement(max(1, info.world_size // local), local, grpo_layout(cfg, training))
     if vllm and info.world_size > 1 and cfg.optim.backend == "megatron":
         raise PlacementError(
             "rollout.engine=vllm with backend=megatron on several processes: the engines' "
@@ -542,6 +604,25 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
             f"{expected[0]} gpu {expected[1]}"
         )
     return plan
+
+
+def _serve_rollouts(cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: DistInfo) -> None:
+    """A rollout-only process: load the SFT model as its engine, answer the coordinator
+    (``trainer.grpo.remote.serve``) until the run ends."""
+    from trainer.grpo.remote import serve
+
+    engine_placement = plan.engine_of(info.rank)
+    tokenizer = load_tokenizer(sft_model)
+    model = load_causal_lm(sft_model, resolve_dtype(cfg.dtype, info.device), info.device)
+    engine = HFRolloutEngine(model.requires_grad_(False), tokenizer, cfg.rollout)
+    log.info(
+        "rank %d: rollout engine %d of %d on %s",
+        info.rank,
+        engine_placement.index,
+        len(plan.engines),
+        info.device,
+    )
+    serve(engine, engine_placement.index, len(plan.engines), None, info.device)
 
 
 def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: PlacementPlan, info):
@@ -597,8 +678,11 @@ def _sync(
         backend.data_parallel.device,
     )
     policy = backend.log_probs([micro])[0][0, -len(probe.response) :].float().tolist()
-    served = engine.token_log_probs(probe.prompt, probe.response)
-    diff = all_reduce_max(max_abs_diff(served, policy), info)
+    if hasattr(engine, "token_log_probs_per_engine"):  # dedicated engines: each its own copy
+        served = engine.token_log_probs_per_engine(probe.prompt, probe.response)
+    else:
+        served = [engine.token_log_probs(probe.prompt, probe.response)]
+    diff = all_reduce_max(max(max_abs_diff(s, policy) for s in served), info)
     return check_sync(diff, tolerance, step, type(engine).__name__)
 
 

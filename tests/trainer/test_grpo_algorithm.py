@@ -12,6 +12,7 @@ from trainer.grpo.algorithm import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     aggregate_loss,
+    decoupled_policy_loss,
     entropy_from_logits,
     get_advantage_estimator,
     get_kl_estimator,
@@ -379,6 +380,203 @@ def test_policy_loss_rejects_bad_shapes():
         policy_loss(lp, lp, torch.ones(3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="same"):
         policy_loss(lp, lp[:, :2], torch.ones(2), torch.ones(2, 3))
+
+
+# --------------------------------------------------------------------------- decoupled PPO
+
+
+def _decoupled_case():
+    """Two rows of four tokens: PPO ratios r = π_θ/π_prox, behaviour weights w = π_prox/μ.
+
+    row 0, A = +1, mask (1, 1, 1, 0), r = (1.0, 1.1, 1.5, 1.0), w = (1.0, 4.0, 0.5, NaN)
+    row 1, A = -1, mask (1, 1, 1, 1), r = (1.0, 0.5, 4.0, 1.0), w = (3.0, 2.5, 1.5, 1.0)
+    The NaN behaviour log-prob sits on the masked-out token (padding).
+    """
+    log_probs, old = _log_probs_for_ratios([[1.0, 1.1, 1.5, 1.0], [1.0, 0.5, 4.0, 1.0]])
+    weights = _t([[1.0, 4.0, 0.5, 1.0], [3.0, 2.5, 1.5, 1.0]])
+    behaviour = old - weights.log()
+    behaviour[0, 3] = math.nan
+    mask = _t([[1, 1, 1, 0], [1, 1, 1, 1]])
+    return log_probs, old, behaviour, _t([1.0, -1.0]), mask
+
+
+# Hand values of _decoupled_case (clip range [0.8, 1.2], c = 3, tis_cap = 2):
+#   PPO terms  row 0: -1, -1.1, max(-1.5, -1.2) = -1.2 (clipped)
+#              row 1: 1, max(0.5, 0.8) = 0.8 (clipped), min(max(4, 1.2), 3) = 3 (dual), 1
+#   × min(w, 2)  row 0: (1, 2, 0.5)     -> -1, -2.2, -0.6    sum -3.8 over 3 tokens
+#                row 1: (2, 2, 1.5, 1)  ->  2, 1.6, 4.5, 1   sum  9.1 over 4 tokens
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", (-3.8 + 9.1) / 7),
+        ("seq-mean-token-mean", (-3.8 / 3 + 9.1 / 4) / 2),
+        ("seq-mean-token-sum", (-3.8 + 9.1) / 2),
+        ("seq-mean-token-sum-norm", (-3.8 + 9.1) / (2 * 4)),
+    ],
+)
+def test_decoupled_policy_loss_hand_values(mode, expected):
+    log_probs, old, behaviour, advantages, mask = _decoupled_case()
+    loss, _ = decoupled_policy_loss(
+        log_probs,
+        old,
+        behaviour,
+        advantages,
+        mask,
+        tis_cap=2.0,
+        clip_ratio_c=3.0,
+        loss_agg_mode=mode,
+    )
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_decoupled_policy_loss_stats():
+    log_probs, old, behaviour, advantages, mask = _decoupled_case()
+    _, stats = decoupled_policy_loss(
+        log_probs, old, behaviour, advantages, mask, tis_cap=2.0, clip_ratio_c=3.0
+    )
+    # untruncated weights of the 7 masked-in tokens: 1, 4, 0.5, 3, 2.5, 1.5, 1
+    assert stats["importance_ratio_mean"].item() == pytest.approx(13.5 / 7)
+    assert stats["importance_ratio_max"].item() == pytest.approx(4.0)
+    assert stats["tis_clipped_fraction"].item() == pytest.approx(3 / 7)  # 4, 3 and 2.5
+    # the PPO stats are policy_loss's, of r = π_θ / π_prox
+    assert stats["clip_fraction"].item() == pytest.approx(2 / 7)
+    assert stats["dual_clip_fraction"].item() == pytest.approx(1 / 7)
+    assert stats["ratio_max"].item() == pytest.approx(4.0)
+    assert all(not value.requires_grad and value.dim() == 0 for value in stats.values())
+    # a cap above every weight truncates nothing
+    _, loose = decoupled_policy_loss(log_probs, old, behaviour, advantages, mask, tis_cap=5.0)
+    assert loose["tis_clipped_fraction"].item() == 0
+
+
+def test_decoupled_policy_loss_empty_mask_gives_zeros():
+    log_probs, old, behaviour, advantages, mask = _decoupled_case()
+    loss, stats = decoupled_policy_loss(
+        log_probs, old, behaviour, advantages, torch.zeros_like(mask)
+    )
+    assert loss.item() == 0
+    for name in ("importance_ratio_mean", "importance_ratio_max", "tis_clipped_fraction"):
+        assert stats[name].item() == 0
+
+
+@pytest.mark.parametrize("mode", sorted(LOSS_AGG_MODES))
+def test_decoupled_policy_loss_is_policy_loss_when_behaviour_is_proximal(mode):
+    generator = torch.Generator().manual_seed(4)
+    old = -torch.rand(3, 5, generator=generator, dtype=torch.float64) * 3
+    log_ratio = torch.randn(3, 5, generator=generator, dtype=torch.float64) * 0.5  # some clip
+    advantages = _t([1.5, -0.7, -2.0])
+    mask = _t([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 1, 1, 0]])
+    kwargs = {"loss_agg_mode": mode, "clip_ratio_high": 0.28, "clip_ratio_c": 2.0}
+    results = []
+    for loss_fn in (policy_loss, decoupled_policy_loss):
+        log_probs = (old + log_ratio).requires_grad_(True)
+        extra = (old.clone(),) if loss_fn is decoupled_policy_loss else ()
+        loss, stats = loss_fn(log_probs, old, *extra, advantages, mask, **kwargs)
+        (grad,) = torch.autograd.grad(loss, log_probs)
+        results.append((loss, grad, stats))
+    (plain, plain_grad, plain_stats), (decoupled, decoupled_grad, decoupled_stats) = results
+    assert plain_stats["clip_fraction"] > 0  # the case exercises the clipped branches
+    assert torch.equal(plain, decoupled) and torch.equal(plain_grad, decoupled_grad)
+    for name, value in plain_stats.items():
+        assert torch.equal(value, decoupled_stats[name]), name
+    assert decoupled_stats["importance_ratio_mean"].item() == 1
+    assert decoupled_stats["importance_ratio_max"].item() == 1
+    assert decoupled_stats["tis_clipped_fraction"].item() == 0
+
+
+def test_decoupled_gradient_is_truncated_weight_times_ppo_gradient():
+    log_probs, old, behaviour, advantages, mask = _decoupled_case()
+    log_probs.requires_grad_(True)
+    loss, _ = decoupled_policy_loss(
+        log_probs, old, behaviour, advantages, mask, tis_cap=2.0, clip_ratio_c=3.0
+    )
+    (grad,) = torch.autograd.grad(loss, log_probs)
+    # live tokens: w·(-A·r)/N with N = 7; clipped (0,2), (1,1), dual (1,2), masked (0,3): 0
+    expected = _t([[-1 * 1.0, -2 * 1.1, 0, 0], [2 * 1.0, 0, 0, 1 * 1.0]]) / 7
+    torch.testing.assert_close(grad, expected)
+
+
+def test_decoupled_gradcheck_in_unclipped_region():
+    generator = torch.Generator().manual_seed(5)
+    old = -torch.rand(3, 4, generator=generator, dtype=torch.float64) * 3
+    log_ratio = (torch.rand(3, 4, generator=generator, dtype=torch.float64) - 0.5) * 0.2
+    behaviour = old + torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    log_probs = (old + log_ratio).requires_grad_(True)
+    advantages = _t([1.5, -0.7, 0.3])
+    mask = _t([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 1]])
+    for mode in sorted(LOSS_AGG_MODES):
+        assert torch.autograd.gradcheck(
+            lambda lp, mode=mode: decoupled_policy_loss(
+                lp, old, behaviour, advantages, mask, loss_agg_mode=mode
+            )[0],
+            (log_probs,),
+        )
+    (grad,) = torch.autograd.grad(
+        decoupled_policy_loss(log_probs, old, behaviour, advantages, mask)[0], log_probs
+    )
+    weight = (old - behaviour).exp().clamp(max=2.0)
+    expected = -weight * advantages[:, None] * log_ratio.exp() * mask / mask.sum()
+    torch.testing.assert_close(grad, expected)
+
+
+def test_importance_weight_carries_no_gradient():
+    log_probs, old, behaviour, advantages, mask = _decoupled_case()
+    behaviour[0, 3] = 0.0
+    old, behaviour = old.requires_grad_(True), behaviour.requires_grad_(True)
+    log_probs.requires_grad_(True)
+    loss, _ = decoupled_policy_loss(log_probs, old, behaviour, advantages, mask)
+    loss.backward()
+    assert behaviour.grad is None  # the weight is not in the graph
+    # old_log_probs enters only through r = exp(log_probs - old): its gradient is exactly
+    # minus the gradient w.r.t. log_probs (a weight with gradient would add w·l_ppo terms)
+    torch.testing.assert_close(old.grad, -log_probs.grad)
+
+
+def test_decoupled_micro_batches_sum_to_full_batch():
+    generator = torch.Generator().manual_seed(6)
+    old = -torch.rand(4, 3, generator=generator, dtype=torch.float64) * 3
+    log_probs = old + torch.randn(4, 3, generator=generator, dtype=torch.float64) * 0.3
+    behaviour = old + torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    advantages = _t([1.0, -0.5, 2.0, -1.5])
+    mask = _t([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    for mode in sorted(LOSS_AGG_MODES):
+        full, _ = decoupled_policy_loss(
+            log_probs, old, behaviour, advantages, mask, loss_agg_mode=mode
+        )
+        normalizer = get_loss_agg_mode(mode).count(mask)
+        parts = [
+            decoupled_policy_loss(
+                log_probs[rows],
+                old[rows],
+                behaviour[rows],
+                advantages[rows],
+                mask[rows],
+                loss_agg_mode=mode,
+                global_normalizer=normalizer,
+            )[0]
+            for rows in (slice(0, 2), slice(2, 4))
+        ]
+        torch.testing.assert_close(sum(parts), full)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", ["behaviour_log_probs", "old_log_probs"])
+def test_decoupled_non_finite_log_probs_raise_naming_positions(bad, name):
+    log_probs, old, behaviour, advantages, mask = _decoupled_case()
+    (behaviour if name == "behaviour_log_probs" else old)[1, 2] = bad
+    with pytest.raises(ValueError, match=rf"{name} are NaN or infinite at .*\[1, 2\]"):
+        decoupled_policy_loss(log_probs, old, behaviour, advantages, mask)
+
+
+def test_decoupled_policy_loss_rejects_bad_cap_and_shapes():
+    lp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="tis_cap"):
+        decoupled_policy_loss(lp, lp, lp, torch.ones(1), torch.ones(1, 2), tis_cap=1.0)
+    with pytest.raises(ValueError, match="behaviour_log_probs"):
+        decoupled_policy_loss(lp, lp, lp[:, :1], torch.ones(1), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        decoupled_policy_loss(lp, lp, lp, torch.ones(1), torch.ones(1, 2), clip_ratio_c=1.0)
 
 
 # --------------------------------------------------------------------------- KL

@@ -103,6 +103,8 @@ def test_config_errors_are_raised_at_start():
         GRPOConfig.model_validate({**SMALL, "micro_batch_size": 3})
     with pytest.raises(ValidationError, match="loss_agg_mode"):
         GRPOConfig.model_validate({**SMALL, "algorithm": {"loss_agg_mode": "mean-of-everything"}})
+    with pytest.raises(ValidationError, match="tis_cap"):
+        GRPOConfig.model_validate({**SMALL, "algorithm": {"tis_cap": 1.0}})
     with pytest.raises(ValidationError, match="nproc"):
         GRPOConfig.model_validate(
             {**SMALL, "prompts_per_step": 3, "rollout": {"n_samples": 16}, "nproc": 2}

@@ -320,6 +320,149 @@ def policy_loss(
     Raises:
         ValueError: mismatched shapes, out-of-range clip values, or unknown mode.
     """
+    loss_mat, stats = _clipped_surrogate(
+        log_probs,
+        old_log_probs,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+    )
+    loss = aggregate_loss(
+        loss_mat,
+        response_mask,
+        loss_agg_mode,
+        norm_length=norm_length,
+        global_normalizer=global_normalizer,
+    )
+    return loss, stats
+
+
+def decoupled_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    behaviour_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    tis_cap: float = 2.0,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    norm_length: int | None = None,
+    global_normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO with truncated importance sampling, for rollouts from a stale policy.
+
+    Three policies: the behaviour policy ``μ`` that sampled the tokens (the rollout engine,
+    possibly a step behind), the proximal policy ``π_prox`` whose log-probs the trainer
+    computes at the start of the update (``old_log_probs``), and the current policy ``π_θ``.
+    PPO clipping is against ``π_prox``; the behaviour gap is corrected by a truncated,
+    detached importance weight. Per token::
+
+        w = min(exp(old_log_probs - behaviour_log_probs), tis_cap)   (no gradient)
+        l = w · l_ppo
+
+    with ``l_ppo`` the clipped, dual-clipped term of ``policy_loss`` (ratio
+    ``r = π_θ / π_prox``), reduced with ``aggregate_loss(l, response_mask, ...)``. The
+    log-ratio is clamped to ±20 before ``exp``. So ``∂l/∂log_probs = w · ∂l_ppo/∂log_probs``:
+    ``-w·A·r`` where the unclipped branch is active, 0 where a clip or the dual bound is.
+    With ``behaviour_log_probs == old_log_probs``, ``w = 1`` and this is ``policy_loss``.
+    Masked-out tokens get ``w = 1`` whatever their behaviour log-probs hold (padding).
+
+    Args:
+        log_probs: ``[B, T]`` current-policy log-probs of the sampled tokens (with grad).
+        old_log_probs: ``[B, T]`` proximal-policy log-probs (the trainer's, before the
+            update).
+        behaviour_log_probs: ``[B, T]`` log-probs the sampling policy gave the same tokens
+            (recorded by the engine, or recomputed with the stale weights).
+        advantages: ``[B]`` (broadcast over tokens) or ``[B, T]``.
+        response_mask: ``[B, T]`` 0/1 (or bool) mask of response tokens.
+        tis_cap: truncation ``C > 1`` of the importance weight.
+        clip_ratio_low: as ``policy_loss``.
+        clip_ratio_high: as ``policy_loss``.
+        clip_ratio_c: as ``policy_loss``.
+        loss_agg_mode: a name in ``LOSS_AGG_MODES``.
+        norm_length: passed to ``aggregate_loss``.
+        global_normalizer: passed to ``aggregate_loss`` (gradient accumulation).
+
+    Returns:
+        ``(loss, stats)``: the ``policy_loss`` stats (of ``r = π_θ / π_prox``) plus, over
+        masked tokens, ``importance_ratio_mean`` and ``importance_ratio_max`` of the
+        untruncated weight ``exp(old_log_probs - behaviour_log_probs)``, and
+        ``tis_clipped_fraction``, the share of tokens whose weight was truncated
+        (all 0 when the mask is empty).
+
+    Raises:
+        ValueError: as ``policy_loss``; ``behaviour_log_probs`` of another shape;
+            ``tis_cap <= 1``; NaN/inf in ``old_log_probs`` or ``behaviour_log_probs`` on a
+            masked-in token (the message names the ``[row, token]`` positions).
+    """
+    if behaviour_log_probs.shape != log_probs.shape:
+        raise ValueError(
+            f"behaviour_log_probs {tuple(behaviour_log_probs.shape)} must be the same [B, T] "
+            f"as log_probs {tuple(log_probs.shape)}"
+        )
+    if not tis_cap > 1:
+        raise ValueError(f"tis_cap (importance-weight truncation) must be > 1, got {tis_cap}")
+    loss_mat, stats = _clipped_surrogate(
+        log_probs,
+        old_log_probs,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+    )
+    counted = response_mask.bool()
+    _check_finite_tokens(old_log_probs, counted, "old_log_probs")
+    _check_finite_tokens(behaviour_log_probs, counted, "behaviour_log_probs")
+    with torch.no_grad():
+        log_weight = (old_log_probs - behaviour_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        weight = torch.where(counted, torch.exp(log_weight), torch.ones_like(log_weight))
+        truncated = weight.clamp(max=tis_cap).to(loss_mat.dtype)
+    loss = aggregate_loss(
+        truncated * loss_mat,
+        response_mask,
+        loss_agg_mode,
+        norm_length=norm_length,
+        global_normalizer=global_normalizer,
+    )
+    with torch.no_grad():
+        mask = response_mask.to(weight.dtype)
+        stats["importance_ratio_mean"] = _masked_mean(weight, mask)
+        stats["importance_ratio_max"] = (
+            (weight * mask).max() if weight.numel() else weight.new_zeros(())
+        )
+        stats["tis_clipped_fraction"] = _masked_mean((weight > tis_cap).to(mask.dtype), mask)
+    return loss, stats
+
+
+def _check_finite_tokens(values: Tensor, counted: Tensor, name: str) -> None:
+    bad = counted & ~torch.isfinite(values)
+    if bool(bad.any()):
+        positions = bad.nonzero().tolist()
+        shown = ", ".join(str(p) for p in positions[:20])
+        more = f" and {len(positions) - 20} more" if len(positions) > 20 else ""
+        raise ValueError(
+            f"{name} are NaN or infinite at [row, token] {shown}{more} (masked-in tokens); "
+            "fix the engine or trainer that scored them, or mask those tokens out"
+        )
+
+
+def _clipped_surrogate(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``policy_loss``'s per-token ``[B, T]`` loss ``l`` (unmasked) and its stats."""
     if not (log_probs.shape == old_log_probs.shape == response_mask.shape) or (
         log_probs.dim() != 2
     ):
@@ -350,13 +493,6 @@ def policy_loss(
     dual_bound = -advantages * clip_ratio_c
     negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(pessimistic, dual_bound), pessimistic)
-    loss = aggregate_loss(
-        loss_mat,
-        response_mask,
-        loss_agg_mode,
-        norm_length=norm_length,
-        global_normalizer=global_normalizer,
-    )
 
     with torch.no_grad():
         mask = response_mask.to(ratio.dtype)
@@ -369,7 +505,7 @@ def policy_loss(
             "ratio_mean": _masked_mean(ratio, mask),
             "ratio_max": (ratio * mask).max() if ratio.numel() else ratio.new_zeros(()),
         }
-    return loss, {name: value.detach() for name, value in stats.items()}
+    return loss_mat, {name: value.detach() for name, value in stats.items()}
 
 
 # --------------------------------------------------------------------------- KL

@@ -75,6 +75,11 @@ class AlgorithmConfig(ConfigModel):
     clip_ratio_low: float = Field(0.2, ge=0, lt=1)
     clip_ratio_high: float = Field(0.28, ge=0)
     clip_ratio_c: float = Field(10.0, gt=1)
+    tis_cap: float = Field(2.0, gt=1)
+    """Truncation ``C`` of the off-policy importance weight ``min(π_prox/π_behaviour, C)`` of
+    ``algorithm.decoupled_policy_loss``, for rollouts sampled a step stale
+    (``rollout.async_steps``, issue #20). Not read yet: the loop that feeds behaviour
+    log-probs is not built, and today's on-policy loop has no behaviour gap to correct."""
     loss_agg_mode: str = "token-mean"
     kl_loss_coef: float = Field(0.0, ge=0)
     kl_estimator: str = "low_var_kl"

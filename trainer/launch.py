@@ -22,19 +22,21 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
 
 def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
     """Write ``cfg`` (a pydantic step config) to ``config_file`` and run ``module`` on
-    ``cfg.nproc`` processes with ``--config config_file`` plus ``args``.
+    ``cfg.nproc`` training processes (plus GRPO's rollout-only ones) with ``--config
+    config_file`` plus ``args``.
 
     Raises:
-        ValueError: several training processes with the single-process ``torch`` backend.
+        ValueError: several processes with the single-process ``torch`` backend.
     """
-    training = getattr(cfg, "training_processes", cfg.nproc)  # GRPO: less rollout-only ones
-    if cfg.optim.backend == "torch" and training > 1:
+    if cfg.optim.backend == "torch" and cfg.nproc > 1:
         raise ValueError(
             f"nproc={cfg.nproc} needs optim.backend=deepspeed (or megatron for GRPO); "
             "got 'torch', which runs one process"
         )
     config_file.write_text(cfg.model_dump_json(indent=2))
-    run_torchrun(module, ["--config", str(config_file), *args], cfg.nproc)
+    # GRPO's dedicated rollout engines run in processes of their own, after the training ones
+    processes = cfg.nproc + getattr(cfg, "rollout_processes", 0)
+    run_torchrun(module, ["--config", str(config_file), *args], processes)
 
 
 def run_torchrun(module: str, args: list[str], nproc: int) -> None:

@@ -54,22 +54,20 @@ def _info(world: int) -> DistInfo:
 def test_dedicated_placement_and_what_is_refused(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     cfg = GRPOConfig.model_validate(
-        small_grpo_config(nproc=3, rollout={**DEDICATED["rollout"], "num_engines": 2})
+        small_grpo_config(rollout={**DEDICATED["rollout"], "num_engines": 2})
     )
-    assert cfg.training_processes == 1
+    assert (cfg.nproc, cfg.rollout_processes) == (1, 2)
     plan = run_placement(cfg, _info(3))
     assert plan.training_ranks == (0,) and plan.rollout_only_ranks == (1, 2)
     assert [e.ranks for e in plan.engines] == [(1,), (2,)]
     with pytest.raises(PlacementError, match="leave 2 training processes"):
         run_placement(cfg, _info(4))
-    vllm = small_grpo_config(nproc=2, rollout={**DEDICATED["rollout"], "engine": "vllm"})
+    vllm = small_grpo_config(rollout={**DEDICATED["rollout"], "engine": "vllm"})
     with pytest.raises(PlacementError, match="vLLM in rollout-only processes"):
         run_placement(GRPOConfig.model_validate(vllm), _info(2))
-    ds = small_grpo_config(nproc=2, **DEDICATED, optim={"backend": "deepspeed"})
+    ds = small_grpo_config(**DEDICATED, optim={"backend": "deepspeed"})
     with pytest.raises(PlacementError, match="optim.backend=deepspeed with dedicated"):
         run_placement(GRPOConfig.model_validate(ds), _info(2))
-    with pytest.raises(ValueError, match="leaves no training process"):
-        GRPOConfig.model_validate(small_grpo_config(nproc=1, **DEDICATED))
 
 
 def _launch(tmp_path, name, cfg, model, data, nproc) -> subprocess.Popen:
@@ -102,7 +100,7 @@ def test_one_trainer_and_one_engine_process_train_like_one_process(
     steps = {"max_steps": 2, "checkpoint_every": 0}
     alone = _launch(tmp_path, "alone", small_grpo_config(**steps), tiny_model_dir, prepared_data, 1)
     assert alone.wait(timeout=600) == 0, alone.stdout.read()[-3000:]
-    cfg = small_grpo_config(nproc=2, **steps, **DEDICATED)
+    cfg = small_grpo_config(**steps, **DEDICATED)
     split = _launch(tmp_path, "split", cfg, tiny_model_dir, prepared_data, 2)
     assert split.wait(timeout=600) == 0, split.stdout.read()[-3000:]
     ours, theirs = _losses(tmp_path, "split"), _losses(tmp_path, "alone")
@@ -143,7 +141,7 @@ def _rank_pid(root: int, rank: int) -> int | None:
 
 
 def test_a_killed_engine_process_ends_the_job_non_zero(tmp_path, tiny_model_dir, prepared_data):
-    cfg = small_grpo_config(nproc=2, max_steps=50, checkpoint_every=0, **DEDICATED)
+    cfg = small_grpo_config(max_steps=50, checkpoint_every=0, **DEDICATED)
     job = _launch(tmp_path, "killed", cfg, tiny_model_dir, prepared_data, 2)
     metrics = tmp_path / "killed" / "work" / METRICS_FILE
     deadline = time.monotonic() + 300

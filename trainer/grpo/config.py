@@ -139,23 +139,18 @@ class GRPOConfig(ProcessSettings):
     max_ckpt_num: int = Field(2, ge=1)
 
     @property
-    def training_processes(self) -> int:
-        """The processes that train: ``nproc`` less the rollout-only ones (dedicated engines,
-        ``rollout.colocate=false``: ``num_engines × tensor_parallel_size``, 1 per HF engine)."""
+    def rollout_processes(self) -> int:
+        """Rollout-only processes started beside the ``nproc`` training processes: 0 when the
+        engines are colocated, else ``num_engines × tensor_parallel_size`` (1 per HF
+        engine)."""
         if self.rollout.colocate:
-            return self.nproc
+            return 0
         per_engine = self.rollout.tensor_parallel_size if self.rollout.engine == "vllm" else 1
-        return self.nproc - self.rollout.num_engines * per_engine
+        return self.rollout.num_engines * per_engine
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> GRPOConfig:
-        if self.training_processes < 1:
-            raise ValueError(
-                f"nproc={self.nproc} leaves no training process beside "
-                f"{self.nproc - self.training_processes} rollout-only processes "
-                "(rollout.num_engines × tensor_parallel_size): raise nproc"
-            )
-        replicas, what = self.training_processes, f"{self.training_processes} training processes"
+        replicas, what = self.nproc, f"nproc {self.nproc}"
         if self.optim.backend == "megatron":
             replicas = _megatron_data_parallel(self)
             what = f"the Megatron data-parallel size {replicas}"

@@ -38,7 +38,7 @@ def run_grpo_step(
             launch.manifest_path, launch.image,
         )  # fmt: skip
         return read_summary(work_dir)
-    if cfg.nproc == 1:
+    if cfg.nproc == 1 and not cfg.rollout_processes:
         result = run_grpo(cfg, sft_model, train_path, eval_path, model_output, work_dir)
         assert result is not None  # a single process is rank 0
         return result

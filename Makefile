@@ -37,7 +37,7 @@ test: setup  ## lint, then the test suite (slow/gpu/cluster tests deselected by 
 test-megatron:  ## the Megatron round trip HF -> Megatron -> HF on CPU, in a Python 3.12 env (tools/megatron_env.sh, ~5 GB)
 	bash tools/run_megatron_tests.sh -q
 
-test-vllm:  ## the vLLM engines on vLLM's CPU build (tests/vllm), in their own env (tools/vllm_env.sh, ~2.5 GB)
+test-vllm:  ## the vLLM engines on vLLM's CPU build (tests/vllm_engines), in their own env (tools/vllm_env.sh, ~2.5 GB)
 	bash tools/run_vllm_tests.sh -q
 
 gpu-check-dry-run: setup  ## bench/gpu_check.py on CPU with tiny shapes, as the GPU machine's Python would see it (~3 min)

@@ -87,3 +87,16 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture
 def rows_factory():
     return make_rows
+
+
+@pytest.fixture(scope="session")
+def prepared_data(tmp_path_factory):
+    """train.jsonl / eval.jsonl from the bundled sample (data prep, built once a session)."""
+    from data_prep.config import DataPrepConfig  # lazily: the Megatron env lacks data prep's
+    from data_prep.prepare import prepare_dataset
+
+    out = tmp_path_factory.mktemp("data")
+    prepare_dataset(
+        DataPrepConfig(workers=1), out / "train.jsonl", out / "eval.jsonl", out / "quarantine.jsonl"
+    )
+    return out

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run tests/vllm in the vLLM CPU env, building it first if it is missing or out of date
+# Run tests/vllm_engines in the vLLM CPU env, building it first if it is missing or out of date
 # (tools/vllm_env.sh: ~3.5 min the first time). Extra arguments go to pytest.
 #
 # Env: VLLM_VENV (default .venv-vllm).
@@ -15,7 +15,7 @@ bash tools/vllm_env.sh
 env_seconds=$SECONDS
 
 set +e
-"$VLLM_VENV/bin/python" -m pytest tests/vllm -p no:cacheprovider "$@"
+"$VLLM_VENV/bin/python" -m pytest tests/vllm_engines -p no:cacheprovider "$@"
 rc=$?
 set -e
 echo "run_vllm_tests.sh: env ${env_seconds}s, tests $((SECONDS - env_seconds))s, total ${SECONDS}s (pytest exit ${rc})"

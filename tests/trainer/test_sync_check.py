@@ -1,5 +1,5 @@
 """The weight-sync check and the vLLM weight stream, without vLLM (the engine itself runs in
-tests/vllm under ``make test-vllm``)."""
+tests/vllm_engines under ``make test-vllm``)."""
 
 from __future__ import annotations
 

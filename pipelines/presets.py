@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_prep.config import DataPrepConfig
+from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
 from trainer.backends import OptimConfig
@@ -128,7 +128,7 @@ GPT_OSS_20B = Preset(
         "SFT on 2 g5.12xlarge nodes (8 A10G) with DeepSpeed ZeRO-3, GRPO on 4 (16 A10G), each "
         "as a PyTorchJob (cluster: needs the hub or an S3 copy)."
     ),
-    data_prep=DataPrepConfig(source="HuggingFaceH4/Multilingual-Thinking"),
+    data_prep=DataPrepConfig(source=HUB_DATASET_ID),
     model=ModelSource(source="openai/gpt-oss-20b"),
     sft=SFTConfig(
         # as the OpenAI cookbook's multilingual-reasoner recipe: LoRA r=8 on attention and

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from eval.languages import LanguageLabels, UnknownLanguageError
 from eval.parsing import ParsedResponse, ResponseFormat
-from eval.reward_labels import parse_labels, validate_labels
+from eval.reward_labels import parse_labels
 from eval.scoring import ComplianceScorer, RewardWeights, Verdict, result_to_dict
 
 FR_REASONING = "Nous devons calculer le prix total. Trois cahiers à quatre euros font douze euros."
@@ -292,13 +292,6 @@ def test_label_forms() -> None:
     for bad in ("xx", "fr/en/de", "", None, 3, {"reasoning": "fr"}):
         with pytest.raises(UnknownLanguageError):
             parse_labels(bad)
-
-
-def test_validate_labels_fails_at_config_time_with_the_rows() -> None:
-    expected = [LanguageLabels("fr", "fr"), LanguageLabels("de", "en")]
-    assert validate_labels(["fr", "de/en"]) == expected
-    with pytest.raises(ValueError, match=r"2 unreadable .* in train.jsonl: row 1: .*'xx'.*row 3"):
-        validate_labels(["fr", "xx", "en", "klingon"], source="train.jsonl")
 
 
 def test_unknown_label_in_a_batch_does_not_raise(scorer: ComplianceScorer) -> None:

@@ -122,6 +122,17 @@ def test_prompts_longer_than_the_limit_are_dropped_or_fail(tiny_model_dir, prepa
         load_prompts(prepared_data / "train.jsonl", tokenizer, 8)
 
 
+def test_an_unreadable_label_fails_at_load_naming_its_line(tmp_path, tiny_model_dir, prepared_data):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = (prepared_data / "train.jsonl").read_text().splitlines()[:3]
+    bad = json.loads(rows[2])
+    bad["label"] = "fr/klingon"
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join([*rows[:2], json.dumps(bad)]) + "\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl:3: label 'fr/klingon'"):
+        load_prompts(path, tokenizer, 4096)
+
+
 def test_hf_engine_groups_samples_and_stops_at_return(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

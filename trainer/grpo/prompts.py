@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from eval.languages import UnknownLanguageError
+from eval.reward_labels import parse_labels
+
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +42,7 @@ def load_prompts(
 
     Raises:
         ValueError: no prompt fits, or a line is not a data-prep record.
+        UnknownLanguageError: a label the reward cannot read (a ValueError; file and line).
     """
     path = Path(path)
     seen: set[str] = set()
@@ -56,6 +60,10 @@ def load_prompts(
                 continue
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{line_no}: not a data-prep record ({exc})") from exc
+        try:  # here, not mid-training when the reward first reads it
+            parse_labels(label)
+        except UnknownLanguageError as exc:
+            raise UnknownLanguageError(f"{path}:{line_no}: label {label!r}: {exc}") from exc
         if text in seen:
             continue
         seen.add(text)

@@ -168,8 +168,3 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-
-
-def count_targets(labels: torch.Tensor) -> int:
-    """Tokens that contribute to the loss (labels shifted by one, as in token_loss_sum)."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -322,8 +322,10 @@ class VLLMWeights:
     GPT-OSS loader copies them in without its weight loader, so the reload cannot see them;
     while streaming they are set aside in ``kernel_format``, already cut to this worker's
     heads (``tp_rank`` of ``tp_size``) and named as in vLLM's model, for a second reload
-    that copies them as they are. A streamed tensor is used before the next one is drawn,
-    so the producer may reuse or free it (ZeRO-3 gathers one parameter at a time).
+    that copies them as they are. Tensors are drawn one at a time (ZeRO-3 gathers one
+    parameter at a time); vLLM's reload may keep a layer's tensors until the layer is
+    complete, so a producer may drop its reference (ZeRO-3's release does: the storage lives
+    on while vLLM's does) but must not overwrite a tensor in place.
     """
 
     named_tensors: Iterable[tuple[str, torch.Tensor]]

@@ -611,6 +611,12 @@ def test_k3_is_non_negative_and_zero_when_equal(pairs):
     assert torch.equal(kl_penalty(log_probs, log_probs, "k3"), torch.zeros_like(log_probs))
 
 
+def test_k3_of_a_tiny_difference_is_not_negative():
+    # exp(δ) - δ - 1 rounds to -1.1e-16 here (hypothesis found such a pair)
+    a = -0.005060600463664855
+    assert kl_penalty(_t([a]), _t([a + 1e-8]), "k3").item() >= 0
+
+
 def test_kl_loss_aggregates_the_penalty():
     log_probs = _t([[math.log(0.5), math.log(0.25)], [0.0, 0.0]])
     ref = _t([[math.log(0.25), math.log(0.5)], [-1.0, 0.0]])

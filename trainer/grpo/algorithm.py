@@ -524,11 +524,13 @@ def kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
 def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """k3 ("low_var_kl"): ``exp(δ) - δ - 1`` with ``δ = log q - log p``; unbiased, >= 0.
 
-    ``δ`` is clamped to ±20 before ``exp`` and the result to ±10 (so its gradient is zero
-    for tokens past the clamp), as verl does.
+    ``δ`` is clamped to ±20 before ``exp`` and the result to [0, 10] (so its gradient is zero
+    for tokens past the clamp), as verl does (its lower bound, -10, is never reached).
     """
     delta = (ref_log_probs - log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(delta) - delta - 1).clamp(-K3_CLAMP, K3_CLAMP)
+    # expm1: exp(δ) - 1 - δ in two roundings could come out at -1e-16 for a tiny δ (hypothesis
+    # found one); the lower clamp keeps the documented ≥ 0 exact
+    return (torch.expm1(delta) - delta).clamp(0.0, K3_CLAMP)
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {

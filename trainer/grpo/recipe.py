@@ -256,9 +256,15 @@ def _log_probs(module, micro: _Micro, with_entropy: bool):
     """Log-probs (and entropies) of the last ``width`` tokens, from the last logits only.
 
     Rows that share a prompt run it once (``_shared_prefix_logits``) unless the model uses
-    gradient checkpointing, which turns the KV cache off in training.
+    gradient checkpointing, which turns the KV cache off in training, or, with gradients, is
+    partitioned by ZeRO-3: the prompt's backward comes after the responses' backward through
+    every layer, so autograd holds each parameter's whole gradient (and DeepSpeed its gathered
+    weights) until then, a whole model's worth on every rank.
     """
-    if micro.shared is not None and not getattr(module, "is_gradient_checkpointing", False):
+    shared = micro.shared is not None and not getattr(module, "is_gradient_checkpointing", False)
+    if shared and torch.is_grad_enabled() and _zero3_partitioned(module):
+        shared = False
+    if shared:
         logits = _shared_prefix_logits(module, micro.shared)
         targets = micro.shared.response_ids
         log_probs = _right_align(algo.token_log_probs(logits, targets), micro.shared)
@@ -275,6 +281,12 @@ def _log_probs(module, micro: _Micro, with_entropy: bool):
     log_probs = algo.token_log_probs(logits, micro.ids[:, -micro.width :])
     entropy = algo.entropy_from_logits(logits) if with_entropy else None
     return log_probs, entropy
+
+
+def _zero3_partitioned(module) -> bool:
+    """Whether ``module``'s parameters are partitioned by DeepSpeed ZeRO-3 (they carry a
+    ``ds_id``)."""
+    return hasattr(next(module.parameters()), "ds_id")
 
 
 def _shared_prefix_logits(module, shared: _SharedPrefix) -> torch.Tensor:

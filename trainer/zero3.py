@@ -9,6 +9,8 @@
   (for a rollout engine that keeps its own copy).
 - ``save_gathered``: a Hugging Face directory written by rank 0 one gathered tensor at a time
   (the safetensors header is computed from the partitioned shapes first).
+- ``share_fp32_master``: for a model trained in fp32, DeepSpeed's fp32 master partitions made
+  the module's own partitions instead of a second copy of them.
 - ``gather_windows``: ZeRO-3's bucket and live-parameter sizes bounded by the model's largest
   tensor, so a model smaller than DeepSpeed's absolute defaults is not kept gathered whole.
 
@@ -103,6 +105,34 @@ def gather_windows(model_dir: str | Path) -> dict[str, int]:
     """
     largest = max(math.prod(e.shape) for e in safetensors_entries(model_dir).values())
     return {key: min(default, largest) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
+
+
+def share_fp32_master(optimizer) -> int:
+    """Make each fp32 master partition of a ZeRO-3 optimizer the module's own partition when the
+    two have the same dtype and device (a model trained in fp32, optimizer not offloaded);
+    returns how many sub-groups now share their memory.
+
+    DeepSpeed 0.19 means to share them (``_create_fp32_partitions`` in
+    ``deepspeed/runtime/zero/stage3.py``: "In such cases we don't need another copy of the
+    weights"), but its test compares a ``torch.device`` with the accelerator's device *name*
+    (``tensor.device == self.device``, ``'cpu'`` or ``'cuda:0'``), which is never equal, so it
+    clones: one more partition of the model per rank. Shared, the optimizer updates the
+    module's partition in place and DeepSpeed's copy back after the step copies it onto itself.
+    """
+    if getattr(optimizer, "offload_optimizer", True) or getattr(optimizer, "swap_optimizer", True):
+        return 0
+    shared = 0
+    pairs = zip(
+        optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, strict=True
+    )
+    for module_flat, master in pairs:
+        if module_flat is None or master.data_ptr() == module_flat.data_ptr():
+            continue
+        if (module_flat.dtype, module_flat.device) != (master.dtype, master.device):
+            continue
+        master.data = module_flat.data  # the clone is freed: nothing else refers to it
+        shared += 1
+    return shared
 
 
 def init_deepspeed_comm(device: torch.device) -> None:

@@ -92,19 +92,24 @@ def safetensors_entries(model_dir: str | Path) -> dict[str, SafetensorsEntry]:
     return entries
 
 
-def gather_windows(model_dir: str | Path) -> dict[str, int]:
-    """ZeRO-3 settings for ``model_dir``: each of DeepSpeed's absolute window sizes, bounded by
-    the model's largest tensor (in elements).
+def gather_windows(model_dir: str | Path, world_size: int = 1) -> dict[str, int]:
+    """ZeRO-3 settings for ``model_dir`` on ``world_size`` ranks: each of DeepSpeed's absolute
+    window sizes, bounded by the model's largest tensor (in elements).
 
     DeepSpeed keeps parameters gathered while they fit ``stage3_max_live_parameters`` and are
     reused within ``stage3_max_reuse_distance`` (10⁹ elements each): a model under a billion
-    parameters stays gathered whole through a decode loop; and the optimizer steps over
-    ``sub_group_size`` elements at a time, with temporaries of that size. Bounded by the
-    largest tensor (which must be gathered anyway), at most about one tensor is live beyond
-    the one in use, and the optimizer's temporaries are of one tensor's size.
+    parameters stays gathered whole through a decode loop. Bounded by the largest tensor (which
+    must be gathered anyway), at most about one tensor is live beyond the one in use.
+
+    ``sub_group_size`` counts *partition* elements: the optimizer steps over sub-groups of
+    parameter partitions, closed once they reach it, with a flat gradient copy and Adam's
+    temporaries of a sub-group's size. Bounded by the largest tensor's partition
+    (``ceil(largest / world_size)``), a sub-group is about one large partition, not several.
     """
     largest = max(math.prod(e.shape) for e in safetensors_entries(model_dir).values())
-    return {key: min(default, largest) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
+    windows = {key: min(default, largest) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
+    windows["sub_group_size"] = min(windows["sub_group_size"], math.ceil(largest / world_size))
+    return windows
 
 
 def share_fp32_master(optimizer) -> int:

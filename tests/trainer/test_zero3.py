@@ -150,3 +150,6 @@ def test_reading_a_safetensors_entry_matches_safetensors(tiny_model_dir):
         assert torch.equal(entries[name].read(), tensor), name
     largest = max(t.numel() for t in saved.values())
     assert set(gather_windows(tiny_model_dir).values()) == {largest}
+    windows = gather_windows(tiny_model_dir, world_size=2)
+    assert windows.pop("sub_group_size") == -(-largest // 2)  # partition elements
+    assert set(windows.values()) == {largest}

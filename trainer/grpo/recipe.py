@@ -352,7 +352,7 @@ def run_grpo(
             cfg.micro_batch_size,
             _micro_per_mini(cfg, info),
             bf16=dtype == torch.bfloat16,
-            zero_settings=gather_windows(sft_model) if _zero3(cfg) else None,
+            zero_settings=gather_windows(sft_model, info.world_size) if _zero3(cfg) else None,
         )
     if _zero3(cfg):  # built partitioned: no rank ever holds the whole model
         policy = load_partitioned(sft_model, dtype, ds_config, info.device)

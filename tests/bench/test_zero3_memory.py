@@ -5,6 +5,7 @@ decoding, streamed weights and save) on the smallest model in under a minute."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -12,9 +13,14 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import zero3_memory  # noqa: E402
+# loaded by path: bench/ on sys.path would shadow the data_prep package with bench/data_prep.py
+# for every test collected after this one
+_SPEC = importlib.util.spec_from_file_location(
+    "zero3_memory", Path(__file__).resolve().parents[2] / "bench" / "zero3_memory.py"
+)
+zero3_memory = importlib.util.module_from_spec(_SPEC)
+sys.modules["zero3_memory"] = zero3_memory
+_SPEC.loader.exec_module(zero3_memory)
 
 ASSERTED = zero3_memory.TARGET
 """The issue's target, rest / model bytes per rank ≤ 0.6 (measured: 0.39 on both ranks; main's

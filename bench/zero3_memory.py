@@ -4,18 +4,19 @@ Runs the GRPO step (``trainer.grpo.recipe.run_grpo``: load, baseline eval, one G
 final save and export) as 2 ``torchrun`` processes on CPU (gloo), ZeRO-3, full-parameter
 AdamW, on a tiny GPT-OSS model of ≥ 100M parameters built offline, and reads each rank's peak
 resident memory (``ru_maxrss``) when the run ends. A second 2-process run imports the same
-code and joins the process group but loads no model: its peak is the fixed overhead.
+code, joins the process group, loads the tokenizer and scores one response (the reward's
+language identifier) but loads no model: its peak is the fixed overhead.
 
 What a rank must hold is then split exactly:
 
-* training state: this rank's partition of the gradients (model dtype), of the fp32 master
-  weights (DeepSpeed 0.19's ZeRO-3 clones them even for an fp32 model: its
-  ``fp32_partitioned_groups_flat`` and the module's partitions do not share memory) and of
-  AdamW's two fp32 moments: ``ceil(numel / world)`` elements of each parameter (DeepSpeed pads
-  every parameter to a multiple of the world size);
-* the rest, ``peak − overhead − training state``: the policy's own partition, the tensors
-  gathered for a forward, activations, and any whole copy. The target is rest ≤ 0.6 × the
-  full model's bytes: no rank holds a whole copy.
+* training state: this rank's partition of the weights (fp32: they are the optimizer's fp32
+  master too, ``trainer.zero3.share_fp32_master``), of the gradients and of AdamW's two fp32
+  moments: ``ceil(numel / world)`` elements of each parameter (DeepSpeed pads every parameter
+  to a multiple of the world size);
+* the rest, ``peak − overhead − training state``: the tensors gathered for a forward,
+  activations, DeepSpeed's buckets, the optimizer step's temporaries, and any copy beyond the
+  partitions (a second master, a whole model). The target is rest ≤ 0.6 × the full model's
+  bytes: no rank holds a whole copy.
 
 ``--code DIR`` measures another checkout's ``trainer`` (e.g. ``git archive main`` unpacked)
 with the same model, data and settings: the before/after of docs/benchmarks.md.
@@ -116,10 +117,10 @@ class Zero3Memory:
 
 
 def training_state_bytes(numels: list[int], world: int, element_size: int) -> int:
-    """One rank's partition of the gradients (model dtype), the fp32 master weights and
-    AdamW's two fp32 moments."""
+    """One rank's partition of the weights (= the fp32 master for an fp32 model), of the
+    gradients (model dtype) and of AdamW's two fp32 moments."""
     partition = sum(math.ceil(n / world) for n in numels)
-    return partition * (element_size + 4 + 8)
+    return partition * (4 + element_size + 8)
 
 
 def _peak_rss_bytes() -> int:
@@ -142,11 +143,14 @@ def _worker(args) -> None:
 
         import trainer.grpo.recipe  # noqa: F401  everything the run imports
         from eval.modeling import load_tokenizer
+        from eval.scoring import ComplianceScorer
         from trainer.distributed import barrier, init_distributed
 
         info = init_distributed("cpu", 1)
         deepspeed.init_distributed(dist_backend="gloo")
         load_tokenizer(args.model)
+        # the reward's language identifier loads at the first score (~130 MiB, any model size)
+        ComplianceScorer().score_batch(["Bonjour, je suis une réponse."], ["fr"])
         barrier(info)
     else:
         from trainer.grpo.config import GRPOConfig
@@ -239,12 +243,12 @@ def report(result: Zero3Memory) -> str:
         f"code: {result.code}",
         f"model: {result.parameters / 1e6:.1f}M parameters, {result.model_bytes / mib:.0f} MiB "
         f"(fp32); {result.world_size} ranks, ZeRO-3, AdamW, kl_loss_coef {result.kl_loss_coef}",
-        "rank  peak RSS  overhead  grad+master+Adam partition  rest  rest / model",
+        "rank  peak RSS  overhead  weights+grad+Adam partition  rest  rest / model",
     ]
     for r in result.ranks:
         lines.append(
             f"{r.rank:>4}  {r.peak_rss / mib:>6.0f} MiB  {r.overhead / mib:>5.0f} MiB  "
-            f"{r.training_state / mib:>19.0f} MiB  {r.rest / mib:>5.0f} MiB  {r.ratio:>6.2f}"
+            f"{r.training_state / mib:>20.0f} MiB  {r.rest / mib:>5.0f} MiB  {r.ratio:>6.2f}"
         )
     verdict = "meets" if result.worst_ratio <= TARGET else "misses"
     lines.append(f"worst rest / model {result.worst_ratio:.2f}: {verdict} the target ≤ {TARGET}")

@@ -473,7 +473,7 @@ class DeepSpeedBackend(_HFModuleBackend):
         ds_config: dict | None = None,
         reference_dir: str | Path | None = None,
     ) -> None:
-        from trainer.zero3 import init_deepspeed_comm, load_partitioned
+        from trainer.zero3 import init_deepspeed_comm, load_partitioned, share_fp32_master
 
         init_deepspeed_comm(dist_info.device)  # a clear ImportError without DeepSpeed
         import deepspeed
@@ -513,6 +513,8 @@ class DeepSpeedBackend(_HFModuleBackend):
             lr_scheduler=_scheduler_factory(cfg, total_steps),
             config=ds_config,
         )
+        if cfg.zero_stage == 3:
+            share_fp32_master(self.optimizer)
         self.module = self.engine
         self._micro = 0
 

@@ -9,6 +9,8 @@
   (for a rollout engine that keeps its own copy).
 - ``save_gathered``: a Hugging Face directory written by rank 0 one gathered tensor at a time
   (the safetensors header is computed from the partitioned shapes first).
+- ``share_fp32_master``: for a model trained in fp32, DeepSpeed's fp32 master partitions made
+  the module's own partitions instead of a second copy of them.
 - ``gather_windows``: ZeRO-3's bucket and live-parameter sizes bounded by the model's largest
   tensor, so a model smaller than DeepSpeed's absolute defaults is not kept gathered whole.
 
@@ -90,19 +92,52 @@ def safetensors_entries(model_dir: str | Path) -> dict[str, SafetensorsEntry]:
     return entries
 
 
-def gather_windows(model_dir: str | Path) -> dict[str, int]:
-    """ZeRO-3 settings for ``model_dir``: each of DeepSpeed's absolute window sizes, bounded by
-    the model's largest tensor (in elements).
+def gather_windows(model_dir: str | Path, world_size: int = 1) -> dict[str, int]:
+    """ZeRO-3 settings for ``model_dir`` on ``world_size`` ranks: each of DeepSpeed's absolute
+    window sizes, bounded by the model's largest tensor (in elements).
 
     DeepSpeed keeps parameters gathered while they fit ``stage3_max_live_parameters`` and are
     reused within ``stage3_max_reuse_distance`` (10⁹ elements each): a model under a billion
-    parameters stays gathered whole through a decode loop; and the optimizer steps over
-    ``sub_group_size`` elements at a time, with temporaries of that size. Bounded by the
-    largest tensor (which must be gathered anyway), at most about one tensor is live beyond
-    the one in use, and the optimizer's temporaries are of one tensor's size.
+    parameters stays gathered whole through a decode loop. Bounded by the largest tensor (which
+    must be gathered anyway), at most about one tensor is live beyond the one in use.
+
+    ``sub_group_size`` counts *partition* elements: the optimizer steps over sub-groups of
+    parameter partitions, closed once they reach it, with a flat gradient copy and Adam's
+    temporaries of a sub-group's size. Bounded by the largest tensor's partition
+    (``ceil(largest / world_size)``), a sub-group is about one large partition, not several.
     """
     largest = max(math.prod(e.shape) for e in safetensors_entries(model_dir).values())
-    return {key: min(default, largest) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
+    windows = {key: min(default, largest) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
+    windows["sub_group_size"] = min(windows["sub_group_size"], math.ceil(largest / world_size))
+    return windows
+
+
+def share_fp32_master(optimizer) -> int:
+    """Make each fp32 master partition of a ZeRO-3 optimizer the module's own partition when the
+    two have the same dtype and device (a model trained in fp32, optimizer not offloaded);
+    returns how many sub-groups now share their memory.
+
+    DeepSpeed 0.19 means to share them (``_create_fp32_partitions`` in
+    ``deepspeed/runtime/zero/stage3.py``: "In such cases we don't need another copy of the
+    weights"), but its test compares a ``torch.device`` with the accelerator's device *name*
+    (``tensor.device == self.device``, ``'cpu'`` or ``'cuda:0'``), which is never equal, so it
+    clones: one more partition of the model per rank. Shared, the optimizer updates the
+    module's partition in place and DeepSpeed's copy back after the step copies it onto itself.
+    """
+    if getattr(optimizer, "offload_optimizer", True) or getattr(optimizer, "swap_optimizer", True):
+        return 0
+    shared = 0
+    pairs = zip(
+        optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, strict=True
+    )
+    for module_flat, master in pairs:
+        if module_flat is None or master.data_ptr() == module_flat.data_ptr():
+            continue
+        if (module_flat.dtype, module_flat.device) != (master.dtype, master.device):
+            continue
+        master.data = module_flat.data  # the clone is freed: nothing else refers to it
+        shared += 1
+    return shared
 
 
 def init_deepspeed_comm(device: torch.device) -> None:

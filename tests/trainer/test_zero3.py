@@ -1,5 +1,7 @@
 """ZeRO-3 without a whole copy, on 2 real DeepSpeed processes (gloo, CPU): the partitioned load,
-the reference, lockstep decoding when one rank stops early, streamed weights and save."""
+the reference, the fp32 master shared with the module, lockstep decoding when one rank stops
+early, streamed weights and save (the SFT and GRPO process tests check that ZeRO-3 training
+follows a single process)."""
 
 import json
 import os
@@ -53,6 +55,13 @@ SCRIPT = textwrap.dedent(
     report["reference"] = [
         [n, p.ds_numel, p.ds_tensor.numel(), p.numel()]
         for n, p in backend.reference.named_parameters()
+    ]
+    optimizer = backend.optimizer  # fp32 model: the master partitions are the module's own
+    report["master_shared"] = [
+        master.data_ptr() == own.data_ptr()
+        for master, own in zip(
+            optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat
+        )
     ]
     saved = load_file(Path(model_dir) / "model.safetensors")
     streamed, previous = [], None
@@ -111,6 +120,11 @@ def test_the_policy_and_the_reference_load_partitioned(reports, tiny_model_dir):
                 assert visible == 0, name  # no whole tensor left behind
 
 
+def test_an_fp32_model_has_no_second_fp32_copy_in_the_optimizer(reports):
+    for report in reports:
+        assert report["master_shared"] and all(report["master_shared"])
+
+
 def test_weights_stream_one_gathered_parameter_at_a_time(reports):
     for report in reports:
         assert report["streamed"] and all(equal for _, equal, _ in report["streamed"])
@@ -136,3 +150,6 @@ def test_reading_a_safetensors_entry_matches_safetensors(tiny_model_dir):
         assert torch.equal(entries[name].read(), tensor), name
     largest = max(t.numel() for t in saved.values())
     assert set(gather_windows(tiny_model_dir).values()) == {largest}
+    windows = gather_windows(tiny_model_dir, world_size=2)
+    assert windows.pop("sub_group_size") == -(-largest // 2)  # partition elements
+    assert set(windows.values()) == {largest}

@@ -257,9 +257,15 @@ def _log_probs(module, micro: _Micro, with_entropy: bool):
     """Log-probs (and entropies) of the last ``width`` tokens, from the last logits only.
 
     Rows that share a prompt run it once (``_shared_prefix_logits``) unless the model uses
-    gradient checkpointing, which turns the KV cache off in training.
+    gradient checkpointing, which turns the KV cache off in training, or, with gradients, is
+    partitioned by ZeRO-3: the prompt's backward comes after the responses' backward through
+    every layer, so autograd holds each parameter's whole gradient (and DeepSpeed its gathered
+    weights) until then, a whole model's worth on every rank.
     """
-    if micro.shared is not None and not getattr(module, "is_gradient_checkpointing", False):
+    shared = micro.shared is not None and not getattr(module, "is_gradient_checkpointing", False)
+    if shared and torch.is_grad_enabled() and _zero3_partitioned(module):
+        shared = False
+    if shared:
         logits = _shared_prefix_logits(module, micro.shared)
         targets = micro.shared.response_ids
         log_probs = _right_align(algo.token_log_probs(logits, targets), micro.shared)
@@ -276,6 +282,12 @@ def _log_probs(module, micro: _Micro, with_entropy: bool):
     log_probs = algo.token_log_probs(logits, micro.ids[:, -micro.width :])
     entropy = algo.entropy_from_logits(logits) if with_entropy else None
     return log_probs, entropy
+
+
+def _zero3_partitioned(module) -> bool:
+    """Whether ``module``'s parameters are partitioned by DeepSpeed ZeRO-3 (they carry a
+    ``ds_id``)."""
+    return hasattr(next(module.parameters()), "ds_id")
 
 
 def _shared_prefix_logits(module, shared: _SharedPrefix) -> torch.Tensor:
@@ -378,7 +390,7 @@ def _train(
             cfg.micro_batch_size,
             _micro_per_mini(cfg, info),
             bf16=dtype == torch.bfloat16,
-            zero_settings=gather_windows(sft_model) if _zero3(cfg) else None,
+            zero_settings=gather_windows(sft_model, info.world_size) if _zero3(cfg) else None,
         )
     if _zero3(cfg):  # built partitioned: no rank ever holds the whole model
         policy = load_partitioned(sft_model, dtype, ds_config, info.device)

@@ -546,7 +546,7 @@ class DeepSpeedBackend(_HFModuleBackend):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model on rank 0 (SFT's merge takes it; GRPO streams: ``hf_weights``,
         ``save_hf_pretrained``)."""
-        import deepspeed
+        from trainer.zero3 import gathered_parameters
 
         model = self.engine.module
         if self.cfg.zero_stage != 3:
@@ -556,10 +556,9 @@ class DeepSpeedBackend(_HFModuleBackend):
                 else None
             )
         state: dict[str, torch.Tensor] = {}
-        for name, param in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                if self.engine.global_rank == 0:
-                    state[name] = param.detach().cpu().clone()
+        for name, tensor in gathered_parameters(model):
+            if self.engine.global_rank == 0:
+                state[name] = tensor.cpu().clone()
         if self.engine.global_rank != 0:
             return None
         persistent = set(model.state_dict())  # non-persistent buffers (rotary) are not weights

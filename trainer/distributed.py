@@ -63,22 +63,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def all_reduce_sum(value: float, info: DistInfo) -> float:
-    """Sum a number over all processes (itself when there is one)."""
+def _all_reduce(value: float, info: DistInfo, op) -> float:
     if info.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return float(t.item())
+
+
+def all_reduce_sum(value: float, info: DistInfo) -> float:
+    """Sum a number over all processes (itself when there is one)."""
+    return _all_reduce(value, info, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(value: float, info: DistInfo) -> float:
     """The largest of a number over all processes (itself when there is one)."""
-    if info.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return _all_reduce(value, info, dist.ReduceOp.MAX)
 
 
 def barrier(info: DistInfo) -> None:

@@ -19,6 +19,7 @@ Every function here is collective: all ranks call it, in the same order.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -230,8 +231,6 @@ def save_gathered(
     """Write ``module`` (partitioned or not) as a HF directory: ``config`` (its ``dtype`` set)
     and one ``model.safetensors`` streamed one gathered tensor at a time; ``writer``: this rank
     writes (rank 0). Collective."""
-    import deepspeed
-
     directory = Path(directory)
     params = dict(module.named_parameters())
     buffers = {
@@ -256,14 +255,10 @@ def save_gathered(
         fh = (directory / "model.safetensors").open("wb")
         fh.write(struct.pack("<Q", len(encoded)) + encoded)
     try:
-        with torch.no_grad():
-            for param in params.values():
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                    if fh is not None:
-                        fh.write(_bytes(param, dtype))
-            for buffer in buffers.values():
-                if fh is not None:
-                    fh.write(_bytes(buffer, dtype))
+        # in the header's order: the parameters (gathered one at a time), then the buffers
+        for _, tensor in itertools.chain(gathered_parameters(module), buffers.items()):
+            if fh is not None:
+                fh.write(_bytes(tensor, dtype))
     finally:
         if fh is not None:
             fh.close()

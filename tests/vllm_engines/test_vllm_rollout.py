@@ -18,7 +18,7 @@ from tests_helpers_trainer import small_grpo_config
 
 from eval.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
-from trainer.grpo.rollout import VLLMRolloutEngine, VLLMWeights
+from trainer.grpo.rollout import HFRolloutEngine, VLLMRolloutEngine, VLLMWeights
 from trainer.grpo.sync_check import WeightSyncError, check_sync, max_abs_diff, sync_tolerance
 from trainer.metrics import METRICS_FILE, read_metrics
 
@@ -48,10 +48,8 @@ def engine(vllm_model_dir, policy):
     gc.collect()
 
 
-def _policy_log_probs(model, prompt, response):
-    from trainer.grpo.rollout import HFRolloutEngine
-
-    return HFRolloutEngine.token_log_probs(type("M", (), {"model": model})(), prompt, response)
+def _policy_log_probs(model, tokenizer, prompt, response):
+    return HFRolloutEngine(model, tokenizer, RolloutConfig()).token_log_probs(prompt, response)
 
 
 def _probe(tokenizer):
@@ -62,7 +60,8 @@ def _probe(tokenizer):
 def _diff(engine, model, tokenizer) -> float:
     prompt, response = _probe(tokenizer)
     return max_abs_diff(
-        engine.token_log_probs(prompt, response), _policy_log_probs(model, prompt, response)
+        engine.token_log_probs(prompt, response),
+        _policy_log_probs(model, tokenizer, prompt, response),
     )
 
 

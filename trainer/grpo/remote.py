@@ -176,7 +176,7 @@ def serve(engine: RolloutEngine, engine_index: int, engines: int, group=None, de
             answer = _attempt(engine.generate, [prompts[s] for s in mine], [seeds[s] for s in mine])
             served += 1
         elif kind == SYNC:
-            received = _received_weights(group, device)
+            received = _ReceivedWeights(group, device)
             answer = _attempt(engine.sync_weights, received)
             for _ in received:  # drain what a failed load left, to stay in step
                 pass
@@ -213,7 +213,3 @@ class _ReceivedWeights:
             flat = torch.empty(size, dtype=torch.uint8, device=self.device)
             dist.broadcast(flat, src=0, group=self.group)
             yield from _unflat(spec, flat)
-
-
-def _received_weights(group, device) -> _ReceivedWeights:
-    return _ReceivedWeights(group, device)

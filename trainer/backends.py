@@ -249,18 +249,25 @@ class DataParallel:
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum a number over the replicas (itself when there is one)."""
+        return self._all_reduce(value, "SUM")
+
+    def all_reduce_max(self, value: float) -> float:
+        """The largest of a number over the replicas (itself when there is one)."""
+        return self._all_reduce(value, "MAX")
+
+    def _all_reduce(self, value: float, op: str) -> float:
         if self.size == 1:
             return value
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.group)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self.group)
         return float(t.item())
 
 
 class ResponseBatch(Protocol):
     """A micro-batch of prompt + response rows as the GRPO loop lays it out
-    (``trainer.grpo.recipe._Micro``): rows right-aligned, so every response ends in the last
+    (``trainer.grpo.layout.Micro``): rows right-aligned, so every response ends in the last
     column, and per-token values come back as ``[B, width]`` aligned with ``mask``."""
 
     ids: torch.Tensor

@@ -24,6 +24,7 @@ from trainer.placement import PlacementError
 
 ROOT = Path(__file__).resolve().parents[2]
 DEDICATED = {"rollout": {"n_samples": 4, "max_new_tokens": 16, "colocate": False, "num_engines": 1}}
+ASYNC = {"rollout": {**DEDICATED["rollout"], "async_steps": 1}}
 
 
 def test_prompt_slots_tile_the_engines():
@@ -140,17 +141,75 @@ def _rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_engine_process_ends_the_job_non_zero(tmp_path, tiny_model_dir, prepared_data):
-    cfg = small_grpo_config(max_steps=50, checkpoint_every=0, **DEDICATED)
+@pytest.mark.parametrize(
+    ("placement", "killed_rank"),
+    [(DEDICATED, 1), (ASYNC, 1), (ASYNC, 0)],
+    ids=["engine-sync", "engine-async", "trainer-async"],
+)
+def test_a_killed_process_ends_the_job_non_zero(
+    tmp_path, tiny_model_dir, prepared_data, placement, killed_rank
+):
+    """Either side dying mid-run (the engine, or the trainer with a request in flight) ends
+    the whole job, non-zero, within a bounded time: nobody waits forever on the other."""
+    cfg = small_grpo_config(max_steps=50, checkpoint_every=0, **placement)
     job = _launch(tmp_path, "killed", cfg, tiny_model_dir, prepared_data, 2)
     metrics = tmp_path / "killed" / "work" / METRICS_FILE
     deadline = time.monotonic() + 300
     while not (metrics.exists() and _losses(tmp_path, "killed")):
         assert job.poll() is None and time.monotonic() < deadline, "no step in 300 s"
         time.sleep(1)
-    engine = _rank_pid(job.pid, 1)
-    assert engine is not None
-    os.kill(engine, signal.SIGKILL)
+    victim = _rank_pid(job.pid, killed_rank)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
-    assert job.wait(timeout=120) != 0  # torchrun ends the trainer too
+    assert job.wait(timeout=120) != 0  # torchrun ends the other side too
     assert time.monotonic() - killed < 120
+
+
+def test_one_step_off_policy_overlaps_and_corrects_the_stale_batches(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    cfg = small_grpo_config(max_steps=3, checkpoint_every=0, eval_every=3, **ASYNC)
+    job = _launch(tmp_path, "async", cfg, tiny_model_dir, prepared_data, 2)
+    assert job.wait(timeout=600) == 0, job.stdout.read()[-3000:]
+    lines = _losses(tmp_path, "async")
+    assert [m["staleness"] for m in lines] == [0, 1, 1]
+    assert "importance_ratio_mean" not in lines[0]  # on-policy: the plain loss
+    for m in lines[1:]:  # sampled one update ago: the decoupled loss and its weights
+        assert 0.5 < m["importance_ratio_mean"] < 2.0
+        assert m["importance_ratio_max"] >= m["importance_ratio_mean"]
+        assert 0.0 <= m["tis_clipped_fraction"] <= 1.0
+        # the engine took each update's weights (float32: bit-for-bit forwards)
+        assert m["sync_logprob_max_diff"] < 1e-5
+    for m in lines:
+        assert m["rollout_idle_s"] >= 0 and m["rollout_wait_s"] >= 0
+        assert m["rollout_time_s"] > 0 and m["train_time_s"] > 0
+    assert "eval_mean_reward" in lines[-1]
+    assert (tmp_path / "async" / "model" / "config.json").exists()
+
+
+def test_kill_and_resume_with_a_batch_in_flight_matches_an_uninterrupted_run(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    """``async_steps: 1``: the checkpoint at step 2 holds step 3's rollouts (sampled before
+    the checkpoint's weights); the resumed run trains on them, so every step matches."""
+    cfg = small_grpo_config(max_steps=5, checkpoint_every=2, max_ckpt_num=2, **ASYNC)
+    whole = _launch(tmp_path, "whole", cfg, tiny_model_dir, prepared_data, 2)
+    assert whole.wait(timeout=600) == 0, whole.stdout.read()[-3000:]
+    job = _launch(tmp_path, "killed", cfg, tiny_model_dir, prepared_data, 2)
+    deadline = time.monotonic() + 300
+    while job.poll() is None and time.monotonic() < deadline:
+        metrics = tmp_path / "killed" / "work" / METRICS_FILE
+        if metrics.exists() and len(_losses(tmp_path, "killed")) >= 3:
+            os.killpg(job.pid, signal.SIGKILL)  # the whole job, as a node loss would
+            break
+        time.sleep(0.05)
+    job.wait(timeout=60)
+    assert len(_losses(tmp_path, "killed")) < 5, "the run finished before it could be killed"
+    again = _launch(tmp_path, "killed", cfg, tiny_model_dir, prepared_data, 2)
+    assert again.wait(timeout=600) == 0, again.stdout.read()[-3000:]
+    ours, theirs = _losses(tmp_path, "killed"), _losses(tmp_path, "whole")
+    assert [m["step"] for m in ours] == [1, 2, 3, 4, 5]
+    for a, b in zip(ours, theirs, strict=True):
+        for key in ("loss", "mean_reward", "response_length_mean", "staleness"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a["step"])

@@ -226,16 +226,16 @@ def test_update_layout_log_probs_equal_unpadded_forwards(tiny_model_dir):
     """Rows right-aligned with left padding, and only the last logits kept, give the same
     response log-probs as a plain forward of each row alone."""
     from trainer.grpo import algorithm as algo
+    from trainer.grpo.layout import micro_log_probs, sequences
     from trainer.grpo.prompts import Prompt
-    from trainer.grpo.recipe import _log_probs, _sequences
     from trainer.grpo.rollout import Rollout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompts = [Prompt([5, 6, 7, 8, 9, 10, 11], "fr", "a"), Prompt([12, 13, 14], "de", "b")]
     rollouts = [Rollout(0, [20, 21, 22], True), Rollout(1, [30, 31, 32, 33, 34, 35], False)]
-    layout = _sequences(prompts, rollouts, pad_id=0, device="cpu")
+    layout = sequences(prompts, rollouts, pad_id=0, device="cpu")
     with torch.no_grad():
-        batched, _ = _log_probs(model, layout, False)
+        batched, _ = micro_log_probs(model, layout, False)
         for row, rollout in enumerate(rollouts):
             ids = torch.tensor([prompts[rollout.prompt_index].ids + rollout.response_ids])
             logits = model(input_ids=ids).logits[:, :-1]
@@ -250,8 +250,8 @@ def test_shared_prefix_update_equals_full_rows_in_value_and_gradient(tiny_model_
     are longer than the tiny model's sliding window (32), so the windowed layers' cache crop
     is exercised; one response is empty and lengths differ."""
     from trainer.grpo import algorithm as algo
+    from trainer.grpo.layout import micro_log_probs, sequences
     from trainer.grpo.prompts import Prompt
-    from trainer.grpo.recipe import _log_probs, _sequences
     from trainer.grpo.rollout import Rollout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -262,7 +262,7 @@ def test_shared_prefix_update_equals_full_rows_in_value_and_gradient(tiny_model_
     responses = [[20, 21, 22], [40, 41, 42, 43, 44], [], [30, 31, 32, 33, 34, 35], [50]]
     owners = [0, 0, 0, 1, 1]
     rollouts = [Rollout(o, r, True) for o, r in zip(owners, responses, strict=True)]
-    layout = _sequences(prompts, rollouts, pad_id=0, device="cpu")
+    layout = sequences(prompts, rollouts, pad_id=0, device="cpu")
     assert layout.shared is not None
 
     def run(shared: bool):
@@ -272,7 +272,7 @@ def test_shared_prefix_update_equals_full_rows_in_value_and_gradient(tiny_model_
             if shared
             else type(layout)(layout.ids, layout.attention, layout.positions, layout.mask, None)
         )
-        log_probs, entropy = _log_probs(model, micro, True)
+        log_probs, entropy = micro_log_probs(model, micro, True)
         loss = algo.aggregate_loss(
             log_probs * torch.linspace(-1, 1, log_probs.shape[0])[:, None], layout.mask,
             "token-mean",

@@ -36,6 +36,13 @@ class RolloutConfig(ConfigModel):
     """Dedicated engines (``colocate: false``; OpenRLHF's ``--vllm_num_engines``), each on
     ``tensor_parallel_size`` devices after the training processes' (the HF engine: 1);
     colocated runs leave it 0."""
+    async_steps: int = Field(0, ge=0, le=1)
+    """0: on-policy (each step samples with the weights it then updates). 1: one step
+    off-policy (verl's ``one_step_off_policy``, AReaL-style): the dedicated engines sample step
+    ``k+1`` with step ``k``'s starting weights while step ``k`` trains, and the loss corrects
+    the one-update gap with truncated importance sampling (``algorithm.tis_cap``). Needs
+    dedicated engines (``colocate: false``), which work while the trainer trains; see
+    ``trainer.grpo.producer``."""
     sync_bucket_mb: int = Field(64, ge=1)
     """Dedicated engines: the weight sync broadcasts the policy in buckets of at most this
     many MiB (one bucket in flight at a time)."""
@@ -57,6 +64,12 @@ class RolloutConfig(ConfigModel):
                 "rollout.colocate=false puts the engines in processes of their own: set "
                 "rollout.num_engines (≥ 1 engines of tensor_parallel_size devices each)"
             )
+        if self.async_steps and self.colocate:
+            raise ValueError(
+                f"rollout.async_steps={self.async_steps} overlaps sampling with training, which "
+                "needs engines on devices of their own: set rollout.colocate=false and "
+                "rollout.num_engines (colocated engines share the training processes)"
+            )
         if self.colocate and self.num_engines:
             raise ValueError(
                 f"rollout.num_engines={self.num_engines} is for dedicated GPUs "
@@ -77,9 +90,8 @@ class AlgorithmConfig(ConfigModel):
     clip_ratio_c: float = Field(10.0, gt=1)
     tis_cap: float = Field(2.0, gt=1)
     """Truncation ``C`` of the off-policy importance weight ``min(π_prox/π_behaviour, C)`` of
-    ``algorithm.decoupled_policy_loss``, for rollouts sampled a step stale
-    (``rollout.async_steps``, issue #20). Not read yet: the loop that feeds behaviour
-    log-probs is not built, and today's on-policy loop has no behaviour gap to correct."""
+    ``algorithm.decoupled_policy_loss``, the loss of rollouts sampled a step stale
+    (``rollout.async_steps: 1``); on-policy steps do not use it."""
     loss_agg_mode: str = "token-mean"
     kl_loss_coef: float = Field(0.0, ge=0)
     kl_estimator: str = "low_var_kl"

@@ -16,7 +16,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +26,8 @@ from tqdm import tqdm
 from eval.adapters import LanguageComplianceReward
 from eval.degeneracy import measure_degeneracy
 from eval.modeling import (
-    cache_keyword,
     load_causal_lm,
     load_tokenizer,
-    output_cache,
     resolve_dtype,
 )
 from eval.scoring import ComplianceScorer, RewardWeights, Verdict
@@ -54,8 +52,10 @@ from trainer.distributed import (
 from trainer.divergence import DivergenceGuard
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
+from trainer.grpo.layout import sequences
+from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
-from trainer.grpo.rollout import HFRolloutEngine, Rollout, generate_share
+from trainer.grpo.rollout import HFRolloutEngine, Rollout, keep_share, share_request
 from trainer.grpo.sync_check import (
     SyncProbe,
     check_sync,
@@ -162,174 +162,6 @@ def _both_ok(result) -> bool:
     return result.answer_verdict == Verdict.MATCH and result.reasoning_verdict == Verdict.MATCH
 
 
-@dataclass
-class _Micro:
-    """A micro-batch laid out for the update.
-
-    Rows are right-aligned so that every response ends in the last column: the LM head only
-    runs on the last ``width + 1`` positions. ``shared`` holds the same rows split into their
-    distinct prompts and their responses, for ``_log_probs`` to run each prompt once per
-    group (see ``_SharedPrefix``).
-    """
-
-    ids: torch.Tensor
-    attention: torch.Tensor
-    positions: torch.Tensor
-    mask: torch.Tensor
-    """[B, width]: 1 on the response tokens (the targets of the kept logits)."""
-    shared: _SharedPrefix | None = None
-
-    @property
-    def width(self) -> int:
-        return self.mask.shape[1]
-
-    def hf_log_probs(self, module, with_entropy: bool):
-        """The ``ResponseBatch`` forward of the PyTorch and DeepSpeed backends."""
-        return _log_probs(module, self, with_entropy)
-
-
-@dataclass
-class _SharedPrefix:
-    """The micro-batch as U distinct prompts (left-padded) and B responses (left-aligned).
-
-    The prompts run once, with their KV cache; the cache is indexed out to the B rows
-    (``row_prompt``) and the responses run on top of it. Autograd flows through the indexing,
-    so each prompt's activations get the summed gradient of its group: the same log-probs and
-    gradients as the full rows, for a fraction of the prompt compute.
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_attention: torch.Tensor
-    prompt_positions: torch.Tensor
-    prompt_lengths: torch.Tensor
-    row_prompt: torch.Tensor
-    """[B]: each row's prompt, an index into the U prompts."""
-    response_ids: torch.Tensor
-    """[B, width], left-aligned, padded."""
-    response_lengths: torch.Tensor
-
-
-def _sequences(prompts: list[Prompt], rollouts: list[Rollout], pad_id: int, device) -> _Micro:
-    rows = [prompts[r.prompt_index].ids + r.response_ids for r in rollouts]
-    total = max(len(r) for r in rows)
-    width = max(1, max(len(r.response_ids) for r in rollouts))
-    ids = torch.full((len(rows), total), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), total), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, (row, rollout) in enumerate(zip(rows, rollouts, strict=True)):
-        ids[i, total - len(row) :] = torch.tensor(row)
-        attention[i, total - len(row) :] = 1
-        if rollout.response_ids:
-            mask[i, width - len(rollout.response_ids) :] = 1.0
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    micro = _Micro(ids.to(device), attention.to(device), positions.to(device), mask.to(device))
-    distinct = sorted({r.prompt_index for r in rollouts})
-    if len(distinct) < len(rollouts):  # some rows share a prompt
-        micro.shared = _shared_prefix(prompts, rollouts, distinct, width, pad_id, device)
-    return micro
-
-
-def _shared_prefix(prompts, rollouts, distinct, width, pad_id, device) -> _SharedPrefix:
-    slot = {index: k for k, index in enumerate(distinct)}
-    prompt_width = max(len(prompts[i].ids) for i in distinct)
-    prompt_ids = torch.full((len(distinct), prompt_width), pad_id, dtype=torch.long)
-    prompt_attention = torch.zeros((len(distinct), prompt_width), dtype=torch.long)
-    for k, index in enumerate(distinct):  # left padding: every prompt ends in the last column
-        row = prompts[index].ids
-        prompt_ids[k, prompt_width - len(row) :] = torch.tensor(row)
-        prompt_attention[k, prompt_width - len(row) :] = 1
-    response_ids = torch.full((len(rollouts), width), pad_id, dtype=torch.long)
-    for i, rollout in enumerate(rollouts):
-        if rollout.response_ids:
-            response_ids[i, : len(rollout.response_ids)] = torch.tensor(rollout.response_ids)
-    return _SharedPrefix(
-        prompt_ids=prompt_ids.to(device),
-        prompt_attention=prompt_attention.to(device),
-        prompt_positions=(prompt_attention.cumsum(-1) - 1).clamp(min=0).to(device),
-        prompt_lengths=prompt_attention.sum(-1).to(device),
-        row_prompt=torch.tensor([slot[r.prompt_index] for r in rollouts], device=device),
-        response_ids=response_ids.to(device),
-        response_lengths=torch.tensor([len(r.response_ids) for r in rollouts], device=device),
-    )
-
-
-def _log_probs(module, micro: _Micro, with_entropy: bool):
-    """Log-probs (and entropies) of the last ``width`` tokens, from the last logits only.
-
-    Rows that share a prompt run it once (``_shared_prefix_logits``) unless the model uses
-    gradient checkpointing, which turns the KV cache off in training, or, with gradients, is
-    partitioned by ZeRO-3: the prompt's backward comes after the responses' backward through
-    every layer, so autograd holds each parameter's whole gradient (and DeepSpeed its gathered
-    weights) until then, a whole model's worth on every rank.
-    """
-    shared = micro.shared is not None and not getattr(module, "is_gradient_checkpointing", False)
-    if shared and torch.is_grad_enabled() and _zero3_partitioned(module):
-        shared = False
-    if shared:
-        logits = _shared_prefix_logits(module, micro.shared)
-        targets = micro.shared.response_ids
-        log_probs = _right_align(algo.token_log_probs(logits, targets), micro.shared)
-        entropy = None
-        if with_entropy:
-            entropy = _right_align(algo.entropy_from_logits(logits), micro.shared)
-        return log_probs, entropy
-    logits = module(
-        input_ids=micro.ids,
-        attention_mask=micro.attention,
-        position_ids=micro.positions,
-        logits_to_keep=micro.width + 1,
-    ).logits[:, :-1, :]
-    log_probs = algo.token_log_probs(logits, micro.ids[:, -micro.width :])
-    entropy = algo.entropy_from_logits(logits) if with_entropy else None
-    return log_probs, entropy
-
-
-def _zero3_partitioned(module) -> bool:
-    """Whether ``module``'s parameters are partitioned by DeepSpeed ZeRO-3 (they carry a
-    ``ds_id``)."""
-    return hasattr(next(module.parameters()), "ds_id")
-
-
-def _shared_prefix_logits(module, shared: _SharedPrefix) -> torch.Tensor:
-    """[B, width, V]: the logits that predict each response token (left-aligned)."""
-    prefill = module(
-        input_ids=shared.prompt_ids,
-        attention_mask=shared.prompt_attention,
-        position_ids=shared.prompt_positions,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    first = prefill.logits[shared.row_prompt, -1:, :]  # predicts each response's first token
-    width = shared.response_ids.shape[1]
-    if width == 1:
-        return first
-    cache = output_cache(prefill)
-    cache.batch_select_indices(shared.row_prompt)  # differentiable: gradients sum per prompt
-    steps = torch.arange(width - 1, device=shared.response_ids.device)
-    response_valid = (steps[None, :] < shared.response_lengths[:, None]).long()
-    rest = module(
-        input_ids=shared.response_ids[:, :-1],
-        attention_mask=torch.cat(
-            [shared.prompt_attention[shared.row_prompt], response_valid], dim=1
-        ),
-        position_ids=shared.prompt_lengths[shared.row_prompt, None] + steps[None, :],
-        use_cache=True,
-        **{cache_keyword(module): cache},
-    ).logits
-    return torch.cat([first, rest], dim=1)
-
-
-def _right_align(values: torch.Tensor, shared: _SharedPrefix) -> torch.Tensor:
-    """Left-aligned [B, width] values moved so that each row's last response token is in the
-    last column (the layout of ``_Micro.mask``); columns before a row's response are 0."""
-    width = values.shape[1]
-    source = torch.arange(width, device=values.device)[None, :] - (
-        width - shared.response_lengths[:, None]
-    )
-    valid = source >= 0
-    return torch.gather(values, 1, source.clamp(min=0)) * valid
-
-
 def run_grpo(
     cfg: GRPOConfig,
     sft_model: str | Path,
@@ -367,6 +199,58 @@ def _remote_engines(cfg: GRPOConfig, plan: PlacementPlan, info: DistInfo):
     )
 
 
+@dataclass
+class RunState:
+    """What the loop carries from step to step; a checkpoint keeps it (as JSON)."""
+
+    step: int = 0
+    baseline: dict | None = None
+    """Held-out metrics of the SFT model."""
+    best: dict | None = None
+    """The best held-out result under the guard so far (with its ``step``)."""
+    last_eval: dict | None = None
+    in_flight: list[dict] = field(default_factory=list)
+    """Rollouts made ahead of their step (``rollout.async_steps``), kept so that a resumed
+    run trains on the same ones (``RolloutProducer.pending``)."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> RunState:
+        return cls(**data) if data else cls()
+
+
+@dataclass
+class _Run:
+    """What the builders made for one run, passed to the loop."""
+
+    cfg: GRPOConfig
+    info: DistInfo
+    tokenizer: object
+    dtype: torch.dtype
+    backend: TrainingBackend
+    train_prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+    scorer: ComplianceScorer
+    reward_fn: LanguageComplianceReward
+    engine: object
+
+    @property
+    def dp(self) -> DataParallel:
+        return self.backend.data_parallel
+
+    def step_prompts(self, step: int) -> list[Prompt]:
+        """The whole step's prompts (every data-parallel rank's), in slot order."""
+        chosen = step_prompts(self.train_prompts, step, self.cfg.prompts_per_step, self.cfg.seed)
+        return [self.train_prompts[i] for i in chosen]
+
+    def my_prompts(self, step: int) -> list[Prompt]:
+        """This rank's share of the step's prompts."""
+        per_rank = self.cfg.prompts_per_step // self.dp.size
+        return self.step_prompts(step)[self.dp.rank * per_rank : (self.dp.rank + 1) * per_rank]
+
+
 def _train(
     cfg: GRPOConfig,
     sft_model: str | Path,
@@ -381,6 +265,104 @@ def _train(
     """The training processes' part of ``run_grpo`` (``remote``: the dedicated engines)."""
     tokenizer = load_tokenizer(sft_model)
     dtype = resolve_dtype(cfg.dtype, info.device)
+    backend, policy = _build_backend(cfg, sft_model, info, dtype, tokenizer.pad_token_id)
+    train_prompts, eval_prompts = _load_prompt_sets(cfg, tokenizer, train_path, eval_path)
+    scorer = ComplianceScorer(weights=RewardWeights(**cfg.reward_weights))
+    # the HF engine samples with the trained module itself (under ZeRO-3 partitioned, every
+    # rank stepping in lockstep); Megatron trains its own model, so the HF policy is a copy
+    rollout_model = backend.unwrapped() if cfg.optim.backend == "deepspeed" else policy
+    engine = remote or _rollout_engine(cfg, rollout_model, tokenizer, sft_model, plan, info)
+    run = _Run(
+        cfg,
+        info,
+        tokenizer,
+        dtype,
+        backend,
+        train_prompts,
+        eval_prompts,
+        scorer,
+        LanguageComplianceReward(scorer),
+        engine,
+    )
+    checkpoints = work_dir / "checkpoints"
+    run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(sft_model)}
+    state = RunState.from_json(resume(checkpoints, backend, info, run_config))
+    producer = _producer(run, plan, state)
+    with (
+        mlflow_run("grpo", cfg.model_dump(), info.is_main) as tracking,
+        contextlib.closing(backend),
+    ):
+        # GRPO plans steps, not epochs: the run is one planned epoch (``epoch`` 0 … 1)
+        writer = MetricsWriter(
+            work_dir / METRICS_FILE, cfg.max_steps, 1.0, info.is_main, state.step, tracking
+        )
+        engine = producer.ready_engine()  # the engine takes the (resumed) policy's weights
+        for diff in producer.sync_diffs():
+            log.info("weight sync check at step %d: %.3g", state.step, diff)
+        if state.baseline is None:
+            state.baseline = _evaluate(run, engine)
+            state.best = {"step": 0, **state.baseline}
+            writer.log(0, **{f"eval_{k}": v for k, v in state.baseline.items()})
+            _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
+        guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
+        progress = tqdm(
+            total=cfg.max_steps,
+            initial=state.step,
+            desc="grpo",
+            mininterval=2.0,
+            disable=not info.is_main,
+        )
+        for step in range(state.step, cfg.max_steps):
+            done = step + 1
+            started = time.monotonic()
+            made = producer.take(step)  # async: step + 1 starts on the engine here
+            batch = _score(cfg, tokenizer, run.reward_fn, run.my_prompts(step), made.rollouts)
+            scored = time.monotonic()
+            if hasattr(run.engine, "sleep"):
+                run.engine.sleep()  # colocated vLLM frees the GPU for the update
+            stats = _update(cfg, backend, batch, tokenizer.pad_token_id, step, made.staleness > 0)
+            train_time = time.monotonic() - scored
+            # before anything from this step is saved (checkpoint, best policy, export)
+            signal = run.dp.all_reduce_sum(float(batch.keep.sum())) > 0
+            guard.check(done, stats["loss"], stats["grad_norm"], backend.module, signal)
+            producer.updated(done)  # an idle engine takes the new weights now
+            step_time = time.monotonic() - started
+            writer.log(
+                done,
+                data_passes=round(done * cfg.prompts_per_step / len(train_prompts), 4),
+                **stats,
+                **_reward_metrics(batch, run.dp),
+                **_timing_metrics(run, made, batch, train_time, step_time),
+                **_sync_metrics(producer),
+            )
+            progress.update(1)
+            progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
+            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
+                held_out = _evaluate(run, producer.ready_engine())
+                # merged onto this step's line: the last line always carries the train loss
+                writer.log(
+                    done, **{f"eval_{k}": v for k, v in held_out.items()}, **_sync_metrics(producer)
+                )
+                state.last_eval = {"step": done, **held_out}
+                # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
+                if broadcast_object(_better(cfg, held_out, state.baseline, state.best), info):
+                    state.best = {"step": done, **held_out}
+                    _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
+                producer.drain()  # what is in flight is saved with the step, not lost
+                state.step, state.in_flight = done, producer.pending()
+                save_checkpoint(
+                    checkpoints, done, backend, state.to_json(), info, cfg.max_ckpt_num, run_config
+                )
+        progress.close()
+        return _finish(run, state, work_dir, model_output, sft_model, tracking)
+
+
+def _build_backend(
+    cfg: GRPOConfig, sft_model, info: DistInfo, dtype: torch.dtype, pad_id: int
+) -> tuple[TrainingBackend, torch.nn.Module]:
+    """The training backend and the HF policy it was built from (under ZeRO-3 built
+    partitioned: no rank ever holds the whole model)."""
     ds_config = None
     if cfg.optim.backend == "deepspeed":
         # one configuration for the partitioned load and deepspeed.initialize
@@ -392,23 +374,12 @@ def _train(
             bf16=dtype == torch.bfloat16,
             zero_settings=gather_windows(sft_model, info.world_size) if _zero3(cfg) else None,
         )
-    if _zero3(cfg):  # built partitioned: no rank ever holds the whole model
+    if _zero3(cfg):
         policy = load_partitioned(sft_model, dtype, ds_config, info.device)
     else:
         policy = load_causal_lm(sft_model, dtype, info.device)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    limit, kept = cfg.rollout.max_prompt_tokens, cfg.prompt_filter
-    train_prompts = load_prompts(train_path, tokenizer, limit, kept)
-    eval_prompts = load_prompts(eval_path, tokenizer, limit, kept)[: cfg.eval_prompts]
-    if len(train_prompts) < cfg.prompts_per_step:
-        raise ValueError(
-            f"{train_path}: {len(train_prompts)} unique prompts, fewer than prompts_per_step "
-            f"{cfg.prompts_per_step}"
-        )
-    scorer = ComplianceScorer(weights=RewardWeights(**cfg.reward_weights))
-    reward_fn = LanguageComplianceReward(scorer)
-
     backend = make_backend(
         policy,
         cfg.optim,
@@ -421,138 +392,129 @@ def _train(
         hf_dir=sft_model,
         ds_config=ds_config,
         seed=cfg.seed,
-        pad_id=tokenizer.pad_token_id,
+        pad_id=pad_id,
     )
     if cfg.optim.backend == "megatron":
         policy.requires_grad_(False)
-    dp = backend.data_parallel
-    per_rank = cfg.prompts_per_step // dp.size
-    # the HF engine samples with the trained module itself (under ZeRO-3 partitioned, every
-    # rank stepping in lockstep); Megatron trains its own model, so the HF policy is a copy
-    rollout_model = backend.unwrapped() if cfg.optim.backend == "deepspeed" else policy
-    engine = remote or _rollout_engine(cfg, rollout_model, tokenizer, sft_model, plan, info)
+    return backend, policy
+
+
+def _load_prompt_sets(
+    cfg: GRPOConfig, tokenizer, train_path, eval_path
+) -> tuple[list[Prompt], list[Prompt]]:
+    limit, kept = cfg.rollout.max_prompt_tokens, cfg.prompt_filter
+    train_prompts = load_prompts(train_path, tokenizer, limit, kept)
+    eval_prompts = load_prompts(eval_path, tokenizer, limit, kept)[: cfg.eval_prompts]
+    if len(train_prompts) < cfg.prompts_per_step:
+        raise ValueError(
+            f"{train_path}: {len(train_prompts)} unique prompts, fewer than prompts_per_step "
+            f"{cfg.prompts_per_step}"
+        )
+    return train_prompts, eval_prompts
+
+
+def _producer(run: _Run, plan: PlacementPlan, state: RunState) -> RolloutProducer:
+    """The producer of each step's rollouts on this rank: its requests (the prompts its engine
+    generates, one seed per response), its sync (with the check), what was in flight at the
+    checkpoint."""
+    cfg, info = run.cfg, run.info
+    per_rank = cfg.prompts_per_step // run.dp.size
     # the ranks whose prompts this rank's engine generates (all of a vLLM engine's workers)
     vllm_group = plan.engine_of(info.rank) if cfg.rollout.engine == "vllm" else None
-    share = vllm_group.ranks if vllm_group else (dp.rank,)
-
-    checkpoints = work_dir / "checkpoints"
-    run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(sft_model)}
-    state = resume(checkpoints, backend, info, run_config) or {"step": 0}
-    start_step = state["step"]
-    probe_from = eval_prompts or train_prompts
+    share = vllm_group.ranks if vllm_group else (run.dp.rank,)
+    probe_from = run.eval_prompts or run.train_prompts
     probe = sync_probe([p.ids for p in probe_from], cfg.rollout.sync_check_tokens)
-    tolerance = sync_tolerance(cfg.rollout.sync_check_tolerance, dtype)
-    pad_id = tokenizer.pad_token_id
-    diff = _sync(engine, backend, probe, tolerance, pad_id, info, start_step)
-    if diff is not None:
-        log.info("weight sync check at step %d: %.3g (tolerance %.3g)", start_step, diff, tolerance)
+    tolerance = sync_tolerance(cfg.rollout.sync_check_tolerance, run.dtype)
+    pad_id = run.tokenizer.pad_token_id
 
-    with mlflow_run("grpo", cfg.model_dump(), info.is_main) as run, contextlib.closing(backend):
-        # GRPO plans steps, not epochs: the run is one planned epoch (``epoch`` 0 … 1)
-        writer = MetricsWriter(
-            work_dir / METRICS_FILE, cfg.max_steps, 1.0, info.is_main, start_step, run
-        )
-        if "baseline" not in state:
-            state["baseline"] = evaluate_policy(
-                engine, tokenizer, eval_prompts, scorer, cfg.eval_samples, cfg.seed
-            )
-            state["best"] = {"step": 0, **state["baseline"]}
-            writer.log(0, **{f"eval_{k}": v for k, v in state["baseline"].items()})
-            _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
-        guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
-        progress = tqdm(
-            total=cfg.max_steps,
-            initial=start_step,
-            desc="grpo",
-            mininterval=2.0,
-            disable=not info.is_main,
-        )
-        for step in range(start_step, cfg.max_steps):
-            done = step + 1
-            chosen = [
-                train_prompts[i]
-                for i in step_prompts(train_prompts, step, cfg.prompts_per_step, cfg.seed)
-            ]
-            mine = chosen[dp.rank * per_rank : (dp.rank + 1) * per_rank]
+    def requests(step: int):
+        # one seed per (step, slot of the step's batch, sample): the same on every rank and
+        # every layout, never shared by two responses
+        seeds = group_seeds(cfg.seed, step, range(cfg.prompts_per_step), cfg.rollout.n_samples)
+        prompts = [p.ids for p in run.step_prompts(step)]
+        return share_request(prompts, seeds, share, per_rank)
 
-            started = time.monotonic()
-            # one seed per (step, slot of the step's batch, sample): the same on every rank
-            # and every layout, never shared by two responses
-            seeds = group_seeds(cfg.seed, step, range(len(chosen)), cfg.rollout.n_samples)
-            rollouts = generate_share(
-                engine, [p.ids for p in chosen], seeds, share, dp.rank, per_rank
-            )
-            batch = _score(cfg, tokenizer, reward_fn, mine, rollouts)
-            rollout_time = time.monotonic() - started
-            started = time.monotonic()
-            if hasattr(engine, "sleep"):
-                engine.sleep()  # colocated vLLM frees the GPU for the update
-            stats = _update(cfg, backend, batch, tokenizer.pad_token_id, step)
-            train_time = time.monotonic() - started
-            # before anything from this step is saved (checkpoint, best policy, export)
-            signal = dp.all_reduce_sum(float(batch.keep.sum())) > 0
-            guard.check(done, stats["loss"], stats["grad_norm"], backend.module, signal)
-            diff = _sync(engine, backend, probe, tolerance, pad_id, info, done)
-            sync = {} if diff is None else {"sync_logprob_max_diff": diff}
+    producer = RolloutProducer(
+        run.engine,
+        requests,
+        lambda version: _sync(run.engine, run.backend, probe, tolerance, pad_id, info, version),
+        cfg.rollout.async_steps,
+        cfg.max_steps,
+        select=lambda out: keep_share(out, share, run.dp.rank, per_rank),
+    )
 
-            tokens = dp.all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)))
-            writer.log(
-                done,
-                data_passes=round(done * cfg.prompts_per_step / len(train_prompts), 4),
-                **stats,
-                **_reward_metrics(batch, dp),
-                rollout_time_s=rollout_time,
-                train_time_s=train_time,
-                tokens_per_s=tokens / max(1e-9, rollout_time + train_time),
-                **sync,
-            )
-            progress.update(1)
-            progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
-            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
-                held_out = evaluate_policy(
-                    engine, tokenizer, eval_prompts, scorer, cfg.eval_samples, cfg.seed
-                )
-                # merged onto this step's line: the last line always carries the train loss
-                writer.log(done, **{f"eval_{k}": v for k, v in held_out.items()})
-                state["last_eval"] = {"step": done, **held_out}
-                # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
-                if broadcast_object(_better(cfg, held_out, state["baseline"], state["best"]), info):
-                    state["best"] = {"step": done, **held_out}
-                    _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
-            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                save_checkpoint(
-                    checkpoints, done, backend, state, info, cfg.max_ckpt_num, run_config
-                )
-        progress.close()
+    producer.updated(state.step)
+    producer.restore(state.in_flight)
+    return producer
 
-        final_dir = work_dir / "final_policy"
-        _save_policy(backend, tokenizer, final_dir, dtype, sft_model, info)
-        if not info.is_main:
-            return None
-        use_best = cfg.guard.keep_best and (work_dir / BEST_DIR).exists()
-        exported = state["best"] if use_best else state.get("last_eval", state["baseline"])
-        source = work_dir / BEST_DIR if use_best else final_dir
-        _export(source, model_output)
-        plot = plot_metrics(
-            work_dir / METRICS_FILE,
-            work_dir / "grpo.png",
-            ["mean_reward", "eval_mean_reward", "eval_real_word_share", "loss", "kl", "entropy"],
-            "GRPO",
-        )
-        result = GRPOResult(
-            model_dir=str(model_output),
-            metrics_file=str(work_dir / METRICS_FILE),
-            plot=str(plot) if plot else None,
-            steps=cfg.max_steps,
-            baseline=state["baseline"],
-            final=state.get("last_eval", state["baseline"]),
-            exported=exported,
-            exported_step=exported.get("step", 0),
-        )
-        (work_dir / SUMMARY_FILE).write_text(json.dumps(asdict(result), indent=2))
-        if run is not None and plot:
-            log_artifact(plot)
-        return result
+
+def _evaluate(run: _Run, engine) -> dict:
+    cfg = run.cfg
+    return evaluate_policy(
+        engine, run.tokenizer, run.eval_prompts, run.scorer, cfg.eval_samples, cfg.seed
+    )
+
+
+def _timing_metrics(
+    run: _Run, made: StepRollouts, batch: _Batch, train_time: float, step_time: float
+) -> dict:
+    """Where the step's time went, on each side. ``rollout_time_s``: the engine generating
+    this step's batch; ``rollout_wait_s``: the trainer blocked waiting for it (the whole
+    generation when on-policy, what the overlap did not hide when async);
+    ``rollout_idle_s``: the engine waiting for work before it (engines in other
+    processes)."""
+    tokens = run.dp.all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)))
+    out = {
+        "staleness": made.staleness,
+        "rollout_time_s": made.generate_s,
+        "rollout_wait_s": made.wait_s,
+        "train_time_s": train_time,
+        "step_time_s": step_time,
+        "tokens_per_s": tokens / max(1e-9, step_time),
+    }
+    if made.engine_idle_s is not None:
+        out["rollout_idle_s"] = made.engine_idle_s
+    return out
+
+
+def _sync_metrics(producer: RolloutProducer) -> dict:
+    diffs = producer.sync_diffs()
+    return {"sync_logprob_max_diff": max(diffs)} if diffs else {}
+
+
+def _finish(
+    run: _Run, state: RunState, work_dir: Path, model_output: Path, sft_model, tracking
+) -> GRPOResult | None:
+    """Save the final policy, export the best (or last) one, write the summary (rank 0)."""
+    final_dir = work_dir / "final_policy"
+    _save_policy(run.backend, run.tokenizer, final_dir, run.dtype, sft_model, run.info)
+    if not run.info.is_main:
+        return None
+    use_best = run.cfg.guard.keep_best and (work_dir / BEST_DIR).exists()
+    last = state.last_eval or state.baseline
+    exported = state.best if use_best else last
+    source = work_dir / BEST_DIR if use_best else final_dir
+    _export(source, model_output)
+    plot = plot_metrics(
+        work_dir / METRICS_FILE,
+        work_dir / "grpo.png",
+        ["mean_reward", "eval_mean_reward", "eval_real_word_share", "loss", "kl", "entropy"],
+        "GRPO",
+    )
+    result = GRPOResult(
+        model_dir=str(model_output),
+        metrics_file=str(work_dir / METRICS_FILE),
+        plot=str(plot) if plot else None,
+        steps=run.cfg.max_steps,
+        baseline=state.baseline,
+        final=last,
+        exported=exported,
+        exported_step=exported.get("step", 0),
+    )
+    (work_dir / SUMMARY_FILE).write_text(json.dumps(asdict(result), indent=2))
+    if tracking is not None and plot:
+        log_artifact(plot)
+    return result
 
 
 def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
@@ -683,7 +645,7 @@ def _sync(
     if isinstance(engine, HFRolloutEngine) and engine.model is backend.unwrapped():
         return None
     engine.sync_weights(backend.hf_weights())
-    micro = _sequences(
+    micro = sequences(
         [Prompt(probe.prompt, "", "")],
         [Rollout(0, probe.response, True)],
         pad_id,
@@ -728,13 +690,21 @@ def _score(cfg: GRPOConfig, tokenizer, reward_fn, prompts, rollouts) -> _Batch:
 
 
 def _update(
-    cfg: GRPOConfig, backend: TrainingBackend, batch: _Batch, pad_id: int, step: int
+    cfg: GRPOConfig,
+    backend: TrainingBackend,
+    batch: _Batch,
+    pad_id: int,
+    step: int,
+    stale: bool = False,
 ) -> dict:
     """PPO epochs over mini-batches of this step's rollouts; returns averaged statistics.
 
     The backend runs each mini-batch's forward and backward (``forward_backward``), calling
     the ``_loss_fn`` loss of each micro-batch with its log-probs; normalizers are summed over
     the data-parallel replicas, so every replica's loss is its share of the global one.
+    ``stale``: the rollouts were sampled by an older policy (``rollout.async_steps``); the
+    loss is then ``algorithm.decoupled_policy_loss``, with the behaviour log-probs the engine
+    recorded, and the importance-weight statistics are returned too.
     """
     a = cfg.algorithm
     agg = algo.get_loss_agg_mode(a.loss_agg_mode)
@@ -748,7 +718,7 @@ def _update(
     if not single_update:
         old_log_probs = backend.log_probs(
             [
-                _sequences(
+                sequences(
                     batch.prompts,
                     batch.rollouts[start : start + cfg.micro_batch_size],
                     pad_id,
@@ -765,6 +735,9 @@ def _update(
         "kl": 0.0,
         "learning_rate": 0.0,
     }
+    if stale:
+        sums |= {"importance_ratio_mean": 0.0, "tis_clipped_fraction": 0.0}
+    ratio_max = 0.0
     updates = 0
     order = list(range(n))
     for epoch in range(a.ppo_epochs):
@@ -777,7 +750,7 @@ def _update(
                 for s in range(0, len(mini), cfg.micro_batch_size)
             ]
             layouts = [
-                _sequences(batch.prompts, [batch.rollouts[i] for i in micro], pad_id, device)
+                sequences(batch.prompts, [batch.rollouts[i] for i in micro], pad_id, device)
                 for micro in micros
             ]
             masks = [
@@ -787,8 +760,22 @@ def _update(
             local_count = sum(float(agg.count(m)) for m in masks)
             normalizer = max(dp.all_reduce_sum(local_count), 1e-8)
             ref_log_probs = backend.log_probs(layouts, reference=True) if a.kl_loss_coef else None
+            behaviour = None
+            if stale:
+                behaviour = [
+                    _behaviour_block(batch, micro, layout.width).to(device)
+                    for micro, layout in zip(micros, layouts, strict=True)
+                ]
             loss = _loss_fn(
-                cfg, batch, micros, masks, normalizer, old_log_probs, ref_log_probs, device
+                cfg,
+                batch,
+                micros,
+                masks,
+                normalizer,
+                old_log_probs,
+                ref_log_probs,
+                device,
+                behaviour,
             )
             micro_stats = backend.forward_backward(layouts, loss)
             mini_loss = mini_clip = mini_entropy = mini_kl = 0.0
@@ -804,8 +791,17 @@ def _update(
             sums["kl"] += dp.all_reduce_sum(mini_kl)
             masked_tokens = max(dp.all_reduce_sum(sum(float(m.sum()) for m in masks)), 1e-8)
             sums["clip_fraction"] += dp.all_reduce_sum(mini_clip) / masked_tokens
+            if stale:
+                for key in ("importance_ratio_mean", "tis_clipped_fraction"):
+                    total = sum(stats[key] for stats in micro_stats)
+                    sums[key] += dp.all_reduce_sum(total) / masked_tokens
+                local_max = max(stats["importance_ratio_max"] for stats in micro_stats)
+                ratio_max = max(ratio_max, dp.all_reduce_max(local_max))
             updates += 1
-    return {k: v / max(1, updates) for k, v in sums.items()}
+    out = {k: v / max(1, updates) for k, v in sums.items()}
+    if stale:
+        out["importance_ratio_max"] = ratio_max
+    return out
 
 
 def _loss_fn(
@@ -817,9 +813,12 @@ def _loss_fn(
     old_log_probs: list[torch.Tensor],
     ref_log_probs: list[torch.Tensor] | None,
     device,
+    behaviour: list[torch.Tensor] | None = None,
 ) -> LossFn:
     """The loss of micro-batch ``k`` of a mini-batch (its share of the global loss) and its
-    statistics, from its log-probs and entropies; ``old_log_probs`` empty: on-policy."""
+    statistics, from its log-probs and entropies; ``old_log_probs`` empty: the proximal
+    policy is the current one; ``behaviour``: each micro-batch's sampling log-probs, for the
+    decoupled loss of stale rollouts."""
     a = cfg.algorithm
 
     def loss(k: int, log_probs: torch.Tensor, entropy: torch.Tensor):
@@ -828,18 +827,21 @@ def _loss_fn(
             old = log_probs.detach()
         else:
             old = _gather_old(old_log_probs, micro, cfg.micro_batch_size, log_probs.shape[1])
-        total, pstats = algo.policy_loss(
-            log_probs,
-            old,
-            batch.advantages[micro].to(device),
-            mask,
-            clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=a.loss_agg_mode,
-            norm_length=cfg.rollout.max_new_tokens,
-            global_normalizer=normalizer,
-        )
+        clipping = {
+            "clip_ratio_low": a.clip_ratio_low,
+            "clip_ratio_high": a.clip_ratio_high,
+            "clip_ratio_c": a.clip_ratio_c,
+            "loss_agg_mode": a.loss_agg_mode,
+            "norm_length": cfg.rollout.max_new_tokens,
+            "global_normalizer": normalizer,
+        }
+        advantages = batch.advantages[micro].to(device)
+        if behaviour is None:
+            total, pstats = algo.policy_loss(log_probs, old, advantages, mask, **clipping)
+        else:
+            total, pstats = algo.decoupled_policy_loss(
+                log_probs, old, behaviour[k], advantages, mask, tis_cap=a.tis_cap, **clipping
+            )
         if ref_log_probs is not None:
             kl = algo.kl_loss(
                 log_probs,
@@ -863,14 +865,37 @@ def _loss_fn(
         )
         if a.entropy_coeff:
             total = total - a.entropy_coeff * ent
-        return total, {
+        out = {
             "loss": float(total.detach()),
             "entropy": float(ent.detach()),
             "kl": kl_value,
             "clipped_tokens": float(pstats["clip_fraction"]) * float(mask.sum()),
         }
+        if behaviour is not None:  # token sums and the max, over the micro-batch's mask
+            tokens = float(mask.sum())
+            out["importance_ratio_mean"] = float(pstats["importance_ratio_mean"]) * tokens
+            out["tis_clipped_fraction"] = float(pstats["tis_clipped_fraction"]) * tokens
+            out["importance_ratio_max"] = float(pstats["importance_ratio_max"])
+        return total, out
 
     return loss
+
+
+def _behaviour_block(batch: _Batch, micro: list[int], width: int) -> torch.Tensor:
+    """The engine's log-probs of the samples ``micro`` as a [len(micro), width] block,
+    right-aligned as their layout (``layout.sequences``)."""
+    block = torch.zeros((len(micro), width), dtype=torch.float32)
+    for row, i in enumerate(micro):
+        rollout = batch.rollouts[i]
+        if rollout.log_probs is None:
+            raise ValueError(
+                f"rollout {i} of the batch has no behaviour log-probs: the engine must record "
+                "them for an off-policy update (rollout.async_steps)"
+            )
+        values = rollout.log_probs[-width:] if rollout.log_probs else []
+        if values:
+            block[row, width - len(values) :] = torch.tensor(values)
+    return block
 
 
 def _gather_old(

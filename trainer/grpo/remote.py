@@ -18,7 +18,9 @@ same order on every member, so a lost member stops the others: torchrun then end
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,18 @@ log = logging.getLogger(__name__)
 
 GENERATE, SYNC, LOG_PROBS, STOP = "generate", "sync", "log_probs", "stop"
 BUCKET, END = "bucket", "end"
+
+
+@dataclass
+class Generated:
+    """An engine's answer to a generate request: its rollouts and where its time went."""
+
+    rollouts: list[Rollout]
+    busy_s: float
+    """Seconds it spent generating them."""
+    idle_s: float
+    """Seconds it had waited for work since its previous generate answer (the rollout
+    side's idle time: while the trainer updated, synced or evaluated)."""
 
 
 def engine_slots(n_prompts: int, engines: int, engine: int) -> range:
@@ -94,8 +108,16 @@ class RemoteRolloutEngine:
         self.device = device or torch.device("cpu")
         self.bucket_bytes = bucket_bytes
         self.closed = False
+        self.in_flight: int | None = None
+        """The prompt count of the generate request the engines are working on."""
+        self.last_busy_s = self.last_idle_s = 0.0
 
     def _send(self, message: tuple) -> None:
+        if self.in_flight is not None and message[0] != STOP:
+            raise RuntimeError(
+                f"{message[0]} while a generate request is in flight: collect it first (the "
+                "engines answer one request at a time)"
+            )
         dist.broadcast_object_list([message], src=0, group=self.group)
 
     def _answers(self) -> list:
@@ -111,14 +133,35 @@ class RemoteRolloutEngine:
         return [answers[i] for i in index]
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
+        self.submit(prompts, seeds)
+        return self.collect()
+
+    def submit(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> None:
+        """Start generating (the engines work while the caller does something else); nothing
+        else may be sent before ``collect``."""
+        if self.in_flight is not None:
+            raise RuntimeError("a generate request is already in flight: collect it first")
         group_size(prompts, seeds)
         self._send((GENERATE, list(prompts), [list(s) for s in seeds]))
+        self.in_flight = len(prompts)
+
+    def collect(self) -> list[Rollout]:
+        """The rollouts of the request in flight (waits for every engine). ``last_busy_s`` and
+        ``last_idle_s`` say, for the slowest engine, how long it generated and how long it had
+        waited for this request."""
+        if self.in_flight is None:
+            raise RuntimeError("no generate request in flight")
+        n_prompts, self.in_flight = self.in_flight, None
         out: list[Rollout] = []
-        for engine, answer in enumerate(self._engine_answers()):
-            first = engine_slots(len(prompts), len(self.engine_ranks), engine).start
+        answers = self._engine_answers()
+        for engine, answer in enumerate(answers):
             if isinstance(answer, BaseException):
                 raise RuntimeError(f"rollout engine {engine} failed: {answer!r}") from answer
-            out += [Rollout(first + r.prompt_index, r.response_ids, r.finished) for r in answer]
+        for engine, answer in enumerate(answers):
+            first = engine_slots(n_prompts, len(self.engine_ranks), engine).start
+            out += [replace(r, prompt_index=first + r.prompt_index) for r in answer.rollouts]
+        self.last_busy_s = max(a.busy_s for a in answers)
+        self.last_idle_s = max(a.idle_s for a in answers)
         return out
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -149,9 +192,11 @@ class RemoteRolloutEngine:
         return answers
 
     def close(self) -> None:
-        """Tell the engines to stop (once)."""
+        """Tell the engines to stop (once); a request still in flight is collected first."""
         if not self.closed:
             self.closed = True
+            if self.in_flight is not None:
+                self.collect()
             self._send((STOP,))
 
 
@@ -161,10 +206,12 @@ def serve(engine: RolloutEngine, engine_index: int, engines: int, group=None, de
     answer (it raises there, naming the engine), and this process keeps serving until the
     coordinator stops it."""
     device = device or torch.device("cpu")
-    served = 0
+    served, idle = 0, 0.0
     while True:
         box: list = [None]
+        waiting = time.monotonic()
         dist.broadcast_object_list(box, src=0, group=group)
+        idle += time.monotonic() - waiting
         kind, *args = box[0]
         if kind == STOP:
             log.info("rollout engine %d: stop after %d requests", engine_index, served)
@@ -173,7 +220,11 @@ def serve(engine: RolloutEngine, engine_index: int, engines: int, group=None, de
         if kind == GENERATE:
             prompts, seeds = args
             mine = engine_slots(len(prompts), engines, engine_index)
+            started = time.monotonic()
             answer = _attempt(engine.generate, [prompts[s] for s in mine], [seeds[s] for s in mine])
+            if not isinstance(answer, BaseException):
+                answer = Generated(answer, time.monotonic() - started, idle)
+                idle = 0.0
             served += 1
         elif kind == SYNC:
             received = _ReceivedWeights(group, device)

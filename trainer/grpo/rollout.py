@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -36,6 +36,10 @@ class Rollout:
     response_ids: list[int]
     finished: bool
     """True when it ended with a stop token, False when cut by max_new_tokens."""
+    log_probs: list[float] | None = None
+    """The sampling policy's log-prob of each response token, from its raw logits (no
+    temperature, as the trainer computes its own): the behaviour policy of an off-policy
+    update (``rollout.async_steps``). Recorded by the engines while they sample."""
 
 
 class RolloutEngine(Protocol):
@@ -80,11 +84,27 @@ def generate_share(
     engine in ``external_launcher`` mode must all submit the same requests — and ``rank``
     keeps its own, with prompt indices relative to its share.
     """
+    return keep_share(
+        engine.generate(*share_request(prompts, seeds, group, per_rank)), group, rank, per_rank
+    )
+
+
+def share_request(
+    prompts: Sequence[list[int]],
+    seeds: Sequence[Sequence[int]],
+    group: Sequence[int],
+    per_rank: int,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts and seeds of every slot of the ranks in ``group`` (``generate_share``)."""
     slots = [s for member in group for s in range(member * per_rank, (member + 1) * per_rank)]
-    out = engine.generate([prompts[s] for s in slots], [seeds[s] for s in slots])
+    return [prompts[s] for s in slots], [list(seeds[s]) for s in slots]
+
+
+def keep_share(out: list[Rollout], group: Sequence[int], rank: int, per_rank: int) -> list[Rollout]:
+    """``rank``'s rollouts of what the engine generated for ``share_request``."""
     first = list(group).index(rank) * per_rank
     return [
-        Rollout(r.prompt_index - first, r.response_ids, r.finished)
+        replace(r, prompt_index=r.prompt_index - first)
         for r in out
         if first <= r.prompt_index < first + per_rank
     ]
@@ -186,10 +206,12 @@ class HFRolloutEngine:
         rows = attention.shape[0]
         stop = torch.tensor(sorted(self.stop_ids), device=device)
         tokens = torch.full((rows, self.cfg.max_new_tokens), self.pad_id, dtype=torch.long)
+        sampled_log_probs = torch.zeros((rows, self.cfg.max_new_tokens), dtype=torch.float32)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         for t in range(self.cfg.max_new_tokens):
             token = torch.where(finished, self.pad_id, self._sample(logits, generators))
             tokens[:, t] = token.cpu()
+            sampled_log_probs[:, t] = token_log_probs(logits, token).float().cpu()
             finished |= torch.isin(token, stop)
             if t == self.cfg.max_new_tokens - 1 or self._all_done(bool(finished.all()), device):
                 break
@@ -205,7 +227,8 @@ class HFRolloutEngine:
         out = []
         for row in range(rows):
             response, done = cut_at_stop(tokens[row].tolist(), self.stop_ids, self.pad_id)
-            out.append(Rollout(first_index + row // n, response, done))
+            behaviour = sampled_log_probs[row, : len(response)].tolist()
+            out.append(Rollout(first_index + row // n, response, done, behaviour))
         return out
 
     def _all_done(self, done: bool, device) -> bool:
@@ -292,6 +315,7 @@ def vllm_request_params(
                 "max_tokens": cfg.max_new_tokens,
                 "seed": seed,
                 "skip_special_tokens": False,
+                "logprobs": 0,  # the sampled token's own (raw, vLLM's default logprobs_mode)
             }
             for seed in group
         ]
@@ -443,7 +467,14 @@ class VLLMRolloutEngine:
         for index, result in enumerate(results):
             completion = result.outputs[0]
             finished = completion.finish_reason == "stop"
-            out.append(Rollout(index // n, list(completion.token_ids), finished))
+            ids = list(completion.token_ids)
+            behaviour = None
+            if completion.logprobs is not None:  # one {token: Logprob} per sampled token
+                behaviour = [
+                    step[token].logprob
+                    for step, token in zip(completion.logprobs, ids, strict=True)
+                ]
+            out.append(Rollout(index // n, ids, finished, behaviour))
         return out
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:

@@ -1,0 +1,197 @@
+"""The producer half of the GRPO loop: each step's rollouts, made now or one step ahead.
+
+The loop (``trainer.grpo.recipe``) is a consumer: for every step it takes that step's
+rollouts from a ``RolloutProducer``, scores them and updates the policy, then tells the
+producer the policy moved on (``updated``). How far the producer may run ahead is the only
+difference between the on-policy loop and the one-step off-policy one
+(``rollout.async_steps``):
+
+- ``async_steps=0``: ``take(s)`` generates step ``s`` with the policy's current weights
+  (version ``s``, the number of updates they have had); after the update, ``updated(s+1)``
+  pushes the new weights to the engine while it is idle.
+- ``async_steps=1``: ``take(s)`` collects step ``s``'s rollouts (started during step
+  ``s-1``, with version ``s-1``), pushes version ``s`` to the now idle engine and starts
+  step ``s+1`` before it returns, so the engine samples step ``s+1`` while the trainer
+  trains on step ``s``. Each batch is one update stale; the loss corrects it with the
+  behaviour log-probs the engine recorded (``algorithm.decoupled_policy_loss``).
+
+Overlap needs an engine in other processes that can work while this one trains: one with
+``submit``/``collect`` (``trainer.grpo.remote.RemoteRolloutEngine``). Any other engine runs
+a submitted request when it is collected.
+
+A request in flight is never lost: the eval and the checkpoint ``drain`` it (collect it to
+a buffer), and the checkpoint keeps the buffer (``pending``/``restore``), so a resumed run
+trains on the same rollouts as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from trainer.grpo.rollout import Rollout
+
+Requests = Callable[[int], tuple[list[list[int]], list[list[int]]]]
+"""Step → (the prompts this process's engine generates, one seed list per prompt)."""
+
+
+@dataclass
+class StepRollouts:
+    """One step's rollouts and how they were made."""
+
+    step: int
+    version: int
+    """Updates the sampling weights had had: ``step - version`` is the batch's staleness."""
+    rollouts: list[Rollout]
+    generate_s: float
+    """The engine's seconds generating them."""
+    wait_s: float = 0.0
+    """The trainer's seconds blocked until they were ready."""
+    engine_idle_s: float | None = None
+    """Seconds the engine had waited for this request (engines in other processes)."""
+
+    @property
+    def staleness(self) -> int:
+        return self.step - self.version
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepRollouts:
+        rollouts = [Rollout(**r) for r in data["rollouts"]]
+        return cls(**{**data, "rollouts": rollouts})
+
+
+class RolloutProducer:
+    """Each step's rollouts for the GRPO loop, on-policy or ``async_steps`` = 1 ahead.
+
+    Args:
+        engine: the rollout engine (``generate``, ``sync_weights``; ``submit``/``collect``
+            when it runs elsewhere and can overlap).
+        requests: step → this process's prompts and seeds for that step.
+        select: turns what the engine returned into this process's rollouts (e.g. the share
+            of a data-parallel rank when several ranks drive one engine); identity if None.
+        sync: pushes the policy's current weights (the version it is given) into the engine
+            and checks them; returns the sync check's difference (None when the engine is
+            the policy).
+        async_steps: 0 (on-policy) or 1 (the engine samples step s+1 while s trains).
+        max_steps: the run's last step (nothing is started past it).
+        version: the policy's version the engine holds at start (None: unknown, synced on
+            first use).
+    """
+
+    def __init__(
+        self,
+        engine,
+        requests: Requests,
+        sync: Callable[[int], float | None],
+        async_steps: int,
+        max_steps: int,
+        select: Callable[[list[Rollout]], list[Rollout]] | None = None,
+        version: int | None = None,
+    ) -> None:
+        if async_steps not in (0, 1):
+            raise ValueError(f"async_steps={async_steps}: 0 (on-policy) or 1 (one step ahead)")
+        self.engine = engine
+        self.requests = requests
+        self.select = select or (lambda rollouts: rollouts)
+        self._sync = sync
+        self.async_steps = async_steps
+        self.max_steps = max_steps
+        self.engine_version = version
+        self.policy_version = version
+        self._in_flight: tuple[int, int] | None = None
+        """(step, version) of the request the engine is working on."""
+        self._later: tuple[list, list] | None = None
+        """The request an engine without ``submit`` runs when it is collected."""
+        self._ready: dict[int, StepRollouts] = {}
+        self._sync_diffs: list[float] = []
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a submitted request runs while this process does something else."""
+        return hasattr(self.engine, "submit")
+
+    def take(self, step: int) -> StepRollouts:
+        """Step ``step``'s rollouts: the ones drained or in flight, else generated now with
+        the policy's weights; with ``async_steps`` = 1, step ``step + 1`` is started (with
+        the policy's weights as they are now) before this returns."""
+        batch = self._ready.pop(step, None)
+        if batch is None and self._in_flight is not None and self._in_flight[0] == step:
+            batch = self._collect()
+        if batch is None:
+            self._submit(step)
+            batch = self._collect()
+        if self.async_steps and step + 1 < self.max_steps:
+            self._submit(step + 1)
+        return batch
+
+    def updated(self, version: int) -> None:
+        """The policy is now at ``version``: an idle engine takes its weights now, a busy one
+        before its next request."""
+        self.policy_version = version
+        if self._in_flight is None and not self.async_steps:
+            self._bring_up_to_date()
+
+    def ready_engine(self):
+        """The engine, idle and holding the policy's current weights (for an evaluation):
+        a request in flight is collected to the buffer first, and ``take`` returns it."""
+        self.drain()
+        self._bring_up_to_date()
+        return self.engine
+
+    def drain(self) -> None:
+        """Collect the request in flight, if any, into the buffer."""
+        if self._in_flight is not None:
+            batch = self._collect()
+            self._ready[batch.step] = batch
+
+    def pending(self) -> list[dict]:
+        """The drained batches not yet taken, as JSON (for the checkpoint); call ``drain``
+        first."""
+        if self._in_flight is not None:
+            raise RuntimeError("a request is in flight: drain() before saving what is pending")
+        return [self._ready[step].to_json() for step in sorted(self._ready)]
+
+    def restore(self, pending: Sequence[dict]) -> None:
+        """Put back what ``pending`` saved (on resume)."""
+        for data in pending:
+            batch = StepRollouts.from_json(data)
+            self._ready[batch.step] = batch
+
+    def sync_diffs(self) -> list[float]:
+        """The sync checks' differences since the last call."""
+        out, self._sync_diffs = self._sync_diffs, []
+        return out
+
+    def _bring_up_to_date(self) -> None:
+        if self.engine_version != self.policy_version:
+            diff = self._sync(self.policy_version)
+            if diff is not None:
+                self._sync_diffs.append(diff)
+            self.engine_version = self.policy_version
+
+    def _submit(self, step: int) -> None:
+        self._bring_up_to_date()
+        prompts, seeds = self.requests(step)
+        if self.overlaps:
+            self.engine.submit(prompts, seeds)
+        else:
+            self._later = (prompts, seeds)
+        self._in_flight = (step, self.engine_version)
+
+    def _collect(self) -> StepRollouts:
+        step, version = self._in_flight
+        waiting = time.monotonic()
+        if self.overlaps:
+            rollouts = self.engine.collect()
+            busy, idle = self.engine.last_busy_s, self.engine.last_idle_s
+        else:
+            rollouts = self.engine.generate(*self._later)
+            busy, idle = time.monotonic() - waiting, None
+            self._later = None
+        self._in_flight = None
+        wait = time.monotonic() - waiting
+        return StepRollouts(step, version, self.select(rollouts), busy, wait, idle)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +29,34 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_distributed(device: str = "auto", cpu_threads: int = 0) -> DistInfo:
+def init_distributed(
+    device: str = "auto", cpu_threads: int = 0, members: Sequence[int] | None = None, store=None
+) -> DistInfo:
     """Join the process group set up by torchrun, or describe a single process.
 
     ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``. ``cpu_threads`` > 0 sets
-    torch's intra-op threads (on CPU).
+    torch's intra-op threads (on CPU). ``members``: the job is split (GRPO's dedicated
+    engines) and this process's default group holds only these global ranks, built on
+    ``store`` (the job's store); its rank is its place in ``members``.
     """
+    info = process_info(device, cpu_threads)
+    if not launched_by_torchrun():
+        return info
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    if members is not None:
+        rank = list(members).index(info.rank)
+        if not dist.is_initialized():
+            world = dist.PrefixStore("world", store)
+            dist.init_process_group(backend, store=world, rank=rank, world_size=len(members))
+        return DistInfo(rank, len(members), info.local_rank, info.device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), info.local_rank, info.device)
+
+
+def process_info(device: str = "auto", cpu_threads: int = 0) -> DistInfo:
+    """This process's place in its torchrun job (from the environment; no group is joined),
+    with its device selected and its CPU threads set."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if cpu_threads and not use_cuda:
         torch.set_num_threads(cpu_threads)
@@ -42,11 +65,9 @@ def init_distributed(device: str = "auto", cpu_threads: int = 0) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return DistInfo(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         local_rank=local_rank,
         device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"),
     )

@@ -61,14 +61,20 @@ def test_dedicated_placement_and_what_is_refused(monkeypatch):
     plan = run_placement(cfg, _info(3))
     assert plan.training_ranks == (0,) and plan.rollout_only_ranks == (1, 2)
     assert [e.ranks for e in plan.engines] == [(1,), (2,)]
-    with pytest.raises(PlacementError, match="leave 2 training processes"):
+    with pytest.raises(PlacementError, match="leave 2 training processes, not nproc=1"):
         run_placement(cfg, _info(4))
+    two = GRPOConfig.model_validate(
+        small_grpo_config(**DEDICATED, nproc=2, micro_batch_size=4, optim={"backend": "deepspeed"})
+    )
+    plan = run_placement(two, _info(3))  # several training processes: DeepSpeed's world
+    assert plan.training_ranks == (0, 1) and plan.rollout_only_ranks == (2,)
     vllm = small_grpo_config(rollout={**DEDICATED["rollout"], "engine": "vllm"})
     with pytest.raises(PlacementError, match="vLLM in rollout-only processes"):
         run_placement(GRPOConfig.model_validate(vllm), _info(2))
-    ds = small_grpo_config(**DEDICATED, optim={"backend": "deepspeed"})
-    with pytest.raises(PlacementError, match="optim.backend=deepspeed with dedicated"):
-        run_placement(GRPOConfig.model_validate(ds), _info(2))
+    megatron = {"backend": "megatron", "megatron": {"layout": "tiny-cpu"}}
+    mc = small_grpo_config(**DEDICATED, optim=megatron)
+    with pytest.raises(PlacementError, match="optim.backend=megatron with dedicated"):
+        run_placement(GRPOConfig.model_validate(mc), _info(2))
 
 
 def _launch(tmp_path, name, cfg, model, data, nproc) -> subprocess.Popen:
@@ -111,6 +117,37 @@ def test_one_trainer_and_one_engine_process_train_like_one_process(
         assert a["mean_reward"] == b["mean_reward"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
     # the engine's copy matches the policy after every sync (float32: bit-for-bit forwards)
+    assert all(m["sync_logprob_max_diff"] < 1e-5 for m in ours)
+    assert (tmp_path / "split" / "model" / "config.json").exists()
+
+
+def test_two_deepspeed_training_processes_and_one_engine_train_like_colocated(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    """Several training processes with dedicated engines: the trainers' default group holds
+    only them (DeepSpeed ZeRO-3 partitions over 2), the coordinator drives the engine over
+    a channel of its own and hands each trainer its share; the same seeds give the same
+    rollouts as each trainer sampling its share itself, so the same updates."""
+    pytest.importorskip("deepspeed")
+    steps = {
+        "max_steps": 2,
+        "checkpoint_every": 0,
+        "nproc": 2,
+        "micro_batch_size": 4,
+        "optim": {"backend": "deepspeed", "zero_stage": 3},
+    }
+    colocated = _launch(
+        tmp_path, "colocated", small_grpo_config(**steps), tiny_model_dir, prepared_data, 2
+    )
+    assert colocated.wait(timeout=600) == 0, colocated.stdout.read()[-3000:]
+    cfg = small_grpo_config(**steps, **DEDICATED)
+    split = _launch(tmp_path, "split", cfg, tiny_model_dir, prepared_data, 3)
+    assert split.wait(timeout=600) == 0, split.stdout.read()[-3000:]
+    ours, theirs = _losses(tmp_path, "split"), _losses(tmp_path, "colocated")
+    assert [m["step"] for m in ours] == [1, 2]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["mean_reward"] == pytest.approx(b["mean_reward"], abs=1e-6)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     assert all(m["sync_logprob_max_diff"] < 1e-5 for m in ours)
     assert (tmp_path / "split" / "model" / "config.json").exists()
 

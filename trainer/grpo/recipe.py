@@ -47,6 +47,7 @@ from trainer.distributed import (
     barrier,
     broadcast_object,
     init_distributed,
+    process_info,
     seed_everything,
 )
 from trainer.divergence import DivergenceGuard
@@ -170,33 +171,39 @@ def run_grpo(
     model_output: str | Path,
     work_dir: str | Path,
 ) -> GRPOResult | None:
-    """Train the policy from the SFT model; returns the result on rank 0 (None elsewhere)."""
-    info = init_distributed(cfg.device, cfg.cpu_threads)
+    """Train the policy from the SFT model; returns the result on rank 0 (None elsewhere).
+
+    With dedicated engines the job is split: the training processes' default group holds
+    only them, and the coordinator (training rank 0) and the rollout-only processes talk
+    over a ``Channel`` of their own (``trainer.grpo.remote``).
+    """
     work_dir, model_output = Path(work_dir), Path(model_output)
+    job = process_info(cfg.device, cfg.cpu_threads)
+    plan = run_placement(cfg, job)
+    if not plan.rollout_only_ranks:
+        info = init_distributed(cfg.device, cfg.cpu_threads)
+        seed_everything(cfg.seed)
+        return _train(cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan)
+    from trainer.grpo.remote import Channel, RemoteRolloutEngine, SharedRemote, job_store
+
+    store = job_store()
+    channel = None
+    if job.rank == 0 or job.rank in plan.rollout_only_ranks:
+        channel = Channel(store, (0, *plan.rollout_only_ranks), job.rank)
     seed_everything(cfg.seed)
-    plan = run_placement(cfg, info)
-    if plan.rollout_only_ranks:  # dedicated engines: one training process drives them
-        if info.rank in plan.rollout_only_ranks:
-            _serve_rollouts(cfg, sft_model, plan, info)
-            return None
-        remote = _remote_engines(cfg, plan, info)
-        info = DistInfo(0, 1, info.local_rank, info.device)  # the training side alone
-        with contextlib.closing(remote):
-            return _train(
-                cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan, remote
-            )
-    return _train(cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan)
-
-
-def _remote_engines(cfg: GRPOConfig, plan: PlacementPlan, info: DistInfo):
-    from trainer.grpo.remote import RemoteRolloutEngine
-
-    return RemoteRolloutEngine(
-        [engine.ranks[0] for engine in plan.engines],
-        None,
-        info.device,
-        cfg.rollout.sync_bucket_mb << 20,
-    )
+    if job.rank in plan.rollout_only_ranks:
+        _serve_rollouts(cfg, sft_model, plan, job, channel)
+        return None
+    info = init_distributed(cfg.device, cfg.cpu_threads, plan.training_ranks, store)
+    remote = None
+    if channel is not None:
+        engine_ranks = [engine.ranks[0] for engine in plan.engines]
+        remote = RemoteRolloutEngine(engine_ranks, channel, cfg.rollout.sync_bucket_mb << 20)
+    engines = SharedRemote(remote) if info.world_size > 1 else remote
+    with contextlib.closing(engines):
+        return _train(
+            cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan, engines
+        )
 
 
 @dataclass
@@ -419,9 +426,14 @@ def _producer(run: _Run, plan: PlacementPlan, state: RunState) -> RolloutProduce
     checkpoint."""
     cfg, info = run.cfg, run.info
     per_rank = cfg.prompts_per_step // run.dp.size
-    # the ranks whose prompts this rank's engine generates (all of a vLLM engine's workers)
-    vllm_group = plan.engine_of(info.rank) if cfg.rollout.engine == "vllm" else None
-    share = vllm_group.ranks if vllm_group else (run.dp.rank,)
+    # the ranks whose prompts this rank's engine generates: every training rank's (dedicated
+    # engines), all of a colocated vLLM engine's workers, or this rank's own
+    if plan.rollout_only_ranks:
+        share = tuple(range(run.dp.size))
+    elif cfg.rollout.engine == "vllm":
+        share = plan.engine_of(info.rank).ranks
+    else:
+        share = (run.dp.rank,)
     probe_from = run.eval_prompts or run.train_prompts
     probe = sync_probe([p.ids for p in probe_from], cfg.rollout.sync_check_tokens)
     tolerance = sync_tolerance(cfg.rollout.sync_check_tolerance, run.dtype)
@@ -526,10 +538,10 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
     of the job are rollout-only, the rest train.
 
     Raises:
-        PlacementError: dedicated engines that this recipe cannot run yet (vLLM, or more
-            than one training process), a world too small for them, Megatron with
-            multi-process vLLM, or a plan that puts this process on another device than
-            torchrun did.
+        PlacementError: dedicated engines that this recipe cannot run yet (vLLM, or the
+            Megatron backend), a job whose processes are not ``nproc`` training processes
+            plus the engines', Megatron with multi-process vLLM, or a plan that puts this
+            process on another device than torchrun did.
     """
     local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     rollout = cfg.rollout
@@ -544,18 +556,16 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
                 "training job's process group); use rollout.engine=hf for dedicated engines, "
                 "or rollout.colocate=true"
             )
-        if cfg.optim.backend != "torch":
+        if cfg.optim.backend == "megatron":
             problems.append(
-                f"optim.backend={cfg.optim.backend} with dedicated engines is not built yet "
-                "(its process group would take in the rollout-only processes); use "
-                "optim.backend=torch (one training process)"
+                "optim.backend=megatron with dedicated engines is not built yet (its "
+                "data-parallel ranks are not the training processes); use deepspeed or torch"
             )
-        if training != 1:
+        if training != cfg.nproc:
             problems.append(
                 f"{info.world_size} processes for {engine_processes} rollout-only processes "
-                f"leave {training} training processes; dedicated engines run with exactly "
-                f"one training process for now: start {engine_processes + 1} processes "
-                "(torchrun --nproc-per-node), or set rollout.colocate=true"
+                f"leave {training} training processes, not nproc={cfg.nproc}: start "
+                f"nproc + {engine_processes} processes (torchrun --nproc-per-node)"
             )
         if problems:
             raise PlacementError("; ".join(problems))
@@ -580,7 +590,9 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
     return plan
 
 
-def _serve_rollouts(cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: DistInfo) -> None:
+def _serve_rollouts(
+    cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: DistInfo, channel
+) -> None:
     """A rollout-only process: load the SFT model as its engine, answer the coordinator
     (``trainer.grpo.remote.serve``) until the run ends."""
     from trainer.grpo.remote import serve
@@ -596,7 +608,7 @@ def _serve_rollouts(cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: DistI
         len(plan.engines),
         info.device,
     )
-    serve(engine, engine_placement.index, len(plan.engines), None, info.device)
+    serve(engine, engine_placement.index, len(plan.engines), channel)
 
 
 def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: PlacementPlan, info):

@@ -10,17 +10,27 @@ after each update the policy's weights are broadcast to every engine in buckets 
 ``bucket_bytes``, streamed (a bucket is sent as soon as it is full, and the engine loads it
 before the next arrives). A rollout process runs ``serve`` until the coordinator says stop.
 
-Every message is a collective over ``group`` (the coordinator and the rollout ranks), in the
-same order on every member, so a lost member stops the others: torchrun then ends the job
-(a failing process ends all of them, exit non-zero).
+The job is split in two worlds (``run_grpo``): the training processes' default process
+group holds only them, so DeepSpeed, checkpoints and every barrier see exactly the world
+they would see without engines; the coordinator and the rollout processes talk over a
+``Channel``, a gloo process group of their own built from the job's store, outside every
+default group. Every message is a collective over the channel, in the same order on every
+member, so a lost member stops the others: torchrun then ends the job (a failing process
+ends all of them, exit non-zero). With several training processes, only the coordinator
+talks to the engines; ``SharedRemote`` hands the rollouts (and the sync check's scores) to
+the other training processes over their own group, and has them take part in the weight
+stream (ZeRO-3 gathers each parameter collectively).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pickle
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,6 +41,103 @@ log = logging.getLogger(__name__)
 
 GENERATE, SYNC, LOG_PROBS, STOP = "generate", "sync", "log_probs", "stop"
 BUCKET, END = "bucket", "end"
+
+
+CHANNEL_TIMEOUT = timedelta(hours=2)
+"""How long a channel member waits for the next message: a training step, an eval or a
+checkpoint of a large model happen between two (a dead peer is noticed at once: its
+connection closes)."""
+
+
+def job_store(timeout: timedelta = CHANNEL_TIMEOUT) -> dist.Store:
+    """The torchrun job's key-value store: the elastic agent's (``TORCHELASTIC_USE_AGENT_STORE``,
+    what torchrun and PyTorchJobs start), else one hosted by rank 0 at
+    ``MASTER_ADDR:MASTER_PORT``; keys are prefixed with the restart attempt."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"lingo-rl/{attempt}", store)
+
+
+class Channel:
+    """A gloo process group of ``members`` (global ranks; member 0 leads) outside every
+    default group: the coordinator and the rollout processes. Objects go as pickled byte
+    tensors (the job's own processes), tensors as they are.
+
+    Args:
+        store: the job's store (``job_store``); ``name`` keys the group in it.
+        members: the global ranks of the group, the leader first.
+        rank: this process's global rank (one of ``members``).
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        members: Sequence[int],
+        rank: int,
+        name: str = "rollout",
+        timeout: timedelta = CHANNEL_TIMEOUT,
+    ) -> None:
+        self.members = list(members)
+        self.index = self.members.index(rank)
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"channel/{name}", store), self.index, len(self.members), timeout
+        )
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """The leader's ``tensor`` into every member's (same shape and dtype)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([tensor], options).wait()
+
+    def broadcast_object(self, obj=None):
+        """The leader's ``obj`` on every member (others pass nothing)."""
+        data = pickle.dumps(obj) if self.index == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.broadcast_tensor(size)
+        buffer = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.index == 0
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
+        self.broadcast_tensor(buffer)
+        return obj if self.index == 0 else pickle.loads(buffer.numpy().tobytes())
+
+    def gather_objects(self, obj) -> list | None:
+        """Every member's ``obj`` on the leader, by member index (None elsewhere)."""
+        data = pickle.dumps(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.members]
+        self.group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        width = max(int(s) for s in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        if self.index != 0:
+            self.group.gather([], [mine], options).wait()
+            return None
+        out = [torch.empty(width, dtype=torch.uint8) for _ in self.members]
+        self.group.gather([out], [mine], options).wait()
+        return [
+            pickle.loads(buf[: int(n)].numpy().tobytes()) for buf, n in zip(out, sizes, strict=True)
+        ]
+
+    def close(self) -> None:
+        """Shut the group down (after the last message: at interpreter exit gloo can abort)."""
+        if hasattr(self.group, "shutdown"):
+            self.group.shutdown()
 
 
 @dataclass
@@ -91,21 +198,15 @@ class RemoteRolloutEngine:
 
     Args:
         engine_ranks: each engine's lead rank (the one that answers), engine order.
-        group: the process group of the coordinator and every rollout rank (None: the world).
-        device: where byte buffers go for the backend (CPU for gloo, the GPU for NCCL).
+        channel: the coordinator's (leader) and every rollout rank's ``Channel``.
         bucket_bytes: largest weight bucket sent at once.
     """
 
     def __init__(
-        self,
-        engine_ranks: Sequence[int],
-        group=None,
-        device: torch.device | None = None,
-        bucket_bytes: int = 64 << 20,
+        self, engine_ranks: Sequence[int], channel: Channel, bucket_bytes: int = 64 << 20
     ) -> None:
         self.engine_ranks = list(engine_ranks)
-        self.group = group
-        self.device = device or torch.device("cpu")
+        self.channel = channel
         self.bucket_bytes = bucket_bytes
         self.closed = False
         self.in_flight: int | None = None
@@ -118,19 +219,12 @@ class RemoteRolloutEngine:
                 f"{message[0]} while a generate request is in flight: collect it first (the "
                 "engines answer one request at a time)"
             )
-        dist.broadcast_object_list([message], src=0, group=self.group)
-
-    def _answers(self) -> list:
-        """Every member's answer, by group rank (the coordinator's is None)."""
-        out: list = [None] * dist.get_world_size(self.group)
-        dist.gather_object(None, out, dst=0, group=self.group)
-        return out
+        self.channel.broadcast_object(message)
 
     def _engine_answers(self) -> list:
-        answers = self._answers()
-        members = dist.get_process_group_ranks(self.group) if self.group else None
-        index = [members.index(r) if members else r for r in self.engine_ranks]
-        return [answers[i] for i in index]
+        """Each engine's answer (its lead rank's), engine order."""
+        answers = self.channel.gather_objects(None)
+        return [answers[self.channel.members.index(r)] for r in self.engine_ranks]
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
         self.submit(prompts, seeds)
@@ -167,10 +261,10 @@ class RemoteRolloutEngine:
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._send((SYNC,))
         for bucket in buckets(named_tensors, self.bucket_bytes):
-            spec, flat = _flat(bucket, self.device)
-            dist.broadcast_object_list([(BUCKET, spec, flat.numel())], src=0, group=self.group)
-            dist.broadcast(flat, src=0, group=self.group)
-        dist.broadcast_object_list([(END,)], src=0, group=self.group)
+            spec, flat = _flat(bucket, torch.device("cpu"))
+            self.channel.broadcast_object((BUCKET, spec, flat.numel()))
+            self.channel.broadcast_tensor(flat)
+        self.channel.broadcast_object((END,))
         failures = [a for a in self._engine_answers() if isinstance(a, BaseException)]
         if failures:
             raise RuntimeError(f"a rollout engine failed to load the weights: {failures[0]!r}")
@@ -198,23 +292,22 @@ class RemoteRolloutEngine:
             if self.in_flight is not None:
                 self.collect()
             self._send((STOP,))
+            self.channel.close()
 
 
-def serve(engine: RolloutEngine, engine_index: int, engines: int, group=None, device=None) -> int:
+def serve(engine: RolloutEngine, engine_index: int, engines: int, channel: Channel) -> int:
     """Run a rollout process: answer the coordinator until it says stop; returns the number
     of generate requests served. An engine error goes back to the coordinator as the
     answer (it raises there, naming the engine), and this process keeps serving until the
     coordinator stops it."""
-    device = device or torch.device("cpu")
     served, idle = 0, 0.0
     while True:
-        box: list = [None]
         waiting = time.monotonic()
-        dist.broadcast_object_list(box, src=0, group=group)
+        kind, *args = channel.broadcast_object()
         idle += time.monotonic() - waiting
-        kind, *args = box[0]
         if kind == STOP:
             log.info("rollout engine %d: stop after %d requests", engine_index, served)
+            channel.close()
             return served
         answer: object
         if kind == GENERATE:
@@ -227,7 +320,7 @@ def serve(engine: RolloutEngine, engine_index: int, engines: int, group=None, de
                 idle = 0.0
             served += 1
         elif kind == SYNC:
-            received = _ReceivedWeights(group, device)
+            received = _ReceivedWeights(channel)
             answer = _attempt(engine.sync_weights, received)
             for _ in received:  # drain what a failed load left, to stay in step
                 pass
@@ -236,7 +329,7 @@ def serve(engine: RolloutEngine, engine_index: int, engines: int, group=None, de
             answer = _attempt(engine.token_log_probs, prompt, response)
         else:
             raise RuntimeError(f"rollout engine {engine_index}: unknown message {kind!r}")
-        dist.gather_object(answer, None, dst=0, group=group)
+        channel.gather_objects(answer)
 
 
 def _attempt(call, *args):
@@ -248,19 +341,75 @@ def _attempt(call, *args):
 
 
 class _ReceivedWeights:
-    """The weight buckets the coordinator broadcasts, as a (name, tensor) stream."""
+    """The weight buckets the coordinator broadcasts, as a (name, tensor) stream (in host
+    memory; an engine on a GPU copies each tensor onto its device as it loads it)."""
 
-    def __init__(self, group, device) -> None:
-        self.group, self.device, self.done = group, device, False
+    def __init__(self, channel: Channel) -> None:
+        self.channel, self.done = channel, False
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         while not self.done:
-            box: list = [None]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            if box[0][0] == END:
+            message = self.channel.broadcast_object()
+            if message[0] == END:
                 self.done = True
                 return
-            _, spec, size = box[0]
-            flat = torch.empty(size, dtype=torch.uint8, device=self.device)
-            dist.broadcast(flat, src=0, group=self.group)
+            _, spec, size = message
+            flat = torch.empty(size, dtype=torch.uint8)
+            self.channel.broadcast_tensor(flat)
             yield from _unflat(spec, flat)
+
+
+class SharedRemote:
+    """The dedicated engines as every training process sees them when there are several.
+
+    The coordinator (training rank 0) holds the ``RemoteRolloutEngine``; the step's rollouts,
+    the engines' timings and the sync check's scores go from it to the other training
+    processes over their default group; every process draws the whole weight stream (under
+    ZeRO-3 each parameter is gathered collectively), and only the coordinator sends it.
+    """
+
+    def __init__(self, remote: RemoteRolloutEngine | None) -> None:
+        self.remote = remote
+        self.last_busy_s = self.last_idle_s = 0.0
+
+    def _from_coordinator(self, value=None):
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def submit(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> None:
+        if self.remote is not None:
+            self.remote.submit(prompts, seeds)
+
+    def collect(self) -> list[Rollout]:
+        answer = None
+        if self.remote is not None:
+            answer = (self.remote.collect(), self.remote.last_busy_s, self.remote.last_idle_s)
+        rollouts, self.last_busy_s, self.last_idle_s = self._from_coordinator(answer)
+        return rollouts
+
+    def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
+        self.submit(prompts, seeds)
+        return self.collect()
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.remote is not None:
+            self.remote.sync_weights(named_tensors)
+        else:
+            for _ in named_tensors:  # this process's part of each collective gather
+                pass
+
+    def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
+        return self.token_log_probs_per_engine(prompt, response)[0]
+
+    def token_log_probs_per_engine(
+        self, prompt: list[int], response: list[int]
+    ) -> list[list[float]]:
+        scores = None
+        if self.remote is not None:
+            scores = self.remote.token_log_probs_per_engine(prompt, response)
+        return self._from_coordinator(scores)
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()

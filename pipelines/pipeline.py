@@ -32,6 +32,7 @@ _GRPO_DEFAULT = config_dict(GRPOConfig())
 _EVAL_DEFAULT = config_dict(EvalConfig())
 _GATE_DEFAULT = config_dict(GateConfig())
 _LAYOUT_DEFAULT = Preset.model_fields["layout"].default
+_BACKEND_DEFAULT = Preset.model_fields["backend"].default
 _LOCAL_EXECUTION = config_dict(ExecutionConfig())
 _MEGATRON_LAYOUT_DEFAULT = Preset.model_fields["megatron_layout"].default_factory()
 
@@ -76,7 +77,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
         gate_config: dict = _GATE_DEFAULT,
         layout: str = _LAYOUT_DEFAULT,
         layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
-        backend: str = "deepspeed",
+        backend: str = _BACKEND_DEFAULT,
         megatron_layout: dict = _MEGATRON_LAYOUT_DEFAULT,
         sft_execution: dict = _LOCAL_EXECUTION,
         grpo_execution: dict = _LOCAL_EXECUTION,
@@ -208,12 +209,14 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 mlflow_tracking_uri=mlflow_tracking_uri,
                 mlflow_parent_run_id=parent_run,
             )
-            with dsl.If(backend != "megatron", name="deepspeed-backend"):
+            # named for what runs: GRPO on the HF weights (grpo.optim.backend: torch or
+            # deepspeed), or on a Megatron checkpoint
+            with dsl.If(backend != "megatron", name="grpo-on-hf-weights"):
                 hf_policy = grpo(**grpo_inputs)
                 hf_policy.set_display_name("GRPO")
                 platform(hf_policy, "grpo")
                 export_and_evaluate(hf_policy.outputs["model"], "hf")
-            with dsl.Else(name="megatron-backend"):
+            with dsl.Else(name="grpo-on-megatron"):
                 converted = convert_megatron(
                     hf_model=tuned.outputs["model"], layout=megatron_layout
                 )

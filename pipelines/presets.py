@@ -54,10 +54,10 @@ class Preset(BaseModel):
     platform: str = "local"
     """Kubernetes settings compiled into the pipeline (pipelines/platform.py): ``local`` (none),
     ``g5.12xlarge``, ``p5en.48xlarge``."""
-    backend: Literal["deepspeed", "megatron"] = "deepspeed"
-    """The GRPO branch: ``deepspeed`` trains HF weights (``grpo.optim.backend`` torch or
-    deepspeed) and exports the policy itself; ``megatron`` runs convert_megatron → GRPO on
-    Megatron-Core → export_hf."""
+    backend: Literal["hf", "megatron"] = "hf"
+    """The GRPO branch: ``hf`` trains the HF weights with ``grpo.optim.backend`` (``torch``
+    or ``deepspeed``) and writes the policy as a HF directory; ``megatron`` runs
+    convert_megatron → GRPO on Megatron-Core → export_hf."""
     megatron_layout: dict[str, Any] = Field(default_factory=lambda: {"preset": "tiny-cpu"})
     """``trainer.megatron.layout`` layout of the Megatron branch (a preset name + overrides)."""
     sft_execution: ExecutionConfig = Field(default_factory=ExecutionConfig)

@@ -34,7 +34,7 @@ class UnsupportedFieldError(TypeError):
 def parameter_type(config_class: type[BaseModel], name: str) -> tuple[type, bool]:
     """The KFP parameter type of a config field, and whether the field may be ``None``.
 
-    ``str``, ``int``, ``float``, ``bool`` and ``Literal`` s of one of them are themselves; lists,
+    ``str``, ``int``, ``float``, ``bool`` and a ``Literal`` of one of them are themselves; lists,
     tuples and sets are ``list``; mappings and nested models are ``dict``.
 
     Raises:

@@ -1,24 +1,21 @@
-"""KFP component: the data-prep step (see data_prep/prepare.py)."""
+"""KFP component: the data-prep step (see data_prep/prepare.py).
+
+Its inputs are ``DataPrepConfig``'s fields, one parameter each (``components/config_fields.py``
+writes them from the class), then the outputs and the MLflow settings.
+"""
 
 from kfp import dsl
 from kfp.dsl import Dataset, Markdown, Metrics, Output
 
+from components.config_fields import with_config_fields
 from components.images import CPU_IMAGE
+from data_prep.config import DataPrepConfig
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+@with_config_fields(DataPrepConfig, param="config")
 def data_prep(
-    source: str,
-    hub_split: str,
-    eval_fraction: float,
-    seed: int,
-    max_bad_fraction: float,
-    answer_language_policy: str,
-    max_field_chars: int,
-    reasoning_effort: str,
-    augment_factor: int,
-    workers: int,
-    question_sets: list,
+    config: dict,
     train_data: Output[Dataset],
     eval_data: Output[Dataset],
     quarantine: Output[Dataset],
@@ -27,7 +24,11 @@ def data_prep(
     mlflow_tracking_uri: str = "",
     mlflow_parent_run_id: str = "",
 ):
-    """Validate, label and render Multilingual-Thinking rows into train/eval JSONL."""
+    """Validate, label and render Multilingual-Thinking rows into train/eval JSONL.
+
+    ``config`` stands for ``DataPrepConfig``'s fields, one input each; in the body it is
+    their values as a dict.
+    """
     import logging
 
     from data_prep.config import DataPrepConfig
@@ -35,19 +36,7 @@ def data_prep(
     from eval.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = DataPrepConfig(
-        source=source,
-        hub_split=hub_split,
-        eval_fraction=eval_fraction,
-        seed=seed,
-        max_bad_fraction=max_bad_fraction,
-        answer_language_policy=answer_language_policy,
-        max_field_chars=max_field_chars,
-        reasoning_effort=reasoning_effort,
-        augment_factor=augment_factor,
-        workers=workers,
-        question_sets=question_sets,
-    )
+    config = DataPrepConfig.model_validate(config)
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     with mlflow_run("data-prep", config.model_dump()) as run:
         report = prepare_dataset(

@@ -40,11 +40,12 @@ def evaluate(
     """
     import logging
 
-    from eval.eval_step import run_eval_step, use_tracking_uri
+    from eval.eval_step import run_eval_step
     from eval.report import kfp_confusion_matrices, load_results
+    from eval.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    use_tracking_uri(mlflow_tracking_uri, mlflow_parent_run_id)
+    configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     models = {
         "base": base_model.path,
         "sft": sft_model.path,
@@ -80,10 +81,11 @@ def gate(
     ``unchanged`` or ``skipped`` (the reason is in ``report``)."""
     import logging
 
-    from eval.eval_step import run_gate_step, use_tracking_uri
+    from eval.eval_step import run_gate_step
+    from eval.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    use_tracking_uri(mlflow_tracking_uri, mlflow_parent_run_id)
+    configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=False)
     return decision.decision.value
 
@@ -103,9 +105,10 @@ def register(
     """
     import logging
 
-    from eval.eval_step import run_gate_step, use_tracking_uri
+    from eval.eval_step import run_gate_step
+    from eval.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    use_tracking_uri(mlflow_tracking_uri, mlflow_parent_run_id)
+    configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=True)
     return decision.registered_version or ""

@@ -75,8 +75,8 @@ def export_hf(
     """A training checkpoint → a standard HF directory (sharded safetensors, the template's
     tokenizer and chat template), checked to load with ``AutoModelForCausalLM``.
 
-    ``source_format``: ``hf`` (a HF directory a training step wrote: the DeepSpeed branch's
-    GRPO policy, re-sharded in ``dtype``), ``deepspeed`` (a GRPO work dir, ``checkpoints/``
+    ``source_format``: ``hf`` (a HF directory a training step wrote: the ``hf`` branch's GRPO
+    policy, re-sharded in ``dtype``), ``deepspeed`` (a GRPO work dir, ``checkpoints/``
     root or ``step-<N>`` dir; ZeRO shards consolidated by DeepSpeed) or ``megatron`` (a
     Megatron checkpoint, exported by megatron-bridge; ``dtype`` and ``max_shard_size`` are
     the bridge's then).

@@ -3,7 +3,7 @@
 One scorer (``eval.scoring.ComplianceScorer``), four call conventions:
 
 * our GRPO trainer: ``LanguageComplianceReward()(responses, labels, expected_answers)``
-  returns a ``RewardBatch`` (rewards + per-response results + batch metrics);
+  returns a ``RewardBatch`` (rewards + per-response results);
 * OpenRLHF: ``--remote_rm_url <path of this file>`` picks up :func:`reward_func`
   (``reward_func(queries, prompts, labels, **kwargs)``), with ``--label_key`` naming the
   column that holds the label string;
@@ -40,19 +40,6 @@ def default_scorer() -> ComplianceScorer:
     return _scorer
 
 
-def batch_metrics(results: Sequence[ComplianceResult]) -> dict[str, float]:
-    """Means of the per-response metrics over a batch (``correct`` over judged ones only)."""
-    if not results:
-        return {}
-    rows = [r.metrics() for r in results]
-    means: dict[str, float] = {}
-    for key in rows[0]:
-        values = [row[key] for row in rows if not math.isnan(row[key])]
-        if values:
-            means[key] = math.fsum(values) / len(values)
-    return means
-
-
 # -- our GRPO trainer ------------------------------------------------------------------------
 
 
@@ -62,12 +49,6 @@ class RewardBatch:
 
     rewards: list[float]
     results: list[ComplianceResult]
-
-    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Batch means for ``training_metrics.jsonl`` (keys prefixed with ``prefix``; the mean
-        reward is ``<prefix>mean``)."""
-        means = batch_metrics(self.results)
-        return {prefix + ("mean" if k == "reward" else k): v for k, v in means.items()}
 
 
 @dataclass

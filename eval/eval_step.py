@@ -16,15 +16,9 @@ from eval.eval_config import EvalConfig
 from eval.gate import GateConfig, GateDecision, apply_gate, evaluate_gate
 from eval.report import kfp_metrics, load_results
 from eval.runner import ModelSpec, run_eval
-from eval.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
+from eval.tracking import log_artifact, log_metrics, mlflow_run
 
 log = logging.getLogger(__name__)
-
-
-def use_tracking_uri(uri: str, parent_run_id: str = "") -> None:
-    """Set ``MLFLOW_TRACKING_URI`` (and the pipeline's parent run) for this process when
-    non-empty."""
-    configure_tracking(uri, parent_run_id)
 
 
 def run_eval_step(

@@ -1,11 +1,14 @@
 """The lingo-rl pipeline: the DAG of components.
 
 Parameters default to the typed step configs (``DataPrepConfig()`` …); a preset's values are
-passed as arguments by ``lingo run --local`` and ``lingo compile --preset``.
+passed as arguments by ``lingo run --local`` and ``lingo compile --preset``. Data prep's fields
+are one parameter each, ``data_<field>``, written from ``DataPrepConfig`` (a new field needs no
+edit here); the other steps' configs are one dict parameter each.
 """
 
 from kfp import dsl
 
+from components.config_fields import with_config_parameters
 from components.data_prep import data_prep
 from components.evaluate import evaluate, gate, register
 from components.grpo import grpo, grpo_megatron
@@ -16,13 +19,12 @@ from data_prep.config import DataPrepConfig
 from eval.eval_config import EvalConfig
 from eval.gate import GateConfig
 from pipelines.platform import ClusterSettings, get_platform, with_platform
-from pipelines.presets import ModelSource, Preset, config_dict
+from pipelines.presets import DATA_PREP_PREFIX, ModelSource, Preset, config_dict
 from trainer.cluster.config import ExecutionConfig
 from trainer.grpo.config import GRPOConfig
 from trainer.sft.config import SFTConfig
 
 PIPELINE_NAME = "lingo-rl"
-_DATA = DataPrepConfig()
 _MODEL = ModelSource()
 _TINY_DEFAULT = config_dict(_MODEL.tiny)
 _SFT_DEFAULT = config_dict(SFTConfig())
@@ -30,6 +32,7 @@ _GRPO_DEFAULT = config_dict(GRPOConfig())
 _EVAL_DEFAULT = config_dict(EvalConfig())
 _GATE_DEFAULT = config_dict(GateConfig())
 _LAYOUT_DEFAULT = Preset.model_fields["layout"].default
+_BACKEND_DEFAULT = Preset.model_fields["backend"].default
 _LOCAL_EXECUTION = config_dict(ExecutionConfig())
 _MEGATRON_LAYOUT_DEFAULT = Preset.model_fields["megatron_layout"].default_factory()
 
@@ -63,18 +66,9 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
             "data prep → SFT → GRPO → eval."
         ),
     )
+    @with_config_parameters(DataPrepConfig(), prefix=DATA_PREP_PREFIX, param="data_prep_fields")
     def lingo_pipeline(
-        data_source: str = _DATA.source,
-        data_hub_split: str = _DATA.hub_split,
-        data_eval_fraction: float = _DATA.eval_fraction,
-        data_seed: int = _DATA.seed,
-        data_max_bad_fraction: float = _DATA.max_bad_fraction,
-        data_answer_language_policy: str = _DATA.answer_language_policy,
-        data_max_field_chars: int = _DATA.max_field_chars,
-        data_reasoning_effort: str = _DATA.reasoning_effort,
-        data_augment_factor: int = _DATA.augment_factor,
-        data_workers: int = _DATA.workers,
-        data_question_sets: list = [],  # noqa: B006 (KFP reads the default; never mutated)
+        data_prep_fields: dict,  # DataPrepConfig's fields: data_<field>, with_config_parameters
         model_source: str = _MODEL.source,
         model_tiny_config: dict = _TINY_DEFAULT,
         sft_config: dict = _SFT_DEFAULT,
@@ -83,7 +77,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
         gate_config: dict = _GATE_DEFAULT,
         layout: str = _LAYOUT_DEFAULT,
         layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
-        backend: str = "deepspeed",
+        backend: str = _BACKEND_DEFAULT,
         megatron_layout: dict = _MEGATRON_LAYOUT_DEFAULT,
         sft_execution: dict = _LOCAL_EXECUTION,
         grpo_execution: dict = _LOCAL_EXECUTION,
@@ -104,7 +98,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
             tracking = start_tracking(
                 pipeline_run_id=run_id,
                 pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
-                data_source=data_source,
+                data_source=data_prep_fields["source"],
                 model_source=model_source,
                 layout=layout,
                 sft_config=sft_config,
@@ -116,17 +110,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
             platform(tracking, "start-tracking")
             parent_run = tracking.output
             prep = data_prep(
-                source=data_source,
-                hub_split=data_hub_split,
-                eval_fraction=data_eval_fraction,
-                seed=data_seed,
-                max_bad_fraction=data_max_bad_fraction,
-                answer_language_policy=data_answer_language_policy,
-                max_field_chars=data_max_field_chars,
-                reasoning_effort=data_reasoning_effort,
-                augment_factor=data_augment_factor,
-                workers=data_workers,
-                question_sets=data_question_sets,
+                **data_prep_fields,
                 mlflow_tracking_uri=mlflow_tracking_uri,
                 mlflow_parent_run_id=parent_run,
             )
@@ -225,12 +209,14 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 mlflow_tracking_uri=mlflow_tracking_uri,
                 mlflow_parent_run_id=parent_run,
             )
-            with dsl.If(backend != "megatron", name="deepspeed-backend"):
+            # named for what runs: GRPO on the HF weights (grpo.optim.backend: torch or
+            # deepspeed), or on a Megatron checkpoint
+            with dsl.If(backend != "megatron", name="grpo-on-hf-weights"):
                 hf_policy = grpo(**grpo_inputs)
                 hf_policy.set_display_name("GRPO")
                 platform(hf_policy, "grpo")
                 export_and_evaluate(hf_policy.outputs["model"], "hf")
-            with dsl.Else(name="megatron-backend"):
+            with dsl.Else(name="grpo-on-megatron"):
                 converted = convert_megatron(
                     hf_model=tuned.outputs["model"], layout=megatron_layout
                 )

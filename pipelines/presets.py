@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from components.config_fields import config_arguments
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
@@ -20,6 +21,9 @@ from trainer.cluster.config import ExecutionConfig
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.tiny_model import TinyModelConfig
+
+DATA_PREP_PREFIX = "data_"
+"""Data prep's fields are the pipeline's parameters ``data_<field>`` (``data_eval_fraction``)."""
 
 
 class ModelSource(BaseModel):
@@ -50,10 +54,10 @@ class Preset(BaseModel):
     platform: str = "local"
     """Kubernetes settings compiled into the pipeline (pipelines/platform.py): ``local`` (none),
     ``g5.12xlarge``, ``p5en.48xlarge``."""
-    backend: Literal["deepspeed", "megatron"] = "deepspeed"
-    """The GRPO branch: ``deepspeed`` trains HF weights (``grpo.optim.backend`` torch or
-    deepspeed) and exports the policy itself; ``megatron`` runs convert_megatron → GRPO on
-    Megatron-Core → export_hf."""
+    backend: Literal["hf", "megatron"] = "hf"
+    """The GRPO branch: ``hf`` trains the HF weights with ``grpo.optim.backend`` (``torch``
+    or ``deepspeed``) and writes the policy as a HF directory; ``megatron`` runs
+    convert_megatron → GRPO on Megatron-Core → export_hf."""
     megatron_layout: dict[str, Any] = Field(default_factory=lambda: {"preset": "tiny-cpu"})
     """``trainer.megatron.layout`` layout of the Megatron branch (a preset name + overrides)."""
     sft_execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
@@ -317,11 +321,10 @@ def execution_argument(execution: ExecutionConfig, platform: str, step: str) -> 
 def pipeline_arguments(preset: Preset) -> dict[str, object]:
     """The pipeline's parameter values for ``preset``.
 
-    Data prep's fields are flat parameters (``data_<field>``, easy to edit in the KFP UI);
+    Data prep's fields are flat parameters (``data_<field>``, a form field each in the KFP UI);
     nested step configs are one dict parameter each (``sft_config``).
     """
-    data = preset.data_prep.model_dump(mode="json", exclude_none=True)  # KFP: no nulls
-    args: dict[str, object] = {f"data_{k}": v for k, v in data.items()}
+    args = config_arguments(preset.data_prep, prefix=DATA_PREP_PREFIX)
     args["model_source"] = preset.model.source
     args["model_tiny_config"] = config_dict(preset.model.tiny)
     args["sft_config"] = config_dict(preset.sft)

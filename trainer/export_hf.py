@@ -1,7 +1,7 @@
 """Training checkpoints → a standard Hugging Face directory (sharded safetensors + tokenizer).
 
-Three sources end here: a HF directory a training step wrote (the DeepSpeed branch's GRPO
-policy), re-sharded and checked; a DeepSpeed checkpoint as
+Three sources end here: a HF directory a training step wrote (the pipeline's ``hf`` branch's
+GRPO policy, trained with torch or DeepSpeed), re-sharded and checked; a DeepSpeed checkpoint as
 ``trainer.checkpoint.save_checkpoint`` writes it (``step-<N>/deepspeed/`` holding ZeRO-0..3
 shards), consolidated with DeepSpeed's own
 ``zero_to_fp32``; and a Megatron checkpoint, exported by megatron-bridge
@@ -375,8 +375,8 @@ def export_hf_directory(
     dtype: ExportDType = "auto",
     max_shard_size: str | int = "5GB",
 ) -> ExportResult:
-    """Export a HF directory a training step wrote (the DeepSpeed branch's GRPO policy, its
-    ZeRO-3 weights gathered on rank 0) in the same standard form as the other two sources:
+    """Export a HF directory a training step wrote (the ``hf`` branch's GRPO policy, under
+    ZeRO-3 its weights gathered on rank 0) in the same standard form as the other two sources:
     re-sharded safetensors in ``dtype``, the template's tokenizer, chat template and
     generation config, checked to load with exactly these weights.
 

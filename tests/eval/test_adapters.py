@@ -25,16 +25,12 @@ EN_DECODED = "analysisWe need to compute the total price.assistantfinalThe total
 PROMPT = "<|start|>user<|message|>Combien ?<|end|><|start|>assistant"
 
 
-def test_grpo_trainer_reward_batches_and_reports_metrics() -> None:
+def test_grpo_trainer_reward_scores_a_batch_with_its_results() -> None:
     reward = LanguageComplianceReward()
     batch = reward([FR, EN_DECODED, None], ["fr", "fr/en", "de"], [12, 12, None])
     assert batch.rewards == [7.0, 5.0 - 1.5 + 0.5, -7.5]
     assert [r.correct for r in batch.results] == [True, True, None]
-    metrics = batch.metrics()
-    assert metrics["reward/mean"] == pytest.approx((7.0 + 4.0 - 7.5) / 3)
-    assert metrics["reward/reasoning_language_ok"] == pytest.approx(1 / 3)
-    assert metrics["reward/correct"] == 1.0  # over the two judged responses
-    assert metrics["reward/answer_missing"] == pytest.approx(1 / 3)
+    assert [r.metrics()["answer_missing"] for r in batch.results] == [0.0, 0.0, 1.0]
     assert reward.bounds == (-7.5, 7.0)
 
 

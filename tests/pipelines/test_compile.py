@@ -47,9 +47,15 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
         "data-prep",
         "start-tracking",
     ]
-    # GRPO and what follows it: one branch per backend (dsl.If / dsl.Else on `backend`)
+    # GRPO and what follows it: one branch per backend (dsl.If / dsl.Else on `backend`),
+    # named for what runs
     branches = [t for t in tasks if t.startswith("condition-branches")]
     assert len(branches) == 1
+    conditions = spec.components["comp-" + branches[0]].dag.tasks.values()
+    assert sorted(c.task_info.name for c in conditions) == [
+        "grpo-on-hf-weights",
+        "grpo-on-megatron",
+    ]
     assert list(tasks[branches[0]].dependent_tasks) == [
         "base-model",
         "data-prep",
@@ -62,10 +68,10 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
         if c.dag.tasks
     ]
     # both branches end in export_hf, then eval
-    deepspeed = next(d for d in dags if "grpo" in d)
-    assert deepspeed["grpo"] == [] and deepspeed["export-hf"] == ["grpo"]
-    assert deepspeed["evaluate"] == ["export-hf"]
-    assert deepspeed["gate"] == ["evaluate", "export-hf"]
+    hf = next(d for d in dags if "grpo" in d)
+    assert hf["grpo"] == [] and hf["export-hf"] == ["grpo"]
+    assert hf["evaluate"] == ["export-hf"]
+    assert hf["gate"] == ["evaluate", "export-hf"]
     megatron = next(d for d in dags if "grpo-2" in d)
     assert megatron["grpo-2"] == ["convert-megatron"]
     assert megatron["export-hf-2"] == ["grpo-2"]

@@ -235,7 +235,7 @@ def test_template_without_tokenizer_is_an_error(tmp_path):
 
 @pytest.fixture
 def trained_hf_dir(tmp_path, tiny_model_dir):
-    """What the DeepSpeed branch's GRPO step writes: the policy's weights (here: the tiny
+    """What the ``hf`` branch's GRPO step writes: the policy's weights (here: the tiny
     model's, changed) saved with ``save_pretrained`` in small shards, no tokenizer."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     torch.manual_seed(1)

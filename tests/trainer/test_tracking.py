@@ -68,9 +68,9 @@ def test_one_parent_run_per_pipeline_run_with_nested_step_runs(monkeypatch, trac
     nests its run under MLFLOW_PARENT_RUN_ID, the exit handler closes the parent."""
     from mlflow.tracking import MlflowClient
 
-    from eval.eval_step import use_tracking_uri
     from eval.tracking import (
         PIPELINE_RUN_TAG,
+        configure_tracking,
         find_pipeline_run,
         finish_pipeline_run,
         log_metrics,
@@ -80,13 +80,14 @@ def test_one_parent_run_per_pipeline_run_with_nested_step_runs(monkeypatch, trac
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "lingo-pipeline")
-    monkeypatch.delenv("MLFLOW_PARENT_RUN_ID", raising=False)
+    # unset ("" reads as unset), and restored after the test: configure_tracking sets it below
+    monkeypatch.setenv("MLFLOW_PARENT_RUN_ID", "")
     parent = start_pipeline_run("kfp-run-1", "lingo-rl-run-1", {"sft.max_steps": 2})
     assert start_pipeline_run("kfp-run-1", "retried task", {}) == parent  # idempotent
     assert find_pipeline_run("kfp-run-1") == parent
     assert find_pipeline_run("kfp-run-2") is None
 
-    use_tracking_uri(tracking_uri, parent)  # what each step's component does
+    configure_tracking(tracking_uri, parent)  # what each step's component does
     for step in ("data-prep", "sft"):
         with mlflow_run(step, {"step": step}) as run:
             log_metrics({"rows": 10, "flag": True}, step=1)

@@ -224,6 +224,31 @@ def test_world_size_must_match_the_config(tmp_path, tiny_model_dir):
         build_step_manifest(job, cluster, RUN_ID, [])
 
 
+def test_a_grpo_job_counts_the_rollout_only_processes(tmp_path, tiny_model_dir):
+    """Dedicated engines: the PyTorchJob runs nproc training processes plus the engines'
+    (gpt-oss-20b: 16 + 2 engines of TP 4 = 24 = 6 nodes x 4 GPUs)."""
+    from trainer.grpo.config import GRPOConfig
+
+    cluster = _execution(tmp_path, nodes=6, gpus_per_node=4).cluster_job("img:1", NAMESPACE)
+    dedicated = {"colocate": False, "num_engines": 2, "tensor_parallel_size": 4}
+    grpo = {
+        "nproc": 16,
+        "prompts_per_step": 32,
+        "mini_batch_size": 256,
+        "micro_batch_size": 1,
+        "optim": {"backend": "deepspeed"},
+        "rollout": {"engine": "vllm", **dedicated},
+    }
+    cfg = GRPOConfig.model_validate(grpo)
+    job = StepJob("grpo", "trainer.grpo", cfg, "sft-model", tiny_model_dir, "t", "e")
+    manifest = build_step_manifest(job, cluster, RUN_ID, [])
+    assert manifest["spec"]["nprocPerNode"] == "4"
+    wrong = GRPOConfig.model_validate({**grpo, "rollout": {**grpo["rollout"], "num_engines": 1}})
+    job = StepJob("grpo", "trainer.grpo", wrong, "sft-model", tiny_model_dir, "t", "e")
+    with pytest.raises(ValueError, match=r"nproc=16 \+ 4 rollout-only processes but"):
+        build_step_manifest(job, cluster, RUN_ID, [])
+
+
 def test_execution_config_errors_are_caught_at_validation():
     with pytest.raises(ValueError, match="unknown reference layout 'g6'"):
         ExecutionConfig(mode="pytorchjob", reference="g6")

@@ -140,14 +140,19 @@ def build_step_manifest(
     """The PyTorchJob for ``job``, labelled with the pipeline run and the step.
 
     Raises:
-        ValueError: the config's ``nproc`` differs from the job's world size.
+        ValueError: the config's processes (``nproc``, plus GRPO's rollout-only processes of
+            dedicated engines) differ from the job's world size.
     """
     nproc = getattr(job.config, "nproc", 1)
-    if nproc != cluster.world_size:
+    engines = getattr(job.config, "rollout_processes", 0)
+    if nproc + engines != cluster.world_size:
+        with_engines = f" + {engines} rollout-only processes" if engines else ""
         raise ValueError(
-            f"{job.step}: config nproc={nproc} but the PyTorchJob runs {cluster.world_size} "
-            f"processes ({cluster.nodes} nodes x {cluster.procs_per_node}); set {job.step}."
-            "nproc or the execution's job.nodes / job.nproc_per_node so they agree"
+            f"{job.step}: config nproc={nproc}{with_engines} but the PyTorchJob runs "
+            f"{cluster.world_size} processes ({cluster.nodes} nodes x "
+            f"{cluster.procs_per_node}); set {job.step}.nproc"
+            f"{' or rollout.num_engines' if engines else ''} or the execution's job.nodes / "
+            "job.nproc_per_node so they agree"
         )
     manifest = build_pytorchjob(job_name(job.step, run_id), cluster, job.module, args)
     manifest["metadata"]["labels"] = {RUN_LABEL: label_value(run_id), STEP_LABEL: job.step}

@@ -168,6 +168,8 @@ GPT_OSS_20B = Preset(
             gpu_memory_utilization=0.85,
             colocate=False,
             num_engines=2,
+            # verl's one-step off-policy: the engines sample step k+1 while step k trains
+            async_steps=1,
         ),
         algorithm=AlgorithmConfig(kl_loss_coef=0.001, kl_estimator="low_var_kl"),
         optim=OptimConfig(
@@ -219,6 +221,7 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
                         "n_samples": 16,
                         "colocate": True,
                         "num_engines": 0,
+                        "async_steps": 0,  # colocated: nothing to overlap with
                         "gpu_memory_utilization": 0.5,
                     }
                 ),

@@ -145,3 +145,13 @@ def test_cluster_presets_compile_with_a_strict_platform_spec(tmp_path):
     assert arguments["grpo_execution"]["job"]["shared_pvc"] == "lingo-workspace"
     # the local preset (the kept YAML) carries no platform settings
     assert len(list(yaml.safe_load_all(COMPILED_PIPELINE.read_text()))) == 1
+
+
+def test_every_preset_validates_as_written():
+    """A preset built with ``model_copy(update=...)`` skips validation: re-validated, each
+    holds (the verl preset colocates, so it must not inherit gpt-oss-20b's async_steps)."""
+    for preset in PRESETS.values():
+        again = Preset.model_validate(preset.model_dump())
+        assert again == preset, preset.name
+    assert PRESETS["gpt-oss-20b"].grpo.rollout.async_steps == 1  # dedicated, one step off
+    assert PRESETS["gpt-oss-20b-verl"].grpo.rollout.colocate

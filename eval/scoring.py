@@ -44,8 +44,8 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
 from eval.language_id import LanguageIdentifier, LanguageProfile, default_identifier
@@ -87,36 +87,92 @@ class Verdict(StrEnum):
 
 
 @dataclass(frozen=True)
+class Judgement:
+    """What the scorer found about one response, for the reward terms to price."""
+
+    answer_verdict: Verdict
+    reasoning_verdict: Verdict
+    brief_ok: bool
+    correct: bool | None
+    """Whether the numeric answer equals the expected one; None when none was expected."""
+
+
+@dataclass(frozen=True)
+class RewardTerm:
+    """One part of the reward: its weights (name → the reference recipe's default) and how a
+    judged response earns them (``price``). ``can_be_zero``: the term may add nothing (e.g.
+    correctness without an expected answer), so 0 lies within its range."""
+
+    name: str
+    weights: Mapping[str, float]
+    price: Callable[[Judgement, RewardWeights], float]
+    can_be_zero: bool = False
+
+    def bounds(self, weights: RewardWeights) -> tuple[float, float]:
+        values = [getattr(weights, name) for name in self.weights]
+        values += [0.0] if self.can_be_zero else []
+        return min(values), max(values)
+
+
+REWARD_TERMS: dict[str, RewardTerm] = {}
+"""The reward's terms, in the order they are summed and reported (``components``)."""
+
+
+def reward_term(name: str, *, can_be_zero: bool = False, **weights: float):
+    """Register the decorated ``price(judgement, weights) -> float`` as reward term ``name``
+    with its weights and their defaults: a new term is this one function and this one
+    registration (its weights become ``RewardWeights`` fields, settable by name from a config's
+    ``reward_weights``; the bounds, the components and the reports follow).
+
+    Raises:
+        ValueError: the term or one of its weights is registered already.
+    """
+
+    def register(price: Callable[[Judgement, RewardWeights], float]):
+        taken = {w for term in REWARD_TERMS.values() for w in term.weights}
+        if name in REWARD_TERMS or taken & set(weights):
+            raise ValueError(
+                f"reward term {name!r} or its weights {sorted(taken & set(weights))} are "
+                "registered already"
+            )
+        REWARD_TERMS[name] = RewardTerm(name, dict(weights), price, can_be_zero)
+        return price
+
+    return register
+
+
 class RewardWeights:
-    """Reward for each rule's outcomes. Defaults are the reference recipe's.
+    """Reward for each outcome of each registered term (``REWARD_TERMS``), by weight name;
+    unset weights keep the reference recipe's defaults (their registration's).
 
     A missing, truncated or undetermined part scores its rule's ``…_mismatch`` weight: there
     is no weight of its own to set, so no setting can make saying less pay.
     ``answer_language_neutral`` (a bare number) must lie between the answer's mismatch and
-    match weights.
+    match weights. Immutable and comparable, like the frozen dataclass it replaced.
 
     Raises:
+        TypeError: an unknown weight name.
         ValueError: A weight is not a finite number, or the neutral weight is out of range.
     """
 
-    answer_language_match: float = 5.0
-    answer_language_mismatch: float = -5.0
-    answer_language_neutral: float = 0.0
-    reasoning_language_match: float = 1.5
-    reasoning_language_mismatch: float = -1.5
-    brief_answer: float = 0.5
-    long_answer: float = -1.0
-    correct_answer: float = 0.0
-    wrong_answer: float = 0.0
+    __slots__ = ("_values",)
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+    def __init__(self, **overrides: float) -> None:
+        defaults = {w: d for term in REWARD_TERMS.values() for w, d in term.weights.items()}
+        unknown = sorted(set(overrides) - set(defaults))
+        if unknown:
+            raise TypeError(
+                f"RewardWeights: unknown weight(s) {unknown}; known: {sorted(defaults)}"
+            )
+        values: dict[str, float] = {}
+        for name, default in defaults.items():
+            value = overrides.get(name, default)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"RewardWeights.{f.name} must be a number, got {value!r}")
+                raise ValueError(f"RewardWeights.{name} must be a number, got {value!r}")
             if not math.isfinite(value):
-                raise ValueError(f"RewardWeights.{f.name} must be finite, got {value!r}")
-            object.__setattr__(self, f.name, float(value))
+                raise ValueError(f"RewardWeights.{name} must be finite, got {value!r}")
+            values[name] = float(value)
+        object.__setattr__(self, "_values", values)
         low, high = sorted((self.answer_language_mismatch, self.answer_language_match))
         if not low <= self.answer_language_neutral <= high:
             raise ValueError(
@@ -125,15 +181,65 @@ class RewardWeights:
                 "a bare number must not beat an answer in the right language"
             )
 
+    def __getattr__(self, name: str) -> float:
+        try:
+            return object.__getattribute__(self, "_values")[name]
+        except KeyError:
+            raise AttributeError(f"RewardWeights has no weight {name!r}") from None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("RewardWeights is immutable: build a new one")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RewardWeights) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._values.items())))
+
+    def __repr__(self) -> str:
+        return f"RewardWeights({', '.join(f'{k}={v}' for k, v in self._values.items())})"
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self._values)
+
     def bounds(self) -> tuple[float, float]:
         """Smallest and largest reward any response can get."""
-        groups = (
-            (self.answer_language_match, self.answer_language_mismatch),
-            (self.reasoning_language_match, self.reasoning_language_mismatch),
-            (self.brief_answer, self.long_answer),
-            (self.correct_answer, self.wrong_answer, 0.0),
-        )
-        return sum(min(g) for g in groups), sum(max(g) for g in groups)
+        ranges = [term.bounds(self) for term in REWARD_TERMS.values()]
+        return sum(low for low, _ in ranges), sum(high for _, high in ranges)
+
+
+@reward_term(
+    "answer_language",
+    answer_language_match=5.0,
+    answer_language_mismatch=-5.0,
+    answer_language_neutral=0.0,
+)
+def _answer_language(judged: Judgement, w: RewardWeights) -> float:
+    return _verdict_reward(
+        judged.answer_verdict,
+        w.answer_language_match,
+        w.answer_language_mismatch,
+        w.answer_language_neutral,
+    )
+
+
+@reward_term("reasoning_language", reasoning_language_match=1.5, reasoning_language_mismatch=-1.5)
+def _reasoning_language(judged: Judgement, w: RewardWeights) -> float:
+    return _verdict_reward(
+        judged.reasoning_verdict, w.reasoning_language_match, w.reasoning_language_mismatch
+    )
+
+
+@reward_term("brevity", brief_answer=0.5, long_answer=-1.0)
+def _brevity(judged: Judgement, w: RewardWeights) -> float:
+    return w.brief_answer if judged.brief_ok else w.long_answer
+
+
+@reward_term("correctness", can_be_zero=True, correct_answer=0.0, wrong_answer=0.0)
+def _correctness(judged: Judgement, w: RewardWeights) -> float:
+    if judged.correct is None:  # no expected answer: nothing to judge
+        return 0.0
+    return w.correct_answer if judged.correct else w.wrong_answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +248,8 @@ class ComplianceResult:
 
     Attributes:
         reward: The total reward, within ``RewardWeights.bounds()``.
-        components: The reward's parts: ``answer_language``, ``reasoning_language``,
-            ``brevity``, ``correctness``.
+        components: The reward's parts, one per registered term (``REWARD_TERMS``):
+            ``answer_language``, ``reasoning_language``, ``brevity``, ``correctness``.
         parsed: The response split into reasoning and final answer.
         labels: The labels judged against; ``None`` when they could not be read.
         answer_verdict: Outcome of the answer-language rule.
@@ -346,7 +452,7 @@ class ComplianceScorer:
     def _unscored(self, parsed: ParsedResponse, message: str) -> ComplianceResult:
         low, high = self._bounds
         reward = min(max(0.0, low), high)
-        components = dict.fromkeys(_COMPONENTS, 0.0)
+        components = dict.fromkeys(REWARD_TERMS, 0.0)
         return ComplianceResult(
             reward=reward,
             components=components,
@@ -401,25 +507,12 @@ class ComplianceScorer:
             and sentences <= self.max_answer_sentences
         )
         predicted = correct = None
-        correctness = 0.0
         expected = _expected_number(expected_answer)
         if expected is not None:
             predicted = extract_numeric_answer(parsed.final, labels.answer) if has_answer else None
             correct = numbers_match(predicted, expected)
-            correctness = w.correct_answer if correct else w.wrong_answer
-        components = {
-            "answer_language": _verdict_reward(
-                answer_verdict,
-                w.answer_language_match,
-                w.answer_language_mismatch,
-                w.answer_language_neutral,
-            ),
-            "reasoning_language": _verdict_reward(
-                reasoning_verdict, w.reasoning_language_match, w.reasoning_language_mismatch
-            ),
-            "brevity": w.brief_answer if brief_ok else w.long_answer,
-            "correctness": correctness,
-        }
+        judged = Judgement(answer_verdict, reasoning_verdict, brief_ok, correct)
+        components = {name: term.price(judged, w) for name, term in REWARD_TERMS.items()}
         low, high = self._bounds
         reward = min(max(math.fsum(components.values()), low), high)
         return ComplianceResult(
@@ -438,9 +531,6 @@ class ComplianceScorer:
             predicted_answer=predicted,
             correct=correct,
         )
-
-
-_COMPONENTS = ("answer_language", "reasoning_language", "brevity", "correctness")
 
 
 def _verdict_reward(

@@ -391,3 +391,30 @@ def test_any_weights_stay_in_their_bounds(
     low, high = scorer.bounds
     result = scorer.score(response, label, 7)  # type: ignore[arg-type]
     assert low <= result.reward <= high
+
+
+def test_a_new_reward_term_is_one_function_and_one_registration(monkeypatch) -> None:
+    """Registered with its weights, a term is summed, bounded, reported and settable."""
+    from eval import scoring
+
+    monkeypatch.setattr(scoring, "REWARD_TERMS", dict(scoring.REWARD_TERMS))
+
+    @scoring.reward_term("finished", finished_answer=0.25, unfinished_answer=-0.75)
+    def _finished(judged, w):
+        return (
+            w.finished_answer
+            if judged.answer_verdict is not Verdict.MISSING
+            else (w.unfinished_answer)
+        )
+
+    default = ComplianceScorer()
+    assert default.bounds == (-7.5 - 0.75, 7.0 + 0.25)
+    result = default.score(respond(FR_REASONING, FR_ANSWER), "fr")
+    assert result.components["finished"] == 0.25 and result.reward == 7.25
+    assert default.score(respond(FR_REASONING, None), "fr").components["finished"] == -0.75
+    tuned = ComplianceScorer(weights=RewardWeights(finished_answer=1.0))
+    assert tuned.score(respond(FR_REASONING, FR_ANSWER), "fr").reward == 8.0
+    with pytest.raises(ValueError, match="registered already"):
+        scoring.reward_term("brevity", brief_answer=1.0)(_finished)
+    with pytest.raises(ValueError, match="registered already"):
+        scoring.reward_term("other", finished_answer=1.0)(_finished)

@@ -65,7 +65,7 @@ def sft(
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def capacity_check(
     base_model: Input[Model],
-    layout: str,
+    hardware: dict,
     overrides: dict,
     sft_config: dict,
     grpo_config: dict,
@@ -74,7 +74,7 @@ def capacity_check(
     report: Output[Markdown],
 ):
     """Fail fast, before any heavy step, when the run cannot fit: SFT and GRPO as configured
-    (processes, placement plan, batch, lengths) on ``layout``'s machines (the tables and the
+    (processes, placement plan, batch, lengths) on ``hardware`` (a ``Hardware``) (the tables and the
     GRPO placement plan are in the report, the tables in the error)."""
     import logging
     from pathlib import Path
@@ -84,7 +84,7 @@ def capacity_check(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     text, failing = check_run(
-        base_model.path, layout, sft_config, grpo_config, sft_execution, grpo_execution,
+        base_model.path, hardware, sft_config, grpo_config, sft_execution, grpo_execution,
         {k: str(v) for k, v in overrides.items()},
     )  # fmt: skip
     Path(report.path).write_text(text)

@@ -19,14 +19,14 @@ def start_tracking(
     pipeline_run_name: str,
     data_source: str,
     model_source: str,
-    layout: str,
+    hardware: dict,
     sft_config: dict,
     grpo_config: dict,
     mlflow_tracking_uri: str = "",
     mlflow_experiment: str = "",
 ) -> str:
     """The pipeline run's MLflow run id ("" when no tracking URI is set); its params are the
-    sources, the layout and the SFT/GRPO configs (flattened, ``sft.optim.learning_rate``)."""
+    sources, the hardware and the SFT/GRPO configs (flattened, ``sft.optim.learning_rate``)."""
     import logging
 
     from eval.tracking import configure_tracking, start_pipeline_run
@@ -42,7 +42,8 @@ def start_tracking(
             out.update(flatten(f"{prefix}.{key}", item))
         return out
 
-    params = {"data_source": data_source, "model_source": model_source, "layout": layout}
+    params = {"data_source": data_source, "model_source": model_source}
+    params |= flatten("hardware", hardware)
     params |= flatten("sft", sft_config) | flatten("grpo", grpo_config)
     return start_pipeline_run(pipeline_run_id, pipeline_run_name or pipeline_run_id, params) or ""
 

@@ -344,15 +344,15 @@ def estimate(
         typer.Option(
             help="Layout preset: g5.12xlarge-x6-openrlhf, g5.12xlarge-x6-openrlhf-12train, "
             "g5.12xlarge-x6-openrlhf-hybrid, p5en.48xlarge-x2-megatron, tiny-cpu "
-            "[default: g5.12xlarge-x6-openrlhf, or the --preset's layout]."
+            "[default: g5.12xlarge-x6-openrlhf, or the --preset's hardware]."
         ),
     ] = None,
     preset: Annotated[
         str | None,
         typer.Option(
             help="A pipeline preset: print its GRPO placement plan and estimate its SFT and "
-            "GRPO steps as configured (processes, batch, lengths, engines) on the layout's "
-            "machines, as the pipeline's capacity check does."
+            "GRPO steps as configured (processes, batch, lengths, engines) on its hardware "
+            "(or --layout's machines), as the pipeline's capacity check does."
         ),
     ] = None,
     sets: Annotated[
@@ -393,21 +393,13 @@ def _estimate_preset(
     preset: Preset, model: str | None, layout: str | None, overrides: dict[str, str]
 ) -> None:
     """``lingo estimate --preset``: the placement plan, then SFT's and GRPO's tables."""
+    from pipelines.presets import run_estimates
     from trainer.planner import MODEL_PRESETS, Verdict, format_table
-    from trainer.planner.run_layout import run_estimates
 
     if model is None:  # the preset's model, where the planner knows it by name
         name = "tiny-gpt-oss" if preset.model.source == "tiny" else preset.model.source
         model = name.rsplit("/", 1)[-1] if name.rsplit("/", 1)[-1] in MODEL_PRESETS else name
-    plan, estimates = run_estimates(
-        model,
-        layout or preset.layout,
-        preset.sft,
-        preset.grpo,
-        preset.sft_execution.cluster(preset.sft.nproc),
-        preset.grpo_execution.cluster(preset.grpo.nproc),
-        {**preset.layout_overrides, **overrides},
-    )
+    plan, estimates = run_estimates(preset, model, layout, overrides)
     typer.echo(plan.render())
     for step, result in estimates.items():
         typer.echo(f"\n{step.upper()}\n{format_table(result)}")

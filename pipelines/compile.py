@@ -12,14 +12,14 @@ COMPILED_PIPELINE = Path(__file__).parent / "compiled" / "lingo_pipeline.yaml"
 
 def compile_pipeline(output: Path, preset: Preset | None = None) -> Path:
     """Write the pipeline's IR YAML to ``output``; a preset sets the parameters' defaults and
-    the Kubernetes platform settings (``preset.platform``)."""
+    the Kubernetes platform settings (``preset.hardware.platform``)."""
     from kfp import compiler
 
     from pipelines.pipeline import build_pipeline
     from pipelines.platform import get_platform
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    pipeline = build_pipeline(get_platform(preset.platform) if preset else None)
+    pipeline = build_pipeline(get_platform(preset.hardware.platform) if preset else None)
     compiler.Compiler().compile(
         pipeline,
         str(output),

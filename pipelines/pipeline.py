@@ -19,7 +19,7 @@ from data_prep.config import DataPrepConfig
 from eval.eval_config import EvalConfig
 from eval.gate import GateConfig
 from pipelines.platform import ClusterSettings, get_platform, with_platform
-from pipelines.presets import DATA_PREP_PREFIX, ModelSource, Preset, config_dict
+from pipelines.presets import DATA_PREP_PREFIX, ModelSource, Preset, config_dict, megatron_layout
 from trainer.cluster.config import ExecutionConfig
 from trainer.grpo.config import GRPOConfig
 from trainer.sft.config import SFTConfig
@@ -31,10 +31,10 @@ _SFT_DEFAULT = config_dict(SFTConfig())
 _GRPO_DEFAULT = config_dict(GRPOConfig())
 _EVAL_DEFAULT = config_dict(EvalConfig())
 _GATE_DEFAULT = config_dict(GateConfig())
-_LAYOUT_DEFAULT = Preset.model_fields["layout"].default
+_HARDWARE_DEFAULT = config_dict(Preset.model_fields["hardware"].default)
 _BACKEND_DEFAULT = Preset.model_fields["backend"].default
 _LOCAL_EXECUTION = config_dict(ExecutionConfig())
-_MEGATRON_LAYOUT_DEFAULT = Preset.model_fields["megatron_layout"].default_factory()
+_MEGATRON_LAYOUT_DEFAULT = megatron_layout(Preset(name="default", description=""))
 
 
 MAIN_OUTPUTS: dict[str, tuple[str, str]] = {
@@ -75,7 +75,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
         grpo_config: dict = _GRPO_DEFAULT,
         eval_config: dict = _EVAL_DEFAULT,
         gate_config: dict = _GATE_DEFAULT,
-        layout: str = _LAYOUT_DEFAULT,
+        hardware: dict = _HARDWARE_DEFAULT,
         layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
         backend: str = _BACKEND_DEFAULT,
         megatron_layout: dict = _MEGATRON_LAYOUT_DEFAULT,
@@ -100,7 +100,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
                 data_source=data_prep_fields["source"],
                 model_source=model_source,
-                layout=layout,
+                hardware=hardware,
                 sft_config=sft_config,
                 grpo_config=grpo_config,
                 mlflow_tracking_uri=mlflow_tracking_uri,
@@ -121,7 +121,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
             platform(base, "base-model")
             capacity = capacity_check(
                 base_model=base.outputs["model"],
-                layout=layout,
+                hardware=hardware,
                 overrides=layout_overrides,
                 sft_config=sft_config,
                 grpo_config=grpo_config,

@@ -20,6 +20,7 @@ from kfp.dsl import PipelineTask
 from pydantic import ConfigDict, Field, model_validator
 
 from eval.config_model import ConfigModel
+from trainer.cluster.hardware import NODE_TYPES
 
 STEPS = (
     "start-tracking",
@@ -291,8 +292,11 @@ GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoS
 
 
 def _aws_gpu_preset(
-    instance_type: str, gpu_product: str, gpus: int, cpu: tuple[str, str], memory: tuple[str, str]
+    instance_type: str, cpu: tuple[str, str], memory: tuple[str, str]
 ) -> ClusterSettings:
+    """The platform of a GPU node type (``trainer.cluster.hardware.NODE_TYPES``)."""
+    node = NODE_TYPES[instance_type]
+    gpu_product, gpus = node.gpu_product, node.gpus
     return ClusterSettings(
         name=instance_type,
         description=(
@@ -326,13 +330,9 @@ def _aws_gpu_preset(
 PLATFORM_PRESETS: dict[str, ClusterSettings] = {
     "local": ClusterSettings(name="local", description="kfp.local / laptop: applies nothing."),
     # 48 vCPU, 192 GiB, 4x A10G 24 GB: leave room for the kubelet and daemonsets
-    "g5.12xlarge": _aws_gpu_preset(
-        "g5.12xlarge", "NVIDIA-A10G", 4, ("40", "46"), ("160Gi", "180Gi")
-    ),
+    "g5.12xlarge": _aws_gpu_preset("g5.12xlarge", ("40", "46"), ("160Gi", "180Gi")),
     # 192 vCPU, 2 TiB, 8x H200 141 GB
-    "p5en.48xlarge": _aws_gpu_preset(
-        "p5en.48xlarge", "NVIDIA-H200", 8, ("176", "188"), ("1800Gi", "1900Gi")
-    ),
+    "p5en.48xlarge": _aws_gpu_preset("p5en.48xlarge", ("176", "188"), ("1800Gi", "1900Gi")),
 }
 
 

@@ -1,8 +1,11 @@
 """Named, typed configurations of the whole pipeline.
 
-A preset holds one typed config per step. The pipeline's parameters are derived from these
-configs (``pipeline_arguments``) and their defaults come from the config classes, so the local
-run, the compiled pipeline and the cluster job share one source of every default.
+A preset holds one typed config per step and states its machines once (``hardware``). The
+pipeline's parameters are derived from these (``pipeline_arguments``): the platform, each
+training step's execution (``step_execution``), the capacity check's layout, the Megatron
+layout's machine fields and the GRPO placement plan (``grpo_plan``) all come from
+``hardware``; their defaults come from the config classes, so the local run, the compiled
+pipeline and the cluster job share one source of every default.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from components.config_fields import config_arguments
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
@@ -18,6 +21,7 @@ from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
 from trainer.backends import OptimConfig
 from trainer.cluster.config import ExecutionConfig
+from trainer.cluster.hardware import Hardware, Step
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.tiny_model import TinyModelConfig
@@ -48,22 +52,47 @@ class Preset(BaseModel):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
-    layout: str = "tiny-cpu"
-    """Capacity-planner layout checked before SFT/GRPO (``lingo estimate --layout``)."""
+    hardware: Hardware = Hardware()
+    """The machines, stated once: node type (``local``, ``g5.12xlarge``, ``p5en.48xlarge``),
+    nodes per training step, checkpoint volume. The platform settings, each step's PyTorchJob,
+    the placement plan, the capacity check's layout and the Megatron layout's machine fields
+    derive from it."""
     layout_overrides: dict[str, str] = Field(default_factory=dict)
-    platform: str = "local"
-    """Kubernetes settings compiled into the pipeline (pipelines/platform.py): ``local`` (none),
-    ``g5.12xlarge``, ``p5en.48xlarge``."""
+    """Capacity-planner layout fields the run's configs do not decide (``vllm_max_num_seqs``,
+    ``attn_implementation`` ...); not the machines (``hardware``)."""
     backend: Literal["hf", "megatron"] = "hf"
     """The GRPO branch: ``hf`` trains the HF weights with ``grpo.optim.backend`` (``torch``
     or ``deepspeed``) and writes the policy as a HF directory; ``megatron`` runs
     convert_megatron → GRPO on Megatron-Core → export_hf."""
     megatron_layout: dict[str, Any] = Field(default_factory=lambda: {"preset": "tiny-cpu"})
-    """``trainer.megatron.layout`` layout of the Megatron branch (a preset name + overrides)."""
-    sft_execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
-    """Where SFT trains: in its pipeline pod (``local``) or as a PyTorchJob."""
-    grpo_execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
-    """Where GRPO trains: in its pipeline pod (``local``) or as a PyTorchJob."""
+    """``trainer.megatron.layout`` parallel layout of the Megatron branch (a preset name +
+    overrides: ``tp``, ``pp``, ``ep`` ...); its machine fields come from ``hardware``."""
+
+    @model_validator(mode="after")
+    def _hardware_stated_once(self) -> Preset:
+        from trainer.planner.run_layout import HARDWARE_FIELDS
+
+        restated = sorted(set(self.layout_overrides) & HARDWARE_FIELDS)
+        restated += sorted(set(self.megatron_layout) & set(MEGATRON_MACHINE_FIELDS))
+        if restated:
+            raise ValueError(
+                f"{', '.join(restated)}: the machines are stated once, in hardware "
+                "(node_type, sft_nodes, grpo_nodes, storage_gib)"
+            )
+        if not self.hardware.local:
+            for step, config in (("sft", self.sft), ("grpo", self.grpo)):
+                nodes, per_node = self.hardware.cluster(step, config.nproc)
+                if config.nproc != nodes * per_node:
+                    raise ValueError(
+                        f"{step}.nproc={config.nproc} but hardware gives {step} {nodes} "
+                        f"{self.hardware.node_type} node(s) × {per_node} GPUs; set "
+                        f"{step}.nproc={nodes * per_node} or hardware.{step}_nodes"
+                    )
+        return self
+
+
+MEGATRON_MACHINE_FIELDS = ("nodes", "gpus_per_node", "gpu_memory_gib")
+"""``MegatronLayout`` fields that ``Preset.hardware`` decides."""
 
 
 TINY_CPU = Preset(
@@ -124,14 +153,15 @@ TINY_CPU = Preset(
 )
 
 GPT_OSS_20B = Preset(
-    layout="g5.12xlarge-x6-openrlhf",
-    platform="g5.12xlarge",
     name="gpt-oss-20b",
     description=(
         "openai/gpt-oss-20b on the full HuggingFaceH4/Multilingual-Thinking dataset; "
         "SFT on 2 g5.12xlarge nodes (8 A10G) with DeepSpeed ZeRO-3, GRPO on 4 (16 A10G), each "
         "as a PyTorchJob (cluster: needs the hub or an S3 copy)."
     ),
+    # SFT on 2 nodes, GRPO's 16 training processes on 4; its 2 dedicated vLLM engines (TP 4)
+    # on the 2 nodes after them (OpenRLHF's 6-node layout)
+    hardware=Hardware(node_type="g5.12xlarge", sft_nodes=2, grpo_nodes=4, storage_gib=2000),
     data_prep=DataPrepConfig(source=HUB_DATASET_ID),
     model=ModelSource(source="openai/gpt-oss-20b"),
     sft=SFTConfig(
@@ -191,8 +221,6 @@ GPT_OSS_20B = Preset(
         gradient_checkpointing=True,
         nproc=16,
     ),
-    sft_execution=ExecutionConfig(mode="pytorchjob", reference="g5.12xlarge", job={"nodes": 2}),
-    grpo_execution=ExecutionConfig(mode="pytorchjob", reference="g5.12xlarge"),
 )
 
 GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
@@ -205,15 +233,11 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
             "layout on one p5en node (then grpo.rollout.engine=hf: the Megatron image has no "
             "vLLM)"
         ),
-        "layout": "p5en.48xlarge-x2-megatron",
-        # verl's gpt-oss Megatron layout (TP 8, EP 8, PP = nodes) on one 8x H200 node
-        "megatron_layout": {
-            "preset": "verl-gpt-oss-8x8-h100",
-            "nodes": 1,
-            "pp": 1,
-            "gpu_memory_gib": 139.8,
-        },
-        "platform": "p5en.48xlarge",
+        "hardware": Hardware(
+            node_type="p5en.48xlarge", sft_nodes=1, grpo_nodes=1, storage_gib=8000
+        ),
+        # verl's gpt-oss Megatron layout (TP 8, EP 8, PP = nodes) on the one 8x H200 node
+        "megatron_layout": {"preset": "verl-gpt-oss-8x8-h100", "pp": 1},
         "grpo": GPT_OSS_20B.grpo.model_copy(
             update={
                 "rollout": GPT_OSS_20B.grpo.rollout.model_copy(
@@ -229,12 +253,6 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
                 "nproc": 8,
             }
         ),
-        "sft_execution": ExecutionConfig(
-            mode="pytorchjob", reference="p5en.48xlarge", job={"nodes": 1}
-        ),
-        "grpo_execution": ExecutionConfig(
-            mode="pytorchjob", reference="p5en.48xlarge", job={"nodes": 1}
-        ),
     }
 )
 
@@ -247,8 +265,7 @@ STEPS = (
     "grpo",
     "eval",
     "gate",
-    "sft_execution",
-    "grpo_execution",
+    "hardware",
     "megatron_layout",
 )
 
@@ -310,15 +327,22 @@ def config_dict(config: BaseModel) -> dict:
     return config.model_dump(mode="json", exclude_none=True)
 
 
-def execution_argument(execution: ExecutionConfig, platform: str, step: str) -> dict:
-    """The ``<step>_execution`` parameter: a PyTorchJob takes the platform's workspace volume
-    and Secrets (``platform.job_defaults``) unless the preset sets them itself."""
+def step_execution(preset: Preset, step: Step) -> ExecutionConfig:
+    """Where ``step`` trains (its ``<step>_execution`` parameter): in its pipeline pod, or as a
+    PyTorchJob of ``preset.hardware``'s nodes that takes the platform's workspace volume and
+    Secrets (``platform.job_defaults``)."""
+    execution = preset.hardware.execution(step)
     if execution.mode == "local":
-        return config_dict(execution)
+        return execution
     from pipelines.platform import get_platform, job_defaults
 
-    job = {**job_defaults(get_platform(platform), step), **execution.job}
-    return config_dict(execution.model_copy(update={"job": job}))
+    job = {**job_defaults(get_platform(preset.hardware.platform), step), **execution.job}
+    return execution.model_copy(update={"job": job})
+
+
+def megatron_layout(preset: Preset) -> dict[str, Any]:
+    """The Megatron branch's layout: the preset's parallel sizes on ``hardware``'s machines."""
+    return {**preset.megatron_layout, **preset.hardware.megatron_fields(preset.grpo.nproc)}
 
 
 def pipeline_arguments(preset: Preset) -> dict[str, object]:
@@ -334,12 +358,12 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     args["grpo_config"] = config_dict(preset.grpo)
     args["eval_config"] = config_dict(preset.eval)
     args["gate_config"] = config_dict(preset.gate)
-    args["layout"] = preset.layout
+    args["hardware"] = config_dict(preset.hardware)
     args["layout_overrides"] = dict(preset.layout_overrides)
     args["backend"] = preset.backend
-    args["megatron_layout"] = dict(preset.megatron_layout)
-    args["sft_execution"] = execution_argument(preset.sft_execution, preset.platform, "sft")
-    args["grpo_execution"] = execution_argument(preset.grpo_execution, preset.platform, "grpo")
+    args["megatron_layout"] = megatron_layout(preset)
+    args["sft_execution"] = config_dict(step_execution(preset, "sft"))
+    args["grpo_execution"] = config_dict(step_execution(preset, "grpo"))
     # per run, not per preset (lingo run --local reads MLFLOW_TRACKING_URI and
     # MLFLOW_EXPERIMENT_NAME from the environment)
     args["mlflow_tracking_uri"] = ""
@@ -353,4 +377,28 @@ def grpo_plan(preset: Preset):
     nodes, dedicated rollout engines on the nodes after them."""
     from trainer.placement import grpo_placement
 
-    return grpo_placement(preset.grpo, *preset.grpo_execution.cluster(preset.grpo.nproc))
+    return grpo_placement(preset.grpo, *preset.hardware.cluster("grpo", preset.grpo.nproc))
+
+
+def capacity_layout(preset: Preset, layout: str | None = None):
+    """The machines the capacity check estimates on: ``hardware``'s (or the planner's layout
+    preset ``layout``, ``lingo estimate --layout``), as a ``trainer.planner.Layout``."""
+    from trainer.planner.run_layout import hardware_layout
+
+    return layout or hardware_layout(preset.hardware)
+
+
+def run_estimates(preset: Preset, model: str, layout: str | None = None, overrides=None):
+    """``(plan, {"sft": Estimate, "grpo": Estimate})`` of ``preset`` as the capacity check
+    estimates it (``overrides``: planner layout fields, after the preset's own)."""
+    from trainer.planner.run_layout import run_estimates as estimates
+
+    return estimates(
+        model,
+        capacity_layout(preset, layout),
+        preset.sft,
+        preset.grpo,
+        preset.hardware.cluster("sft", preset.sft.nproc),
+        preset.hardware.cluster("grpo", preset.grpo.nproc),
+        {**preset.layout_overrides, **(overrides or {})},
+    )

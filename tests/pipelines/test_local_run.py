@@ -82,12 +82,11 @@ def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):
 
 
 def test_capacity_check_fails_fast_with_the_table(tmp_path, capfd):
-    """A layout that cannot hold the model stops the run before SFT, naming what overflows."""
-    too_small = {**FAST, "layout_overrides": '{"host_memory_gib": "0.001"}'}
+    """Hardware that cannot hold the model stops the run before SFT, naming what overflows."""
+    too_small = {**FAST, "hardware.storage_gib": "0.0001"}  # 100 KiB for the checkpoints
     preset = apply_overrides(
         get_preset("tiny-cpu"), {k: v for k, v in too_small.items() if "." in k}
     )
-    preset = preset.model_copy(update={"layout_overrides": {"host_memory_gib": "0.001"}})
     with pytest.raises(LocalStepFailedError, match="step 'capacity-check' failed"):
         run_local(preset, tmp_path / "runs")
     out = capfd.readouterr()

@@ -1,25 +1,25 @@
 """The capacity check estimates the run as configured: SFT/GRPO configs and the GRPO
-placement plan decide processes, lengths, batch and engines; the layout preset the machines."""
+placement plan decide processes, lengths, batch and engines; the preset's hardware the machines."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipelines.presets import PRESETS, apply_overrides, config_dict, grpo_plan
+from pipelines.presets import (
+    PRESETS,
+    apply_overrides,
+    capacity_layout,
+    config_dict,
+    grpo_plan,
+    run_estimates,
+    step_execution,
+)
 from trainer.planner import LayoutDoesNotFit, LayoutError, Verdict
-from trainer.planner.run_layout import check_run, grpo_layout, run_estimates, sft_layout
+from trainer.planner.run_layout import check_run, grpo_layout, sft_layout
 
 
 def _estimates(preset, model="gpt-oss-20b", overrides=None):
-    return run_estimates(
-        model,
-        preset.layout,
-        preset.sft,
-        preset.grpo,
-        preset.sft_execution.cluster(preset.sft.nproc),
-        preset.grpo_execution.cluster(preset.grpo.nproc),
-        overrides or dict(preset.layout_overrides),
-    )
+    return run_estimates(preset, model, overrides=overrides)
 
 
 def _rank_bytes(estimate) -> float:
@@ -30,7 +30,7 @@ def test_gpt_oss_20b_checks_the_grpo_it_runs():
     """256 new tokens (not the layout preset's 1,024), 32 prompts × 8, 16 training GPUs, two
     dedicated engines of TP 4 on nodes 4-5."""
     preset = PRESETS["gpt-oss-20b"]
-    layout = grpo_layout(preset.layout, preset.grpo, grpo_plan(preset))
+    layout = grpo_layout(capacity_layout(preset), preset.grpo, grpo_plan(preset))
     assert (layout.generate_max_len, layout.prompt_max_len) == (256, 1024)
     assert (layout.rollout_batch_size, layout.n_samples_per_prompt) == (32, 8)
     assert (layout.nodes, layout.training_gpus, layout.rollout_gpus, layout.hybrid) == (
@@ -42,7 +42,7 @@ def test_gpt_oss_20b_checks_the_grpo_it_runs():
 
 def test_verl_checks_one_node_with_colocated_engines_not_the_two_node_ep16_layout():
     preset = PRESETS["gpt-oss-20b-verl"]
-    layout = grpo_layout(preset.layout, preset.grpo, grpo_plan(preset))
+    layout = grpo_layout(capacity_layout(preset), preset.grpo, grpo_plan(preset))
     assert (layout.nodes, layout.gpus_per_node, layout.training_gpus) == (1, 8, 8)
     assert (layout.backend, layout.expert_parallel, layout.hybrid) == ("deepspeed", 1, True)
     assert (layout.rollout_gpus, layout.vllm_tensor_parallel_size) == (8, 4)
@@ -59,7 +59,7 @@ def test_changing_max_new_tokens_or_the_layout_changes_the_estimate():
     # another layout: 8 training processes (2 nodes) instead of 16 hold twice the shard
     fewer = apply_overrides(
         preset,
-        {"grpo.nproc": "8", "grpo_execution.job": '{"nodes": 2}', "grpo.prompts_per_step": "16"},
+        {"grpo.nproc": "8", "hardware.grpo_nodes": "2", "grpo.prompts_per_step": "16"},
     )
     plan, fewer_estimate = _estimates(fewer)
     assert plan.nodes == 4 and fewer_estimate["grpo"].layout.training_gpus == 8
@@ -77,7 +77,8 @@ def test_changing_max_new_tokens_or_the_layout_changes_the_estimate():
 
 def test_sft_is_checked_as_configured():
     preset = PRESETS["gpt-oss-20b"]
-    layout = sft_layout(preset.layout, preset.sft, *preset.sft_execution.cluster(preset.sft.nproc))
+    cluster = preset.hardware.cluster("sft", preset.sft.nproc)
+    layout = sft_layout(capacity_layout(preset), preset.sft, *cluster)
     assert (layout.nodes, layout.training_gpus, layout.rollout_gpus) == (2, 8, 0)
     assert (layout.lora_rank, layout.lora_experts, layout.sequence_length) == (8, True, 2049)
     assert layout.micro_train_batch_size == preset.sft.micro_batch_size
@@ -95,13 +96,14 @@ def test_check_run_reports_the_plan_and_both_steps_and_names_what_does_not_fit()
     args = (
         config_dict(preset.sft),
         config_dict(preset.grpo),
-        config_dict(preset.sft_execution),
-        config_dict(preset.grpo_execution),
+        config_dict(step_execution(preset, "sft")),
+        config_dict(step_execution(preset, "grpo")),
     )
-    text, failing = check_run("tiny-gpt-oss", "tiny-cpu", *args)
+    hardware = config_dict(preset.hardware)
+    text, failing = check_run("tiny-gpt-oss", hardware, *args)
     assert failing is None
     assert "## GRPO placement" in text and "## SFT" in text and "## GRPO\n" in text
-    text, failing = check_run("tiny-gpt-oss", "tiny-cpu", *args, {"host_memory_gib": "2.5"})
+    text, failing = check_run("tiny-gpt-oss", hardware, *args, {"host_memory_gib": "2.5"})
     assert failing is not None
     with pytest.raises(LayoutDoesNotFit, match="does not fit"):
         raise LayoutDoesNotFit(failing, text)

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from eval.config_model import ConfigModel
+from trainer.cluster.hardware import job_fields
 
 GPU_RESOURCE = "nvidia.com/gpu"
 _SECRET_LIKE = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL", re.IGNORECASE)
@@ -51,9 +52,6 @@ class ElasticSettings(ConfigModel):
     min_nodes: int = Field(1, ge=1)
     max_nodes: int = Field(1, ge=1)
     max_restarts: int = Field(3, ge=0)
-
-
-GPU_TOLERATION = Toleration(key=GPU_RESOURCE)
 
 
 class ClusterJobConfig(ConfigModel):
@@ -123,33 +121,17 @@ class ClusterJobConfig(ConfigModel):
         return self.nodes * self.procs_per_node
 
 
-def _instance(instance_type: str) -> dict[str, str]:
-    return {"node.kubernetes.io/instance-type": instance_type}
-
+GPU_TOLERATION = Toleration(key=GPU_RESOURCE)
 
 REFERENCE_LAYOUTS: dict[str, dict] = {
     # 6 nodes of 4× A10G (24 GB), 48 vCPU, 192 GiB: training takes 4 (Master + 3 Workers),
     # the other two stay free for rollout engines and evaluation.
-    "g5.12xlarge": dict(
-        nodes=4,
-        gpus_per_node=4,
-        cpu="44",
-        memory="160Gi",
-        shm_size="32Gi",
-        node_selector=_instance("g5.12xlarge"),
-        tolerations=[GPU_TOLERATION],
-    ),
+    "g5.12xlarge": {"nodes": 4, **job_fields("g5.12xlarge")},
     # 8× H200 (141 GB), 192 vCPU, 2 TiB per node.
-    "p5en.48xlarge": dict(
-        nodes=2,
-        gpus_per_node=8,
-        cpu="180",
-        memory="1800Gi",
-        shm_size="256Gi",
-        node_selector=_instance("p5en.48xlarge"),
-        tolerations=[GPU_TOLERATION],
-    ),
+    "p5en.48xlarge": {"nodes": 2, **job_fields("p5en.48xlarge")},
 }
+"""A PyTorchJob per node type (``trainer.cluster.hardware.NODE_TYPES``), with a default node
+count; ``Hardware.execution`` sets the nodes a preset's step takes."""
 
 
 def reference_layout(

@@ -11,9 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# What nvidia-smi reports as total memory (MiB / 1024): A10G 23028 MiB, H200 143771 MiB.
-A10G_GIB = 22.49
-H200_GIB = 140.4
+from trainer.cluster.hardware import A10G_GIB, H200_GIB
 
 
 class LayoutError(ValueError):

@@ -1,8 +1,9 @@
 """The layouts the capacity check estimates, derived from what the run will do.
 
-A layout preset (``layouts.LAYOUT_PRESETS``) describes the hardware (GPU and host memory,
-storage, what the OS keeps) and settings no step config decides (attention kernel, runtime
-ranges). Everything the SFT and GRPO configs and the GRPO placement plan decide — how many
+A preset's ``Hardware`` (``trainer.cluster.hardware``) gives the machines (``hardware_layout``:
+GPU and host memory, storage, what the OS keeps, the attention kernel the GPU runs); a layout
+preset (``layouts.LAYOUT_PRESETS``) can stand in for it (``lingo estimate --layout``).
+Everything the SFT and GRPO configs and the GRPO placement plan decide — how many
 processes train on how many nodes, the backend and its parallel sizes, ZeRO stage and
 offload, micro-batch, sequence lengths, rollout engines, group size, KL, checkpoints kept —
 is taken from them, so the check estimates the run that will start, and changing a config
@@ -17,9 +18,43 @@ from trainer.planner.layouts import Layout, LayoutError, resolve_layout
 
 if TYPE_CHECKING:
     from trainer.backends import OptimConfig
+    from trainer.cluster.hardware import Hardware
     from trainer.grpo.config import GRPOConfig
     from trainer.placement import PlacementPlan
     from trainer.sft.config import SFTConfig
+
+
+HARDWARE_FIELDS = frozenset(
+    {
+        "device",
+        "nodes",
+        "gpus_per_node",
+        "gpu_memory_gib",
+        "host_memory_gib",
+        "host_reserved_gib",
+        "storage_gib",
+    }
+)
+"""Layout fields a preset's ``Hardware`` states; its layout overrides may not restate them."""
+
+
+def hardware_layout(hardware: Hardware) -> Layout:
+    """The planner's description of ``hardware``'s machines (the run's own fields, such as
+    processes, batch and lengths, come from the configs: ``sft_layout``, ``grpo_layout``)."""
+    node = hardware.node
+    nodes = max(hardware.sft_nodes, hardware.grpo_nodes)
+    return Layout(
+        name=hardware.node_type,
+        device=node.device,
+        nodes=nodes,
+        gpus_per_node=node.gpus,
+        training_gpus=nodes * node.gpus,
+        **({"gpu_memory_gib": node.gpu_memory_gib} if node.gpu_memory_gib else {}),
+        host_memory_gib=node.host_memory_gib,
+        host_reserved_gib=node.host_reserved_gib,
+        storage_gib=hardware.storage_gib,
+        attn_implementation="flash" if node.flash_attention else "eager",
+    )
 
 
 def _dtype(config_dtype: str, hardware: Layout) -> str:
@@ -159,7 +194,7 @@ def run_estimates(
 
     Args:
         model: see ``load_model_spec`` (preset, directory, ``config.json``, mapping).
-        hardware: the layout preset that describes the machines.
+        hardware: the machines: a layout preset name or a ``Layout`` (``hardware_layout``).
         sft: the SFT step's config.
         grpo: the GRPO step's config.
         sft_cluster: ``(nodes, processes per node)`` of the SFT job.
@@ -185,7 +220,7 @@ def run_estimates(
 
 def check_run(
     model,
-    hardware: str,
+    hardware: dict,
     sft_config: dict,
     grpo_config: dict,
     sft_execution: dict,
@@ -193,12 +228,14 @@ def check_run(
     overrides: dict[str, str] | None = None,
 ):
     """The pipeline's capacity check: ``(Markdown report, first estimate that does not fit
-    or None)`` for the configs as the pipeline passes them (dicts), validated here.
+    or None)`` for the configs as the pipeline passes them (dicts: ``hardware`` a
+    ``Hardware``, the others step configs and executions), validated here.
 
     Raises:
         LayoutError, PlacementError, ModelSpecError: the run cannot be described at all.
     """
     from trainer.cluster.config import ExecutionConfig
+    from trainer.cluster.hardware import Hardware
     from trainer.grpo.config import GRPOConfig
     from trainer.planner.quantities import Verdict
     from trainer.planner.report import format_table
@@ -208,8 +245,9 @@ def check_run(
     grpo = GRPOConfig.model_validate(grpo_config)
     sft_cluster = ExecutionConfig.model_validate(sft_execution).cluster(sft.nproc)
     grpo_cluster = ExecutionConfig.model_validate(grpo_execution).cluster(grpo.nproc)
+    machines = hardware_layout(Hardware.model_validate(hardware))
     plan, estimates = run_estimates(
-        model, hardware, sft, grpo, sft_cluster, grpo_cluster, overrides
+        model, machines, sft, grpo, sft_cluster, grpo_cluster, overrides
     )
     failing = next((e for e in estimates.values() if e.verdict is Verdict.DOES_NOT_FIT), None)
     verdicts = ", ".join(f"{step.upper()} {e.verdict.value}" for step, e in estimates.items())

@@ -1,0 +1,108 @@
+"""A preset states its machines once (``Preset.hardware``); the platform, each step's
+PyTorchJob, the GRPO placement plan, the capacity check's layouts and the Megatron layout are
+derived from it and agree."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pipelines.platform import get_platform
+from pipelines.presets import (
+    PRESETS,
+    Preset,
+    apply_overrides,
+    capacity_layout,
+    grpo_plan,
+    megatron_layout,
+    step_execution,
+)
+from trainer.cluster.hardware import NODE_TYPES, Hardware
+from trainer.megatron.layout import resolve_megatron_layout
+from trainer.planner.run_layout import grpo_layout, sft_layout
+
+
+@pytest.mark.parametrize("field", ["layout", "platform", "sft_execution", "grpo_execution"])
+def test_the_old_separate_hardware_fields_are_gone(field):
+    with pytest.raises(ValidationError, match=field):
+        Preset.model_validate({"name": "x", "description": "", field: {}})
+
+
+@pytest.mark.parametrize(
+    ("update", "named"),
+    [
+        ({"layout_overrides": {"gpu_memory_gib": "80"}}, "gpu_memory_gib"),
+        ({"layout_overrides": {"nodes": "2"}}, "nodes"),
+        ({"megatron_layout": {"preset": "tiny-cpu", "nodes": 2}}, "nodes"),
+        ({"megatron_layout": {"preset": "tiny-cpu", "gpu_memory_gib": 139.8}}, "gpu_memory_gib"),
+    ],
+)
+def test_a_preset_cannot_restate_its_hardware(update, named):
+    data = {**PRESETS["gpt-oss-20b"].model_dump(), **update}
+    with pytest.raises(ValidationError, match=f"{named}: the machines are stated once"):
+        Preset.model_validate(data)
+
+
+def test_processes_that_do_not_fill_the_nodes_are_refused():
+    with pytest.raises(ValidationError, match="grpo.nproc=16 but hardware gives grpo 2"):
+        apply_overrides(PRESETS["gpt-oss-20b"], {"hardware.grpo_nodes": "2"})
+    with pytest.raises(ValidationError, match="unknown node_type"):
+        Hardware(node_type="g6.xlarge")
+    with pytest.raises(ValidationError, match="one machine"):
+        Hardware(sft_nodes=2)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_derives_one_cluster(name):
+    preset = Preset.model_validate(PRESETS[name].model_dump())  # its validators, run again
+    hardware = preset.hardware
+    node = NODE_TYPES[hardware.node_type]
+    for step, config in (("sft", preset.sft), ("grpo", preset.grpo)):
+        nodes, per_node = hardware.cluster(step, config.nproc)
+        execution = step_execution(preset, step)
+        assert execution.cluster(config.nproc) == (nodes, per_node), step
+        if execution.mode == "pytorchjob":  # the job the step launches
+            job = execution.cluster_job(default_image="i", default_namespace="n")
+            assert (job.nodes, job.gpus_per_node) == (nodes, node.gpus), step
+            assert job.world_size == config.nproc, step
+            assert job.node_selector["node.kubernetes.io/instance-type"] == node.name
+    # the placement plan: training on the GRPO job's nodes, engines after them
+    plan = grpo_plan(preset)
+    grpo_nodes, per_node = hardware.cluster("grpo", preset.grpo.nproc)
+    assert plan.gpus_per_node == per_node
+    assert {p.device.node for p in plan.processes if "train" in p.roles} <= set(range(grpo_nodes))
+    # the capacity check's layouts: the plan's GRPO, the SFT job, the node type's memory
+    machines = capacity_layout(preset)
+    grpo = grpo_layout(machines, preset.grpo, plan)
+    assert (grpo.nodes, grpo.gpus_per_node, grpo.training_gpus) == (
+        plan.nodes, plan.gpus_per_node, len(plan.training_ranks)
+    )  # fmt: skip
+    sft = sft_layout(machines, preset.sft, *hardware.cluster("sft", preset.sft.nproc))
+    assert sft.nodes * sft.gpus_per_node >= sft.training_gpus == preset.sft.nproc
+    for layout in (grpo, sft):
+        assert layout.device == node.device
+        assert layout.host_memory_gib == node.host_memory_gib
+        assert layout.storage_gib == hardware.storage_gib
+        if node.gpu_memory_gib:
+            assert layout.gpu_memory_gib == node.gpu_memory_gib
+    # the Megatron layout runs on the GRPO job's machines
+    megatron = resolve_megatron_layout(megatron_layout(preset))
+    assert (megatron.nodes, megatron.gpus_per_node) == (grpo_nodes, per_node)
+    assert megatron.gpu_memory_gib == node.gpu_memory_gib
+    # the platform schedules its GPU steps on the same node type
+    platform = get_platform(hardware.platform)
+    if node.gpu_product:
+        assert platform.gpu.accelerator_count == node.gpus
+        assert platform.gpu.node_selector["nvidia.com/gpu.product"] == node.gpu_product
+        assert platform.training_jobs
+    else:
+        assert not platform.gpu_steps
+
+
+def test_hardware_overrides_reach_every_derived_setting():
+    preset = apply_overrides(
+        PRESETS["gpt-oss-20b"], {"hardware.grpo_nodes": "2", "grpo.nproc": "8"}
+    )
+    assert step_execution(preset, "grpo").job["nodes"] == 2
+    assert grpo_plan(preset).nodes == 4  # 2 training nodes, then the 2 engines' nodes
+    assert megatron_layout(preset)["nodes"] == 2

@@ -62,9 +62,14 @@ def test_dedicated_placement_and_what_is_refused(monkeypatch):
     assert [e.ranks for e in plan.engines] == [(1,), (2,)]
     with pytest.raises(PlacementError, match="leave 2 training processes"):
         run_placement(cfg, _info(4))
-    vllm = small_grpo_config(rollout={**DEDICATED["rollout"], "engine": "vllm"})
-    with pytest.raises(PlacementError, match="vLLM in rollout-only processes"):
-        run_placement(GRPOConfig.model_validate(vllm), _info(2))
+    # vLLM engines too (each started by its rollout process: tests/vllm_engines)
+    vllm = small_grpo_config(rollout={**DEDICATED["rollout"], "engine": "vllm", "num_engines": 2})
+    plan = run_placement(GRPOConfig.model_validate(vllm), _info(3))
+    assert plan.rollout_only_ranks == (1, 2) and [e.ranks for e in plan.engines] == [(1,), (2,)]
+    # an engine of TP 2 beside the one trainer would cross a node (engines are TP-aligned)
+    vllm["rollout"] |= {"num_engines": 1, "tensor_parallel_size": 2}
+    with pytest.raises(PlacementError, match="the first dedicated engine would cross a node"):
+        run_placement(GRPOConfig.model_validate(vllm), _info(3))
     ds = small_grpo_config(**DEDICATED, optim={"backend": "deepspeed"})
     with pytest.raises(PlacementError, match="optim.backend=deepspeed with dedicated"):
         run_placement(GRPOConfig.model_validate(ds), _info(2))

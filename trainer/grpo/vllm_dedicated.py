@@ -106,7 +106,12 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         listener.bind((host, 0))
         listener.listen()
         port = listener.getsockname()[1]
-        info = {"master_address": host, "master_port": port, "world_size": size}
+        info = {
+            "master_address": host,
+            "master_port": port,
+            "world_size": size,
+            "client_pid": os.getpid(),
+        }
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(self.llm.init_weight_transfer_engine, {"init_info": info})
             group = stateless_init_torch_distributed_process_group(

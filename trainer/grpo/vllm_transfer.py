@@ -25,7 +25,13 @@ registers the backend) and by ``trainer.grpo.vllm_dedicated``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +43,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from trainer.grpo.rollout import VLLMWeights, repack_cpu_moe
+
+log = logging.getLogger(__name__)
 
 BACKEND = "lingo_gloo"
 WORKER_EXTENSION = f"{__name__}.HostTransferExtension"
@@ -51,6 +59,8 @@ class HostTransferInitInfo(WeightTransferInitInfo):
     world_size: int
     """1 + the engine's workers."""
     rank_offset: int = 1
+    client_pid: int | None = None
+    """The process that drives the engine: when it dies, the engine's processes end too."""
 
 
 @dataclass
@@ -89,6 +99,10 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
         self.group = stateless_init_torch_distributed_process_group(
             init_info.master_address, init_info.master_port, rank, init_info.world_size, "gloo"
         )
+        if init_info.client_pid is not None:
+            threading.Thread(
+                target=_end_with, args=(init_info.client_pid,), name="end-with-client", daemon=True
+            ).start()
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -146,6 +160,29 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
 
     def shutdown(self) -> None:
         self.group = None
+
+
+def _end_with(client: int) -> None:
+    """End this worker, and its engine core, once ``client`` is gone.
+
+    vLLM's engine core does not watch its client: a rollout process killed by torchrun
+    (SIGKILL, or SIGTERM while blocked in a collective) would leave the engine's processes
+    running. A worker whose parent is the engine core (vLLM's multiprocess executor) ends it
+    too; a worker inside the engine core (its parent is the client) ends it by ending itself.
+    """
+    parent = os.getppid()
+    engine_core = parent if parent != client else None
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(client, 0)
+        except ProcessLookupError:
+            break
+    log.error("the rollout process %d is gone: ending the vLLM engine's processes", client)
+    if engine_core is not None:
+        with contextlib.suppress(ProcessLookupError):  # another worker ended it already
+            os.kill(engine_core, signal.SIGKILL)
+    os._exit(1)
 
 
 def _view(chunk: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

@@ -68,9 +68,19 @@ def test_dedicated_placement_and_what_is_refused(monkeypatch):
     )
     plan = run_placement(two, _info(3))  # several training processes: DeepSpeed's world
     assert plan.training_ranks == (0, 1) and plan.rollout_only_ranks == (2,)
-    vllm = small_grpo_config(rollout={**DEDICATED["rollout"], "engine": "vllm"})
-    with pytest.raises(PlacementError, match="vLLM in rollout-only processes"):
-        run_placement(GRPOConfig.model_validate(vllm), _info(2))
+    # vLLM engines too (each started by its rollout process: tests/vllm_engines)
+    vllm = small_grpo_config(rollout={**DEDICATED["rollout"], "engine": "vllm", "num_engines": 2})
+    plan = run_placement(GRPOConfig.model_validate(vllm), _info(3))
+    assert plan.rollout_only_ranks == (1, 2) and [e.ranks for e in plan.engines] == [(1,), (2,)]
+    # an engine of TP 2 beside the one trainer would cross a node (engines are TP-aligned)
+    vllm["rollout"] |= {"num_engines": 1, "tensor_parallel_size": 2}
+    with pytest.raises(PlacementError, match="the first dedicated engine would cross a node"):
+        run_placement(GRPOConfig.model_validate(vllm), _info(3))
+    # beside two trainers it fits: ranks 2 and 3 of the node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    vllm |= {"nproc": 2, "micro_batch_size": 4, "optim": {"backend": "deepspeed"}}
+    plan = run_placement(GRPOConfig.model_validate(vllm), _info(4))
+    assert [e.ranks for e in plan.engines] == [(2, 3)]
     megatron = {"backend": "megatron", "megatron": {"layout": "tiny-cpu"}}
     mc = small_grpo_config(**DEDICATED, optim=megatron)
     with pytest.raises(PlacementError, match="optim.backend=megatron with dedicated"):

@@ -148,7 +148,8 @@ def _grpo(**rollout):
 
 def test_the_recipe_builds_an_engine_only_where_the_plan_says(monkeypatch):
     """Under torchrun (2 nodes × 8), rank 13 is a worker of engine 3 (ranks 12-15, node 1
-    GPUs 4-7); a dedicated layout stops at start instead of 16 engines of TP 4 on GPU 0."""
+    GPUs 4-7); a dedicated layout puts its engines after the 16 training processes, and a job
+    without room for them stops at start."""
     import torch
 
     from trainer.distributed import DistInfo
@@ -162,5 +163,9 @@ def test_the_recipe_builds_an_engine_only_where_the_plan_says(monkeypatch):
     )  # fmt: skip
     with pytest.raises(PlacementError, match="torchrun on node 1 gpu 6"):
         run_placement(_grpo(), DistInfo(13, 16, 6, torch.device("cpu")))
-    with pytest.raises(PlacementError, match="vLLM in rollout-only processes is not built yet"):
-        run_placement(_grpo(colocate=False, num_engines=2), DistInfo(0, 16, 0, torch.device("cpu")))
+    dedicated = _grpo(colocate=False, num_engines=2)
+    with pytest.raises(PlacementError, match="leave 8 training processes, not nproc=16"):
+        run_placement(dedicated, DistInfo(0, 16, 0, torch.device("cpu")))
+    plan = run_placement(dedicated, DistInfo(0, 24, 0, torch.device("cpu")))  # 3 nodes × 8
+    assert plan.training_ranks == tuple(range(16))
+    assert [e.ranks for e in plan.engines] == [(16, 17, 18, 19), (20, 21, 22, 23)]

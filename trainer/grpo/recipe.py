@@ -538,10 +538,10 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
     of the job are rollout-only, the rest train.
 
     Raises:
-        PlacementError: dedicated engines that this recipe cannot run yet (vLLM, or the
-            Megatron backend), a job whose processes are not ``nproc`` training processes
-            plus the engines', Megatron with multi-process vLLM, or a plan that puts this
-            process on another device than torchrun did.
+        PlacementError: dedicated engines that this recipe cannot run yet (the Megatron
+            backend), a job whose processes are not ``nproc`` training processes plus the
+            engines', Megatron with multi-process vLLM, or a plan that puts this process on
+            another device than torchrun did.
     """
     local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     rollout = cfg.rollout
@@ -550,12 +550,6 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
         engine_processes = rollout.num_engines * (rollout.tensor_parallel_size if vllm else 1)
         training = info.world_size - engine_processes
         problems = []
-        if vllm:
-            problems.append(
-                "vLLM in rollout-only processes is not built yet (its workers would join the "
-                "training job's process group); use rollout.engine=hf for dedicated engines, "
-                "or rollout.colocate=true"
-            )
         if cfg.optim.backend == "megatron":
             problems.append(
                 "optim.backend=megatron with dedicated engines is not built yet (its "
@@ -594,13 +588,31 @@ def _serve_rollouts(
     cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: DistInfo, channel
 ) -> None:
     """A rollout-only process: load the SFT model as its engine, answer the coordinator
-    (``trainer.grpo.remote.serve``) until the run ends."""
-    from trainer.grpo.remote import serve
+    (``trainer.grpo.remote.serve``) until the run ends. A vLLM engine runs in processes of
+    its own, started by the engine's first rank (``trainer.grpo.vllm_dedicated``); its other
+    ranks only follow."""
+    from trainer.grpo.remote import EngineFollower, serve
 
     engine_placement = plan.engine_of(info.rank)
     tokenizer = load_tokenizer(sft_model)
-    model = load_causal_lm(sft_model, resolve_dtype(cfg.dtype, info.device), info.device)
-    engine = HFRolloutEngine(model.requires_grad_(False), tokenizer, cfg.rollout)
+    dtype = resolve_dtype(cfg.dtype, info.device)
+    if cfg.rollout.engine == "vllm" and info.rank != engine_placement.ranks[0]:
+        engine = EngineFollower()
+    elif cfg.rollout.engine == "vllm":
+        from trainer.grpo.vllm_dedicated import DedicatedVLLMEngine
+
+        engine = DedicatedVLLMEngine(
+            str(sft_model),
+            tokenizer,
+            cfg.rollout,
+            cfg.seed,
+            engine_placement,
+            dtype=str(dtype).removeprefix("torch."),
+            bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
+        )
+    else:
+        model = load_causal_lm(sft_model, dtype, info.device)
+        engine = HFRolloutEngine(model.requires_grad_(False), tokenizer, cfg.rollout)
     log.info(
         "rank %d: rollout engine %d of %d on %s",
         info.rank,

@@ -188,8 +188,12 @@ def _flat(bucket: list[tuple[str, torch.Tensor]], device) -> tuple[list, torch.T
 def _unflat(spec: list, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     offset = 0
     for name, dtype, shape in spec:
-        count = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        yield name, flat[offset : offset + count].view(dtype).view(shape)
+        size = torch.empty((), dtype=dtype).element_size()
+        count = torch.Size(shape).numel() * size
+        chunk = flat[offset : offset + count]
+        if offset % size:  # view() needs an offset that is a multiple of the element size
+            chunk = chunk.clone()
+        yield name, chunk.view(dtype).view(shape)
         offset += count
 
 
@@ -295,6 +299,23 @@ class RemoteRolloutEngine:
             self.channel.close()
 
 
+class EngineFollower:
+    """A rollout process of a multi-process engine that another process of it runs (a vLLM
+    engine of tensor parallel ``k`` is ``k`` processes of the plan; its first one starts
+    vLLM's workers on the engine's GPUs): it takes part in every message and answers
+    nothing (the coordinator reads each engine's first process only)."""
+
+    def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
+        return []
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for _ in named_tensors:  # received and dropped: the engine's first process loads them
+            pass
+
+    def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
+        return []
+
+
 def serve(engine: RolloutEngine, engine_index: int, engines: int, channel: Channel) -> int:
     """Run a rollout process: answer the coordinator until it says stop; returns the number
     of generate requests served. An engine error goes back to the coordinator as the
@@ -307,6 +328,8 @@ def serve(engine: RolloutEngine, engine_index: int, engines: int, channel: Chann
         idle += time.monotonic() - waiting
         if kind == STOP:
             log.info("rollout engine %d: stop after %d requests", engine_index, served)
+            if hasattr(engine, "close"):  # an engine with processes of its own
+                engine.close()
             channel.close()
             return served
         answer: object

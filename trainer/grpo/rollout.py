@@ -382,7 +382,12 @@ def repack_cpu_experts(worker) -> int:
     wrong model, no error). GPU backends do their layout change elsewhere and are untouched.
     Runs inside the worker (``collective_rpc``; in this process); returns the layers repacked.
     """
-    model = getattr(worker, "worker", worker).model_runner.model
+    return repack_cpu_moe(getattr(worker, "worker", worker).model_runner.model)
+
+
+def repack_cpu_moe(model) -> int:
+    """``repack_cpu_experts`` on a vLLM model (inside its worker); returns the layers
+    repacked."""
     repacked = 0
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)

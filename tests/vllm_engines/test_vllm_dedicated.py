@@ -1,0 +1,131 @@
+"""Dedicated vLLM engines on vLLM's CPU build: the engine in processes of its own, the weights
+sent through vLLM's weight-transfer API (trainer/grpo/vllm_dedicated.py, vllm_transfer.py),
+and a torchrun GRPO job of one trainer and one rollout process.
+
+Skipped where vLLM is missing; ``make test-vllm`` runs them (tools/vllm_env.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from tests_helpers_trainer import small_grpo_config
+
+from trainer.grpo.config import GRPOConfig, RolloutConfig
+from trainer.grpo.rollout import HFRolloutEngine
+from trainer.grpo.sync_check import max_abs_diff
+from trainer.launch import torchrun_command
+from trainer.metrics import METRICS_FILE, read_metrics
+
+ROLLOUT = {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "<|start|>user<|message|>Quelle est la capitale de la France ?<|end|><|start|>assistant"
+
+
+@pytest.fixture(scope="module")
+def policy(vllm_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        vllm_model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model, AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_model_dir, policy):
+    from trainer.grpo.vllm_dedicated import DedicatedVLLMEngine
+
+    _, tokenizer = policy
+    engine = DedicatedVLLMEngine(
+        str(vllm_model_dir),
+        tokenizer,
+        RolloutConfig(**ROLLOUT),
+        dtype="float32",
+        bucket_bytes=16 << 10,  # many buckets: the tiny model is ~1 MB
+    )
+    yield engine
+    engine.close()
+
+
+def _diff(engine, model, tokenizer) -> float:
+    ids = tokenizer(PROMPT)["input_ids"]
+    prompt, response = ids[:-8], ids[-8:]
+    policy = HFRolloutEngine(model, tokenizer, RolloutConfig())
+    return max_abs_diff(
+        engine.token_log_probs(prompt, response), policy.token_log_probs(prompt, response)
+    )
+
+
+def test_the_engine_runs_in_processes_of_its_own(engine):
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert engine.llm.llm_engine.engine_core.__class__.__name__ == "SyncMPClient"
+
+
+def test_sent_weights_take_in_every_group_including_experts_and_sinks(engine, policy):
+    model, tokenizer = policy
+    assert _diff(engine, model, tokenizer) < 1e-4
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, param in model.named_parameters():  # every group: embeddings … experts, sinks
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    assert _diff(engine, model, tokenizer) > 0.05  # the engine still has the old weights
+    engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
+    assert _diff(engine, model, tokenizer) < 1e-4
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.add_(1.0)
+    assert _diff(engine, model, tokenizer) > 1e-3
+    engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())  # twice: fine
+    assert _diff(engine, model, tokenizer) < 1e-4
+
+
+def test_a_bucket_the_engine_cannot_load_raises_naming_it(engine):
+    """Last in the module: a failed load leaves the engine mid-update."""
+    bad = [("model.embed_tokens.weight", torch.zeros(3))]  # the wrong shape
+    with pytest.raises(RuntimeError, match="bucket of 'model.embed_tokens.weight'"):
+        engine.sync_weights(iter(bad))
+
+
+def _grpo(tmp_path, model_dir, data, name: str, rollout: dict, nproc: int):
+    cfg = small_grpo_config(
+        max_steps=2, checkpoint_every=0, rollout={"engine": "vllm", "n_samples": 4, **rollout}
+    )
+    GRPOConfig.model_validate(cfg)
+    config = tmp_path / f"{name}.json"
+    config.write_text(json.dumps(cfg))
+    args = ["--config", str(config), "--sft-model", str(model_dir)]
+    args += ["--train", str(data / "train.jsonl"), "--eval", str(data / "eval.jsonl")]
+    args += ["--model-output", str(tmp_path / name / "model")]
+    args += ["--work-dir", str(tmp_path / name / "work")]
+    done = subprocess.run(
+        torchrun_command("trainer.grpo", args, nproc),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [m for m in read_metrics(tmp_path / name / "work" / METRICS_FILE) if "loss" in m]
+
+
+def test_one_trainer_and_one_vllm_engine_process_train_like_one_process(
+    tmp_path, vllm_model_dir, prepared_data
+):
+    dedicated = {**ROLLOUT, "colocate": False, "num_engines": 1, "sync_bucket_mb": 1}
+    ours = _grpo(tmp_path, vllm_model_dir, prepared_data, "split", dedicated, 2)
+    assert [m["step"] for m in ours] == [1, 2]
+    assert all(0 <= m["sync_logprob_max_diff"] < 1e-4 for m in ours)
+    assert (tmp_path / "split" / "model" / "config.json").exists()
+    # the same engine seed and per-response seeds as one process with its engine in-process
+    theirs = _grpo(tmp_path, vllm_model_dir, prepared_data, "alone", ROLLOUT, 1)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["mean_reward"] == b["mean_reward"]
+        assert a["response_length_mean"] == b["response_length_mean"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)

@@ -1,0 +1,203 @@
+"""A vLLM weight-transfer backend over host memory (gloo), for dedicated vLLM engines.
+
+vLLM's weight-transfer API (``vllm/distributed/weight_transfer/``: ``init_weight_transfer_engine``,
+then per update ``start_weight_update``, ``update_weights`` once per bucket,
+``finish_weight_update``) loads a trainer's weights into a running engine whose workers are
+in other processes. vLLM 0.32 ships CUDA-only backends (``nccl``: ``PyNcclCommunicator``;
+``ipc``: CUDA IPC handles); its factory takes backends of one's own
+(``WeightTransferEngineFactory.register_engine``). This one, ``BACKEND``, moves each bucket as
+one byte tensor broadcast over a gloo group of the sender and the engine's workers, built with
+vLLM's ``stateless_init_torch_distributed_process_group`` (a group outside every default
+group, so neither side's torch.distributed world is touched). The RPC carries names, dtypes
+and shapes (vLLM's msgpack); the bytes go over the group: nothing is pickled. It runs on CPU
+and on GPUs alike (on a GPU the bucket is staged in host memory, and each worker's weight
+loaders copy it onto its device).
+
+The workers load as vLLM's in-place reload does (layerwise reload: ``start`` saves the
+kernel tensors, each bucket goes through the model's ``load_weights``, ``finish`` runs the
+post-load processing), with the GPT-OSS rules of ``trainer.grpo.rollout.VLLMWeights``
+(experts one at a time, sinks copied in kernel format at the end) and the CPU experts' repack.
+
+This module imports vLLM at the top: it is imported only where vLLM is installed, in vLLM's
+worker processes (``WORKER_EXTENSION``: vLLM imports it there before the model loads, which
+registers the backend) and by ``trainer.grpo.vllm_dedicated``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from trainer.grpo.rollout import VLLMWeights, repack_cpu_moe
+
+log = logging.getLogger(__name__)
+
+BACKEND = "lingo_gloo"
+WORKER_EXTENSION = f"{__name__}.HostTransferExtension"
+
+
+@dataclass
+class HostTransferInitInfo(WeightTransferInitInfo):
+    """Where the group of the sender (rank 0) and the engine's workers meets."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    """1 + the engine's workers."""
+    rank_offset: int = 1
+    client_pid: int | None = None
+    """The process that drives the engine: when it dies, the engine's processes end too."""
+
+
+@dataclass
+class HostTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: its tensors, in the order their bytes follow each other."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(
+                f"a weight bucket of {len(self.names)} names, {len(self.dtype_names)} dtypes "
+                f"and {len(self.shapes)} shapes: give one of each per tensor"
+            )
+
+
+class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTransferUpdateInfo]):
+    """The worker side: receive each bucket over the gloo group, load it into the model."""
+
+    init_info_cls = HostTransferInitInfo
+    update_info_cls = HostTransferUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.group = None
+        self.kernel_format: list[tuple[str, torch.Tensor]] = []
+
+    def init_transfer_engine(self, init_info: HostTransferInitInfo) -> None:
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        config = self.parallel_config
+        rank = init_info.rank_offset + config.data_parallel_index * config.world_size + config.rank
+        self.group = stateless_init_torch_distributed_process_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, "gloo"
+        )
+        if init_info.client_pid is not None:
+            threading.Thread(
+                target=_end_with, args=(init_info.client_pid,), name="end-with-client", daemon=True
+            ).start()
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self.kernel_format = []
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        # the base class ends with torch.accelerator.synchronize(), which raises on CPU
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: HostTransferUpdateInfo) -> None:
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        if self.group is None:
+            raise RuntimeError(
+                f"weight transfer backend {BACKEND!r}: update_weights before "
+                "init_weight_transfer_engine"
+            )
+        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        sizes = [
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for shape, dtype in zip(update_info.shapes, dtypes, strict=True)
+        ]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        self.group.broadcast(flat, 0).wait()
+        named = [
+            (name, _view(chunk, dtype, shape))
+            for name, dtype, shape, chunk in zip(
+                update_info.names, dtypes, update_info.shapes, flat.split(sizes), strict=True
+            )
+        ]
+        weights = VLLMWeights(
+            named, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        )
+        with torch.no_grad():
+            self.model.load_weights(weights.checkpoint_format())
+        self.kernel_format += weights.kernel_format
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        with torch.no_grad():  # what the checkpoint-format reload cannot see (the sinks)
+            for name, tensor in self.kernel_format:
+                get_parameter_for_reload(self.model, name).copy_(tensor)
+        self.kernel_format = []
+        repack_cpu_moe(self.model)
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def _end_with(client: int) -> None:
+    """End this worker, and its engine core, once ``client`` is gone.
+
+    vLLM's engine core does not watch its client: a rollout process killed by torchrun
+    (SIGKILL, or SIGTERM while blocked in a collective) would leave the engine's processes
+    running. A worker whose parent is the engine core (vLLM's multiprocess executor) ends it
+    too; a worker inside the engine core (its parent is the client) ends it by ending itself.
+    """
+    parent = os.getppid()
+    engine_core = parent if parent != client else None
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(client, 0)
+        except ProcessLookupError:
+            break
+    log.error("the rollout process %d is gone: ending the vLLM engine's processes", client)
+    if engine_core is not None:
+        with contextlib.suppress(ProcessLookupError):  # another worker ended it already
+            os.kill(engine_core, signal.SIGKILL)
+    os._exit(1)
+
+
+def _view(chunk: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """``chunk``'s bytes as a ``dtype`` tensor of ``shape`` (copied when its offset in the
+    bucket is not a multiple of the element size, which ``view`` needs)."""
+    if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        chunk = chunk.clone()
+    return chunk.view(dtype).view(shape)
+
+
+class HostTransferExtension:
+    """vLLM's ``worker_extension_cls`` for engines that use ``BACKEND``: vLLM imports this
+    class in each worker process before the model loads (``WorkerWrapperBase.init_worker``),
+    and importing this module registers the backend there. It adds no methods."""
+
+
+# once per process (a module is imported once): vLLM's workers find the backend by name
+WeightTransferEngineFactory.register_engine(BACKEND, HostWeightTransferEngine)

@@ -19,7 +19,7 @@ from components.config_fields import config_arguments
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
-from trainer.backends import OptimConfig
+from trainer.backends.config import OptimConfig
 from trainer.cluster.config import ExecutionConfig
 from trainer.cluster.hardware import Hardware, Step
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from trainer.planner.layouts import Layout, LayoutError, resolve_layout
 
 if TYPE_CHECKING:
-    from trainer.backends import OptimConfig
+    from trainer.backends.config import OptimConfig
     from trainer.cluster.hardware import Hardware
     from trainer.grpo.config import GRPOConfig
     from trainer.placement import PlacementPlan

@@ -47,7 +47,9 @@ from typing import Any
 
 import torch
 
-from trainer.backends import DataParallel, LossFn, OptimConfig, ResponseBatch, lr_factor
+from trainer.backends.config import OptimConfig
+from trainer.backends.interface import DataParallel, LossFn, ResponseBatch
+from trainer.backends.schedule import lr_factor
 from trainer.distributed import DistInfo
 
 log = logging.getLogger(__name__)

@@ -15,13 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.config import ExecutionConfig
+from cluster.hardware import Hardware, Step
 from components.config_fields import config_arguments
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
 from trainer.backends.config import OptimConfig
-from trainer.cluster.config import ExecutionConfig
-from trainer.cluster.hardware import Hardware, Step
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.tiny_model import TinyModelConfig
@@ -70,7 +70,7 @@ class Preset(BaseModel):
 
     @model_validator(mode="after")
     def _hardware_stated_once(self) -> Preset:
-        from trainer.planner.run_layout import HARDWARE_FIELDS
+        from trainer.capacity_check import HARDWARE_FIELDS
 
         restated = sorted(set(self.layout_overrides) & HARDWARE_FIELDS)
         restated += sorted(set(self.megatron_layout) & set(MEGATRON_MACHINE_FIELDS))
@@ -382,8 +382,8 @@ def grpo_plan(preset: Preset):
 
 def capacity_layout(preset: Preset, layout: str | None = None):
     """The machines the capacity check estimates on: ``hardware``'s (or the planner's layout
-    preset ``layout``, ``lingo estimate --layout``), as a ``trainer.planner.Layout``."""
-    from trainer.planner.run_layout import hardware_layout
+    preset ``layout``, ``lingo estimate --layout``), as a ``capacity.Layout``."""
+    from trainer.capacity_check import hardware_layout
 
     return layout or hardware_layout(preset.hardware)
 
@@ -391,7 +391,7 @@ def capacity_layout(preset: Preset, layout: str | None = None):
 def run_estimates(preset: Preset, model: str, layout: str | None = None, overrides=None):
     """``(plan, {"sft": Estimate, "grpo": Estimate})`` of ``preset`` as the capacity check
     estimates it (``overrides``: planner layout fields, after the preset's own)."""
-    from trainer.planner.run_layout import run_estimates as estimates
+    from trainer.capacity_check import run_estimates as estimates
 
     return estimates(
         model,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from cluster.hardware import NODE_TYPES, Hardware
 from pipelines.platform import get_platform
 from pipelines.presets import (
     PRESETS,
@@ -17,9 +18,8 @@ from pipelines.presets import (
     megatron_layout,
     step_execution,
 )
-from trainer.cluster.hardware import NODE_TYPES, Hardware
+from trainer.capacity_check import grpo_layout, sft_layout
 from trainer.megatron.layout import resolve_megatron_layout
-from trainer.planner.run_layout import grpo_layout, sft_layout
 
 
 @pytest.mark.parametrize("field", ["layout", "platform", "sft_execution", "grpo_execution"])

@@ -23,9 +23,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eval.tracking import tracking_env
-from trainer.cluster.config import ClusterJobConfig, ExecutionConfig
-from trainer.cluster.launcher import (
+from cluster.config import ClusterJobConfig, ExecutionConfig
+from cluster.launcher import (
     GROUP,
     PLURAL,
     VERSION,
@@ -33,7 +32,8 @@ from trainer.cluster.launcher import (
     job_conditions,
     metrics_progress,
 )
-from trainer.cluster.pytorchjob import build_pytorchjob, manifest_yaml
+from cluster.pytorchjob import build_pytorchjob, manifest_yaml
+from eval.tracking import tracking_env
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ class StepJob:
         eval: the eval split, or None.
         config_paths: further inputs named by a config field (dotted, e.g.
             ``optim.megatron.checkpoint``): staged too, and the field set to the staged copy.
+        metrics_file: the file in the job's work directory that the training appends its
+            progress to (``trainer.metrics.METRICS_FILE``), followed while the job runs;
+            empty: not followed.
     """
 
     step: str
@@ -67,6 +70,7 @@ class StepJob:
     train: str | Path
     eval: str | Path | None
     config_paths: tuple[str, ...] = ()
+    metrics_file: str = ""
 
 
 def label_value(text: str) -> str:
@@ -214,7 +218,7 @@ def run_step_job(
             _wait_gone(launcher, name, execution.poll_s)
         manifest = build_step_manifest(job, cluster, run_id, stage_inputs(job, shared))
     Path(manifest_path).write_text(manifest_yaml(manifest))
-    progress = metrics_progress(shared / "work")
+    progress = metrics_progress(shared / "work" / job.metrics_file) if job.metrics_file else None
     with delete_on_sigterm(launcher, name):
         if manifest is existing:
             launcher.wait(name, execution.timeout_s, execution.poll_s, progress)

@@ -17,7 +17,7 @@ import pytest
 from kube_emulator import kube_emulator
 from kubernetes import client as k8s
 
-from trainer.cluster.launcher import (
+from cluster.launcher import (
     GROUP,
     PLURAL,
     VERSION,
@@ -25,7 +25,7 @@ from trainer.cluster.launcher import (
     PyTorchJobLauncher,
     metrics_progress,
 )
-from trainer.cluster.pytorchjob import ClusterJobConfig, build_pytorchjob
+from cluster.pytorchjob import ClusterJobConfig, build_pytorchjob
 
 NAMESPACE = "team"
 MASTER = "sft-run-master-0"
@@ -105,9 +105,12 @@ def test_run_succeeds_streams_logs_and_reports_progress(emulator, tmp_path, capl
 
     thread = threading.Thread(target=operate)
     thread.start()
-    with caplog.at_level(logging.INFO, logger="trainer.cluster.launcher"):
+    with caplog.at_level(logging.INFO, logger="cluster.launcher"):
         job = launcher.run(
-            _manifest(), timeout_s=10, poll_s=0.05, progress=metrics_progress(tmp_path)
+            _manifest(),
+            timeout_s=10,
+            poll_s=0.05,
+            progress=metrics_progress(tmp_path / "training_metrics.jsonl"),
         )
         thread.join(5)
         deadline = time.monotonic() + 5  # the log-streaming thread runs beside the wait
@@ -167,4 +170,3 @@ def test_metrics_progress_skips_a_half_written_line(tmp_path):
     text = "".join(json.dumps(line) + "\n" for line in lines)
     (tmp_path / "training_metrics.jsonl").write_text(text + '{"step": 3, "max_')
     assert progress() == (2, 40)
-    assert metrics_progress(tmp_path)() == (2, 40)

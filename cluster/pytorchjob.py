@@ -18,7 +18,7 @@ try:
     from kubernetes import client as k8s
 except ImportError as error:  # pragma: no cover - depends on the installed extras
     raise ImportError(
-        "trainer.cluster needs the Kubernetes SDKs: pip install 'lingo-rl[cluster]'"
+        "cluster needs the Kubernetes SDKs: pip install 'lingo-rl[cluster]'"
     ) from error
 
 API_VERSION = "kubeflow.org/v1"
@@ -27,7 +27,7 @@ CONTAINER_NAME = "pytorch"
 """The training operator finds the training container by this name."""
 ISTIO_INJECT_ANNOTATION = "sidecar.istio.io/inject"
 
-from trainer.cluster.config import (  # noqa: E402 (after the SDK check) - re-exported
+from cluster.config import (  # noqa: E402 (after the SDK check) - re-exported
     GPU_RESOURCE,
     GPU_TOLERATION,
     REFERENCE_LAYOUTS,

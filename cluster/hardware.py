@@ -3,7 +3,7 @@
 A preset names its ``Hardware``; everything else that describes machines is derived from it:
 the Kubernetes platform settings (``pipelines.platform``), each training step's PyTorchJob
 (``Hardware.execution``), the GRPO placement plan (``trainer.placement.grpo_placement`` over
-``Hardware.cluster``), the capacity check's layout (``trainer.planner.run_layout``) and the
+``Hardware.cluster``), the capacity check's layout (``trainer.capacity_check``) and the
 Megatron layout's machine fields (``Hardware.megatron_fields``). Only pydantic is imported, so
 presets and the CLI use it without the ``cluster`` extra.
 """
@@ -147,7 +147,7 @@ class Hardware(ConfigModel):
     def execution(self, step: Step):
         """``step``'s ``ExecutionConfig``: in its own pod (``local``), or a PyTorchJob of this
         node type's reference layout on ``nodes(step)`` nodes."""
-        from trainer.cluster.config import ExecutionConfig
+        from cluster.config import ExecutionConfig
 
         if self.local:
             return ExecutionConfig()

@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainer.planner.activations import activation_bytes, logits_bytes, recomputed_layer_bytes
-from trainer.planner.layouts import Layout
-from trainer.planner.model_spec import ModelSpec, ParameterCount, count_lora_parameters
-from trainer.planner.quantities import GIB, ZERO, Bounds, Term, format_count
+from capacity.activations import activation_bytes, logits_bytes, recomputed_layer_bytes
+from capacity.layouts import Layout
+from capacity.model_spec import ModelSpec, ParameterCount, count_lora_parameters
+from capacity.quantities import GIB, ZERO, Bounds, Term, format_count
 
 # CUDA context, cuBLAS workspaces and NCCL buffers of one process, in GiB.
 CUDA_RUNTIME_GIB = Bounds(0.5, 1.0, 2.0)

@@ -22,9 +22,9 @@ import pytest
 from kube_emulator import kube_emulator
 from kubernetes import client as k8s
 
-from trainer.cluster.config import ExecutionConfig, JobLaunch
-from trainer.cluster.launcher import GROUP, PLURAL, VERSION, PyTorchJobFailed, PyTorchJobLauncher
-from trainer.cluster.step_job import (
+from cluster.config import ExecutionConfig, JobLaunch
+from cluster.launcher import GROUP, PLURAL, VERSION, PyTorchJobFailed, PyTorchJobLauncher
+from cluster.step_job import (
     RUN_LABEL,
     StepJob,
     build_step_manifest,
@@ -145,7 +145,7 @@ def test_sft_runs_as_a_pytorchjob_and_its_results_come_back(
     cfg = SFTConfig.model_validate(SFT)
     model_out, work = tmp_path / "model", tmp_path / "work"
     # run_sft_step builds its own launcher from the kubeconfig: hand it ours
-    import trainer.cluster.step_job as step_job
+    import cluster.step_job as step_job
 
     original = step_job.PyTorchJobLauncher
     step_job.PyTorchJobLauncher = lambda namespace: launcher

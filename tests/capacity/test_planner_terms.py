@@ -8,28 +8,28 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.planner.activations import (
+from capacity.activations import (
     activation_bytes,
     layer_bytes_per_token,
     logits_bytes,
     recomputed_layer_bytes,
 )
-from trainer.planner.host_memory import host_node_terms, node_roles
-from trainer.planner.layouts import Layout
-from trainer.planner.model_spec import ModelSpec, count_parameters
-from trainer.planner.quantities import GIB, ZERO, Bounds, Term, Verdict, advice_for, verdict_for
-from trainer.planner.rollout_memory import (
+from capacity.host_memory import host_node_terms, node_roles
+from capacity.layouts import Layout
+from capacity.model_spec import ModelSpec, count_parameters
+from capacity.quantities import GIB, ZERO, Bounds, Term, Verdict, advice_for, verdict_for
+from capacity.rollout_memory import (
     kv_bytes_per_sequence,
     kv_bytes_per_token_layer,
     rollout_gpu_terms,
     rollout_weight_bytes,
 )
-from trainer.planner.storage import (
+from capacity.storage import (
     deepspeed_checkpoint_bytes,
     hf_checkpoint_bytes,
     megatron_checkpoint_bytes,
 )
-from trainer.planner.training_memory import rank_share, training_rank_terms
+from capacity.training_memory import rank_share, training_rank_terms
 
 HAND = ModelSpec.from_config(
     {

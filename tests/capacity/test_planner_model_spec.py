@@ -10,16 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from trainer.planner.model_presets import MODEL_PRESETS
-from trainer.planner.model_spec import (
+from capacity.model_presets import MODEL_PRESETS
+from capacity.model_spec import (
     ModelSpec,
     ModelSpecError,
     count_lora_parameters,
     count_parameters,
     load_model_spec,
 )
-from trainer.planner.quantities import GIB
-from trainer.planner.rollout_memory import rollout_weight_bytes
+from capacity.quantities import GIB
+from capacity.rollout_memory import rollout_weight_bytes
 
 # A config small enough to count by hand: V=10, H=4, I=6, L=2, nh=2, kv=1, d=2, E=3, k=2.
 HAND_CONFIG = {

@@ -27,9 +27,9 @@ import pytest
 import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from trainer.planner.estimate import estimate
-from trainer.planner.measured import cpu_allocator_peak, tensor_bytes
-from trainer.planner.model_presets import MODEL_PRESETS
+from capacity.estimate import estimate
+from capacity.measured import cpu_allocator_peak, tensor_bytes
+from capacity.model_presets import MODEL_PRESETS
 
 TOLERANCE = 0.20
 

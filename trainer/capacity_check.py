@@ -1,6 +1,6 @@
 """The layouts the capacity check estimates, derived from what the run will do.
 
-A preset's ``Hardware`` (``trainer.cluster.hardware``) gives the machines (``hardware_layout``:
+A preset's ``Hardware`` (``cluster.hardware``) gives the machines (``hardware_layout``:
 GPU and host memory, storage, what the OS keeps, the attention kernel the GPU runs); a layout
 preset (``layouts.LAYOUT_PRESETS``) can stand in for it (``lingo estimate --layout``).
 Everything the SFT and GRPO configs and the GRPO placement plan decide — how many
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.planner.layouts import Layout, LayoutError, resolve_layout
+from capacity.layouts import Layout, LayoutError, resolve_layout
 
 if TYPE_CHECKING:
+    from cluster.hardware import Hardware
     from trainer.backends.config import OptimConfig
-    from trainer.cluster.hardware import Hardware
     from trainer.grpo.config import GRPOConfig
     from trainer.placement import PlacementPlan
     from trainer.sft.config import SFTConfig
@@ -205,9 +205,9 @@ def run_estimates(
     Returns:
         ``(plan, {"sft": Estimate, "grpo": Estimate})``.
     """
+    from capacity.estimate import estimate_layout
+    from capacity.model_spec import load_model_spec
     from trainer.placement import grpo_placement
-    from trainer.planner.estimate import estimate_layout
-    from trainer.planner.model_spec import load_model_spec
 
     spec = load_model_spec(model)
     plan = grpo_placement(grpo, *grpo_cluster)
@@ -234,11 +234,11 @@ def check_run(
     Raises:
         LayoutError, PlacementError, ModelSpecError: the run cannot be described at all.
     """
-    from trainer.cluster.config import ExecutionConfig
-    from trainer.cluster.hardware import Hardware
+    from capacity.quantities import Verdict
+    from capacity.report import format_table
+    from cluster.config import ExecutionConfig
+    from cluster.hardware import Hardware
     from trainer.grpo.config import GRPOConfig
-    from trainer.planner.quantities import Verdict
-    from trainer.planner.report import format_table
     from trainer.sft.config import SFTConfig
 
     sft = SFTConfig.model_validate(sft_config)

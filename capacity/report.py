@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.planner.estimate import Estimate, estimate
-from trainer.planner.layouts import Layout
-from trainer.planner.quantities import GIB, MIB, Verdict, format_count
+from capacity.estimate import Estimate, estimate
+from capacity.layouts import Layout
+from capacity.quantities import GIB, MIB, Verdict, format_count
 
 logger = logging.getLogger(__name__)
 

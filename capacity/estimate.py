@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.planner.host_memory import CPU_PROCESS_RSS_GIB, host_node_terms, node_roles
-from trainer.planner.layouts import Layout, resolve_layout
-from trainer.planner.model_spec import ModelSpec, ParameterCount, count_parameters, load_model_spec
-from trainer.planner.quantities import (
+from capacity.host_memory import CPU_PROCESS_RSS_GIB, host_node_terms, node_roles
+from capacity.layouts import Layout, resolve_layout
+from capacity.model_spec import ModelSpec, ParameterCount, count_parameters, load_model_spec
+from capacity.quantities import (
     GIB,
     ZERO,
     Bounds,
@@ -20,9 +20,9 @@ from trainer.planner.quantities import (
     advice_for,
     verdict_for,
 )
-from trainer.planner.rollout_memory import VLLM_CONTEXT_GIB, KvCapacity, rollout_gpu_terms
-from trainer.planner.storage import storage_terms
-from trainer.planner.training_memory import (
+from capacity.rollout_memory import VLLM_CONTEXT_GIB, KvCapacity, rollout_gpu_terms
+from capacity.storage import storage_terms
+from capacity.training_memory import (
     CUDA_RUNTIME_GIB,
     gpu_resident_state,
     trainable_parameters,

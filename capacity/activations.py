@@ -22,8 +22,8 @@ fp32 log-probabilities, their gradient and the logits' gradient: ``V·(a + 12)``
 
 from __future__ import annotations
 
-from trainer.planner.model_spec import ModelSpec
-from trainer.planner.quantities import Bounds
+from capacity.model_spec import ModelSpec
+from capacity.quantities import Bounds
 
 FP32 = 4
 INDEX = 8

@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
-from trainer.planner.layouts import Layout
-from trainer.planner.model_spec import ModelSpec, ParameterCount
-from trainer.planner.quantities import Bounds, Term, format_bytes
-from trainer.planner.training_memory import trainable_parameters
+from capacity.layouts import Layout
+from capacity.model_spec import ModelSpec, ParameterCount
+from capacity.quantities import Bounds, Term, format_bytes
+from capacity.training_memory import trainable_parameters
 
 OPTIMIZER_CHECKPOINT_BYTES_PER_PARAM = 12
 HF_BYTES_PER_PARAM = 2

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.planner.estimate import estimate
-from trainer.planner.quantities import GIB
+from capacity.estimate import estimate
+from capacity.quantities import GIB
 
 TOLERANCE = 0.15
 UNITS = {"GiB": GIB, "GB": 1e9}

@@ -17,8 +17,7 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from trainer.cluster.pytorchjob import CONTAINER_NAME
-from trainer.metrics import METRICS_FILE
+from cluster.pytorchjob import CONTAINER_NAME
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +34,14 @@ class PyTorchJobFailed(RuntimeError):
 
 
 def metrics_progress(path: str | Path) -> Progress:
-    """A ``Progress`` that reads the last complete line of a ``training_metrics.jsonl``.
+    """A ``Progress`` that reads the last complete line of a metrics file such as
+    ``training_metrics.jsonl`` (``trainer.metrics``: one JSON object per line with ``step``
+    and ``max_steps``).
 
     Args:
-        path: the metrics file, or the step's work dir on the shared volume that holds it.
+        path: the metrics file (on the shared volume, as the job writes it).
     """
     path = Path(path)
-    if path.is_dir() or path.suffix != ".jsonl":
-        path = path / METRICS_FILE
 
     def latest() -> tuple[int, int] | None:
         if not path.exists():

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainer.cluster.hardware import A10G_GIB, H200_GIB
+from cluster.hardware import A10G_GIB, H200_GIB
 
 
 class LayoutError(ValueError):

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from trainer.planner import (
+from capacity import (
     LAYOUT_PRESETS,
     LayoutDoesNotFit,
     LayoutError,
@@ -114,7 +114,7 @@ def test_check_layout_fails_fast_with_the_table() -> None:
 
 
 def test_check_layout_returns_and_warns_when_tight(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="trainer.planner.report"):
+    with caplog.at_level(logging.WARNING, logger="capacity.report"):
         result = check_layout("gpt-oss-20b", "g5.12xlarge-x6-openrlhf")
     assert result.verdict is Verdict.TIGHT
     assert "tight" in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from capacity import LayoutDoesNotFit, LayoutError, Verdict
 from pipelines.presets import (
     PRESETS,
     apply_overrides,
@@ -14,8 +15,7 @@ from pipelines.presets import (
     run_estimates,
     step_execution,
 )
-from trainer.planner import LayoutDoesNotFit, LayoutError, Verdict
-from trainer.planner.run_layout import check_run, grpo_layout, sft_layout
+from trainer.capacity_check import check_run, grpo_layout, sft_layout
 
 
 def _estimates(preset, model="gpt-oss-20b", overrides=None):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.planner.model_presets import MODEL_PRESETS
+from capacity.model_presets import MODEL_PRESETS
 
 SUPPORTED_MODEL_TYPES = ("gpt_oss",)
 

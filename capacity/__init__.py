@@ -5,18 +5,18 @@ with low/expected/high bounds and a verdict. ``render_estimate`` is what ``lingo
 prints; ``check_layout`` is the pipeline's fail-fast check. See ``docs/capacity.md``.
 """
 
-from trainer.planner.estimate import Estimate, estimate, estimate_layout
-from trainer.planner.layouts import LAYOUT_PRESETS, Layout, LayoutError, resolve_layout
-from trainer.planner.model_presets import MODEL_PRESETS
-from trainer.planner.model_spec import (
+from capacity.estimate import Estimate, estimate, estimate_layout
+from capacity.layouts import LAYOUT_PRESETS, Layout, LayoutError, resolve_layout
+from capacity.model_presets import MODEL_PRESETS
+from capacity.model_spec import (
     ModelSpec,
     ModelSpecError,
     ParameterCount,
     count_parameters,
     load_model_spec,
 )
-from trainer.planner.quantities import Bounds, Resource, Term, Verdict
-from trainer.planner.report import LayoutDoesNotFit, check_layout, format_table, render_estimate
+from capacity.quantities import Bounds, Resource, Term, Verdict
+from capacity.report import LayoutDoesNotFit, check_layout, format_table, render_estimate
 
 __all__ = [
     "LAYOUT_PRESETS",

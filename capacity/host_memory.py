@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.planner.layouts import Layout
-from trainer.planner.model_spec import ModelSpec, ParameterCount
-from trainer.planner.quantities import GIB, Bounds, Term
-from trainer.planner.rollout_memory import rollout_weight_bytes
-from trainer.planner.training_memory import rank_share, trainable_parameters
+from capacity.layouts import Layout
+from capacity.model_spec import ModelSpec, ParameterCount
+from capacity.quantities import GIB, Bounds, Term
+from capacity.rollout_memory import rollout_weight_bytes
+from capacity.training_memory import rank_share, trainable_parameters
 
 OFFLOAD_BYTES_PER_PARAM = 16
 PINNED_BUFFER_GIB = Bounds(0.0, 1.0, 2.0)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainer.planner.layouts import Layout
-from trainer.planner.model_spec import ModelSpec, ParameterCount
-from trainer.planner.quantities import GIB, Bounds, Term
+from capacity.layouts import Layout
+from capacity.model_spec import ModelSpec, ParameterCount
+from capacity.quantities import GIB, Bounds, Term
 
 # MXFP4: 4-bit values plus one 8-bit (E8M0) scale per 32 values.
 MXFP4_BYTES_PER_PARAM = (32 * 4 + 8) / 8 / 32

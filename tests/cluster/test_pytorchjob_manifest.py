@@ -9,7 +9,7 @@ import yaml
 from kubeflow.training import ApiClient as KubeflowApiClient
 from pydantic import ValidationError
 
-from trainer.cluster.pytorchjob import (
+from cluster.pytorchjob import (
     ClusterJobConfig,
     ElasticSettings,
     SecretEnv,

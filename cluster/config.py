@@ -3,7 +3,7 @@
 ``ClusterJobConfig`` describes one PyTorchJob (pods, GPUs, volumes, secrets by name);
 ``ExecutionConfig`` says whether a pipeline step trains in its own process (``local``) or
 launches such a job (``pytorchjob``). Both import only pydantic, so presets and the CLI can
-use them without the ``cluster`` extra; ``trainer.cluster.pytorchjob`` turns them into a
+use them without the ``cluster`` extra; ``cluster.pytorchjob`` turns them into a
 manifest with the Kubeflow and Kubernetes SDKs.
 """
 
@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from cluster.hardware import job_fields
 from eval.config_model import ConfigModel
-from trainer.cluster.hardware import job_fields
 
 GPU_RESOURCE = "nvidia.com/gpu"
 _SECRET_LIKE = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL", re.IGNORECASE)
@@ -130,7 +130,7 @@ REFERENCE_LAYOUTS: dict[str, dict] = {
     # 8× H200 (141 GB), 192 vCPU, 2 TiB per node.
     "p5en.48xlarge": {"nodes": 2, **job_fields("p5en.48xlarge")},
 }
-"""A PyTorchJob per node type (``trainer.cluster.hardware.NODE_TYPES``), with a default node
+"""A PyTorchJob per node type (``cluster.hardware.NODE_TYPES``), with a default node
 count; ``Hardware.execution`` sets the nodes a preset's step takes."""
 
 

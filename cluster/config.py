@@ -174,14 +174,26 @@ class ExecutionConfig(ConfigModel):
     """Delete a job that succeeded (its manifest stays an output artifact); a failed job is kept
     for ``kubectl describe`` until the pipeline's exit handler deletes it."""
 
-    def cluster(self, nproc: int) -> tuple[int, int]:
-        """``(nodes, processes per node)`` the step trains on: its PyTorchJob (reference
-        layout, then ``job`` overrides), or one node of ``nproc`` processes (``local``)."""
+    def cluster(self, nproc: int, rollout_processes: int = 0) -> tuple[int, int]:
+        """``(nodes, processes per node)`` the step's training processes fill: its PyTorchJob
+        (reference layout, then ``job`` overrides) less the nodes that ``rollout_processes``
+        (dedicated rollout engines, placed after the training processes) take, or one node of
+        ``nproc`` processes (``local``).
+
+        Raises:
+            ValueError: the job has no node left for training processes.
+        """
         if self.mode == "local":
             return 1, nproc
         job = {**REFERENCE_LAYOUTS.get(self.reference or "", {}), **self.job}
-        per_node = job.get("nproc_per_node") or job.get("gpus_per_node") or 1
-        return int(job.get("nodes", 1)), int(per_node)
+        per_node = int(job.get("nproc_per_node") or job.get("gpus_per_node") or 1)
+        nodes = int(job.get("nodes", 1)) - -(-rollout_processes // per_node)
+        if nodes < 1:
+            raise ValueError(
+                f"the PyTorchJob's {job.get('nodes', 1)} node(s) of {per_node} leave no node for "
+                f"training beside {rollout_processes} rollout-only processes; raise job.nodes"
+            )
+        return nodes, per_node
 
     @model_validator(mode="after")
     def _job_is_valid(self) -> ExecutionConfig:

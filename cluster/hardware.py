@@ -98,8 +98,9 @@ class Hardware(ConfigModel):
     Attributes:
         node_type: a ``NODE_TYPES`` name; ``local`` trains in the pipeline step's own pod.
         sft_nodes: nodes of the SFT PyTorchJob.
-        grpo_nodes: nodes of the GRPO PyTorchJob's training processes (dedicated rollout
-            engines are placed on the nodes after them).
+        grpo_nodes: nodes of the GRPO PyTorchJob's training processes; dedicated rollout
+            engines' processes fill the nodes after them, which the job takes too
+            (``job_nodes``).
         storage_gib: size of the volume that holds checkpoints.
     """
 
@@ -144,16 +145,20 @@ class Hardware(ConfigModel):
             return 1, nproc
         return self.nodes(step), self.node.gpus
 
-    def execution(self, step: Step):
+    def job_nodes(self, step: Step, rollout_processes: int = 0) -> int:
+        """Nodes of ``step``'s PyTorchJob: its training nodes, then the nodes that
+        ``rollout_processes`` (GRPO's dedicated engines) fill after them."""
+        return self.nodes(step) + -(-rollout_processes // self.node.gpus)
+
+    def execution(self, step: Step, rollout_processes: int = 0):
         """``step``'s ``ExecutionConfig``: in its own pod (``local``), or a PyTorchJob of this
-        node type's reference layout on ``nodes(step)`` nodes."""
+        node type's reference layout on ``job_nodes(step, rollout_processes)`` nodes."""
         from cluster.config import ExecutionConfig
 
         if self.local:
             return ExecutionConfig()
-        return ExecutionConfig(
-            mode="pytorchjob", reference=self.node_type, job={"nodes": self.nodes(step)}
-        )
+        nodes = self.job_nodes(step, rollout_processes)
+        return ExecutionConfig(mode="pytorchjob", reference=self.node_type, job={"nodes": nodes})
 
     def megatron_fields(self, nproc: int) -> dict:
         """The Megatron layout's machine fields: the GRPO job's nodes, processes per node and

@@ -329,9 +329,11 @@ def config_dict(config: BaseModel) -> dict:
 
 def step_execution(preset: Preset, step: Step) -> ExecutionConfig:
     """Where ``step`` trains (its ``<step>_execution`` parameter): in its pipeline pod, or as a
-    PyTorchJob of ``preset.hardware``'s nodes that takes the platform's workspace volume and
-    Secrets (``platform.job_defaults``)."""
-    execution = preset.hardware.execution(step)
+    PyTorchJob of ``preset.hardware``'s nodes (GRPO's with the nodes of its dedicated rollout
+    engines after the training ones) that takes the platform's workspace volume and Secrets
+    (``platform.job_defaults``)."""
+    rollout_processes = preset.grpo.rollout_processes if step == "grpo" else 0
+    execution = preset.hardware.execution(step, rollout_processes)
     if execution.mode == "local":
         return execution
     from pipelines.platform import get_platform, job_defaults

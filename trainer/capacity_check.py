@@ -244,7 +244,8 @@ def check_run(
     sft = SFTConfig.model_validate(sft_config)
     grpo = GRPOConfig.model_validate(grpo_config)
     sft_cluster = ExecutionConfig.model_validate(sft_execution).cluster(sft.nproc)
-    grpo_cluster = ExecutionConfig.model_validate(grpo_execution).cluster(grpo.nproc)
+    grpo_execution_config = ExecutionConfig.model_validate(grpo_execution)
+    grpo_cluster = grpo_execution_config.cluster(grpo.nproc, grpo.rollout_processes)
     machines = hardware_layout(Hardware.model_validate(hardware))
     plan, estimates = run_estimates(
         model, machines, sft, grpo, sft_cluster, grpo_cluster, overrides

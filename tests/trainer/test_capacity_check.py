@@ -66,7 +66,12 @@ def test_changing_max_new_tokens_or_the_layout_changes_the_estimate():
     assert _rank_bytes(fewer_estimate["grpo"]) > _rank_bytes(base["grpo"])
     # hybrid: the same GRPO colocated, engines on the training GPUs
     hybrid = apply_overrides(
-        preset, {"grpo.rollout.colocate": "true", "grpo.rollout.num_engines": "0"}
+        preset,
+        {
+            "grpo.rollout.colocate": "true",
+            "grpo.rollout.num_engines": "0",
+            "grpo.rollout.async_steps": "0",  # colocated: nothing to overlap with
+        },
     )
     plan, hybrid_estimate = _estimates(hybrid)
     assert (plan.nodes, len(plan.engines)) == (4, 4)

@@ -23,7 +23,7 @@ log = logging.getLogger("gpu_check")
 
 def _planner_layout(sizes: Sizes):
     """One training GPU (or CPU process), plain PyTorch (ZeRO-0), bf16, the check's shapes."""
-    from trainer.planner.layouts import H200_GIB, Layout
+    from capacity.layouts import H200_GIB, Layout
 
     return Layout(
         name="gpu-check-one-device",
@@ -52,7 +52,7 @@ def _planner_model(sizes: Sizes):
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from trainer.planner.model_presets import MODEL_PRESETS
+    from capacity.model_presets import MODEL_PRESETS
 
     layers = sizes.planner_layers
     config = {
@@ -94,15 +94,15 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     import torch
     from gpu_checks import CheckFailed, _finite
 
+    from capacity.estimate import estimate
+    from capacity.measured import cpu_allocator_peak, tensor_bytes
+    from capacity.quantities import GIB
     from eval.seeds import group_seeds
     from trainer.backends import TorchBackend
     from trainer.grpo.config import GRPOConfig, RolloutConfig
     from trainer.grpo.prompts import Prompt
     from trainer.grpo.recipe import _Batch, _update
     from trainer.grpo.rollout import HFRolloutEngine, Rollout
-    from trainer.planner.estimate import estimate
-    from trainer.planner.measured import cpu_allocator_peak, tensor_bytes
-    from trainer.planner.quantities import GIB
 
     config, model = _planner_model(sizes)
     layout = _planner_layout(sizes)

@@ -59,7 +59,7 @@ class Sizes:
     sft_steps: int
     grpo_steps: int
     planner_model: str
-    """A ``trainer.planner`` model preset whose layer shapes the planner check builds."""
+    """A ``capacity`` model preset whose layer shapes the planner check builds."""
     planner_layers: int
     prompt_len: int
     generate_len: int

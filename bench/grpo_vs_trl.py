@@ -75,8 +75,8 @@ def grpo_config(steps: int, seed: int, async_steps: int) -> dict:
 
 
 def run_ours(model: Path, data: Path, work: Path, steps: int, seed: int, async_steps: int) -> dict:
+    from cluster.torchrun import torchrun_command
     from trainer.grpo.config import GRPOConfig
-    from trainer.launch import torchrun_command
     from trainer.metrics import read_metrics
 
     name = f"ours-async{async_steps}-seed{seed}"

@@ -37,9 +37,9 @@ def grpo(
     import logging
     from pathlib import Path
 
+    from cluster.config import JobLaunch
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
     from eval.tracking import configure_tracking
-    from trainer.cluster.config import JobLaunch
     from trainer.grpo.config import GRPOConfig
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
 

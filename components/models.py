@@ -41,9 +41,9 @@ def sft(
     import logging
     from pathlib import Path
 
+    from cluster.config import JobLaunch
     from components.images import GPU_IMAGE
     from eval.tracking import configure_tracking
-    from trainer.cluster.config import JobLaunch
     from trainer.sft.config import SFTConfig
     from trainer.sft.step import render_sft_html, run_sft_step, sft_metrics
 
@@ -79,8 +79,8 @@ def capacity_check(
     import logging
     from pathlib import Path
 
-    from trainer.planner import LayoutDoesNotFit
-    from trainer.planner.run_layout import check_run
+    from capacity import LayoutDoesNotFit
+    from trainer.capacity_check import check_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     text, failing = check_run(

@@ -100,8 +100,8 @@ def finalize(
     if delete_jobs:
         from kubernetes.client import ApiException
 
-        from trainer.cluster.launcher import PyTorchJobLauncher
-        from trainer.cluster.step_job import current_namespace, delete_run_jobs
+        from cluster.launcher import PyTorchJobLauncher
+        from cluster.step_job import current_namespace, delete_run_jobs
 
         try:
             deleted = delete_run_jobs(PyTorchJobLauncher(current_namespace()), pipeline_run_id)

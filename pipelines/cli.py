@@ -366,14 +366,14 @@ def estimate(
     """Estimate GPU memory, host memory and storage of a GRPO/SFT layout, with a verdict.
 
     Exits with status 1 when the layout does not fit."""
-    from trainer.placement import PlacementError
-    from trainer.planner import (
+    from capacity import (
         LayoutDoesNotFit,
         LayoutError,
         ModelSpecError,
         check_layout,
         render_estimate,
     )
+    from trainer.placement import PlacementError
 
     overrides = _parse_sets(sets)
     try:
@@ -393,8 +393,8 @@ def _estimate_preset(
     preset: Preset, model: str | None, layout: str | None, overrides: dict[str, str]
 ) -> None:
     """``lingo estimate --preset``: the placement plan, then SFT's and GRPO's tables."""
+    from capacity import MODEL_PRESETS, Verdict, format_table
     from pipelines.presets import run_estimates
-    from trainer.planner import MODEL_PRESETS, Verdict, format_table
 
     if model is None:  # the preset's model, where the planner knows it by name
         name = "tiny-gpt-oss" if preset.model.source == "tiny" else preset.model.source

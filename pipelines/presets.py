@@ -15,13 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.config import ExecutionConfig
+from cluster.hardware import Hardware, Step
 from components.config_fields import config_arguments
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
-from trainer.backends import OptimConfig
-from trainer.cluster.config import ExecutionConfig
-from trainer.cluster.hardware import Hardware, Step
+from trainer.backends.config import OptimConfig
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.tiny_model import TinyModelConfig
@@ -70,7 +70,7 @@ class Preset(BaseModel):
 
     @model_validator(mode="after")
     def _hardware_stated_once(self) -> Preset:
-        from trainer.planner.run_layout import HARDWARE_FIELDS
+        from trainer.capacity_check import HARDWARE_FIELDS
 
         restated = sorted(set(self.layout_overrides) & HARDWARE_FIELDS)
         restated += sorted(set(self.megatron_layout) & set(MEGATRON_MACHINE_FIELDS))
@@ -329,9 +329,11 @@ def config_dict(config: BaseModel) -> dict:
 
 def step_execution(preset: Preset, step: Step) -> ExecutionConfig:
     """Where ``step`` trains (its ``<step>_execution`` parameter): in its pipeline pod, or as a
-    PyTorchJob of ``preset.hardware``'s nodes that takes the platform's workspace volume and
-    Secrets (``platform.job_defaults``)."""
-    execution = preset.hardware.execution(step)
+    PyTorchJob of ``preset.hardware``'s nodes (GRPO's with the nodes of its dedicated rollout
+    engines after the training ones) that takes the platform's workspace volume and Secrets
+    (``platform.job_defaults``)."""
+    rollout_processes = preset.grpo.rollout_processes if step == "grpo" else 0
+    execution = preset.hardware.execution(step, rollout_processes)
     if execution.mode == "local":
         return execution
     from pipelines.platform import get_platform, job_defaults
@@ -382,8 +384,8 @@ def grpo_plan(preset: Preset):
 
 def capacity_layout(preset: Preset, layout: str | None = None):
     """The machines the capacity check estimates on: ``hardware``'s (or the planner's layout
-    preset ``layout``, ``lingo estimate --layout``), as a ``trainer.planner.Layout``."""
-    from trainer.planner.run_layout import hardware_layout
+    preset ``layout``, ``lingo estimate --layout``), as a ``capacity.Layout``."""
+    from trainer.capacity_check import hardware_layout
 
     return layout or hardware_layout(preset.hardware)
 
@@ -391,7 +393,7 @@ def capacity_layout(preset: Preset, layout: str | None = None):
 def run_estimates(preset: Preset, model: str, layout: str | None = None, overrides=None):
     """``(plan, {"sft": Estimate, "grpo": Estimate})`` of ``preset`` as the capacity check
     estimates it (``overrides``: planner layout fields, after the preset's own)."""
-    from trainer.planner.run_layout import run_estimates as estimates
+    from trainer.capacity_check import run_estimates as estimates
 
     return estimates(
         model,

@@ -1,4 +1,4 @@
-"""Shared test helpers: rows in the Multilingual-Thinking schema."""
+"""Shared test helpers: rows in the Multilingual-Thinking schema, a tiny GPT-OSS model."""
 
 from __future__ import annotations
 
@@ -100,3 +100,11 @@ def prepared_data(tmp_path_factory):
         DataPrepConfig(workers=1), out / "train.jsonl", out / "eval.jsonl", out / "quarantine.jsonl"
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A small tiny-GPT-OSS directory (smaller than the demo's, for fast tests), built once."""
+    from trainer.tiny_model import SMALLEST, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", SMALLEST)

@@ -1,6 +1,6 @@
-"""The packages import one way (README "Layout"): components → (data_prep, trainer, eval),
-pipelines → components, data_prep → eval, trainer → eval. Read from the source with ``ast``,
-lazy (function-level) imports included."""
+"""The packages import one way (README "Layout"): pipelines → components → (data_prep,
+trainer) → eval; trainer → (capacity, cluster); capacity → cluster (the node types);
+cluster → eval. Read from the source with ``ast``, lazy (function-level) imports included."""
 
 import ast
 from pathlib import Path
@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("data_prep", "trainer", "eval", "components", "pipelines")
+PACKAGES = ("data_prep", "trainer", "eval", "capacity", "cluster", "components", "pipelines")
 ALLOWED = {
     "eval": set(),
     "data_prep": {"eval"},
-    "trainer": {"eval"},
-    "components": {"data_prep", "trainer", "eval"},
-    "pipelines": {"components", "data_prep", "trainer", "eval"},
+    "cluster": {"eval"},
+    "capacity": {"eval", "cluster"},
+    "trainer": {"eval", "capacity", "cluster"},
+    "components": {"data_prep", "trainer", "eval", "capacity", "cluster"},
+    "pipelines": {"components", "data_prep", "trainer", "eval", "capacity", "cluster"},
 }
 # The one exception: the tiny model's tokenizer is trained on the bundled sample as data
 # prep renders it, so its corpus comes from data_prep (a lazy import in one function).

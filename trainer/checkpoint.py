@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.backends import TrainingBackend
+from trainer.backends.interface import TrainingBackend
 from trainer.distributed import DistInfo, barrier, broadcast_object
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.backends import NonFiniteLossError
+from trainer.backends.interface import NonFiniteLossError
 from trainer.checkpoint import latest_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum
 

@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipelines.presets import DEFAULT_PRESET, apply_overrides, get_preset
-from trainer.backends import OptimConfig
+from trainer.backends.config import OptimConfig
 from trainer.grpo.config import GRPOConfig
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from cluster.hardware import NODE_TYPES, Hardware
 from pipelines.platform import get_platform
 from pipelines.presets import (
     PRESETS,
@@ -17,9 +18,8 @@ from pipelines.presets import (
     megatron_layout,
     step_execution,
 )
-from trainer.cluster.hardware import NODE_TYPES, Hardware
+from trainer.capacity_check import grpo_layout, sft_layout
 from trainer.megatron.layout import resolve_megatron_layout
-from trainer.planner.run_layout import grpo_layout, sft_layout
 
 
 @pytest.mark.parametrize("field", ["layout", "platform", "sft_execution", "grpo_execution"])
@@ -57,17 +57,21 @@ def test_every_preset_derives_one_cluster(name):
     preset = Preset.model_validate(PRESETS[name].model_dump())  # its validators, run again
     hardware = preset.hardware
     node = NODE_TYPES[hardware.node_type]
+    plan = grpo_plan(preset)
+    rollout = {"sft": 0, "grpo": preset.grpo.rollout_processes}
     for step, config in (("sft", preset.sft), ("grpo", preset.grpo)):
         nodes, per_node = hardware.cluster(step, config.nproc)
         execution = step_execution(preset, step)
-        assert execution.cluster(config.nproc) == (nodes, per_node), step
+        assert execution.cluster(config.nproc, rollout[step]) == (nodes, per_node), step
         if execution.mode == "pytorchjob":  # the job the step launches
             job = execution.cluster_job(default_image="i", default_namespace="n")
-            assert (job.nodes, job.gpus_per_node) == (nodes, node.gpus), step
-            assert job.world_size == config.nproc, step
+            assert job.gpus_per_node == node.gpus, step
+            # the job runs the training processes and the dedicated engines' (as step_job checks)
+            assert job.world_size == config.nproc + rollout[step], step
+            if step == "grpo":
+                assert job.nodes == plan.nodes
             assert job.node_selector["node.kubernetes.io/instance-type"] == node.name
-    # the placement plan: training on the GRPO job's nodes, engines after them
-    plan = grpo_plan(preset)
+    # the placement plan: training on the GRPO job's first nodes, engines after them
     grpo_nodes, per_node = hardware.cluster("grpo", preset.grpo.nproc)
     assert plan.gpus_per_node == per_node
     assert {p.device.node for p in plan.processes if "train" in p.roles} <= set(range(grpo_nodes))
@@ -103,6 +107,18 @@ def test_hardware_overrides_reach_every_derived_setting():
     preset = apply_overrides(
         PRESETS["gpt-oss-20b"], {"hardware.grpo_nodes": "2", "grpo.nproc": "8"}
     )
-    assert step_execution(preset, "grpo").job["nodes"] == 2
-    assert grpo_plan(preset).nodes == 4  # 2 training nodes, then the 2 engines' nodes
+    # 2 training nodes, then the 2 nodes of the 2 dedicated engines (TP 4)
+    assert step_execution(preset, "grpo").job["nodes"] == grpo_plan(preset).nodes == 4
     assert megatron_layout(preset)["nodes"] == 2
+
+
+def test_the_gpt_oss_20b_grpo_job_holds_its_engines():
+    """16 training processes on 4 g5.12xlarge nodes and 2 vLLM engines of TP 4 on 2 more:
+    the PyTorchJob is 6 nodes (24 processes), as ``step_job`` counts them."""
+    preset = PRESETS["gpt-oss-20b"]
+    assert (preset.grpo.nproc, preset.grpo.rollout_processes) == (16, 8)
+    execution = step_execution(preset, "grpo")
+    assert execution.cluster_job("i", "n").world_size == 24
+    assert execution.cluster(16, 8) == (4, 4)
+    with pytest.raises(ValueError, match="no node for training"):
+        execution.cluster(16, 40)

@@ -14,11 +14,11 @@ import pytest
 import torch
 from tests_helpers_trainer import small_grpo_config
 
+from cluster.torchrun import torchrun_command
 from trainer.distributed import DistInfo
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import run_placement
 from trainer.grpo.remote import _flat, _unflat, buckets, engine_slots
-from trainer.launch import torchrun_command
 from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.placement import PlacementError
 

@@ -11,12 +11,12 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cluster.torchrun import torchrun_command
 from eval.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.prompts import load_prompts
 from trainer.grpo.recipe import run_grpo
 from trainer.grpo.rollout import HFRolloutEngine, cut_at_stop
-from trainer.launch import torchrun_command
 from trainer.metrics import read_metrics
 
 SMALL = {

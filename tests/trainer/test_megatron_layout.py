@@ -6,6 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capacity import LayoutError as PlannerLayoutError
+from capacity import ModelSpecError, Verdict
 from trainer.megatron.layout import (
     MEGATRON_LAYOUTS,
     LayoutError,
@@ -14,8 +16,6 @@ from trainer.megatron.layout import (
     validate_layout,
     verl_gpt_oss_layout,
 )
-from trainer.planner import LayoutError as PlannerLayoutError
-from trainer.planner import ModelSpecError, Verdict
 
 # The architecture fields of openai/gpt-oss-20b and -120b that the rules read.
 GPT_OSS_20B = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.launch import torchrun_command
+from cluster.torchrun import torchrun_command
 from trainer.metrics import read_metrics
 
 pytest.importorskip("deepspeed")

@@ -16,10 +16,10 @@ import pytest
 import torch
 from tests_helpers_trainer import small_grpo_config
 
+from cluster.torchrun import torchrun_command
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.rollout import HFRolloutEngine
 from trainer.grpo.sync_check import max_abs_diff
-from trainer.launch import torchrun_command
 from trainer.metrics import METRICS_FILE, read_metrics
 
 ROLLOUT = {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from eval.config_model import ConfigModel
-from trainer.backends import OptimConfig, ProcessSettings
+from trainer.backends.config import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode
 
 

@@ -6,10 +6,11 @@ import base64
 import html
 from pathlib import Path
 
-from trainer.cluster.config import JobLaunch
+from cluster.config import JobLaunch
+from cluster.torchrun import run_step_processes
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import GRPOResult, read_summary, run_grpo
-from trainer.launch import run_step_processes
+from trainer.metrics import METRICS_FILE
 
 
 def run_grpo_step(
@@ -26,13 +27,14 @@ def run_grpo_step(
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     if launch is not None and launch.as_job:
-        from trainer.cluster.step_job import StepJob, run_step_job
+        from cluster.step_job import StepJob, run_step_job
 
         megatron = getattr(cfg.optim, "megatron", None)
         staged = ("optim.megatron.checkpoint",) if megatron and megatron.checkpoint else ()
         job = StepJob(
-            "grpo", "trainer.grpo", cfg, "sft-model", sft_model, train_path, eval_path, staged
-        )
+            "grpo", "trainer.grpo", cfg, "sft-model", sft_model, train_path, eval_path, staged,
+            metrics_file=METRICS_FILE,
+        )  # fmt: skip
         run_step_job(
             job, launch.execution, launch.run_id, model_output, work_dir,
             launch.manifest_path, launch.image,

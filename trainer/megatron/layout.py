@@ -20,7 +20,7 @@ every rule that fails is reported, all at once, in one ``LayoutError``:
 - sequence parallelism needs TP > 1, and EP > 1 with TP > 1 needs sequence parallelism
   (Megatron-Core's ``ModelParallelConfig`` raises otherwise);
 - the rollout engine's TP divides the attention heads and the world size;
-- one training rank fits its GPU, as the capacity planner (``trainer.planner``) estimates it.
+- one training rank fits its GPU, as the capacity planner (``capacity``) estimates it.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from eval.config_model import ConfigModel
-from trainer.planner import (
+from capacity import (
     MODEL_PRESETS,
     Estimate,
     Layout,
@@ -46,7 +45,8 @@ from trainer.planner import (
     format_table,
     load_model_spec,
 )
-from trainer.planner import LayoutError as PlannerLayoutError
+from capacity import LayoutError as PlannerLayoutError
+from eval.config_model import ConfigModel
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class MegatronLayout(ConfigModel):
         gpu_memory_gib: memory of one GPU as the driver reports it; ``None`` skips the
             memory check (CPU runs).
         rollout_tp: tensor parallel size of each vLLM rollout engine.
-        planner: further ``trainer.planner.Layout`` fields for the memory estimate
+        planner: further ``capacity.Layout`` fields for the memory estimate
             (``micro_train_batch_size``, ``prompt_max_len``, ``generate_max_len``,
             ``adam_offload``, ``kl``, ``ref_offload``, ``gradient_checkpointing`` ...).
     """

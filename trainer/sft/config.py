@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from eval.config_model import ConfigModel
-from trainer.backends import OptimConfig, ProcessSettings
+from trainer.backends.config import OptimConfig, ProcessSettings
 
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -7,8 +7,9 @@ import html
 import json
 from pathlib import Path
 
-from trainer.cluster.config import JobLaunch
-from trainer.launch import run_step_processes
+from cluster.config import JobLaunch
+from cluster.torchrun import run_step_processes
+from trainer.metrics import METRICS_FILE
 from trainer.sft.config import SFTConfig
 from trainer.sft.recipe import SUMMARY_FILE, SFTResult, run_sft
 
@@ -27,9 +28,12 @@ def run_sft_step(
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     if launch is not None and launch.as_job:
-        from trainer.cluster.step_job import StepJob, run_step_job
+        from cluster.step_job import StepJob, run_step_job
 
-        job = StepJob("sft", "trainer.sft", cfg, "base-model", base_model, train_path, eval_path)
+        job = StepJob(
+            "sft", "trainer.sft", cfg, "base-model", base_model, train_path, eval_path,
+            metrics_file=METRICS_FILE,
+        )  # fmt: skip
         run_step_job(
             job, launch.execution, launch.run_id, model_output, work_dir,
             launch.manifest_path, launch.image,

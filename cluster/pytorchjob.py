@@ -1,0 +1,167 @@
+"""Build a Kubeflow PyTorchJob manifest for one training step.
+
+The job has a Master and ``nodes - 1`` Workers, one pod per node. Each pod runs
+``python -m torch.distributed.run -m <module> <args…>``: torchrun reads its rendezvous settings
+from the ``PET_*`` variables the training operator sets (``PET_NNODES``, ``PET_NODE_RANK``,
+``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, and ``PET_NPROC_PER_NODE`` from
+``spec.nprocPerNode``, a string, training-operator v1.7+), so the command line carries only the
+entry point and its arguments. The manifest is built with the ``kubeflow-training`` SDK models
+and the Kubernetes client's pod models, then serialized to a plain dict.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+try:
+    from kubeflow.training import models as kf
+    from kubernetes import client as k8s
+except ImportError as error:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "cluster needs the Kubernetes SDKs: pip install 'lingo-rl[cluster]'"
+    ) from error
+
+API_VERSION = "kubeflow.org/v1"
+KIND = "PyTorchJob"
+CONTAINER_NAME = "pytorch"
+"""The training operator finds the training container by this name."""
+ISTIO_INJECT_ANNOTATION = "sidecar.istio.io/inject"
+
+from cluster.config import (  # noqa: E402 (after the SDK check) - re-exported
+    GPU_RESOURCE,
+    GPU_TOLERATION,
+    REFERENCE_LAYOUTS,
+    ClusterJobConfig,
+    ElasticSettings,
+    SecretEnv,
+    Toleration,
+    reference_layout,
+)
+
+__all__ = [
+    "GPU_TOLERATION",
+    "REFERENCE_LAYOUTS",
+    "ClusterJobConfig",
+    "ElasticSettings",
+    "SecretEnv",
+    "Toleration",
+    "build_pytorchjob",
+    "manifest_yaml",
+    "reference_layout",
+]
+
+
+def entry_point_command(module: str, args: list[str]) -> list[str]:
+    """The container command: torchrun (settings from the operator's ``PET_*``) on ``module``."""
+    return ["python", "-m", "torch.distributed.run", "-m", module, *args]
+
+
+def _container(cluster: ClusterJobConfig, command: list[str]) -> k8s.V1Container:
+    resources = {"cpu": cluster.cpu, "memory": cluster.memory}
+    limits = dict(resources)
+    if cluster.gpus_per_node:
+        limits[GPU_RESOURCE] = str(cluster.gpus_per_node)
+    env = [k8s.V1EnvVar(name=name, value=value) for name, value in sorted(cluster.env.items())]
+    env += [
+        k8s.V1EnvVar(
+            name=item.name,
+            value_from=k8s.V1EnvVarSource(
+                secret_key_ref=k8s.V1SecretKeySelector(name=item.secret, key=item.key)
+            ),
+        )
+        for item in cluster.secret_env
+    ]
+    return k8s.V1Container(
+        name=CONTAINER_NAME,
+        image=cluster.image,
+        command=command,
+        env=env or None,
+        env_from=[
+            k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=name))
+            for name in cluster.secret_env_from
+        ]
+        or None,
+        resources=k8s.V1ResourceRequirements(requests=resources, limits=limits),
+        volume_mounts=[
+            k8s.V1VolumeMount(name="shared", mount_path=cluster.shared_mount),
+            k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+        ],
+    )
+
+
+def _pod_template(cluster: ClusterJobConfig, command: list[str]) -> k8s.V1PodTemplateSpec:
+    return k8s.V1PodTemplateSpec(
+        metadata=k8s.V1ObjectMeta(annotations={ISTIO_INJECT_ANNOTATION: "false"}),
+        spec=k8s.V1PodSpec(
+            containers=[_container(cluster, command)],
+            volumes=[
+                k8s.V1Volume(
+                    name="shared",
+                    persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                        claim_name=cluster.shared_pvc
+                    ),
+                ),
+                k8s.V1Volume(
+                    name="dshm",
+                    empty_dir=k8s.V1EmptyDirVolumeSource(
+                        medium="Memory", size_limit=cluster.shm_size
+                    ),
+                ),
+            ],
+            node_selector=cluster.node_selector or None,
+            tolerations=[k8s.V1Toleration(**t.model_dump()) for t in cluster.tolerations] or None,
+            service_account_name=cluster.service_account,
+        ),
+    )
+
+
+def build_pytorchjob(name: str, cluster: ClusterJobConfig, module: str, args: list[str]) -> dict:
+    """The PyTorchJob manifest that runs ``python -m module args…`` on the cluster layout.
+
+    Args:
+        name: the job's name (a DNS label; the pods are named after it).
+        cluster: where and how to run.
+        module: the entry point, e.g. ``trainer.sft``.
+        args: its arguments; paths must point into ``cluster.shared_mount``.
+
+    Returns:
+        The manifest as a JSON-ready dict (see ``manifest_yaml``).
+    """
+    template = _pod_template(cluster, entry_point_command(module, args))
+    restart = "OnFailure" if cluster.backoff_limit else "Never"
+    replicas = {
+        "Master": kf.KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy=restart, template=template)
+    }
+    if cluster.nodes > 1:
+        replicas["Worker"] = kf.KubeflowOrgV1ReplicaSpec(
+            replicas=cluster.nodes - 1, restart_policy=restart, template=template
+        )
+    elastic = None
+    if cluster.elastic:
+        elastic = kf.KubeflowOrgV1ElasticPolicy(
+            min_replicas=cluster.elastic.min_nodes,
+            max_replicas=cluster.elastic.max_nodes,
+            max_restarts=cluster.elastic.max_restarts,
+            rdzv_backend="c10d",
+        )
+    job = kf.KubeflowOrgV1PyTorchJob(
+        api_version=API_VERSION,
+        kind=KIND,
+        metadata=k8s.V1ObjectMeta(name=name, namespace=cluster.namespace),
+        spec=kf.KubeflowOrgV1PyTorchJobSpec(
+            nproc_per_node=str(cluster.procs_per_node),
+            elastic_policy=elastic,
+            pytorch_replica_specs=replicas,
+            run_policy=kf.KubeflowOrgV1RunPolicy(
+                backoff_limit=cluster.backoff_limit,
+                clean_pod_policy="None",
+                active_deadline_seconds=cluster.active_deadline_seconds,
+            ),
+        ),
+    )
+    return k8s.ApiClient().sanitize_for_serialization(job)
+
+
+def manifest_yaml(manifest: dict) -> str:
+    """The manifest as YAML text, for an artifact or ``kubectl apply -f``."""
+    return yaml.safe_dump(manifest, sort_keys=False)

@@ -1,0 +1,293 @@
+"""Run one training step (SFT, GRPO) as a PyTorchJob from inside its pipeline step.
+
+The pipeline step's pod is the launcher: it copies its input artifacts onto the shared volume,
+writes the step config there, launches ``python -m trainer.sft|trainer.grpo`` as a PyTorchJob
+over the cluster layout, follows it (conditions, the master's log, ``training_metrics.jsonl``
+for progress), and copies the exported model and the work directory back into its own output
+artifacts. Jobs carry the labels ``lingo-rl/pipeline-run`` and ``lingo-rl/step`` so that the
+pipeline's exit handler can find and delete what a cancelled run left behind
+(``delete_run_jobs``); a SIGTERM to the step (cancellation) deletes its job at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from cluster.config import ClusterJobConfig, ExecutionConfig
+from cluster.launcher import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    PyTorchJobLauncher,
+    job_conditions,
+    metrics_progress,
+)
+from cluster.pytorchjob import build_pytorchjob, manifest_yaml
+from eval.tracking import tracking_env
+
+log = logging.getLogger(__name__)
+
+RUN_LABEL = "lingo-rl/pipeline-run"
+STEP_LABEL = "lingo-rl/step"
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+FINISHED = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class StepJob:
+    """One training step to run as a job.
+
+    Attributes:
+        step: ``sft`` or ``grpo`` (job names and labels).
+        module: the entry point, ``trainer.sft`` or ``trainer.grpo``.
+        config: the step's pydantic config (``nproc`` must equal the job's world size).
+        model_flag: the entry point's flag for the input model (``base-model``, ``sft-model``).
+        model: the input model directory.
+        train: the train split.
+        eval: the eval split, or None.
+        config_paths: further inputs named by a config field (dotted, e.g.
+            ``optim.megatron.checkpoint``): staged too, and the field set to the staged copy.
+        metrics_file: the file in the job's work directory that the training appends its
+            progress to (``trainer.metrics.METRICS_FILE``), followed while the job runs;
+            empty: not followed.
+    """
+
+    step: str
+    module: str
+    config: BaseModel
+    model_flag: str
+    model: str | Path
+    train: str | Path
+    eval: str | Path | None
+    config_paths: tuple[str, ...] = ()
+    metrics_file: str = ""
+
+
+def label_value(text: str) -> str:
+    """``text`` as a Kubernetes label value (63 chars of ``[A-Za-z0-9._-]``, alnum at the ends)."""
+    value = re.sub(r"[^A-Za-z0-9._-]", "-", text)[:63].strip("-._")
+    return value or "none"
+
+
+def job_name(step: str, run_id: str) -> str:
+    """``lingo-<step>-<run>``: a DNS-1123 name, short enough for the operator's pod names."""
+    run = re.sub(r"[^a-z0-9-]", "-", run_id.lower()).strip("-")[:36] or "run"
+    return f"lingo-{step}-{run}".rstrip("-")[:52]
+
+
+def current_namespace(default: str = "default") -> str:
+    """The namespace of this pod (from its service account), else ``default``."""
+    if SERVICE_ACCOUNT_NAMESPACE.exists():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return default
+
+
+def stage_inputs(job: StepJob, shared: Path) -> list[str]:
+    """Copy the inputs and the config under ``shared``; returns the entry point's arguments.
+
+    A retried step restages its inputs and clears the exported model, but keeps ``work/``: the
+    recipes resume from the newest checkpoint they find there.
+    """
+    inputs = shared / "inputs"
+    for stale in (inputs, shared / "model"):
+        if stale.exists():
+            shutil.rmtree(stale)
+    inputs.mkdir(parents=True)
+    staged: dict[str, Path] = {}
+    for flag, source in (
+        (job.model_flag, job.model),
+        ("train", job.train),
+        ("eval", job.eval),
+    ):
+        if source is None:
+            continue
+        target = inputs / flag
+        _copy(Path(source), target)
+        staged[flag] = target
+    config = job.config.model_dump(mode="json")
+    for field in job.config_paths:
+        *parents, leaf = field.split(".")
+        node = config
+        for key in parents:
+            node = node[key]
+        target = inputs / field
+        _copy(Path(node[leaf]), target)
+        node[leaf] = str(target)
+    config_file = shared / f"{job.step}_config.json"
+    config_file.write_text(json.dumps(config, indent=2))
+    args = ["--config", str(config_file)]
+    for flag, path in staged.items():
+        args += [f"--{flag}", str(path)]
+    return [*args, "--model-output", str(shared / "model"), "--work-dir", str(shared / "work")]
+
+
+def _copy(source: Path, target: Path) -> None:
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copy2(source, target)
+
+
+def build_step_manifest(
+    job: StepJob, cluster: ClusterJobConfig, run_id: str, args: list[str]
+) -> dict:
+    """The PyTorchJob for ``job``, labelled with the pipeline run and the step.
+
+    Raises:
+        ValueError: the config's processes (``nproc``, plus GRPO's rollout-only processes of
+            dedicated engines) differ from the job's world size.
+    """
+    nproc = getattr(job.config, "nproc", 1)
+    engines = getattr(job.config, "rollout_processes", 0)
+    if nproc + engines != cluster.world_size:
+        with_engines = f" + {engines} rollout-only processes" if engines else ""
+        raise ValueError(
+            f"{job.step}: config nproc={nproc}{with_engines} but the PyTorchJob runs "
+            f"{cluster.world_size} processes ({cluster.nodes} nodes x "
+            f"{cluster.procs_per_node}); set {job.step}.nproc"
+            f"{' or rollout.num_engines' if engines else ''} or the execution's job.nodes / "
+            "job.nproc_per_node so they agree"
+        )
+    manifest = build_pytorchjob(job_name(job.step, run_id), cluster, job.module, args)
+    manifest["metadata"]["labels"] = {RUN_LABEL: label_value(run_id), STEP_LABEL: job.step}
+    return manifest
+
+
+@contextmanager
+def delete_on_sigterm(launcher: PyTorchJobLauncher, name: str) -> Iterator[None]:
+    """While inside, SIGTERM (the pipeline cancelling the step) deletes the job, then exits."""
+
+    def handler(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
+        log.warning("step cancelled: deleting PyTorchJob %s", name)
+        launcher.delete(name)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_step_job(
+    job: StepJob,
+    execution: ExecutionConfig,
+    run_id: str,
+    model_output: str | Path,
+    work_dir: str | Path,
+    manifest_path: str | Path,
+    default_image: str,
+    launcher: PyTorchJobLauncher | None = None,
+) -> Path:
+    """Run ``job`` as a PyTorchJob and copy its results into ``model_output`` and ``work_dir``.
+
+    A job of the same name that is still running (the step was retried while it ran) is
+    followed rather than started again; a finished one is replaced.
+
+    Returns:
+        ``work_dir``, holding the job's work directory (summary, metrics, plots).
+
+    Raises:
+        PyTorchJobFailed, TimeoutError: from the launcher; the job is kept for inspection.
+        ValueError: the layout and the config disagree.
+    """
+    namespace = current_namespace()
+    cluster = execution.cluster_job(default_image=default_image, default_namespace=namespace)
+    # the job's rank 0 logs into the pipeline's MLflow run (credentials come as Secrets)
+    cluster = cluster.model_copy(update={"env": {**tracking_env(), **cluster.env}})
+    name = job_name(job.step, run_id)
+    shared = Path(execution.shared_dir(cluster)) / name
+    launcher = launcher or PyTorchJobLauncher(cluster.namespace)
+    existing = _existing(launcher, name)
+    if existing is not None and not job_conditions(existing).keys() & set(FINISHED):
+        log.info("PyTorchJob %s is still running: following it", name)
+        manifest = existing
+    else:
+        if existing is not None:
+            launcher.delete(name)
+            _wait_gone(launcher, name, execution.poll_s)
+        manifest = build_step_manifest(job, cluster, run_id, stage_inputs(job, shared))
+    Path(manifest_path).write_text(manifest_yaml(manifest))
+    progress = metrics_progress(shared / "work" / job.metrics_file) if job.metrics_file else None
+    with delete_on_sigterm(launcher, name):
+        if manifest is existing:
+            launcher.wait(name, execution.timeout_s, execution.poll_s, progress)
+        else:
+            launcher.run(manifest, execution.timeout_s, execution.poll_s, progress)
+    _copy_back(shared, Path(model_output), Path(work_dir))
+    if execution.delete_on_success:
+        launcher.delete(name)
+    return Path(work_dir)
+
+
+def delete_run_jobs(
+    launcher: PyTorchJobLauncher, run_id: str, include_finished: bool = False
+) -> list[str]:
+    """Delete the run's PyTorchJobs that are still active (all of them with
+    ``include_finished``); returns their names. The pipeline's exit handler calls this."""
+    selector = f"{RUN_LABEL}={label_value(run_id)}"
+    jobs = launcher.jobs.list_namespaced_custom_object(
+        GROUP, VERSION, launcher.namespace, PLURAL, label_selector=selector
+    )["items"]
+    deleted = []
+    for item in jobs:
+        if (item["metadata"].get("labels") or {}).get(RUN_LABEL) != label_value(run_id):
+            continue  # a server that ignores label selectors
+        finished = job_conditions(item).keys() & set(FINISHED)
+        if finished and not include_finished:
+            continue
+        if launcher.delete(item["metadata"]["name"]):
+            deleted.append(item["metadata"]["name"])
+    return deleted
+
+
+def _existing(launcher: PyTorchJobLauncher, name: str) -> dict | None:
+    from kubernetes import client as k8s
+
+    try:
+        return launcher.get(name)
+    except k8s.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def _wait_gone(launcher: PyTorchJobLauncher, name: str, poll_s: float) -> None:
+    import time
+
+    deadline = time.monotonic() + 300
+    while _existing(launcher, name) is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"PyTorchJob {name} was deleted but is still there after 300 s")
+        time.sleep(min(poll_s, 2.0))
+
+
+def _copy_back(shared: Path, model_output: Path, work_dir: Path) -> None:
+    """The model, and the work directory's files (metrics, plots, summary; not checkpoints or
+    policy copies, which stay on the shared volume), with the summary's paths rewritten."""
+    model = shared / "model"
+    if not model.is_dir():
+        raise FileNotFoundError(
+            f"the PyTorchJob succeeded but wrote no model to {model}: check the master's log"
+        )
+    shutil.copytree(model, model_output, dirs_exist_ok=True)
+    work = shared / "work"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    for path in sorted(work.iterdir()) if work.is_dir() else []:
+        if not path.is_file():
+            continue
+        if path.suffix == ".json":
+            text = path.read_text().replace(str(work), str(work_dir))
+            (work_dir / path.name).write_text(text.replace(str(model), str(model_output)))
+        else:
+            shutil.copy2(path, work_dir / path.name)

@@ -1,0 +1,117 @@
+"""The capacity check estimates the run as configured: SFT/GRPO configs and the GRPO
+placement plan decide processes, lengths, batch and engines; the preset's hardware the machines."""
+
+from __future__ import annotations
+
+import pytest
+
+from capacity import LayoutDoesNotFit, LayoutError, Verdict
+from pipelines.presets import (
+    PRESETS,
+    apply_overrides,
+    capacity_layout,
+    config_dict,
+    grpo_plan,
+    run_estimates,
+    step_execution,
+)
+from trainer.capacity_check import check_run, grpo_layout, sft_layout
+
+
+def _estimates(preset, model="gpt-oss-20b", overrides=None):
+    return run_estimates(preset, model, overrides=overrides)
+
+
+def _rank_bytes(estimate) -> float:
+    return next(r for r in estimate.resources if r.key == "training_gpu").total.expected
+
+
+def test_gpt_oss_20b_checks_the_grpo_it_runs():
+    """256 new tokens (not the layout preset's 1,024), 32 prompts × 8, 16 training GPUs, two
+    dedicated engines of TP 4 on nodes 4-5."""
+    preset = PRESETS["gpt-oss-20b"]
+    layout = grpo_layout(capacity_layout(preset), preset.grpo, grpo_plan(preset))
+    assert (layout.generate_max_len, layout.prompt_max_len) == (256, 1024)
+    assert (layout.rollout_batch_size, layout.n_samples_per_prompt) == (32, 8)
+    assert (layout.nodes, layout.training_gpus, layout.rollout_gpus, layout.hybrid) == (
+        6, 16, 8, False
+    )  # fmt: skip
+    assert (layout.zero_stage, layout.adam_offload, layout.kl) == (3, True, True)
+    assert layout.vllm_gpu_memory_utilization == 0.85 and layout.gpu_memory_gib == 22.49
+
+
+def test_verl_checks_one_node_with_colocated_engines_not_the_two_node_ep16_layout():
+    preset = PRESETS["gpt-oss-20b-verl"]
+    layout = grpo_layout(capacity_layout(preset), preset.grpo, grpo_plan(preset))
+    assert (layout.nodes, layout.gpus_per_node, layout.training_gpus) == (1, 8, 8)
+    assert (layout.backend, layout.expert_parallel, layout.hybrid) == ("deepspeed", 1, True)
+    assert (layout.rollout_gpus, layout.vllm_tensor_parallel_size) == (8, 4)
+    assert layout.n_samples_per_prompt == 16
+
+
+def test_changing_max_new_tokens_or_the_layout_changes_the_estimate():
+    preset = PRESETS["gpt-oss-20b"]
+    _, base = _estimates(preset)
+    longer = apply_overrides(preset, {"grpo.rollout.max_new_tokens": "2048"})
+    _, long_estimate = _estimates(longer)
+    assert long_estimate["grpo"].layout.generate_max_len == 2048
+    assert _rank_bytes(long_estimate["grpo"]) > _rank_bytes(base["grpo"])
+    # another layout: 8 training processes (2 nodes) instead of 16 hold twice the shard
+    fewer = apply_overrides(
+        preset,
+        {"grpo.nproc": "8", "hardware.grpo_nodes": "2", "grpo.prompts_per_step": "16"},
+    )
+    plan, fewer_estimate = _estimates(fewer)
+    assert plan.nodes == 4 and fewer_estimate["grpo"].layout.training_gpus == 8
+    assert _rank_bytes(fewer_estimate["grpo"]) > _rank_bytes(base["grpo"])
+    # hybrid: the same GRPO colocated, engines on the training GPUs
+    hybrid = apply_overrides(
+        preset,
+        {
+            "grpo.rollout.colocate": "true",
+            "grpo.rollout.num_engines": "0",
+            "grpo.rollout.async_steps": "0",  # colocated: nothing to overlap with
+        },
+    )
+    plan, hybrid_estimate = _estimates(hybrid)
+    assert (plan.nodes, len(plan.engines)) == (4, 4)
+    assert (
+        hybrid_estimate["grpo"].layout.hybrid and hybrid_estimate["grpo"].layout.rollout_gpus == 16
+    )
+
+
+def test_sft_is_checked_as_configured():
+    preset = PRESETS["gpt-oss-20b"]
+    cluster = preset.hardware.cluster("sft", preset.sft.nproc)
+    layout = sft_layout(capacity_layout(preset), preset.sft, *cluster)
+    assert (layout.nodes, layout.training_gpus, layout.rollout_gpus) == (2, 8, 0)
+    assert (layout.lora_rank, layout.lora_experts, layout.sequence_length) == (8, True, 2049)
+    assert layout.micro_train_batch_size == preset.sft.micro_batch_size
+
+
+def test_every_preset_fits_its_check():
+    for name, preset in PRESETS.items():
+        model = "tiny-gpt-oss" if name == "tiny-cpu" else "gpt-oss-20b"
+        _, estimates = _estimates(preset, model)
+        assert all(e.verdict is not Verdict.DOES_NOT_FIT for e in estimates.values()), name
+
+
+def test_check_run_reports_the_plan_and_both_steps_and_names_what_does_not_fit():
+    preset = PRESETS["tiny-cpu"]
+    args = (
+        config_dict(preset.sft),
+        config_dict(preset.grpo),
+        config_dict(step_execution(preset, "sft")),
+        config_dict(step_execution(preset, "grpo")),
+    )
+    hardware = config_dict(preset.hardware)
+    text, failing = check_run("tiny-gpt-oss", hardware, *args)
+    assert failing is None
+    assert "## GRPO placement" in text and "## SFT" in text and "## GRPO\n" in text
+    text, failing = check_run("tiny-gpt-oss", hardware, *args, {"host_memory_gib": "2.5"})
+    assert failing is not None
+    with pytest.raises(LayoutDoesNotFit, match="does not fit"):
+        raise LayoutDoesNotFit(failing, text)
+    with pytest.raises(LayoutError, match="rollout_gpus"):
+        vllm = apply_overrides(preset, {"grpo.rollout.engine": "vllm"})
+        grpo_layout("tiny-cpu", vllm.grpo, grpo_plan(vllm))

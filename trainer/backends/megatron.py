@@ -1,0 +1,765 @@
+"""The Megatron-Core training backend of the GRPO loop (``optim.backend: megatron``).
+
+The actor (and, when KL is on, a frozen reference) is built by megatron-bridge's provider from
+the SFT model's Hugging Face config with the layout's TP/PP/EP/ETP and sequence parallelism,
+wrapped in Megatron-Core's ``DistributedDataParallel``, and loaded from the ``torch_dist``
+checkpoint ``convert_megatron`` wrote. Every forward runs through Megatron-Core's pipeline
+schedule (``get_forward_backward_func()``): with PP > 1 a stage holds only its layers, so the
+loop hands over whole micro-batch lists and a per-micro-batch loss function
+(``TrainingBackend.forward_backward``), and only the last stage computes log-probs and losses.
+
+Layout: the loop's rows are right-aligned (left padding); Megatron gets them left-aligned with
+padding at the end, positions ``0..n-1`` and the causal mask only (padding after a row's last
+token cannot reach it), every micro-batch of one call padded to the same length (pipeline
+stages exchange fixed shapes; a multiple of TP with sequence parallelism). The response
+log-probs and entropies go back to the loop's ``[B, width]`` right-aligned layout.
+
+Logits are split over TP along the vocabulary; log-probs and entropies are computed from the
+shards with sums over the TP group and an analytic backward that needs no communication (as
+Megatron's ``vocab_parallel_cross_entropy``). Columns of Megatron's padded vocabulary beyond
+the model's are masked out.
+
+Loss scaling: the loop's micro-batch loss is already its share of the global loss. Megatron's
+schedule divides a returned ``(loss, stats)`` by the number of micro-batches and DDP averages
+gradients over the data-parallel group, so the loss handed to the schedule is multiplied by
+both; the gradients end up the plain sum, as with the other backends.
+
+Also here: the distributed optimizer (``OptimizerConfig`` from ``OptimConfig``: lr, betas,
+weight decay, clipping, optional CPU offload), the learning-rate schedule (``lr_factor``, the
+same as the other backends), activation recompute, ``torch_dist`` checkpoints for resume, and
+the weights in Hugging Face names for the rollout engine (``AutoBridge.export_hf_weights``:
+one tensor at a time, each gathered over its own TP/EP/PP group, never the whole model on one
+rank). megatron-core / megatron-bridge need Python >= 3.12 and are imported inside the
+functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.backends.config import OptimConfig
+from trainer.backends.interface import DataParallel, LossFn, ResponseBatch
+from trainer.backends.schedule import lr_factor
+from trainer.distributed import DistInfo
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "megatron"
+"""Where ``save_checkpoint`` puts the ``torch_dist`` files inside a ``step-<N>`` directory."""
+
+_INSTALL_HINT = (
+    "optim.backend=megatron needs megatron-core and megatron-bridge, which need Python >= 3.12: "
+    "pip install 'lingo-rl[megatron]' in a Python 3.12+ environment (the GPU image has it)"
+)
+
+
+def require_megatron() -> None:
+    """Raise a clear ``ImportError`` unless megatron-core and megatron-bridge import."""
+    if sys.version_info < (3, 12):
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        raise ImportError(f"{_INSTALL_HINT}; this is Python {version}")
+    try:
+        import megatron.bridge  # noqa: F401
+        import megatron.core  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"{_INSTALL_HINT} ({err})") from err
+
+
+# --- batches: the loop's right-aligned rows as Megatron's left-aligned ones -----------------
+
+
+@dataclass
+class MegatronBatch:
+    """One micro-batch as Megatron runs it: each row's tokens from column 0, then padding."""
+
+    input_ids: torch.Tensor
+    """``[B, S]``."""
+    position_ids: torch.Tensor
+    """``[B, S]``: ``0..S-1`` on every row."""
+    lengths: torch.Tensor
+    """``[B]`` tokens (prompt + response) per row."""
+    response_lengths: torch.Tensor
+    """``[B]`` response tokens per row (the row's last tokens)."""
+    width: int
+    """The loop's response width: log-probs come back as ``[B, width]``, right-aligned."""
+
+
+def padded_length(micro_batches: Sequence[ResponseBatch], multiple: int = 1) -> int:
+    """The sequence length every micro-batch of one schedule call is padded to: the longest
+    row, at least 2, rounded up to ``multiple`` (TP with sequence parallelism)."""
+    longest = max(int(m.attention.sum(-1).max()) for m in micro_batches)
+    return math.ceil(max(2, longest) / multiple) * multiple
+
+
+def megatron_batch(micro: ResponseBatch, seq_len: int, pad_id: int, device) -> MegatronBatch:
+    """``micro``'s rows left-aligned into ``[B, seq_len]``."""
+    lengths = micro.attention.sum(-1).long()
+    rows, total = micro.ids.shape
+    if int(lengths.max()) > seq_len:
+        raise ValueError(f"a row of {int(lengths.max())} tokens does not fit seq_len {seq_len}")
+    input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
+    for i, length in enumerate(lengths.tolist()):
+        input_ids[i, :length] = micro.ids[i, total - length :].cpu()
+    return MegatronBatch(
+        input_ids=input_ids.to(device),
+        position_ids=torch.arange(seq_len, device=device).repeat(rows, 1),
+        lengths=lengths.to(device),
+        response_lengths=micro.mask.sum(-1).round().long().to(device),
+        width=micro.mask.shape[1],
+    )
+
+
+# --- log-probs from vocabulary-parallel logits ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of the (padded) vocabulary in the logits."""
+
+    start: int = 0
+    """Vocabulary id of the first logit column on this rank (``tp_rank × columns``)."""
+    size: int | None = None
+    """The model's own vocabulary size; columns at or past it (Megatron's padding) are
+    masked. ``None``: no padding."""
+    group: Any = None
+    """The tensor-parallel process group; ``None``: the logits hold the whole vocabulary."""
+
+
+def _sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """Log-probs and entropies from vocabulary shards, with the analytic gradient.
+
+    Forward: ``s = Σ_v e^{z_v − m}`` (``m`` the global max; local sums, then a sum over the
+    group), ``log p(x) = z_x − m − log s``, ``H = log s − Σ_v p_v (z_v − m)``. Backward, per
+    rank and without communication (the upstream gradients are the same on every rank: the
+    loss after them is computed alike on each): ``∂ log p(x)/∂z_v = 1[v = x] − p_v`` and
+    ``∂H/∂z_v = −p_v (z_v − m − Σ_u p_u (z_u − m))``. Autograd through the sums could not do
+    this: ``p_v`` on one rank depends on every rank's shard through ``s``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, start: int, size: int | None, group):
+        import torch.distributed as dist
+
+        dtype = logits.dtype
+        logits = logits.float()
+        local = logits.shape[-1]
+        padding = None
+        if size is not None and start + local > size:
+            padding = torch.arange(start, start + local, device=logits.device) >= size
+        # padded columns: out of the max, and 0 in every later term (no infinities)
+        visible = logits if padding is None else logits.masked_fill(padding, -math.inf)
+        maximum = visible.amax(dim=-1)
+        if group is not None:
+            dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - maximum.unsqueeze(-1)
+        if padding is not None:
+            shifted = shifted.masked_fill(padding, 0.0)
+        exp = shifted.exp()
+        if padding is not None:
+            exp = exp.masked_fill(padding, 0.0)
+        total = _sum_over(exp.sum(-1), group)
+        log_norm = total.log()
+        local_target = targets - start
+        inside = (local_target >= 0) & (local_target < local)
+        local_target = local_target.clamp(0, local - 1)
+        chosen = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside
+        log_probs = _sum_over(chosen, group) - log_norm
+        probs = exp / total.unsqueeze(-1)
+        expected = _sum_over((probs * shifted).sum(-1), group)  # Σ_v p_v (z_v − m)
+        ctx.save_for_backward(shifted, log_norm, expected, local_target, inside)
+        ctx.padding = padding
+        ctx.dtype = dtype
+        return log_probs, log_norm - expected
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        shifted, log_norm, expected, local_target, inside = ctx.saved_tensors
+        probs = (shifted - log_norm.unsqueeze(-1)).exp()
+        if ctx.padding is not None:
+            probs = probs.masked_fill(ctx.padding, 0.0)
+        grad = torch.zeros_like(shifted)
+        if grad_log_probs is not None:
+            grad -= probs * grad_log_probs.unsqueeze(-1)
+            grad.scatter_add_(
+                -1, local_target.unsqueeze(-1), (grad_log_probs * inside).unsqueeze(-1)
+            )
+        if grad_entropy is not None:
+            grad -= grad_entropy.unsqueeze(-1) * probs * (shifted - expected.unsqueeze(-1))
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` and entropies from this rank's vocabulary shard of ``logits``.
+
+    ``log p(x) = z_x − log Σ_v e^{z_v}`` and ``H = log Σ_v e^{z_v} − Σ_v p_v z_v``, in float32,
+    the sums over the vocabulary being local sums then a sum over the TP group; gradients to
+    ``logits`` (see ``_VocabParallelLogProbs``).
+
+    Args:
+        logits: ``[..., V_local]`` this rank's columns.
+        targets: ``[...]`` vocabulary ids (any rank's).
+        shard: where the columns sit, the model's vocabulary size, the TP group.
+        with_entropy: also return the entropies.
+
+    Returns:
+        ``([...], [...] | None)``: log-probs and entropies.
+    """
+    log_probs, entropy = _VocabParallelLogProbs.apply(
+        logits, targets, shard.start, shard.size, shard.group
+    )
+    return log_probs, entropy if with_entropy else None
+
+
+def response_log_probs(
+    logits: torch.Tensor, batch: MegatronBatch, shard: VocabShard, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The response tokens' log-probs (and entropies) as ``[B, width]``, right-aligned.
+
+    Logit ``t`` of a row predicts its token ``t + 1``; only the positions from the earliest
+    response's predictor on are computed. Columns before a row's response are 0.
+    """
+    seq_len = logits.shape[1]
+    predictors = (batch.lengths - batch.response_lengths - 1).clamp(min=0)
+    start = min(int(predictors.min()), seq_len - 2)
+    window = logits[:, start : seq_len - 1]
+    targets = batch.input_ids[:, start + 1 : seq_len]
+    log_probs, entropy = vocab_parallel_log_probs(window, targets, shard, with_entropy)
+    columns = torch.arange(batch.width, device=logits.device)
+    # column c holds the row's token at L − width + c, predicted by logit L − width + c − 1
+    source = (batch.lengths - batch.width - 1 - start)[:, None] + columns[None, :]
+    valid = columns[None, :] >= (batch.width - batch.response_lengths)[:, None]
+    index = source.clamp(0, window.shape[1] - 1)
+
+    def align(values: torch.Tensor) -> torch.Tensor:
+        return torch.gather(values, 1, index) * valid
+
+    return align(log_probs), align(entropy) if entropy is not None else None
+
+
+# --- the backend ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this rank sits in Megatron's grids, as far as the backend needs it."""
+
+    data_parallel: DataParallel
+    """The data-parallel group: ranks with different micro-batches (DDP averages over it)."""
+    pipeline_group: Any = None
+    """This rank's pipeline-parallel group; ``None``: one stage."""
+    last_stage_rank: int = 0
+    """Global rank of the last pipeline stage of this rank's pipeline."""
+    is_last_stage: bool = True
+    seq_multiple: int = 1
+    """Sequences are padded to a multiple of this (TP with sequence parallelism)."""
+
+    @classmethod
+    def from_parallel_state(cls, device: torch.device, sequence_parallel: bool) -> ParallelContext:
+        """The context of this rank, from Megatron-Core's ``parallel_state``."""
+        from megatron.core import parallel_state as mpu
+
+        pipeline = mpu.get_pipeline_model_parallel_world_size()
+        return cls(
+            data_parallel=DataParallel(
+                rank=mpu.get_data_parallel_rank(),
+                size=mpu.get_data_parallel_world_size(),
+                device=device,
+                group=mpu.get_data_parallel_group(),
+            ),
+            pipeline_group=mpu.get_pipeline_model_parallel_group() if pipeline > 1 else None,
+            last_stage_rank=mpu.get_pipeline_model_parallel_last_rank(),
+            is_last_stage=mpu.is_pipeline_last_stage(ignore_virtual=True),
+            seq_multiple=mpu.get_tensor_model_parallel_world_size() if sequence_parallel else 1,
+        )
+
+
+def gpt_forward(chunk, batch: MegatronBatch) -> torch.Tensor:
+    """A Megatron ``GPTModel`` chunk on one micro-batch: logits ``[B, S, V/TP]`` on the last
+    stage, hidden states for the next stage elsewhere (the causal mask only)."""
+    return chunk(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / Float16Module wrappers (whose state dicts, sharded or not,
+    carry a ``module.`` prefix that checkpoints of the bare model do not have)."""
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+class MegatronBackend:
+    """GRPO's training backend on Megatron-Core (see the module docstring).
+
+    Built by ``build_megatron_backend``; the pieces are passed in, so the micro-batch plumbing
+    also runs with stand-ins (a schedule that follows Megatron's contract, a plain module).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: list[torch.nn.Module],
+        optimizer,
+        cfg: OptimConfig,
+        total_steps: int,
+        parallel: ParallelContext,
+        vocab: VocabShard,
+        pad_id: int,
+        schedule: Callable,
+        forward: Callable[[torch.nn.Module, MegatronBatch], torch.Tensor] = gpt_forward,
+        reference: list[torch.nn.Module] | None = None,
+        bridge=None,
+        dtype: torch.dtype = torch.float32,
+        checkpoint_metadata: dict | None = None,
+        cleanup: contextlib.ExitStack | None = None,
+    ) -> None:
+        self.module = model
+        self.model = model
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.parallel = parallel
+        self.data_parallel = parallel.data_parallel
+        self.vocab = vocab
+        self.pad_id = pad_id
+        self.schedule = schedule
+        self.forward = forward
+        self.reference = reference
+        self.bridge = bridge
+        self.dtype = dtype
+        self.checkpoint_metadata = checkpoint_metadata or {}
+        self._cleanup = cleanup or contextlib.ExitStack()
+        self._step = 0
+
+    # the update
+
+    def forward_backward(
+        self, micro_batches: Sequence[ResponseBatch], loss_fn: LossFn
+    ) -> list[dict[str, float]]:
+        for chunk in self.model:
+            chunk.train()
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stats = self._run_schedule(self.model, micro_batches, loss_fn)
+        return self._from_last_stage(stats)
+
+    @torch.no_grad()
+    def log_probs(
+        self, micro_batches: Sequence[ResponseBatch], reference: bool = False
+    ) -> list[torch.Tensor]:
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model: it is built only when kl_loss_coef > 0")
+        outputs = [out["log_probs"] for out in self._run_schedule(model, micro_batches, None)]
+        if self.parallel.pipeline_group is None:
+            return outputs
+        shared = self._from_last_stage([t.cpu() for t in outputs])  # pickled between stages
+        return [t.to(self.data_parallel.device) for t in shared]
+
+    def _run_schedule(
+        self, model: list[torch.nn.Module], micro_batches: Sequence[ResponseBatch], loss_fn
+    ) -> list:
+        """One call of the pipeline schedule over ``micro_batches``; ``loss_fn`` None: forward
+        only, collecting the log-probs. Returns what the last stage's loss functions reported
+        (an empty list on other stages)."""
+        forward_only = loss_fn is None
+        device = self.data_parallel.device
+        seq_len = padded_length(micro_batches, self.parallel.seq_multiple)
+        batches = [megatron_batch(m, seq_len, self.pad_id, device) for m in micro_batches]
+        rows = {int(b.input_ids.shape[0]) for b in batches}
+        if len(rows) != 1:
+            raise ValueError(
+                f"micro-batches of one schedule call have {sorted(rows)} rows; they need the same "
+                "number (pipeline stages exchange fixed shapes)"
+            )
+        # the schedule divides the returned loss by the micro-batch count and DDP averages the
+        # gradients over data-parallel ranks; the loop's loss is already its global share
+        scale = len(batches) * self.data_parallel.size
+
+        def forward_step(data_iterator, chunk):
+            k, batch = next(data_iterator)
+            output = self.forward(chunk, batch)
+
+            def loss_func(output_tensor: torch.Tensor):
+                log_probs, entropy = response_log_probs(
+                    output_tensor, batch, self.vocab, with_entropy=not forward_only
+                )
+                if forward_only:
+                    return output_tensor.new_zeros(()), {"log_probs": log_probs.detach()}
+                loss, stats = loss_fn(k, log_probs, entropy)
+                return loss * scale, stats
+
+            return output, loss_func
+
+        items = list(enumerate(batches))
+        return self.schedule(
+            forward_step_func=forward_step,
+            data_iterator=[iter(items) for _ in model],
+            model=model,
+            num_microbatches=len(batches),
+            seq_length=seq_len,
+            micro_batch_size=next(iter(rows)),
+            forward_only=forward_only,
+        )
+
+    def _from_last_stage(self, values: list) -> list:
+        """The last pipeline stage's ``values`` on every stage of this pipeline."""
+        if self.parallel.pipeline_group is None:
+            return values
+        import torch.distributed as dist
+
+        box = [values if self.parallel.is_last_stage else None]
+        dist.broadcast_object_list(
+            box, src=self.parallel.last_stage_rank, group=self.parallel.pipeline_group
+        )
+        return box[0]
+
+    def step(self) -> float:
+        """Set this step's learning rate, clip and update (Megatron's optimizer reduces the
+        gradient norm over the model-parallel ranks); returns the norm before clipping."""
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            value = lr * group.get("lr_mult", 1.0)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(value)
+            else:
+                group["lr"] = value
+        updated, grad_norm, _ = self.optimizer.step()
+        self._step += 1
+        if not updated:
+            log.warning("Megatron's optimizer skipped step %d (non-finite gradients)", self._step)
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def learning_rate(self) -> float:
+        return self.cfg.learning_rate * lr_factor(self._step, self.total_steps, self.cfg)
+
+    # checkpoints
+
+    def _sharded_state(self, is_loading: bool) -> dict:
+        state: dict[str, Any] = {}
+        for i, chunk in enumerate(self.model):
+            key = "model" if len(self.model) == 1 else f"model{i}"
+            state[key] = _unwrap(chunk).sharded_state_dict(metadata=dict(self.checkpoint_metadata))
+        state["optimizer"] = self.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=dict(self.checkpoint_metadata)
+        )
+        state["lr_step"] = self._step
+        return state
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Model, optimizer and schedule position as a ``torch_dist`` checkpoint in
+        ``directory/megatron`` (collective; each rank writes its shards)."""
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
+
+        target = Path(directory) / CHECKPOINT_DIR
+        if dist.get_rank() == 0:
+            target.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(
+            self._sharded_state(is_loading=False),
+            str(target),
+            content_metadata=dict(self.checkpoint_metadata),
+        )
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Resume from ``save_checkpoint``'s files (the same layout; data-parallel size may
+        differ only without the distributed optimizer's ``dp_reshardable`` state)."""
+        from megatron.core import dist_checkpointing
+
+        loaded = dist_checkpointing.load(
+            self._sharded_state(is_loading=True),
+            str(Path(directory) / CHECKPOINT_DIR),
+            strict="raise_all",
+        )
+        for i, chunk in enumerate(self.model):
+            key = "model" if len(self.model) == 1 else f"model{i}"
+            _load_model_state(_unwrap(chunk), loaded[key], directory)
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self._step = int(loaded["lr_step"])
+
+    def set_base_learning_rate(self, learning_rate: float) -> None:
+        """Nothing to do: each step's rate is ``cfg.learning_rate × lr_factor`` from the
+        config this backend was built with, not from the checkpoint."""
+
+    # weights out
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The actor's weights under HF names, one gathered tensor at a time, on every rank."""
+        return self._export(cpu=False)
+
+    def _export(self, cpu: bool) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.bridge.export_hf_weights(
+            self.model, cpu=cpu, show_progress=False, weight_dtype=self.dtype
+        )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Every weight (HF names) on CPU on rank 0, None elsewhere: the whole model on one
+        host; the GRPO loop streams instead (``hf_weights``, ``save_hf_pretrained``)."""
+        import torch.distributed as dist
+
+        main = dist.get_rank() == 0
+        state = {}
+        for name, tensor in self._export(cpu=True):
+            if main:
+                state[name] = tensor.clone()
+        return state if main else None
+
+    def save_policy(self, directory: Path) -> None:
+        """The actor's weights as a Megatron ``torch_dist`` checkpoint laid out like
+        ``convert_megatron``'s (the GRPO step's ``model`` output on this backend; the
+        pipeline's ``export_hf`` turns it into a HF directory). Collective."""
+        from trainer.megatron.bridge import save_megatron_model
+
+        save_megatron_model([_unwrap(chunk) for chunk in self.model], directory)
+
+    def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
+        """The actor as a HF directory: the weights streamed to safetensors shards of at most
+        5 GB that rank 0 writes as they fill (``trainer.megatron.bridge``'s shard writer),
+        ``config.json`` and ``generation_config.json`` from ``base_model``. Collective."""
+        import torch.distributed as dist
+        from transformers import AutoConfig
+
+        from trainer.megatron.bridge import _ShardWriter
+
+        directory = Path(directory)
+        writer = _ShardWriter(directory) if dist.get_rank() == 0 else None
+        for name, tensor in self._export(cpu=True):
+            if writer is not None:
+                writer.add(name, tensor)
+        if writer is not None:
+            writer.close()
+            config = AutoConfig.from_pretrained(str(base_model))
+            config.dtype = self.dtype
+            config.save_pretrained(directory)
+            generation = Path(base_model) / "generation_config.json"
+            if generation.is_file():
+                shutil.copy(generation, directory / generation.name)
+        dist.barrier()
+
+    def unwrapped(self) -> torch.nn.Module:
+        return torch.nn.ModuleList(_unwrap(chunk) for chunk in self.model)
+
+    def close(self) -> None:
+        """Tear down the Megatron parallel state this backend set up."""
+        self._cleanup.close()
+
+
+# --- building it from the checkpoint --------------------------------------------------------
+
+
+def _checkpoint_metadata(use_distributed_optimizer: bool) -> dict:
+    """``sharded_state_dict`` metadata as megatron-bridge's checkpointing writes it."""
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    return metadata
+
+
+def _provider(auto_bridge, layout, settings, dtype: torch.dtype):
+    """megatron-bridge's provider for the HF model, with the layout and recompute options."""
+    from trainer.megatron import bridge as mb
+
+    provider = auto_bridge.to_megatron_provider(load_weights=False)
+    mb._configure_provider(provider, auto_bridge.hf_pretrained.config, dtype)
+    mb._set_sizes(provider, layout)
+    provider.recompute_granularity = settings.recompute_granularity
+    provider.recompute_method = settings.recompute_method
+    provider.recompute_num_layers = settings.recompute_num_layers
+    if settings.recompute_modules:
+        provider.recompute_modules = list(settings.recompute_modules)
+    provider.perform_initialization = False  # every weight comes from the checkpoint
+    provider.calculate_per_token_loss = False  # the loop normalizes its own loss
+    provider.variable_seq_lengths = False  # every micro-batch of a call has one length
+    provider.finalize()
+    return provider
+
+
+def _load_weights(model: list[torch.nn.Module], checkpoint: Path, metadata: dict) -> None:
+    """The converted checkpoint's weights into ``model`` (resharded to this layout)."""
+    from megatron.core import dist_checkpointing
+
+    keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+    sharded = {
+        key: _unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
+        for key, chunk in zip(keys, model, strict=True)
+    }
+    loaded = dist_checkpointing.load(sharded, str(checkpoint), strict="raise_all")
+    for key, chunk in zip(keys, model, strict=True):
+        _load_model_state(_unwrap(chunk), loaded[key], checkpoint)
+
+
+def _load_model_state(chunk: torch.nn.Module, state: dict, source) -> None:
+    """``chunk.load_state_dict`` that fails on any missing or unexpected weight; only
+    Transformer Engine's ``_extra_state`` (fp8 metadata) may be absent, as in
+    ``trainer.megatron.bridge``'s loader."""
+    from trainer.megatron.bridge import MegatronCheckpointError
+
+    missing, unexpected = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise MegatronCheckpointError(
+            f"{source}: does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+
+
+def build_megatron_backend(
+    cfg: OptimConfig,
+    total_steps: int,
+    dist_info: DistInfo,
+    hf_dir: str | Path,
+    with_reference: bool,
+    seed: int = 0,
+    pad_id: int = 0,
+) -> MegatronBackend:
+    """The Megatron backend for ``cfg.megatron``: layout checked against ``hf_dir``'s config
+    and the world size, parallel state set up, actor (DDP) and reference loaded from
+    ``cfg.megatron.checkpoint``, distributed optimizer built.
+
+    Raises:
+        ImportError: megatron-core / megatron-bridge missing, or Python < 3.12.
+        ValueError: no checkpoint given; ``LayoutError`` for a layout that cannot run.
+        MegatronCheckpointError: no checkpoint there, or one in another dtype than the layout.
+    """
+    require_megatron()
+    from megatron.bridge import AutoBridge
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    from trainer.megatron import bridge as mb
+    from trainer.megatron.layout import validate_layout
+
+    settings = cfg.megatron
+    if not settings.checkpoint:
+        raise ValueError(
+            "optim.megatron.checkpoint: set it to the Megatron checkpoint convert_megatron "
+            f"wrote from {hf_dir}"
+        )
+    layout = validate_layout(hf_dir, settings.layout, world_size=dist_info.world_size).layout
+    dtype = layout.torch_dtype
+    checkpoint = mb.checkpoint_iteration_dir(settings.checkpoint)
+    saved = mb.checkpoint_dtype(settings.checkpoint)
+    if saved != dtype:
+        raise mb.MegatronCheckpointError(
+            f"{settings.checkpoint} holds {saved} weights but layout {layout.name!r} trains in "
+            f"{layout.params_dtype}; convert again with that dtype or change params_dtype"
+        )
+    metadata = _checkpoint_metadata(settings.use_distributed_optimizer)
+    cleanup = contextlib.ExitStack()
+    try:
+        cleanup.enter_context(
+            mb.megatron_parallel(
+                tp=layout.tp,
+                pp=layout.pp,
+                ep=layout.ep,
+                etp=layout.etp,
+                cp=layout.cp,
+                vpp=layout.vpp,
+                seed=seed,
+            )
+        )
+        auto_bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=dtype)
+        on_cpu = not torch.cuda.is_available()
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        actor = _provider(auto_bridge, layout, settings, dtype).provide_distributed_model(
+            ddp_config=ddp, wrap_with_ddp=True, use_cpu_initialization=on_cpu
+        )
+        _load_weights(actor, checkpoint, metadata)
+        offload = settings.optimizer_offload_fraction
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=cfg.learning_rate,
+                min_lr=cfg.learning_rate * cfg.min_lr_ratio,
+                weight_decay=cfg.weight_decay,
+                adam_beta1=cfg.betas[0],
+                adam_beta2=cfg.betas[1],
+                clip_grad=cfg.max_grad_norm,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                params_dtype=dtype,
+                use_distributed_optimizer=settings.use_distributed_optimizer,
+                optimizer_cpu_offload=offload > 0,
+                optimizer_offload_fraction=offload,
+                use_precision_aware_optimizer=offload > 0,
+                overlap_cpu_optimizer_d2h_h2d=offload > 0,
+            ),
+            actor,
+            config_overrides={},  # weight decay on every parameter, as the other backends
+        )
+        model_config = get_model_config(actor[0])
+        model_config.finalize_model_grads_func = finalize_model_grads
+        model_config.grad_scale_func = optimizer.scale_loss
+        reference = None
+        if with_reference:
+            reference = _provider(auto_bridge, layout, settings, dtype).provide_distributed_model(
+                wrap_with_ddp=False, use_cpu_initialization=on_cpu
+            )
+            _load_weights(reference, checkpoint, metadata)
+            for chunk in reference:
+                chunk.eval().requires_grad_(False)
+        device = dist_info.device if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        vocab = auto_bridge.hf_pretrained.config.vocab_size
+        columns = _unwrap(actor[-1]).vocab_size // layout.tp
+        backend = MegatronBackend(
+            model=actor,
+            optimizer=optimizer,
+            cfg=cfg,
+            total_steps=total_steps,
+            parallel=ParallelContext.from_parallel_state(device, layout.sequence_parallel),
+            vocab=VocabShard(
+                start=mpu.get_tensor_model_parallel_rank() * columns,
+                size=vocab,
+                group=mpu.get_tensor_model_parallel_group() if layout.tp > 1 else None,
+            ),
+            pad_id=pad_id,
+            schedule=get_forward_backward_func(),
+            reference=reference,
+            bridge=auto_bridge,
+            dtype=dtype,
+            checkpoint_metadata=metadata,
+            cleanup=cleanup,
+        )
+    except BaseException:
+        cleanup.close()
+        raise
+    log.info(
+        "Megatron backend: layout %s (tp %d pp %d ep %d etp %d dp %d, %s) from %s",
+        layout.name,
+        layout.tp,
+        layout.pp,
+        layout.ep,
+        layout.etp,
+        layout.dp,
+        layout.params_dtype,
+        settings.checkpoint,
+    )
+    return backend

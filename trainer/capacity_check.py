@@ -1,0 +1,258 @@
+"""The layouts the capacity check estimates, derived from what the run will do.
+
+A preset's ``Hardware`` (``cluster.hardware``) gives the machines (``hardware_layout``:
+GPU and host memory, storage, what the OS keeps, the attention kernel the GPU runs); a layout
+preset (``layouts.LAYOUT_PRESETS``) can stand in for it (``lingo estimate --layout``).
+Everything the SFT and GRPO configs and the GRPO placement plan decide — how many
+processes train on how many nodes, the backend and its parallel sizes, ZeRO stage and
+offload, micro-batch, sequence lengths, rollout engines, group size, KL, checkpoints kept —
+is taken from them, so the check estimates the run that will start, and changing a config
+changes the estimate. Explicit layout overrides still come last.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from capacity.layouts import Layout, LayoutError, resolve_layout
+
+if TYPE_CHECKING:
+    from cluster.hardware import Hardware
+    from trainer.backends.config import OptimConfig
+    from trainer.grpo.config import GRPOConfig
+    from trainer.placement import PlacementPlan
+    from trainer.sft.config import SFTConfig
+
+
+HARDWARE_FIELDS = frozenset(
+    {
+        "device",
+        "nodes",
+        "gpus_per_node",
+        "gpu_memory_gib",
+        "host_memory_gib",
+        "host_reserved_gib",
+        "storage_gib",
+    }
+)
+"""Layout fields a preset's ``Hardware`` states; its layout overrides may not restate them."""
+
+
+def hardware_layout(hardware: Hardware) -> Layout:
+    """The planner's description of ``hardware``'s machines (the run's own fields, such as
+    processes, batch and lengths, come from the configs: ``sft_layout``, ``grpo_layout``)."""
+    node = hardware.node
+    nodes = max(hardware.sft_nodes, hardware.grpo_nodes)
+    return Layout(
+        name=hardware.node_type,
+        device=node.device,
+        nodes=nodes,
+        gpus_per_node=node.gpus,
+        training_gpus=nodes * node.gpus,
+        **({"gpu_memory_gib": node.gpu_memory_gib} if node.gpu_memory_gib else {}),
+        host_memory_gib=node.host_memory_gib,
+        host_reserved_gib=node.host_reserved_gib,
+        storage_gib=hardware.storage_gib,
+        attn_implementation="flash" if node.flash_attention else "eager",
+    )
+
+
+def _dtype(config_dtype: str, hardware: Layout) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(config_dtype, hardware.dtype)
+
+
+def _training_fields(optim: OptimConfig) -> dict[str, object]:
+    """Backend, ZeRO stage and offload of a step's optimizer settings."""
+    if optim.backend == "megatron":
+        return {
+            "backend": "megatron",
+            "adam_offload": optim.megatron.optimizer_offload_fraction > 0,
+            "param_offload": False,
+        }
+    return {
+        "backend": "deepspeed",
+        # the torch backend is one plain process: DeepSpeed stage 0 is the planner's model of it
+        "zero_stage": optim.zero_stage if optim.backend == "deepspeed" else 0,
+        "adam_offload": optim.backend == "deepspeed" and optim.offload_optimizer,
+        "param_offload": optim.backend == "deepspeed" and optim.offload_params,
+    }
+
+
+def _validated(hardware: Layout, name: str, fields: dict, overrides: dict[str, str] | None):
+    try:
+        derived = Layout.model_validate({**hardware.model_dump(), **fields, "name": name})
+    except ValueError as error:
+        raise LayoutError(
+            f"{name}: the run does not fit layout {hardware.name!r}: {error}"
+        ) from None
+    return resolve_layout(derived, overrides)
+
+
+def grpo_layout(
+    hardware: str | Layout,
+    grpo: GRPOConfig,
+    plan: PlacementPlan,
+    overrides: dict[str, str] | None = None,
+) -> Layout:
+    """The GRPO run as a planner layout: ``hardware``'s machines, ``grpo`` and ``plan``'s run.
+
+    Args:
+        hardware: a layout preset name or ``Layout`` (memory, storage, device, kernels).
+        grpo: the GRPO step's config.
+        plan: its placement plan (``trainer.placement.grpo_placement``).
+        overrides: ``key=value`` layout fields applied last (``lingo estimate --set``).
+
+    Raises:
+        LayoutError: the run cannot be described on that hardware (e.g. rollout GPUs on a
+            CPU layout) or an override is invalid.
+    """
+    base = resolve_layout(hardware)
+    lay = plan.layout
+    vllm = grpo.rollout.engine == "vllm"
+    megatron = grpo.optim.backend == "megatron"
+    fields: dict[str, object] = {
+        "nodes": plan.nodes,
+        "gpus_per_node": plan.gpus_per_node,
+        "training_gpus": len(plan.training_ranks),
+        # the HF engine rolls out with the training model: no rollout GPU of its own
+        "rollout_gpus": len(plan.engines) * lay.rollout_tp if vllm else 0,
+        "hybrid": vllm and lay.colocate,
+        # the recipe sleeps vLLM during the update; it does not park training state while
+        # vLLM is awake
+        "deepspeed_enable_sleep": False,
+        **_training_fields(grpo.optim),
+        "tensor_parallel": lay.tp,
+        "pipeline_parallel": lay.pp,
+        "expert_parallel": lay.ep,
+        "dtype": _dtype(grpo.dtype, base),
+        "micro_train_batch_size": grpo.micro_batch_size,
+        "prompt_max_len": grpo.rollout.max_prompt_tokens,
+        "generate_max_len": grpo.rollout.max_new_tokens,
+        "gradient_checkpointing": (
+            grpo.optim.megatron.recompute_granularity is not None
+            if megatron
+            else grpo.gradient_checkpointing
+        ),
+        "lora_rank": 0,  # GRPO trains every weight of the merged SFT model
+        "lora_experts": False,
+        "kl": grpo.algorithm.kl_loss_coef > 0,
+        "rollout_batch_size": grpo.prompts_per_step,
+        "n_samples_per_prompt": grpo.rollout.n_samples,
+        "vllm_tensor_parallel_size": lay.rollout_tp if vllm else 1,
+        "vllm_gpu_memory_utilization": grpo.rollout.gpu_memory_utilization,
+        "rollout_dtype": "bf16",  # the engine is built with dtype=bfloat16
+        "max_ckpt_num": grpo.max_ckpt_num,
+    }
+    return _validated(base, f"{base.name} (GRPO as configured)", fields, overrides)
+
+
+def sft_layout(
+    hardware: str | Layout,
+    sft: SFTConfig,
+    nodes: int,
+    gpus_per_node: int,
+    overrides: dict[str, str] | None = None,
+) -> Layout:
+    """The SFT run as a planner layout: ``sft.nproc`` processes on ``nodes × gpus_per_node``,
+    no rollouts; a training row is one sequence of ``max_seq_len`` tokens (counted as the
+    prompt, with one generated token, since the planner's sequence is prompt + completion)."""
+    base = resolve_layout(hardware)
+    fields: dict[str, object] = {
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "training_gpus": sft.nproc,
+        "rollout_gpus": 0,
+        "hybrid": False,
+        "deepspeed_enable_sleep": False,
+        **_training_fields(sft.optim),
+        "tensor_parallel": 1,
+        "pipeline_parallel": 1,
+        "expert_parallel": 1,
+        "dtype": _dtype(sft.dtype, base),
+        "micro_train_batch_size": sft.micro_batch_size,
+        "prompt_max_len": sft.max_seq_len,
+        "generate_max_len": 1,
+        "gradient_checkpointing": sft.gradient_checkpointing,
+        "lora_rank": sft.lora.r,
+        "lora_experts": sft.lora.experts,
+        "kl": False,
+        "max_ckpt_num": sft.keep_checkpoints,
+    }
+    return _validated(base, f"{base.name} (SFT as configured)", fields, overrides)
+
+
+def run_estimates(
+    model,
+    hardware: str | Layout,
+    sft: SFTConfig,
+    grpo: GRPOConfig,
+    sft_cluster: tuple[int, int],
+    grpo_cluster: tuple[int, int],
+    overrides: dict[str, str] | None = None,
+):
+    """The SFT and GRPO estimates of a run, with the GRPO placement plan.
+
+    Args:
+        model: see ``load_model_spec`` (preset, directory, ``config.json``, mapping).
+        hardware: the machines: a layout preset name or a ``Layout`` (``hardware_layout``).
+        sft: the SFT step's config.
+        grpo: the GRPO step's config.
+        sft_cluster: ``(nodes, processes per node)`` of the SFT job.
+        grpo_cluster: ``(nodes, processes per node)`` of the GRPO job (its training
+            processes; dedicated rollout engines are placed on the nodes after them).
+        overrides: layout fields applied last, to both.
+
+    Returns:
+        ``(plan, {"sft": Estimate, "grpo": Estimate})``.
+    """
+    from capacity.estimate import estimate_layout
+    from capacity.model_spec import load_model_spec
+    from trainer.placement import grpo_placement
+
+    spec = load_model_spec(model)
+    plan = grpo_placement(grpo, *grpo_cluster)
+    layouts = {
+        "sft": sft_layout(hardware, sft, *sft_cluster, overrides),
+        "grpo": grpo_layout(hardware, grpo, plan, overrides),
+    }
+    return plan, {step: estimate_layout(spec, layout) for step, layout in layouts.items()}
+
+
+def check_run(
+    model,
+    hardware: dict,
+    sft_config: dict,
+    grpo_config: dict,
+    sft_execution: dict,
+    grpo_execution: dict,
+    overrides: dict[str, str] | None = None,
+):
+    """The pipeline's capacity check: ``(Markdown report, first estimate that does not fit
+    or None)`` for the configs as the pipeline passes them (dicts: ``hardware`` a
+    ``Hardware``, the others step configs and executions), validated here.
+
+    Raises:
+        LayoutError, PlacementError, ModelSpecError: the run cannot be described at all.
+    """
+    from capacity.quantities import Verdict
+    from capacity.report import format_table
+    from cluster.config import ExecutionConfig
+    from cluster.hardware import Hardware
+    from trainer.grpo.config import GRPOConfig
+    from trainer.sft.config import SFTConfig
+
+    sft = SFTConfig.model_validate(sft_config)
+    grpo = GRPOConfig.model_validate(grpo_config)
+    sft_cluster = ExecutionConfig.model_validate(sft_execution).cluster(sft.nproc)
+    grpo_execution_config = ExecutionConfig.model_validate(grpo_execution)
+    grpo_cluster = grpo_execution_config.cluster(grpo.nproc, grpo.rollout_processes)
+    machines = hardware_layout(Hardware.model_validate(hardware))
+    plan, estimates = run_estimates(
+        model, machines, sft, grpo, sft_cluster, grpo_cluster, overrides
+    )
+    failing = next((e for e in estimates.values() if e.verdict is Verdict.DOES_NOT_FIT), None)
+    verdicts = ", ".join(f"{step.upper()} {e.verdict.value}" for step, e in estimates.items())
+    parts = [f"# Capacity check: {verdicts}", "", "## GRPO placement", "", "```", plan.render()]
+    for step, result in estimates.items():
+        parts += ["```", "", f"## {step.upper()}", "", "```", format_table(result)]
+    return "\n".join([*parts, "```", ""]), failing

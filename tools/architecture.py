@@ -1,0 +1,88 @@
+"""Write docs/architecture.md: the packages and who imports whom, read from the code
+(``ast``, lazy imports included), as a Mermaid graph GitHub and most viewers draw.
+
+    python tools/architecture.py            # rewrite docs/architecture.md
+    python tools/architecture.py --check    # exit 1 if it is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT = ROOT / "docs" / "architecture.md"
+PACKAGES = {
+    "pipelines": "the DAG, presets, the lingo CLI",
+    "components": "one thin KFP component per step",
+    "data_prep": "dataset → validated harmony JSONL",
+    "trainer": "SFT, GRPO, backends, checkpoints, export",
+    "capacity": "the capacity planner (lingo estimate)",
+    "cluster": "machines, torchrun, PyTorchJobs",
+    "eval": "reward, language ID, harmony, the eval",
+}
+
+
+def package_imports(package: str) -> Counter:
+    """How many of ``package``'s modules import each other package (lazy imports too)."""
+    counts: Counter = Counter()
+    for path in sorted((ROOT / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES}
+        counts.update(found - {package})
+    return counts
+
+
+def render() -> str:
+    imports = {package: sorted(package_imports(package)) for package in PACKAGES}
+    out = [
+        "# Architecture: packages and their imports",
+        "",
+        "Generated from the code by `python tools/architecture.py` (a test fails when it is",
+        "stale: a new arrow, or a package gone). An arrow `A --> B` means modules of A import B",
+        "(lazy imports included). Imports go one way: `tests/test_import_direction.py` holds the",
+        "allowed directions; the README's Layout section says what each package holds.",
+        "",
+        "```mermaid",
+        "graph TD",
+    ]
+    for package, role in PACKAGES.items():
+        out.append(f'    {package}["{package}/<br/>{role}"]')
+    for package in PACKAGES:
+        out += [f"    {package} --> {other}" for other in imports[package]]
+    out += ["```", "", "| package | holds | imports |", "|---|---|---|"]
+    for package, role in PACKAGES.items():
+        names = ", ".join(f"`{o}`" for o in imports[package]) or "—"
+        out.append(f"| `{package}/` | {role} | {names} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the file is stale")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        current = OUTPUT.read_text(encoding="utf-8") if OUTPUT.exists() else ""
+        if current != text:
+            print(f"{OUTPUT} is stale: run python tools/architecture.py", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,7 @@
 trainer) → eval; trainer → (capacity, cluster); capacity → cluster (the node types);
 cluster → eval. Read from the source with ``ast``, lazy (function-level) imports included."""
 
-import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -23,18 +23,18 @@ ALLOWED = {
 EXCEPTIONS = {("trainer/tiny_model.py", "data_prep")}
 
 
+def _architecture_tool():
+    """tools/architecture.py, which reads the imports for the picture as well."""
+    spec = importlib.util.spec_from_file_location(
+        "architecture", ROOT / "tools" / "architecture.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def imported_packages(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        found.update(name.split(".")[0] for name in names if name.split(".")[0] in PACKAGES)
-    return found
+    return _architecture_tool().imported_packages(path, PACKAGES)
 
 
 @pytest.mark.parametrize("package", PACKAGES)

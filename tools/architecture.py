@@ -26,21 +26,27 @@ PACKAGES = {
 }
 
 
+def imported_packages(path: Path, packages) -> set[str]:
+    """The packages among ``packages`` that the module at ``path`` imports (lazy imports
+    too; relative imports stay inside its own package)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found |= {n.split(".")[0] for n in names if n.split(".")[0] in packages}
+    return found
+
+
 def package_imports(package: str) -> Counter:
-    """How many of ``package``'s modules import each other package (lazy imports too)."""
+    """How many of ``package``'s modules import each other package."""
     counts: Counter = Counter()
     for path in sorted((ROOT / package).rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            found |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES}
-        counts.update(found - {package})
+        counts.update(imported_packages(path, PACKAGES) - {package})
     return counts
 
 

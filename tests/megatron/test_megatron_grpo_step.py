@@ -203,7 +203,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
 
     from trainer.backends.megatron import _unwrap
     from trainer.checkpoint import load_checkpoint, save_checkpoint
-    from trainer.grpo import recipe
+    from trainer.grpo import layout, recipe
     from trainer.megatron import bridge
 
     tol = {"cpu": 1e-5, "cuda": 2e-3}[device]
@@ -222,7 +222,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
     vocab = AutoConfig.from_pretrained(hf_dir).vocab_size
     batch = fixed_grpo_batch(vocab)
     micros = [
-        recipe._sequences(batch.prompts, batch.rollouts[s : s + 4], 0, device)
+        layout.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, device)
         for s in range(0, 16, 4)
     ]
     backend = build()

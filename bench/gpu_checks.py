@@ -265,8 +265,9 @@ def check_bf16_numerics(sizes: Sizes, work: Path) -> dict:
     import torch
 
     from eval.modeling import load_causal_lm, load_tokenizer
+    from trainer.grpo.layout import micro_log_probs as _log_probs
+    from trainer.grpo.layout import sequences as _sequences
     from trainer.grpo.prompts import Prompt
-    from trainer.grpo.recipe import _log_probs, _sequences
     from trainer.grpo.rollout import Rollout
     from trainer.megatron.verify import (
         TOLERANCES,

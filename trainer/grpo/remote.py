@@ -92,10 +92,6 @@ class Channel:
             dist.PrefixStore(f"channel/{name}", store), self.index, len(self.members), timeout
         )
 
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
     def broadcast_tensor(self, tensor: torch.Tensor) -> None:
         """The leader's ``tensor`` into every member's (same shape and dtype)."""
         options = dist.BroadcastOptions()

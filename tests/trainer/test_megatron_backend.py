@@ -528,7 +528,9 @@ _TWO_RANKS = textwrap.dedent(
     del backend, log_probs, entropy
     gc.collect()
     dist.destroy_process_group()
-    print("rank", rank, "ok")
+    # one file per rank: two ranks printing to one shared stdout interleave their words
+    # ("rankrank  01  okok" failed CI once)
+    open(sys.argv[1] + f".rank{{rank}}.ok", "w").close()
     """
 )
 
@@ -538,10 +540,17 @@ def test_vocab_split_over_two_ranks_and_pipeline_stats_broadcast(tmp_path):
     script.write_text(_TWO_RANKS.format(repo=str(REPO)))
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     done = subprocess.run(
-        [*run, str(script)], capture_output=True, text=True, timeout=240, env=_env()
+        [*run, str(script), str(tmp_path / "done")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count(" ok") == 2
+    assert sorted(p.name for p in tmp_path.glob("done.rank*.ok")) == [
+        "done.rank0.ok",
+        "done.rank1.ok",
+    ]
 
 
 def _env() -> dict:

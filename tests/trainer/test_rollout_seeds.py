@@ -114,3 +114,50 @@ def test_every_worker_of_an_engine_submits_the_same_requests_and_keeps_its_share
     ]  # fmt: skip
     assert [r.response_ids[0] for r in shares[1]] == [106, 106, 107, 107]
     assert [r.response_ids[1] for r in shares[1]] == [s for g in seeds[6:8] for s in g]
+
+
+def test_finished_rows_leave_the_batch_and_change_no_sample(tiny_model_dir, prompts, monkeypatch):
+    """Rows that hit a stop token are dropped from the decode batch (their KV cache with them):
+    every row's tokens and behaviour log-probs are those of the loop that keeps them all, and
+    the forwards run fewer rows."""
+    from trainer.grpo import rollout
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    engine = HFRolloutEngine(model, tokenizer, RolloutConfig(max_new_tokens=24))
+    # one token in 16 stops a row: rows end at many different steps
+    engine.stop_ids = set(range(0, model.config.vocab_size, 16))
+    seeds = group_seeds(11, 0, range(4), 8)
+    batch_rows: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: batch_rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        compacted = engine.generate(prompts[:4], seeds)
+        compacted_rows, batch_rows[:] = sum(batch_rows[1:]), []  # decode steps, not prefill
+        monkeypatch.setattr(rollout, "_rows_to_keep", lambda finished: None)
+        full = engine.generate(prompts[:4], seeds)
+        full_rows = sum(batch_rows[1:])
+    finally:
+        hook.remove()
+    lengths = sorted(len(r.response_ids) for r in full)
+    assert lengths[0] < 6 and lengths[-1] > 12, lengths  # the rows did end apart
+    assert [r.response_ids for r in compacted] == [r.response_ids for r in full]
+    assert [r.finished for r in compacted] == [r.finished for r in full]
+    for a, b in zip(compacted, full, strict=True):
+        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs))
+    assert compacted_rows < 0.75 * full_rows, (compacted_rows, full_rows)
+
+
+def test_rows_to_keep_compacts_once_an_eighth_has_finished():
+    from trainer.grpo.rollout import _rows_to_keep
+
+    finished = torch.zeros(16, dtype=torch.bool)
+    assert _rows_to_keep(finished) is None
+    finished[3] = True  # 1 of 16: not yet worth a copy of the cache
+    assert _rows_to_keep(finished) is None
+    finished[7] = True
+    assert _rows_to_keep(finished).tolist() == [i for i in range(16) if i not in (3, 7)]
+    # a lockstep rank whose rows have all finished keeps one row for its collective forwards
+    assert _rows_to_keep(torch.ones(4, dtype=torch.bool)).tolist() == [0]
+    assert _rows_to_keep(torch.ones(1, dtype=torch.bool)) is None

@@ -120,6 +120,23 @@ def cut_at_stop(ids: list[int], stop_ids: set[int], pad_id: int) -> tuple[list[i
     return ids, False
 
 
+def _rows_to_keep(finished: torch.Tensor) -> torch.Tensor | None:
+    """The batch rows the next decode step still needs, or None to keep them all.
+
+    Finished rows leave the batch (their KV cache, mask and position with them) once they
+    are an eighth of it, so a step costs what its live rows cost and the copy of the cache
+    a compaction makes is paid rarely. In ``lockstep`` a rank whose rows have all finished
+    keeps one (its tokens are ignored): its forwards are collective and must go on.
+    """
+    dead = int(finished.sum())
+    if dead == 0 or dead * 8 < finished.numel():
+        return None
+    keep = (~finished).nonzero().flatten()
+    if keep.numel() == 0:  # lockstep: this rank is done, the others are not
+        return finished.new_zeros(1, dtype=torch.long) if finished.numel() > 1 else None
+    return keep
+
+
 class HFRolloutEngine:
     """Sampling with a Hugging Face model and its KV cache (CPU or GPU).
 
@@ -178,7 +195,8 @@ class HFRolloutEngine:
         cache, temperature and nucleus (top-p) filtering, and a sample drawn by the
         exponential race (``argmax(p / E)``, ``E ~ Exp(1)``: the same distribution as
         ``multinomial(p)``, as vLLM samples), stopping when every row has hit a stop token
-        (in ``lockstep``: every row of every rank).
+        (in ``lockstep``: every row of every rank); finished rows leave the batch as they
+        accumulate (``_rows_to_keep``).
         Row ``i`` draws its noise from its own generator (``seeds[i]``): its samples do not
         depend on the other rows of the chunk.
         """
@@ -203,19 +221,27 @@ class HFRolloutEngine:
         logits = prefill.logits[:, -1, :].repeat_interleave(n, 0)
         attention = mask.repeat_interleave(n, 0)
         position = mask.sum(-1).repeat_interleave(n, 0)
-        rows = attention.shape[0]
+        total = attention.shape[0]
         stop = torch.tensor(sorted(self.stop_ids), device=device)
-        tokens = torch.full((rows, self.cfg.max_new_tokens), self.pad_id, dtype=torch.long)
-        sampled_log_probs = torch.zeros((rows, self.cfg.max_new_tokens), dtype=torch.float32)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        tokens = torch.full((total, self.cfg.max_new_tokens), self.pad_id, dtype=torch.long)
+        sampled_log_probs = torch.zeros((total, self.cfg.max_new_tokens), dtype=torch.float32)
+        rows = torch.arange(total)  # the batch's rows, by their index in ``tokens``
+        finished = torch.zeros(total, dtype=torch.bool, device=device)
         for t in range(self.cfg.max_new_tokens):
             token = torch.where(finished, self.pad_id, self._sample(logits, generators))
-            tokens[:, t] = token.cpu()
-            sampled_log_probs[:, t] = token_log_probs(logits, token).float().cpu()
+            tokens[rows, t] = token.cpu()
+            sampled_log_probs[rows, t] = token_log_probs(logits, token).float().cpu()
             finished |= torch.isin(token, stop)
             if t == self.cfg.max_new_tokens - 1 or self._all_done(bool(finished.all()), device):
                 break
-            attention = torch.cat([attention, attention.new_ones(rows, 1)], dim=1)
+            keep = _rows_to_keep(finished)
+            if keep is not None:
+                cache.batch_select_indices(keep)
+                token, attention, position = token[keep], attention[keep], position[keep]
+                finished = finished[keep]
+                rows = rows[keep.cpu()]
+                generators = [generators[i] for i in keep.tolist()]
+            attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
             logits = self.model(
                 input_ids=token[:, None],
                 attention_mask=attention,
@@ -225,7 +251,7 @@ class HFRolloutEngine:
             ).logits[:, -1, :]
             position = position + 1
         out = []
-        for row in range(rows):
+        for row in range(total):
             response, done = cut_at_stop(tokens[row].tolist(), self.stop_ids, self.pad_id)
             behaviour = sampled_log_probs[row, : len(response)].tolist()
             out.append(Rollout(first_index + row // n, response, done, behaviour))

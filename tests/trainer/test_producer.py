@@ -14,6 +14,8 @@ from trainer.grpo.rollout import Rollout
 class FakeEngine:
     """An engine whose rollouts say which weights sampled them (``version`` as the token)."""
 
+    overlaps = False
+
     def __init__(self) -> None:
         self.version = None
         self.log: list[tuple] = []
@@ -30,6 +32,8 @@ class FakeEngine:
 class FakeRemote(FakeEngine):
     """Engines elsewhere: ``submit`` then ``collect``, one request at a time (as
     ``RemoteRolloutEngine``, whose ``_send`` refuses anything else while one is in flight)."""
+
+    overlaps = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -112,7 +112,7 @@ class RolloutProducer:
     @property
     def overlaps(self) -> bool:
         """Whether a submitted request runs while this process does something else."""
-        return hasattr(self.engine, "submit")
+        return self.engine.overlaps
 
     def take(self, step: int) -> StepRollouts:
         """Step ``step``'s rollouts: the ones drained or in flight, else generated now with

@@ -676,10 +676,7 @@ def _sync(
         backend.data_parallel.device,
     )
     policy = backend.log_probs([micro])[0][0, -len(probe.response) :].float().tolist()
-    if hasattr(engine, "token_log_probs_per_engine"):  # dedicated engines: each its own copy
-        served = engine.token_log_probs_per_engine(probe.prompt, probe.response)
-    else:
-        served = [engine.token_log_probs(probe.prompt, probe.response)]
+    served = engine.token_log_probs_per_engine(probe.prompt, probe.response)
     diff = all_reduce_max(max(max_abs_diff(s, policy) for s in served), info)
     return check_sync(diff, tolerance, step, type(engine).__name__)
 

@@ -202,6 +202,8 @@ class RemoteRolloutEngine:
         bucket_bytes: largest weight bucket sent at once.
     """
 
+    overlaps = True
+
     def __init__(
         self, engine_ranks: Sequence[int], channel: Channel, bucket_bytes: int = 64 << 20
     ) -> None:
@@ -301,6 +303,8 @@ class EngineFollower:
     vLLM's workers on the engine's GPUs): it takes part in every message and answers
     nothing (the coordinator reads each engine's first process only)."""
 
+    overlaps = False
+
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
         return []
 
@@ -309,6 +313,11 @@ class EngineFollower:
             pass
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
+        return []
+
+    def token_log_probs_per_engine(
+        self, prompt: list[int], response: list[int]
+    ) -> list[list[float]]:
         return []
 
 
@@ -386,6 +395,8 @@ class SharedRemote:
     processes over their default group; every process draws the whole weight stream (under
     ZeRO-3 each parameter is gathered collectively), and only the coordinator sends it.
     """
+
+    overlaps = True
 
     def __init__(self, remote: RemoteRolloutEngine | None) -> None:
         self.remote = remote

@@ -43,6 +43,11 @@ class Rollout:
 
 
 class RolloutEngine(Protocol):
+    overlaps: bool
+    """True when the engine runs in other processes: ``submit`` hands a request over and
+    returns, ``collect`` waits for its rollouts (``trainer.grpo.remote``), so this process
+    can train meanwhile. False: ``generate`` runs here, in the caller's time."""
+
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
         """One response per seed of each prompt (``seeds[i]``: prompt ``i``'s, all of one
         length ``n``), grouped: prompt 0's n responses first, then prompt 1's…"""
@@ -56,6 +61,14 @@ class RolloutEngine(Protocol):
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
         """The engine's own log-probs of ``response`` after ``prompt`` (raw logits, no
         temperature): what the sync check compares with the policy's."""
+        ...
+
+    def token_log_probs_per_engine(
+        self, prompt: list[int], response: list[int]
+    ) -> list[list[float]]:
+        """``token_log_probs`` of every copy of the weights the engine serves (each loaded
+        them on its own, and the sync check compares each with the policy): one list for an
+        engine in this process."""
         ...
 
 
@@ -148,6 +161,8 @@ class HFRolloutEngine:
     stopped keeps stepping until every rank's have (one all-reduce per decode step, as HF's
     ``synced_gpus``). Every rank must then call ``generate`` with as many prompts.
     """
+
+    overlaps = False
 
     def __init__(
         self, model, tokenizer, cfg: RolloutConfig, batch_size: int = 64, lockstep: bool = False
@@ -283,6 +298,11 @@ class HFRolloutEngine:
         logits = self.model(input_ids=ids, logits_to_keep=len(response) + 1).logits[0, :-1]
         targets = torch.tensor(response, device=device)
         return token_log_probs(logits, targets).tolist()
+
+    def token_log_probs_per_engine(
+        self, prompt: list[int], response: list[int]
+    ) -> list[list[float]]:
+        return [self.token_log_probs(prompt, response)]
 
 
 def vllm_engine_kwargs(
@@ -439,6 +459,8 @@ class VLLMRolloutEngine:
     Whether a sync took is checked by the recipe (``token_log_probs`` against the policy).
     """
 
+    overlaps = False
+
     def __init__(
         self,
         model_dir: str,
@@ -520,6 +542,11 @@ class VLLMRolloutEngine:
         result = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         scored = result[0].prompt_logprobs  # [None, {token: Logprob}, ...], one per position
         return [scored[len(prompt) + i][token].logprob for i, token in enumerate(response)]
+
+    def token_log_probs_per_engine(
+        self, prompt: list[int], response: list[int]
+    ) -> list[list[float]]:
+        return [self.token_log_probs(prompt, response)]
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload the policy's weights in place (vLLM's ``reload_weights``), streamed."""

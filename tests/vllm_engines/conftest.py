@@ -11,7 +11,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+from trainer.grpo.config import RolloutConfig
+from trainer.grpo.rollout import HFRolloutEngine
+from trainer.grpo.sync_check import max_abs_diff
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 # vLLM's CPU build sizes its KV cache from a share of host RAM minus this process's RSS,
@@ -20,6 +24,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 VLLM_MODEL = TinyModelConfig(head_dim=64, num_attention_heads=2, num_key_value_heads=1)
 """The default tiny model with 64-wide heads: vLLM's CPU attention rejects head_dim < 64."""
+
+PROBE = "<|start|>user<|message|>Quelle est la capitale de la France ?<|end|><|start|>assistant"
+"""The sequence whose last 8 tokens the engines and the policy score (``gap``)."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,3 +42,30 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm-tiny") / "model", VLLM_MODEL)
+
+
+@pytest.fixture(scope="module")
+def policy(vllm_model_dir):
+    """The policy an engine serves: the tiny model in fp32 (tests change its weights and sync
+    them), and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        vllm_model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model, AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+@pytest.fixture(scope="module")
+def gap(policy):
+    """``gap(engine)``: the largest difference between the engine's and the policy's (as it
+    is now) log-probs of the probe's last 8 tokens."""
+    model, tokenizer = policy
+
+    def measure(engine) -> float:
+        ids = tokenizer(PROBE)["input_ids"]
+        prompt, response = ids[:-8], ids[-8:]
+        mine = HFRolloutEngine(model, tokenizer, RolloutConfig()).token_log_probs(prompt, response)
+        return max_abs_diff(engine.token_log_probs(prompt, response), mine)
+
+    return measure

@@ -18,23 +18,10 @@ from tests_helpers_trainer import small_grpo_config
 
 from cluster.torchrun import torchrun_command
 from trainer.grpo.config import GRPOConfig, RolloutConfig
-from trainer.grpo.rollout import HFRolloutEngine
-from trainer.grpo.sync_check import max_abs_diff
 from trainer.metrics import METRICS_FILE, read_metrics
 
 ROLLOUT = {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}
 ROOT = Path(__file__).resolve().parents[2]
-PROMPT = "<|start|>user<|message|>Quelle est la capitale de la France ?<|end|><|start|>assistant"
-
-
-@pytest.fixture(scope="module")
-def policy(vllm_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(
-        vllm_model_dir, dtype=torch.float32, attn_implementation="eager"
-    )
-    return model, AutoTokenizer.from_pretrained(vllm_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -53,37 +40,28 @@ def engine(vllm_model_dir, policy):
     engine.close()
 
 
-def _diff(engine, model, tokenizer) -> float:
-    ids = tokenizer(PROMPT)["input_ids"]
-    prompt, response = ids[:-8], ids[-8:]
-    policy = HFRolloutEngine(model, tokenizer, RolloutConfig())
-    return max_abs_diff(
-        engine.token_log_probs(prompt, response), policy.token_log_probs(prompt, response)
-    )
-
-
 def test_the_engine_runs_in_processes_of_its_own(engine):
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert engine.llm.llm_engine.engine_core.__class__.__name__ == "SyncMPClient"
 
 
-def test_sent_weights_take_in_every_group_including_experts_and_sinks(engine, policy):
-    model, tokenizer = policy
-    assert _diff(engine, model, tokenizer) < 1e-4
+def test_sent_weights_take_in_every_group_including_experts_and_sinks(engine, policy, gap):
+    model, _ = policy
+    assert gap(engine) < 1e-4
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for _, param in model.named_parameters():  # every group: embeddings … experts, sinks
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    assert _diff(engine, model, tokenizer) > 0.05  # the engine still has the old weights
+    assert gap(engine) > 0.05  # the engine still has the old weights
     engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
-    assert _diff(engine, model, tokenizer) < 1e-4
+    assert gap(engine) < 1e-4
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
                 param.add_(1.0)
-    assert _diff(engine, model, tokenizer) > 1e-3
+    assert gap(engine) > 1e-3
     engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())  # twice: fine
-    assert _diff(engine, model, tokenizer) < 1e-4
+    assert gap(engine) < 1e-4
 
 
 def test_a_bucket_the_engine_cannot_load_raises_naming_it(engine):

@@ -18,23 +18,12 @@ from tests_helpers_trainer import small_grpo_config
 
 from eval.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
-from trainer.grpo.rollout import HFRolloutEngine, VLLMRolloutEngine, VLLMWeights
-from trainer.grpo.sync_check import WeightSyncError, check_sync, max_abs_diff, sync_tolerance
+from trainer.grpo.rollout import VLLMRolloutEngine, VLLMWeights
+from trainer.grpo.sync_check import WeightSyncError, check_sync, sync_tolerance
 from trainer.metrics import METRICS_FILE, read_metrics
 
 ROLLOUT = {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}
 ROOT = Path(__file__).resolve().parents[2]
-PROMPT = "<|start|>user<|message|>Quelle est la capitale de la France ?<|end|><|start|>assistant"
-
-
-@pytest.fixture(scope="module")
-def policy(vllm_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(
-        vllm_model_dir, dtype=torch.float32, attn_implementation="eager"
-    )
-    return model, AutoTokenizer.from_pretrained(vllm_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -48,31 +37,15 @@ def engine(vllm_model_dir, policy):
     gc.collect()
 
 
-def _policy_log_probs(model, tokenizer, prompt, response):
-    return HFRolloutEngine(model, tokenizer, RolloutConfig()).token_log_probs(prompt, response)
-
-
-def _probe(tokenizer):
-    ids = tokenizer(PROMPT)["input_ids"]
-    return ids[:-8], ids[-8:]
-
-
-def _diff(engine, model, tokenizer) -> float:
-    prompt, response = _probe(tokenizer)
-    return max_abs_diff(
-        engine.token_log_probs(prompt, response),
-        _policy_log_probs(model, tokenizer, prompt, response),
-    )
-
-
-def test_engine_scores_like_the_policy_it_loaded(engine, policy):
-    model, tokenizer = policy
-    assert _diff(engine, model, tokenizer) < 1e-4
+def test_engine_scores_like_the_policy_it_loaded(engine, gap):
+    assert gap(engine) < 1e-4
 
 
 def test_each_response_has_its_own_random_stream(engine, policy):
     _, tokenizer = policy
-    prompt = tokenizer(PROMPT)["input_ids"]
+    prompt = tokenizer("<|start|>user<|message|>Wie spät ist es?<|end|><|start|>assistant")[
+        "input_ids"
+    ]
     seeds = group_seeds(0, 0, [0, 1], 4)
     out = engine.generate([prompt, prompt], seeds)
     assert [r.prompt_index for r in out] == [0] * 4 + [1] * 4
@@ -85,34 +58,34 @@ def test_each_response_has_its_own_random_stream(engine, policy):
     assert [r.response_ids for r in alone] == [r.response_ids for r in out[4:]]
 
 
-def test_sync_takes_every_weight_group_including_experts_and_sinks(engine, policy):
-    model, tokenizer = policy
+def test_sync_takes_every_weight_group_including_experts_and_sinks(engine, policy, gap):
+    model, _ = policy
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for _, param in model.named_parameters():  # every group: embeddings … experts, sinks
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    assert _diff(engine, model, tokenizer) > 0.05  # the engine still has the old weights
+    assert gap(engine) > 0.05  # the engine still has the old weights
     engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
-    assert _diff(engine, model, tokenizer) < 1e-4
+    assert gap(engine) < 1e-4
     engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())  # twice: same
-    assert _diff(engine, model, tokenizer) < 1e-4
+    assert gap(engine) < 1e-4
 
 
-def test_sinks_alone_are_synced(engine, policy):
-    model, tokenizer = policy
+def test_sinks_alone_are_synced(engine, policy, gap):
+    model, _ = policy
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
                 param.add_(1.0)
-    assert _diff(engine, model, tokenizer) > 1e-3
+    assert gap(engine) > 1e-3
     engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
-    assert _diff(engine, model, tokenizer) < 1e-4
+    assert gap(engine) < 1e-4
 
 
-def test_the_check_catches_a_sync_that_leaves_experts_stale(engine, policy):
+def test_the_check_catches_a_sync_that_leaves_experts_stale(engine, policy, gap):
     """vLLM's reload of GPT-OSS's stacked expert tensors (its loader's own format) copies them
     in without counting them, then puts the old experts back: no error, a wrong model."""
-    model, tokenizer = policy
+    model, _ = policy
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".experts." in name:
@@ -123,11 +96,11 @@ def test_the_check_catches_a_sync_that_leaves_experts_stale(engine, policy):
         kwargs={"weights_iterator": iter(stacked.named_tensors), "is_checkpoint_format": True},
     )
     engine.llm.reset_prefix_cache()
-    diff = _diff(engine, model, tokenizer)
+    diff = gap(engine)
     with pytest.raises(WeightSyncError, match="did not take the weights"):
         check_sync(diff, sync_tolerance(None, torch.float32), 3, "VLLMRolloutEngine")
     engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
-    assert _diff(engine, model, tokenizer) < 1e-4
+    assert gap(engine) < 1e-4
 
 
 def _grpo(tmp_path, model_dir, data, *program: str) -> subprocess.CompletedProcess:

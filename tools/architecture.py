@@ -22,7 +22,8 @@ PACKAGES = {
     "trainer": "SFT, GRPO, backends, checkpoints, export",
     "capacity": "the capacity planner (lingo estimate)",
     "cluster": "machines, torchrun, PyTorchJobs",
-    "eval": "reward, language ID, harmony, the eval",
+    "eval": "reward, the eval, the gate, reports",
+    "core": "what every step shares: languages, harmony, configs, tracking",
 }
 
 

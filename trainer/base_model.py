@@ -6,7 +6,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from eval.modeling import check_model_dir
+from core.modeling import check_model_dir
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 log = logging.getLogger(__name__)

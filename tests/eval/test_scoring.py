@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eval.languages import LanguageLabels, UnknownLanguageError
-from eval.parsing import ParsedResponse, ResponseFormat
+from core.languages import LanguageLabels, UnknownLanguageError
+from core.parsing import ParsedResponse, ResponseFormat
 from eval.reward_labels import parse_labels
 from eval.scoring import ComplianceScorer, RewardWeights, Verdict, result_to_dict
 

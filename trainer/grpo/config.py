@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 from trainer.backends.config import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode
 
@@ -49,7 +49,7 @@ class RolloutConfig(ConfigModel):
     max_num_batched_tokens: int | None = Field(None, ge=16)
     """vLLM's cap on the tokens of one scheduler step (None: vLLM's default; on vLLM's CPU build
     at least ``max_prompt_tokens + max_new_tokens``, as prompts are never split there:
-    ``eval.engines.vllm_scheduling_kwargs``)."""
+    ``core.vllm_scheduling.vllm_scheduling_kwargs``)."""
     sync_check_tokens: int = Field(32, ge=1)
     """Tokens of the probe scored by the engine and by the policy after every weight sync
     (``trainer.grpo.sync_check``)."""

@@ -61,7 +61,7 @@ def publish(
     import logging
     from pathlib import Path
 
-    from trainer.storage import upload_dir, upload_file
+    from core.storage import upload_dir, upload_file
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     prefix = f"{export_uri.rstrip('/')}/{pipeline_run_id}"

@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.language_id import LanguageIdentifier  # noqa: E402
-from eval.scoring import MIN_LANGUAGE_FRACTION  # noqa: E402
+from reward.scoring import MIN_LANGUAGE_FRACTION  # noqa: E402
 
 logger = logging.getLogger("bench.language_id")
 

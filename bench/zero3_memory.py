@@ -143,7 +143,7 @@ def _worker(args) -> None:
 
         import trainer.grpo.recipe  # noqa: F401  everything the run imports
         from core.modeling import load_tokenizer
-        from eval.scoring import ComplianceScorer
+        from reward.scoring import ComplianceScorer
         from trainer.distributed import barrier, init_distributed
 
         info = init_distributed("cpu", 1)

@@ -1,2 +1,1 @@
-"""The language-compliance reward, the eval (engines, runner, the 50-question set), the gate
-and the reports."""
+"""The eval (engines, runner, the 50-question set), the gate and the reports."""

@@ -25,7 +25,6 @@ from pathlib import Path
 from core.harmony import task_prompt
 from core.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
 from core.seeds import sample_seed
-from eval.degeneracy import measure_degeneracy
 from eval.engines import (
     Engine,
     Generation,
@@ -38,7 +37,8 @@ from eval.engines import (
 from eval.eval_config import EvalConfig
 from eval.eval_metrics import MISSING, Outcome, Summary, deltas, summarize
 from eval.report import log_eval_run, write_reports
-from eval.scoring import ComplianceResult, ComplianceScorer
+from reward.degeneracy import measure_degeneracy
+from reward.scoring import ComplianceResult, ComplianceScorer
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ def test_code_cells_parse_and_import_what_exists():
                 "eval",
                 "data_prep",
                 "core",
+                "reward",
             ):
                 module = importlib.import_module(node.module)
                 for alias in node.names:

@@ -135,7 +135,7 @@ class GRPOConfig(ProcessSettings):
     guard: GuardConfig = GuardConfig()
     optim: OptimConfig = OptimConfig(learning_rate=1e-6, lr_scheduler="constant")
     reward_weights: dict[str, float] = Field(default_factory=dict)
-    """Overrides of eval.scoring.RewardWeights fields (reference defaults otherwise)."""
+    """Overrides of reward.scoring.RewardWeights fields (reference defaults otherwise)."""
     prompt_filter: Literal["all", "in-language"] = "all"
     """Which prompts of the train and held-out splits GRPO uses: ``all``, or ``in-language``
     (only questions written in the language they ask the reasoning and answer in — the

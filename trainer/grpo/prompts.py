@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from core.languages import UnknownLanguageError
-from eval.reward_labels import parse_labels
+from reward.labels import parse_labels
 
 log = logging.getLogger(__name__)
 

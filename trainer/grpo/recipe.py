@@ -30,9 +30,9 @@ from core.modeling import (
 )
 from core.seeds import group_seeds
 from core.tracking import log_artifact, mlflow_run
-from eval.adapters import LanguageComplianceReward
-from eval.degeneracy import measure_degeneracy
-from eval.scoring import ComplianceScorer, RewardWeights, Verdict
+from reward.adapters import LanguageComplianceReward
+from reward.degeneracy import measure_degeneracy
+from reward.scoring import ComplianceScorer, RewardWeights, Verdict
 from trainer.backends import (
     DataParallel,
     LossFn,

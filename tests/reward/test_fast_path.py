@@ -25,7 +25,7 @@ from core.language_id import (
 )
 from core.languages import UNDETERMINED
 from core.sentences import count_letters, letter_mask, rough_segment_ends, rough_segments
-from eval.scoring import ComplianceScorer
+from reward.scoring import ComplianceScorer
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTSET = ROOT / "bench" / "data" / "langid_testset.jsonl"

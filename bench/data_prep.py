@@ -57,9 +57,9 @@ def make_input(path: Path, n: int) -> None:
 def run_one(path: Path, out: Path, workers: int) -> dict:
     """Runs in the child process: load, then prepare the dataset once; time and memory."""
     start = time.perf_counter()
+    from core.language_id import identify_language
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare_dataset
-    from eval.language_id import identify_language
 
     imported = time.perf_counter()
     identify_language("load the language model before timing anything")

@@ -97,7 +97,7 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     from capacity.estimate import estimate
     from capacity.measured import cpu_allocator_peak, tensor_bytes
     from capacity.quantities import GIB
-    from eval.seeds import group_seeds
+    from core.seeds import group_seeds
     from trainer.backends import TorchBackend
     from trainer.grpo.config import GRPOConfig, RolloutConfig
     from trainer.grpo.prompts import Prompt

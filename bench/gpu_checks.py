@@ -264,7 +264,7 @@ def check_grpo(sizes: Sizes, work: Path) -> dict:
 def check_bf16_numerics(sizes: Sizes, work: Path) -> dict:
     import torch
 
-    from eval.modeling import load_causal_lm, load_tokenizer
+    from core.modeling import load_causal_lm, load_tokenizer
     from trainer.grpo.layout import micro_log_probs as _log_probs
     from trainer.grpo.layout import sequences as _sequences
     from trainer.grpo.prompts import Prompt

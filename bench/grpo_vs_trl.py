@@ -7,7 +7,7 @@ lr 3e-4, clip 0.2/0.28, no KL, token-mean, in-language prompts), on the demo's S
 (made here, or ``--sft-model``). Ours runs as the issue asks: 1 training process and 1
 rollout process (gloo, the HF engine, 1 torch thread each, the 2 cores); the only
 difference between our two rows is ``rollout.async_steps``. TRL gets the same model, prompts,
-group size, completion length, reward (our scorer through ``eval.adapters``), learning rate,
+group size, completion length, reward (our scorer through ``reward.adapters``), learning rate,
 clip range and loss, on ``--trl-threads`` threads (default 2: the same cores). Every run does
 ``--steps`` steps; s/step is the mean over steps 2… (the first is a warm-up).
 
@@ -113,7 +113,7 @@ def run_trl(model: Path, data: Path, work: Path, steps: int, seed: int, threads:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from eval.adapters import language_compliance_reward
+    from reward.adapters import language_compliance_reward
 
     ours = get_preset("tiny-cpu").grpo
     torch.set_num_threads(threads)

@@ -1,11 +1,11 @@
 """Benchmark offline language-ID libraries on lingo-rl's test sets; picks eval's backend.
 
 Every other library runs through the rule fastText had alone
-(``eval.language_id.LanguageIdentifier`` without word evidence): fewer than 6 letters is
+(``core.language_id.LanguageIdentifier`` without word evidence): fewer than 6 letters is
 "und"; under 20 letters the top language needs probability >= 0.5, else "und"; a top
 language outside en/fr/de/es/it is "other". So the comparison is between the libraries'
 models, not between wrappers. Ours is fastText with word evidence for text under 40 letters
-(``eval/word_evidence.py``); "fastText alone" is the same model with the rule above.
+(``core/word_evidence.py``); "fastText alone" is the same model with the rule above.
 
 Test set: ``bench/data/langid_testset.jsonl``, one object per line:
 ``{"id", "kind", "label", "text"}`` with kind ``sentence`` (200, 40 per language), ``short``
@@ -46,8 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eval.language_id import LanguageIdentifier  # noqa: E402
-from eval.scoring import MIN_LANGUAGE_FRACTION  # noqa: E402
+from core.language_id import LanguageIdentifier  # noqa: E402
+from reward.scoring import MIN_LANGUAGE_FRACTION  # noqa: E402
 
 logger = logging.getLogger("bench.language_id")
 

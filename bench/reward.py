@@ -50,8 +50,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eval.languages import SUPPORTED_LANGUAGES  # noqa: E402
-from eval.scoring import ComplianceScorer  # noqa: E402
+from core.languages import SUPPORTED_LANGUAGES  # noqa: E402
+from reward.scoring import ComplianceScorer  # noqa: E402
 
 logger = logging.getLogger("bench.reward")
 

@@ -142,8 +142,8 @@ def _worker(args) -> None:
         import transformers.models.gpt_oss.modeling_gpt_oss  # noqa: F401
 
         import trainer.grpo.recipe  # noqa: F401  everything the run imports
-        from eval.modeling import load_tokenizer
-        from eval.scoring import ComplianceScorer
+        from core.modeling import load_tokenizer
+        from reward.scoring import ComplianceScorer
         from trainer.distributed import barrier, init_distributed
 
         info = init_distributed("cpu", 1)

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from cluster.hardware import job_fields
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
 _SECRET_LIKE = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL", re.IGNORECASE)

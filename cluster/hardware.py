@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 
 # What nvidia-smi reports as total memory (MiB / 1024): A10G 23028 MiB, H200 143771 MiB.
 A10G_GIB = 22.49

@@ -33,7 +33,7 @@ from cluster.launcher import (
     metrics_progress,
 )
 from cluster.pytorchjob import build_pytorchjob, manifest_yaml
-from eval.tracking import tracking_env
+from core.tracking import tracking_env
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ def data_prep(
     """
     import logging
 
+    from core.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare_dataset
-    from eval.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = DataPrepConfig.model_validate(config)

@@ -40,9 +40,9 @@ def evaluate(
     """
     import logging
 
+    from core.tracking import configure_tracking
     from eval.eval_step import run_eval_step
     from eval.report import kfp_confusion_matrices, load_results
-    from eval.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
@@ -81,8 +81,8 @@ def gate(
     ``unchanged`` or ``skipped`` (the reason is in ``report``)."""
     import logging
 
+    from core.tracking import configure_tracking
     from eval.eval_step import run_gate_step
-    from eval.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
@@ -105,8 +105,8 @@ def register(
     """
     import logging
 
+    from core.tracking import configure_tracking
     from eval.eval_step import run_gate_step
-    from eval.tracking import configure_tracking
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)

@@ -39,7 +39,7 @@ def grpo(
 
     from cluster.config import JobLaunch
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
-    from eval.tracking import configure_tracking
+    from core.tracking import configure_tracking
     from trainer.grpo.config import GRPOConfig
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
 

@@ -43,7 +43,7 @@ def sft(
 
     from cluster.config import JobLaunch
     from components.images import GPU_IMAGE
-    from eval.tracking import configure_tracking
+    from core.tracking import configure_tracking
     from trainer.sft.config import SFTConfig
     from trainer.sft.step import render_sft_html, run_sft_step, sft_metrics
 

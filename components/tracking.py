@@ -29,7 +29,7 @@ def start_tracking(
     sources, the hardware and the SFT/GRPO configs (flattened, ``sft.optim.learning_rate``)."""
     import logging
 
-    from eval.tracking import configure_tracking, start_pipeline_run
+    from core.tracking import configure_tracking, start_pipeline_run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_tracking(mlflow_tracking_uri, experiment=mlflow_experiment)
@@ -61,7 +61,7 @@ def publish(
     import logging
     from pathlib import Path
 
-    from trainer.storage import upload_dir, upload_file
+    from core.storage import upload_dir, upload_file
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     prefix = f"{export_uri.rstrip('/')}/{pipeline_run_id}"
@@ -87,7 +87,7 @@ def finalize(
     ``lingo.pipeline_run_id`` tag: an exit task cannot take other tasks' outputs)."""
     import logging
 
-    from eval.tracking import (
+    from core.tracking import (
         TrackingUnreachableError,
         configure_tracking,
         find_pipeline_run,

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import orjson
 
+from core.languages import LanguageLabels
+from core.sentences import split_sentences
 from data_prep.labels import RowLabels
 from data_prep.records import build_record, content_key
 from data_prep.validate import ValidRow
-from eval.languages import LanguageLabels
-from eval.sentences import split_sentences
 
 
 def append_synthetic(records_path: Path, out, factor: int, seed: int, reasoning_effort: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from eval.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
+from core.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
 
 if TYPE_CHECKING:
     from data_prep.config import DataPrepConfig

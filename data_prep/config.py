@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 
 BUNDLED_SOURCE = "bundled"
 HUB_DATASET_ID = "HuggingFaceH4/Multilingual-Thinking"

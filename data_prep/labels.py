@@ -16,8 +16,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
-from eval.language_id import identify_language
-from eval.languages import SUPPORTED_LANGUAGES, LanguageLabels
+from core.language_id import identify_language
+from core.languages import SUPPORTED_LANGUAGES, LanguageLabels
 
 AnswerSource = Literal["user", "final", "default", "reasoning"]
 DEFAULT_ANSWER_LANGUAGE = "en"

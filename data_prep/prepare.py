@@ -33,6 +33,8 @@ from pathlib import Path
 
 import orjson
 
+from core.atomic import IO_BUFFER, PendingFiles
+from core.languages import SUPPORTED_LANGUAGES
 from data_prep.augment import append_synthetic
 from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
@@ -43,8 +45,6 @@ from data_prep.row_index import RowIndex
 from data_prep.sources import iter_source
 from data_prep.spool import RowSpool
 from data_prep.validate import DUPLICATE, Rejection
-from eval.atomic import IO_BUFFER, PendingFiles
-from eval.languages import SUPPORTED_LANGUAGES
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ from typing import NamedTuple
 
 import orjson
 
+from core.languages import SUPPORTED_LANGUAGES
 from data_prep.config import DataPrepConfig
 from data_prep.labels import assign_labels
 from data_prep.records import build_record, content_key
 from data_prep.sources import RawRow, parse_row
 from data_prep.validate import INVALID_JSON, Rejection, validate_row
-from eval.languages import SUPPORTED_LANGUAGES
 
 ANSWER_SOURCES = ("user", "final", "default", "reasoning")
 CHUNK_ROWS = 256

@@ -4,7 +4,7 @@ The deployed task asks a question written in language L and wants reasoning and 
 Multilingual-Thinking's user questions are English, so a policy trained only on them never
 sees a question in French. A question set adds prompts that mirror deployment: each row's
 question, labelled (L, L) with L the question's language (a column, or detected), rendered
-with the one prompt convention (``eval.harmony.task_prompt``).
+with the one prompt convention (``core.harmony.task_prompt``).
 
 The rows are *prompt-only* records (``"prompt_only": true``, no ``analysis``/``final``/
 ``completion``): GRPO samples them (with the set's ``weight``, ``"prompt_weight"``), SFT and
@@ -22,6 +22,10 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from core.harmony import task_prompt
+from core.language_id import identify_language
+from core.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES, UnknownLanguageError
+from core.languages import normalize_language as _normalize
 from data_prep.config import QuestionSetConfig
 from data_prep.process import quarantine_entry
 from data_prep.sources import iter_source, parse_row
@@ -36,10 +40,6 @@ from data_prep.validate import (
     UNKNOWN_LANGUAGE,
     Rejection,
 )
-from eval.harmony import task_prompt
-from eval.language_id import identify_language
-from eval.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES, UnknownLanguageError
-from eval.languages import normalize_language as _normalize
 
 
 class QuestionSetCounts:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from hashlib import blake2b
 
+from core.harmony import render_completion, task_prompt
+from core.languages import LANGUAGE_NAMES
 from data_prep.labels import RowLabels
 from data_prep.validate import ValidRow
-from eval.harmony import render_completion, task_prompt
-from eval.languages import LANGUAGE_NAMES
 
 
 def content_key(row: ValidRow) -> bytes:

@@ -18,8 +18,9 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from core.atomic import IO_BUFFER
+from core.storage import S3Client, download_file, list_objects, parse_s3_uri, s3_client
 from data_prep.config import BUNDLED_SOURCE
-from eval.atomic import IO_BUFFER
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def iter_source(source: str, hub_split: str = "train") -> Iterator[RawRow]:
     elif kind == "local":
         yield from iter_local(Path(source))
     elif kind == "s3":
-        yield from _iter_s3(source)
+        yield from iter_s3(source)
     else:
         yield from _iter_hub(source, hub_split)
 
@@ -176,36 +177,35 @@ def _iter_hub(dataset_id: str, split: str) -> Iterator[RawRow]:
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
-    """``s3://bucket/some/key`` → ``("bucket", "some/key")``."""
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
-    if not bucket:
-        raise SourceError(f"{uri!r}: no bucket in S3 URI; expected s3://bucket/key-or-prefix")
-    return bucket, key
+    """``s3://bucket/some/key`` → ``("bucket", "some/key")`` (``core.storage.parse_s3_uri``)."""
+    try:
+        return parse_s3_uri(uri)
+    except ValueError as exc:
+        raise SourceError(f"{exc} (a data source: s3://bucket/key-or-prefix)") from exc
 
 
-def _iter_s3(uri: str) -> Iterator[RawRow]:
+def iter_s3(uri: str, client: S3Client | None = None) -> Iterator[RawRow]:
     """Download an S3 object or every data file under a prefix, then read it locally.
 
-    Honors ``AWS_ENDPOINT_URL`` (S3-compatible stores) and the usual AWS credential chain.
-    """
-    import boto3
+    Each object goes through ``core.storage.download_file``: resumable ranged reads, checked
+    against the object's size and, when it carries one (an upload by ``core.storage``), its
+    SHA-256 metadata; a short or corrupted download raises ``IntegrityError`` before any row
+    is read. Honors ``AWS_ENDPOINT_URL`` (S3-compatible stores) and the usual AWS credential
+    chain.
 
-    bucket, key = split_s3_uri(uri)
-    client = boto3.client("s3")
+    Args:
+        uri: ``s3://bucket/key-or-prefix``.
+        client: boto3 S3 client; ``core.storage.s3_client()`` when omitted.
+    """
+    bucket, _ = split_s3_uri(uri)
+    client = client or s3_client()
     tmp = Path(tempfile.mkdtemp(prefix="lingo-s3-"))
     try:
-        keys = [
-            obj["Key"]
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
-            for obj in page.get("Contents", [])
-            if obj["Key"].endswith(SUPPORTED_SUFFIXES)
-        ]
+        keys = [k for k in list_objects(uri, client=client) if k.endswith(SUPPORTED_SUFFIXES)]
         if not keys:
             raise SourceError(f"{uri}: no {', '.join(SUPPORTED_SUFFIXES)} objects under this URI")
-        for k in sorted(keys):
-            target = tmp / k
-            target.parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(bucket, k, str(target))
+        for key in keys:
+            download_file(f"s3://{bucket}/{key}", tmp / key, client=client)
         yield from iter_local(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.atomic import IO_BUFFER
+from core.atomic import IO_BUFFER
 
 BLOCK_ROWS = 512
 """Rows read back at a time (about 1.3 MiB of records for the bundled sample's rows)."""

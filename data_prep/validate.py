@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from eval.languages import UnknownLanguageError, normalize_language
+from core.languages import UnknownLanguageError, normalize_language
 
 TEXT_FIELDS = ("reasoning_language", "developer", "user", "analysis", "final")
 REQUIRED_FIELDS = (*TEXT_FIELDS, "messages")

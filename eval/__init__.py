@@ -1,1 +1,1 @@
-"""Language identification, response parsing, compliance scoring and the 50-question eval."""
+"""The eval (engines, runner, the 50-question set), the gate and the reports."""

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from core.parsing import ParsedResponse, ResponseFormat, parse_response
+from core.vllm_scheduling import vllm_scheduling_kwargs
 from eval.eval_config import EvalConfig, SamplingSettings
-from eval.parsing import ParsedResponse, ResponseFormat, parse_response
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class HFEngine:
     ) -> None:
         import torch
 
-        from eval.modeling import load_causal_lm, load_tokenizer, resolve_dtype
+        from core.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 
         path = require_model_dir(model_dir)
         if device == "auto":
@@ -185,7 +186,7 @@ class HFEngine:
         import torch
         from transformers import LogitsProcessorList
 
-        from eval.sampling import PerRowSampler, row_generators
+        from core.sampling import PerRowSampler, row_generators
 
         encoded = self.tokenizer(
             [r.prompt for r in requests],
@@ -237,7 +238,7 @@ class HFEngine:
 
 class VLLMEngine:
     """vLLM offline generation (GPU; the ``gpu`` extra). One request seed per response
-    (``request.seed``, from ``eval.seeds``).
+    (``request.seed``, from ``core.seeds``).
 
     Args:
         model_dir: A Hugging Face model directory.
@@ -321,25 +322,6 @@ class VLLMEngine:
     def close(self) -> None:
         """Drop the engine."""
         del self.llm
-
-
-def vllm_scheduling_kwargs(
-    max_num_batched_tokens: int | None, max_model_len: int, cpu: bool
-) -> dict[str, object]:
-    """``vllm.LLM`` scheduler arguments: the step's token cap when set, and on vLLM's CPU
-    build prompts that are never split.
-
-    There a seeded request that chunked prefill splits crashes the engine ("CPU Generator
-    does not use offset": the sampler rewinds the request's generator, which CPU generators
-    cannot do), and every request here is seeded. So on CPU chunked prefill is off and a step
-    holds at least one whole ``max_model_len`` sequence (vLLM requires it then).
-    """
-    if cpu:
-        budget = max(max_num_batched_tokens or 0, max_model_len)
-        return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
-    return (
-        {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
-    )
 
 
 def vllm_request_params(

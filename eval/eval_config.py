@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 
 DEFAULT_PERSONA = "You are a helpful assistant who solves word problems."
 """The fixed persona line after ``reasoning language: <Name>`` in the developer instructions."""
@@ -24,7 +24,7 @@ class SamplingSettings(ConfigModel):
         top_p: Nucleus sampling mass.
         max_tokens: New tokens per response (analysis + final).
         seed: Base seed; sample ``k`` of question ``q`` uses its own seed
-            ``eval.seeds.sample_seed(seed, "eval", q, k)`` (vLLM and endpoints per request,
+            ``core.seeds.sample_seed(seed, "eval", q, k)`` (vLLM and endpoints per request,
             HF with one generator per row), never shared by two responses.
         n: Samples per question (for variance).
     """
@@ -86,7 +86,7 @@ class EvalConfig(ConfigModel):
         vllm_gpu_memory_utilization: vLLM's share of GPU memory.
         vllm_max_num_batched_tokens: vLLM's cap on the tokens of one scheduler step
             (``None``: vLLM's default; on vLLM's CPU build at least the model's length, as
-            prompts are never split there: ``eval.engines.vllm_scheduling_kwargs``).
+            prompts are never split there: ``core.vllm_scheduling.vllm_scheduling_kwargs``).
     """
 
     model_config = ConfigDict(extra="forbid")

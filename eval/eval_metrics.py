@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from eval.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
+from core.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
 
 Z_95 = 1.959963984540054
 MISSING = "missing"
@@ -144,8 +144,8 @@ class Outcome:
         reasoning_detected: Detected language of the reasoning (a code, ``other``, ``und``
             or ``missing``).
         answer_detected: Same for the final answer.
-        real_word_share: See ``eval.degeneracy`` (NaN: no words).
-        repeated_ngram_rate: See ``eval.degeneracy`` (NaN: too short).
+        real_word_share: See ``reward.degeneracy`` (NaN: no words).
+        repeated_ngram_rate: See ``reward.degeneracy`` (NaN: too short).
     """
 
     language: str

@@ -12,11 +12,11 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from core.tracking import log_artifact, log_metrics, mlflow_run
 from eval.eval_config import EvalConfig
 from eval.gate import GateConfig, GateDecision, apply_gate, evaluate_gate
 from eval.report import kfp_metrics, load_results
 from eval.runner import ModelSpec, run_eval
-from eval.tracking import log_artifact, log_metrics, mlflow_run
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field, field_validator
 
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
+from core.tracking import tracking_enabled
 from eval.eval_metrics import METRICS
 from eval.registry import (
     RegisteredVersion,
@@ -41,7 +42,6 @@ from eval.registry import (
     set_alias,
     update_metric_tags,
 )
-from eval.tracking import tracking_enabled
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.atomic import atomic_write_text
+from core.atomic import atomic_write_text
+from core.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
+from core.tracking import log_artifact, log_metrics, mlflow_run
 from eval.eval_metrics import DETECTED_COLUMNS, METRICS
-from eval.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
-from eval.tracking import log_artifact, log_metrics, mlflow_run
 
 METRIC_TITLES: dict[str, str] = {
     "reasoning_language_accuracy": "reasoning in the requested language",

@@ -1,6 +1,6 @@
 """The 50-question eval: run models over the question set, score, summarize, write reports.
 
-Prompts follow the training convention (``eval.harmony``): developer instructions
+Prompts follow the training convention (``core.harmony``): developer instructions
 ``reasoning language: <Name>`` then the fixed persona line, and the question as the user
 message. The eval asks for one language throughout (question, reasoning and answer in L), so
 every response is judged against ``LanguageLabels(L, L)``.
@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from eval.degeneracy import measure_degeneracy
+from core.harmony import task_prompt
+from core.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
+from core.seeds import sample_seed
 from eval.engines import (
     Engine,
     Generation,
@@ -34,11 +36,9 @@ from eval.engines import (
 )
 from eval.eval_config import EvalConfig
 from eval.eval_metrics import MISSING, Outcome, Summary, deltas, summarize
-from eval.harmony import task_prompt
-from eval.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
 from eval.report import log_eval_run, write_reports
-from eval.scoring import ComplianceResult, ComplianceScorer
-from eval.seeds import sample_seed
+from reward.degeneracy import measure_degeneracy
+from reward.scoring import ComplianceResult, ComplianceScorer
 
 log = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ class _GlobalOptions:
 
 _options = _GlobalOptions()
 
-PROJECT_PACKAGES = ("data_prep", "trainer", "eval", "pipelines", "components")
+PROJECT_PACKAGES = ("core", "reward", "data_prep", "trainer", "eval", "pipelines", "components")
 
 
 def _is_project_error(exc: BaseException) -> bool:

@@ -20,7 +20,7 @@ from kfp.dsl import PipelineTask
 from pydantic import ConfigDict, Field, model_validator
 
 from cluster.hardware import NODE_TYPES
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 
 STEPS = (
     "start-tracking",

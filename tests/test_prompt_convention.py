@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from core.harmony import task_instructions
+from core.languages import LANGUAGE_NAMES, LanguageLabels
 from data_prep.labels import RowLabels
 from data_prep.records import build_record, content_key
 from data_prep.validate import ValidRow
 from eval.eval_config import DEFAULT_PERSONA, EvalConfig
-from eval.harmony import task_instructions
-from eval.languages import LANGUAGE_NAMES, LanguageLabels
 from eval.runner import load_questions, question_prompt
 from trainer.grpo.prompts import load_prompts
 

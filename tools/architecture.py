@@ -22,7 +22,9 @@ PACKAGES = {
     "trainer": "SFT, GRPO, backends, checkpoints, export",
     "capacity": "the capacity planner (lingo estimate)",
     "cluster": "machines, torchrun, PyTorchJobs",
-    "eval": "reward, language ID, harmony, the eval",
+    "eval": "the eval, the gate, reports",
+    "reward": "the reward scorer, its terms, adapters",
+    "core": "what every step shares: languages, harmony, configs, tracking, S3",
 }
 
 

@@ -6,7 +6,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from eval.modeling import check_model_dir
+from core.modeling import check_model_dir
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 log = logging.getLogger(__name__)
@@ -19,14 +19,14 @@ def materialize_base_model(source: str, output_dir: str | Path, tiny: TinyModelC
 
     ``source``: ``tiny`` (built here, offline), a local model directory (copied), an
     ``s3://bucket/prefix`` holding one (downloaded with integrity checks, see
-    ``trainer.storage``), or a hub id such as ``openai/gpt-oss-20b`` (downloaded with
+    ``core.storage``), or a hub id such as ``openai/gpt-oss-20b`` (downloaded with
     ``huggingface_hub``; needs the network).
     """
     output_dir = Path(output_dir)
     if source == TINY:
         return build_tiny_model(output_dir, tiny)
     if source.startswith("s3://"):
-        from trainer.storage import download_dir
+        from core.storage import download_dir
 
         log.info("downloading %s", source)
         download_dir(source, output_dir, require_manifest=False)

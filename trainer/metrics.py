@@ -72,7 +72,7 @@ class MetricsWriter:
         resume_step: when resuming from a checkpoint at this step, lines after it (written
             before the interruption, not covered by the checkpoint) are dropped, and the wall
             clock continues from the last kept line.
-        mlflow_run: log the same metrics to this active MLflow run (see ``eval.tracking``).
+        mlflow_run: log the same metrics to this active MLflow run (see ``core.tracking``).
     """
 
     def __init__(
@@ -148,7 +148,7 @@ class MetricsWriter:
                 fh.write(json.dumps(self._last) + "\n")
                 fh.flush()
         if self.mlflow_run is not None:
-            from eval.tracking import log_metrics
+            from core.tracking import log_metrics
 
             log_metrics({k: v for k, v in {**header, **clean}.items() if k != "step"}, step)
         return self._last

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field
 
-from eval.config_model import ConfigModel
-from eval.harmony import HARMONY_SPECIAL_TOKENS, SYSTEM_MESSAGE
+from core.config_model import ConfigModel
+from core.harmony import HARMONY_SPECIAL_TOKENS, SYSTEM_MESSAGE
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ parameters, a step in well under a second)."""
 
 
 def harmony_chat_template() -> str:
-    """A Jinja chat template that renders messages exactly as ``eval.harmony`` does.
+    """A Jinja chat template that renders messages exactly as ``core.harmony`` does.
 
     Messages: ``system``/``developer`` (the developer instructions), ``user``, ``assistant``
     (``content`` = final answer, optional ``thinking`` = analysis). The last assistant turn

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from eval.modeling import ModelLoadError, check_model_dir
+from core.modeling import ModelLoadError, check_model_dir
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from components.config_fields import (
     with_config_fields,
     with_config_parameters,
 )
+from core.config_model import ConfigModel
 from data_prep.config import DataPrepConfig
-from eval.config_model import ConfigModel
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*custom or non-Python base image")
 

@@ -4,11 +4,11 @@ from collections import Counter
 
 from conftest import read_jsonl
 
+from core.language_id import identify_language
+from core.languages import SUPPORTED_LANGUAGES, normalize_language
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare_dataset
 from data_prep.sources import iter_source, parse_row
-from eval.language_id import identify_language
-from eval.languages import SUPPORTED_LANGUAGES, normalize_language
 
 
 def test_sample_has_enough_rows_per_language():

@@ -210,7 +210,7 @@ def test_hostile_rows_never_crash_and_every_row_is_accounted_for(tmp_path_factor
 
 
 def test_augmentation_adds_synthetic_train_rows_in_the_right_languages(tmp_path):
-    from eval.language_id import identify_language
+    from core.language_id import identify_language
 
     src = write_jsonl(tmp_path / "in.jsonl", make_rows(10))
     report, out = _run(tmp_path, src, eval_fraction=0.2, augment_factor=3)

@@ -1,4 +1,6 @@
+import io
 import json
+import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,6 +13,7 @@ from data_prep.sources import (
     SourceError,
     describe_source,
     iter_local,
+    iter_s3,
     iter_source,
     parse_row,
     split_s3_uri,
@@ -127,3 +130,51 @@ def test_s3_prefix_against_a_real_s3_compatible_server(tmp_path, monkeypatch):
         assert rows[0].origin == "mt/part-1.jsonl:1"
         with pytest.raises(SourceError, match="no .jsonl"):
             list(iter_source("s3://datasets/missing/"))
+
+
+class TamperedBodies:
+    """A real boto3 client whose object reads come back tampered (``tamper(bytes) -> bytes``),
+    like a connection that ends early or flips a byte; every other call reaches the server."""
+
+    def __init__(self, client, tamper):
+        self._client, self._tamper = client, tamper
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def get_object(self, **kwargs):
+        response = self._client.get_object(**kwargs)
+        return {**response, "Body": io.BytesIO(self._tamper(response["Body"].read()))}
+
+
+def test_a_short_or_corrupted_s3_download_is_detected(tmp_path, monkeypatch):
+    # before core.storage, data prep's S3 reads (boto3's download_file) checked nothing: a
+    # short or corrupted object was read as the dataset
+    boto3 = pytest.importorskip("boto3")
+    from core.storage import IntegrityError, upload_file
+
+    downloads = tmp_path / "tmp"  # where iter_s3 downloads to (tempfile.mkdtemp)
+    downloads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(downloads))
+    body = "\n".join(json.dumps(r) for r in make_rows(3)).encode()
+    (tmp_path / "rows.jsonl").write_bytes(body)
+    with moto_s3_server() as endpoint:
+        for key, value in s3_env(endpoint).items():
+            monkeypatch.setenv(key, value)
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="datasets")
+        # as `aws s3 cp` leaves it: no sha256 metadata, so the size is what is checked
+        s3.put_object(Bucket="datasets", Key="plain/rows.jsonl", Body=body)
+        # as core.storage.upload_file leaves it: sha256 metadata, so the content is checked too
+        upload_file(tmp_path / "rows.jsonl", "s3://datasets/verified/rows.jsonl")
+        for prefix in ("plain", "verified"):
+            rows = [parse_row(r) for r in iter_s3(f"s3://datasets/{prefix}/", client=s3)]
+            assert [r.data for r in rows] == make_rows(3)
+
+        short = TamperedBodies(s3, lambda data: data[: len(data) // 2])
+        with pytest.raises(IntegrityError, match=f"downloaded {len(body) // 2} bytes"):
+            list(iter_s3("s3://datasets/plain/", client=short))
+        flipped = TamperedBodies(s3, lambda data: data[:-2] + b"X" + data[-1:])  # same size
+        with pytest.raises(IntegrityError, match="SHA-256"):
+            list(iter_s3("s3://datasets/verified/", client=flipped))
+    assert list(downloads.iterdir()) == []  # nothing half-downloaded is left behind

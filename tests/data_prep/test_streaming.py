@@ -21,11 +21,11 @@ OUTPUTS = ("train.jsonl", "eval.jsonl", "quarantine.jsonl", "card.md")
 # max_bad_fraction=0.5), as written by the implementation before the disk-backed bookkeeping
 # (commit 8e73a2e: numpy arrays in memory). A change of the record format changes them on
 # purpose: then regenerate them and say why in the commit. train.jsonl and card.md were
-# regenerated when language ID started deciding short text (eval/word_evidence.py): short
+# regenerated when language ID started deciding short text (core/word_evidence.py): short
 # user messages such as "What do mitochondria do?" (was Italian) and "Why do cats purr?",
 # "Combien font 3/4 de 120 ?" (were undetermined, so the answer language came from the
 # reference answer) now get the user's language. train.jsonl and eval.jsonl changed again when
-# the prompt convention started naming the answer language always (eval.harmony.task_prompt),
+# the prompt convention started naming the answer language always (core.harmony.task_prompt),
 # and all four when the bundled sample gained rows_in_language.jsonl (and lost 5 rows).
 EXPECTED_SHA256 = {
     "train.jsonl": "31f1374f120c86d53c73012ba09a6bf87842ce4ee87cfbd1fca1e501f590d359",

@@ -5,8 +5,8 @@ from collections import Counter
 from pathlib import Path
 
 import eval as eval_pkg
-from eval.language_id import identify_language
-from eval.languages import SUPPORTED_LANGUAGES
+from core.language_id import identify_language
+from core.languages import SUPPORTED_LANGUAGES
 
 EVAL_50 = Path(eval_pkg.__file__).parent / "data" / "eval_50.jsonl"
 KEYS = {"id", "problem_id", "language", "category", "question", "expected_answer", "unit"}

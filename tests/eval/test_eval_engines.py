@@ -13,6 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from core.harmony import render_prompt
+from core.modeling import load_causal_lm, load_tokenizer
+from core.parsing import parse_response
+from core.seeds import sample_seed
 from eval.endpoint import ChatEndpointEngine, EndpointError, api_base
 from eval.engines import (
     GenerationRequest,
@@ -22,12 +26,8 @@ from eval.engines import (
     vllm_request_params,
 )
 from eval.eval_config import DEFAULT_PERSONA, EndpointSettings, EvalConfig, SamplingSettings
-from eval.harmony import render_prompt
-from eval.modeling import load_causal_lm, load_tokenizer
-from eval.parsing import parse_response
 from eval.report import load_results
 from eval.runner import build_requests, load_questions, question_prompt, run_eval
-from eval.seeds import sample_seed
 from trainer.tiny_model import SMALLEST, build_tiny_model
 
 SMALL = SMALLEST

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.adapters import default_scorer
 from eval.engines import Generation
 from eval.eval_metrics import (
     MISSING,
@@ -20,6 +19,7 @@ from eval.eval_metrics import (
     wilson_interval,
 )
 from eval.runner import Question, score_response
+from reward.adapters import default_scorer
 
 
 def harmony(analysis: str, final: str | None = None) -> str:
@@ -42,7 +42,7 @@ ES_REASONING = (
     "0,35 para obtener el resultado."
 )
 
-# (language, response, reward by hand from the rules in eval/scoring.py)
+# (language, response, reward by hand from the rules in reward/scoring.py)
 FIXED = [
     # reasoning en ✓ (+1.5), answer en ✓ (+5), brief (+0.5)
     ("en", harmony(EN_REASONING, "168 students walk to school."), 7.0),

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import pytest
 
+from core.seeds import sample_seed
 from eval.engines import Generation, GenerationRequest, ModelNotFoundError
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.report import kfp_metrics, language_chart_png, load_results, render_markdown
 from eval.runner import ModelSpec, TooManyFailuresError, load_questions, run_eval
-from eval.seeds import sample_seed
 
 GOOD = {
     "en": ("I multiply the number of students by the share that walks.", "They are 168."),

@@ -10,7 +10,7 @@ import torch
 def test_rollout_and_shared_prefix_under_the_pinned_transformers(megatron_bridge, tiny_models):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eval.modeling import cache_keyword
+    from core.modeling import cache_keyword
     from trainer.grpo.config import RolloutConfig
     from trainer.grpo.layout import sequences as _sequences
     from trainer.grpo.prompts import Prompt

@@ -98,10 +98,12 @@ def test_pip_and_apt_hygiene(kind):
 def test_the_project_is_installed_with_its_extras(kind):
     instructions = _instructions(DOCKERFILES[kind])
     copied = {args.split()[0] for keyword, args in instructions if keyword == "COPY"}
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    for package in ("data_prep", "trainer", "eval", "components", "pipelines"):
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    included = {p.removesuffix("*") for p in setuptools["packages"]["find"]["include"]}
+    # every package of the repository (a top-level folder with an __init__.py) travels
+    for package in sorted(p.parent.name for p in ROOT.glob("*/__init__.py")):
         assert package in copied, f"{kind}: {package}/ is not copied into the image"
-        assert any(package in p for p in packages["packages"]["find"]["include"])
+        assert package in included, f"pyproject.toml: {package}* not in packages.find.include"
     assert "pyproject.toml" in copied
     runs = " ".join(args for keyword, args in instructions if keyword == "RUN")
     assert f'".{EXTRAS[kind]}"' in runs, f"{kind}: project not installed with {EXTRAS[kind]}"

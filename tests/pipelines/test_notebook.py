@@ -25,6 +25,8 @@ def test_code_cells_parse_and_import_what_exists():
                 "trainer",
                 "eval",
                 "data_prep",
+                "core",
+                "reward",
             ):
                 module = importlib.import_module(node.module)
                 for alias in node.names:

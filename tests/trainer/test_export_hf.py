@@ -45,7 +45,7 @@ MAKE_CHECKPOINTS = textwrap.dedent(
     from trainer.backends import DeepSpeedBackend, OptimConfig
     from trainer.checkpoint import save_checkpoint
     from trainer.distributed import init_distributed
-    from eval.modeling import load_causal_lm
+    from core.modeling import load_causal_lm
 
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     info = init_distributed("cpu")

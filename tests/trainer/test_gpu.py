@@ -7,7 +7,7 @@ with ``pytest -m gpu``.
 import pytest
 import torch
 
-from eval.seeds import group_seeds
+from core.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.recipe import run_grpo
 from trainer.metrics import read_metrics

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.torchrun import torchrun_command
-from eval.seeds import group_seeds
+from core.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.prompts import load_prompts
 from trainer.grpo.recipe import run_grpo

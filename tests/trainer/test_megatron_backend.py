@@ -30,7 +30,7 @@ import torch
 from pydantic import ValidationError
 from tests_helpers_trainer import fixed_grpo_batch
 
-from eval.modeling import load_causal_lm
+from core.modeling import load_causal_lm
 from trainer.backends import DataParallel, OptimConfig, TorchBackend, lr_factor, make_backend
 from trainer.backends.megatron import (
     MegatronBackend,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from kfp.dsl import Artifact, Markdown, Model
 
-from eval.modeling import load_causal_lm, load_tokenizer
+from core.modeling import load_causal_lm, load_tokenizer
 from trainer.megatron.layout import LayoutError
 from trainer.megatron.manifest import MANIFEST_FILE, read_manifest
 from trainer.megatron.verify import (

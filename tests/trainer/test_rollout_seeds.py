@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eval.seeds import group_seeds
+from core.seeds import group_seeds
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import (
     HFRolloutEngine,

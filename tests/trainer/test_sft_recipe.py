@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from eval.modeling import ModelLoadError, NotACausalLMError, check_model_dir
+from core.modeling import ModelLoadError, NotACausalLMError, check_model_dir
 from trainer.metrics import read_metrics
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.sft.merge import AdapterMismatchError, load_adapter

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eval.engines import vllm_scheduling_kwargs
+from core.vllm_scheduling import vllm_scheduling_kwargs
 from trainer.backends import OptimConfig, make_backend
 from trainer.distributed import DistInfo
 from trainer.grpo import recipe

@@ -4,7 +4,7 @@ import torch
 from tests_helpers_trainer import SMALL_CORPUS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eval.harmony import HARMONY_SPECIAL_TOKENS
+from core.harmony import HARMONY_SPECIAL_TOKENS
 from trainer.tiny_model import build_tiny_model, train_tokenizer
 
 

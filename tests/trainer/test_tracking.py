@@ -68,7 +68,7 @@ def test_one_parent_run_per_pipeline_run_with_nested_step_runs(monkeypatch, trac
     nests its run under MLFLOW_PARENT_RUN_ID, the exit handler closes the parent."""
     from mlflow.tracking import MlflowClient
 
-    from eval.tracking import (
+    from core.tracking import (
         PIPELINE_RUN_TAG,
         configure_tracking,
         find_pipeline_run,
@@ -110,7 +110,7 @@ def test_one_parent_run_per_pipeline_run_with_nested_step_runs(monkeypatch, trac
 
 
 def test_tracking_env_passes_settings_but_no_password(monkeypatch):
-    from eval.tracking import tracking_env
+    from core.tracking import tracking_env
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.team.svc:5000")
     monkeypatch.setenv("MLFLOW_PARENT_RUN_ID", "abc")

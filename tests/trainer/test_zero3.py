@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from eval.modeling import load_tokenizer
+    from core.modeling import load_tokenizer
     from trainer.backends import DeepSpeedBackend, OptimConfig, deepspeed_config
     from trainer.distributed import barrier, init_distributed
     from trainer.grpo.config import RolloutConfig

@@ -16,7 +16,7 @@ import pytest
 import torch
 from tests_helpers_trainer import small_grpo_config
 
-from eval.seeds import group_seeds
+from core.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.rollout import VLLMRolloutEngine, VLLMWeights
 from trainer.grpo.sync_check import WeightSyncError, check_sync, sync_tolerance

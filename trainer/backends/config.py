@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 
 RECOMPUTE_MODULES = frozenset({"core_attn", "moe_act", "layernorm", "mlp", "moe"})
 """Megatron-Core's ``recompute_modules`` choices that apply to GPT-OSS (selective recompute)."""

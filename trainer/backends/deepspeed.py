@@ -153,7 +153,7 @@ class DeepSpeedBackend(HFModuleBackend):
             writer = self.engine.global_rank == 0
             save_gathered(self.engine.module, directory, config, dtype, writer)
             return
-        from eval.modeling import load_causal_lm
+        from core.modeling import load_causal_lm
 
         weights = self.full_state_dict()
         if self.engine.global_rank != 0:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 from trainer.backends.config import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode
 
@@ -49,7 +49,7 @@ class RolloutConfig(ConfigModel):
     max_num_batched_tokens: int | None = Field(None, ge=16)
     """vLLM's cap on the tokens of one scheduler step (None: vLLM's default; on vLLM's CPU build
     at least ``max_prompt_tokens + max_new_tokens``, as prompts are never split there:
-    ``eval.engines.vllm_scheduling_kwargs``)."""
+    ``core.vllm_scheduling.vllm_scheduling_kwargs``)."""
     sync_check_tokens: int = Field(32, ge=1)
     """Tokens of the probe scored by the engine and by the policy after every weight sync
     (``trainer.grpo.sync_check``)."""
@@ -135,7 +135,7 @@ class GRPOConfig(ProcessSettings):
     guard: GuardConfig = GuardConfig()
     optim: OptimConfig = OptimConfig(learning_rate=1e-6, lr_scheduler="constant")
     reward_weights: dict[str, float] = Field(default_factory=dict)
-    """Overrides of eval.scoring.RewardWeights fields (reference defaults otherwise)."""
+    """Overrides of reward.scoring.RewardWeights fields (reference defaults otherwise)."""
     prompt_filter: Literal["all", "in-language"] = "all"
     """Which prompts of the train and held-out splits GRPO uses: ``all``, or ``in-language``
     (only questions written in the language they ask the reasoning and answer in — the

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.modeling import cache_keyword, output_cache
+from core.modeling import cache_keyword, output_cache
 from trainer.grpo import algorithm as algo
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import Rollout

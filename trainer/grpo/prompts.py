@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from eval.languages import UnknownLanguageError
-from eval.reward_labels import parse_labels
+from core.languages import UnknownLanguageError
+from reward.labels import parse_labels
 
 log = logging.getLogger(__name__)
 

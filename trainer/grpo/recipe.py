@@ -23,16 +23,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from eval.adapters import LanguageComplianceReward
-from eval.degeneracy import measure_degeneracy
-from eval.modeling import (
+from core.modeling import (
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
 )
-from eval.scoring import ComplianceScorer, RewardWeights, Verdict
-from eval.seeds import group_seeds
-from eval.tracking import log_artifact, mlflow_run
+from core.seeds import group_seeds
+from core.tracking import log_artifact, mlflow_run
+from reward.adapters import LanguageComplianceReward
+from reward.degeneracy import measure_degeneracy
+from reward.scoring import ComplianceScorer, RewardWeights, Verdict
 from trainer.backends import (
     DataParallel,
     LossFn,

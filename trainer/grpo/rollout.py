@@ -2,7 +2,7 @@
 
 An engine samples one response per seed of each prompt (token ids in, token ids out) and takes
 the policy's new weights after each update (``sync_weights``). Every response has its own seed
-(``eval.seeds.sample_seed`` of the run seed, step, prompt slot and sample index), so no two
+(``core.seeds.sample_seed`` of the run seed, step, prompt slot and sample index), so no two
 responses share a random stream and a rerun draws the same ones. Responses end with the first
 stop token (``<|return|>``, kept in the response so the policy learns to stop) or at the token
 limit.
@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
-from eval.engines import vllm_scheduling_kwargs
-from eval.modeling import cache_keyword, output_cache
-from eval.sampling import row_generators, sample_tokens
+from core.modeling import cache_keyword, output_cache
+from core.sampling import row_generators, sample_tokens
+from core.vllm_scheduling import vllm_scheduling_kwargs
 from trainer.grpo.algorithm import token_log_probs
 from trainer.grpo.config import RolloutConfig
 from trainer.placement import EnginePlacement
@@ -330,7 +330,7 @@ def vllm_engine_kwargs(
     what lets ``sync_weights`` stream tensors into it. ``dtype`` is the policy's: the engine
     samples from the weights the policy trains. ``sleep_mode``: a colocated engine on a GPU
     (vLLM has no sleep mode on CPU). ``cpu``: vLLM's CPU build (its scheduling quirk:
-    ``eval.engines.vllm_scheduling_kwargs``).
+    ``core.vllm_scheduling.vllm_scheduling_kwargs``).
     """
     kwargs: dict[str, object] = {
         "model": str(model_dir),

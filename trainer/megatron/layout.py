@@ -46,7 +46,7 @@ from capacity import (
     load_model_spec,
 )
 from capacity import LayoutError as PlannerLayoutError
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from eval.atomic import atomic_write_text
+from core.atomic import atomic_write_text
 from trainer.megatron.layout import MegatronLayout
 
 MANIFEST_FILE = "lingo_manifest.json"

@@ -31,7 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from eval.atomic import atomic_write_text
+from core.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -294,9 +294,9 @@ def compare_logits(
 
 
 def encode_prompts(tokenizer, prompts: Sequence[VerificationPrompt]) -> list[list[int]]:
-    """Render each prompt as harmony text (``eval.harmony``) and encode it with
+    """Render each prompt as harmony text (``core.harmony``) and encode it with
     ``tokenizer``; the text ends with ``<|start|>assistant``."""
-    from eval.harmony import render_prompt
+    from core.harmony import render_prompt
 
     return [
         tokenizer(render_prompt(p.instructions, p.user), add_special_tokens=False)["input_ids"]
@@ -361,7 +361,7 @@ def verify_conversion(
 
     import torch
 
-    from eval.modeling import load_causal_lm, load_tokenizer
+    from core.modeling import load_causal_lm, load_tokenizer
 
     bridge = importlib.import_module("trainer.megatron.bridge")  # megatron-core: GPU image
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from eval.config_model import ConfigModel
+from core.config_model import ConfigModel
 from trainer.backends.config import OptimConfig, ProcessSettings
 
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]

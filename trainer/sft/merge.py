@@ -95,7 +95,7 @@ def load_adapter(base_dir: str | Path, adapter_dir: str | Path, dtype: torch.dty
     """Base model with a saved peft adapter applied; a mismatched adapter is a clear error."""
     from peft import PeftModel
 
-    from eval.modeling import load_causal_lm
+    from core.modeling import load_causal_lm
 
     adapter_dir = Path(adapter_dir)
     config_file = adapter_dir / "adapter_config.json"

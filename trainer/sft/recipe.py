@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eval.modeling import load_causal_lm, load_tokenizer, resolve_dtype
-from eval.tracking import log_artifact, mlflow_run
+from core.modeling import load_causal_lm, load_tokenizer, resolve_dtype
+from core.tracking import log_artifact, mlflow_run
 from trainer.backends import TorchBackend, make_backend
 from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything

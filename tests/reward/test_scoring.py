@@ -1,4 +1,4 @@
-"""The language-compliance reward (eval/scoring.py): each rule, the bounds, bad input."""
+"""The language-compliance reward (reward/scoring.py): each rule, the bounds, bad input."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eval.languages import LanguageLabels, UnknownLanguageError
-from eval.parsing import ParsedResponse, ResponseFormat
-from eval.reward_labels import parse_labels
-from eval.scoring import ComplianceScorer, RewardWeights, Verdict, result_to_dict
+from core.languages import LanguageLabels, UnknownLanguageError
+from core.parsing import ParsedResponse, ResponseFormat
+from reward.labels import parse_labels
+from reward.scoring import ComplianceScorer, RewardWeights, Verdict, result_to_dict
 
 FR_REASONING = "Nous devons calculer le prix total. Trois cahiers à quatre euros font douze euros."
 EN_REASONING = "We need to compute the total price. Three notebooks at four euros make twelve."
@@ -395,7 +395,7 @@ def test_any_weights_stay_in_their_bounds(
 
 def test_a_new_reward_term_is_one_function_and_one_registration(monkeypatch) -> None:
     """Registered with its weights, a term is summed, bounded, reported and settable."""
-    from eval import scoring
+    from reward import scoring
 
     monkeypatch.setattr(scoring, "REWARD_TERMS", dict(scoring.REWARD_TERMS))
 

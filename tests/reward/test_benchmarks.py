@@ -8,8 +8,8 @@ import pytest
 
 from bench.language_id import TESTSET, evaluate, load_testset, mixed_verdict
 from bench.reward import build_cases, reference_reward, run
-from eval.language_id import default_identifier
-from eval.languages import SUPPORTED_LANGUAGES
+from core.language_id import default_identifier
+from core.languages import SUPPORTED_LANGUAGES
 
 
 @pytest.fixture(scope="module")

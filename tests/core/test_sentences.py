@@ -1,4 +1,4 @@
-"""Sentence splitting and letter counting (eval/sentences.py)."""
+"""Sentence splitting and letter counting (core/sentences.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.sentences import count_letters, count_sentences, rough_segments, split_sentences
+from core.sentences import count_letters, count_sentences, rough_segments, split_sentences
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ def task_instructions(reasoning_language_name: str, answer_language_name: str, p
         You are a helpful assistant who solves word problems.
 
     One function for every path, so that the prompts a model is trained on are the prompts it
-    is judged on (``tests/eval/test_prompt_convention.py`` checks the three paths agree).
+    is judged on (``tests/test_prompt_convention.py`` checks the three paths agree).
     """
     return (
         f"reasoning language: {reasoning_language_name}\n"

@@ -1,11 +1,11 @@
-"""Parsing a gpt-oss response into reasoning and final answer (eval/parsing.py)."""
+"""Parsing a gpt-oss response into reasoning and final answer (core/parsing.py)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.parsing import ParsedResponse, ResponseFormat, parse_response
+from core.parsing import ParsedResponse, ResponseFormat, parse_response
 
 REASONING = "We need to add two and three."
 FINAL = "The answer is 5."

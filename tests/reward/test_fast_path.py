@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eval.language_id import (
+from core.language_id import (
     _OUTCOMES,
     MAX_PROFILE_CHARS,
     MAX_PROFILE_PIECES,
@@ -23,9 +23,9 @@ from eval.language_id import (
     _stratified_sample,
     default_identifier,
 )
-from eval.languages import UNDETERMINED
-from eval.scoring import ComplianceScorer
-from eval.sentences import count_letters, letter_mask, rough_segment_ends, rough_segments
+from core.languages import UNDETERMINED
+from core.sentences import count_letters, letter_mask, rough_segment_ends, rough_segments
+from reward.scoring import ComplianceScorer
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTSET = ROOT / "bench" / "data" / "langid_testset.jsonl"

@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from eval.languages import SUPPORTED_LANGUAGES
+from core.languages import SUPPORTED_LANGUAGES
 
 WORD_LIST = "small"
 """The wordfreq list used as the vocabulary of real words."""

@@ -1,6 +1,6 @@
 """Plug the language-compliance scorer into the RL engines people use.
 
-One scorer (``eval.scoring.ComplianceScorer``), four call conventions:
+One scorer (``reward.scoring.ComplianceScorer``), four call conventions:
 
 * our GRPO trainer: ``LanguageComplianceReward()(responses, labels, expected_answers)``
   returns a ``RewardBatch`` (rewards + per-response results);
@@ -25,9 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.parsing import ParsedResponse, ResponseFormat, parse_response
-from eval.reward_labels import LabelsLike
-from eval.scoring import ComplianceResult, ComplianceScorer
+from core.parsing import ParsedResponse, ResponseFormat, parse_response
+from reward.labels import LabelsLike
+from reward.scoring import ComplianceResult, ComplianceScorer
 
 _scorer: ComplianceScorer | None = None
 

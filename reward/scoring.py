@@ -30,7 +30,7 @@ No refuge: saying less never pays.
 
 So for a response whose parts are in the requested languages, shortening a part until its
 language can no longer be told, or dropping it, never raises the reward
-(``tests/eval/test_scoring.py`` checks it on every prefix of a response).
+(``tests/reward/test_scoring.py`` checks it on every prefix of a response).
 
 Bounds: the reward always lies in ``RewardWeights.bounds()`` — with the defaults
 [-7.5, +7.0]. A response whose labels cannot be read (unknown language code) gets the neutral
@@ -48,12 +48,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-from eval.language_id import LanguageIdentifier, LanguageProfile, default_identifier
-from eval.languages import LanguageLabels, UnknownLanguageError
-from eval.numbers import extract_numeric_answer, numbers_match
-from eval.parsing import ParsedResponse, parse_response
-from eval.reward_labels import LabelsLike, parse_labels
-from eval.sentences import count_sentences
+from core.language_id import LanguageIdentifier, LanguageProfile, default_identifier
+from core.languages import LanguageLabels, UnknownLanguageError
+from core.parsing import ParsedResponse, parse_response
+from core.sentences import count_sentences
+from reward.labels import LabelsLike, parse_labels
+from reward.numbers import extract_numeric_answer, numbers_match
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""eval.seeds: one reproducible 63-bit seed per (run seed, step, prompt, sample)."""
+"""core.seeds: one reproducible 63-bit seed per (run seed, step, prompt, sample)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.seeds import group_seeds, sample_seed
+from core.seeds import group_seeds, sample_seed
 
 keys = st.one_of(st.integers(min_value=0, max_value=10**6), st.text(max_size=12))
 

@@ -1,4 +1,4 @@
-"""Reading the numeric answer out of a final answer (eval/numbers.py)."""
+"""Reading the numeric answer out of a final answer (reward/numbers.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.numbers import extract_numeric_answer, numbers_match
+from reward.numbers import extract_numeric_answer, numbers_match
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from eval.tracking import (
+from core.tracking import (
     TrackingUnreachableError,
     find_pipeline_run,
     redact_uri,

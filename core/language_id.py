@@ -18,7 +18,7 @@ Decision rule for one piece of text (``LanguageIdentifier.identify``):
     * fewer than ``min_letters`` letters (MIN_EVIDENCE_LETTERS, 4): UNDETERMINED;
     * fewer than ``short_text_letters`` letters (SHORT_TEXT_LETTERS, 40): fastText's
       probabilities of en/fr/de/es/it and of all other languages together, combined with the
-      frequencies of the text's words in each language (``eval/word_evidence.py``);
+      frequencies of the text's words in each language (``core/word_evidence.py``);
     * otherwise: fastText's top language, as before.
     A top language outside SUPPORTED_LANGUAGES is reported as OTHER.
 
@@ -49,9 +49,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from eval.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
-from eval.sentences import count_letters, letter_mask, rough_segment_ends
-from eval.word_evidence import WordEvidence
+from core.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
+from core.sentences import count_letters, letter_mask, rough_segment_ends
+from core.word_evidence import WordEvidence
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from eval.languages import SUPPORTED_LANGUAGES
+from core.languages import SUPPORTED_LANGUAGES
 
 OTHER_WORDLIST_LANGUAGES: tuple[str, ...] = (
     *("pt", "nl", "ca", "ro", "sv", "da", "nb", "pl"),

@@ -1,4 +1,4 @@
-"""trainer.storage against a real S3-compatible server (moto_server on 127.0.0.1).
+"""core.storage against a real S3-compatible server (moto_server on 127.0.0.1).
 
 Failures (a part upload or a download stream breaking) are injected by wrapping a real boto3
 client: every call still reaches the real server except the one made to fail.
@@ -17,13 +17,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from s3_server import moto_s3_server, s3_env
 
-from trainer.storage import (
+from core.storage import (
     MANIFEST_NAME,
     MIB,
     IntegrityError,
     StorageError,
     download_dir,
     download_file,
+    list_objects,
     parse_s3_uri,
     upload_dir,
     upload_file,
@@ -100,6 +101,14 @@ def test_upload_file_rejects_a_prefix_and_a_small_part_size(tmp_path):
         upload_file(src, "s3://bucket/dir/")
     with pytest.raises(ValueError, match="part_size"):
         upload_file(src, "s3://bucket/key", part_size=MIB)
+
+
+def test_list_objects_matches_the_key_prefix_as_s3_does(s3, bucket):
+    for key in ("data/b.jsonl", "data/a.jsonl", "data/sub/", "data.jsonl", "other/x.jsonl"):
+        s3.put_object(Bucket=bucket, Key=key, Body=b"x")
+    assert list_objects(f"s3://{bucket}/data") == ["data.jsonl", "data/a.jsonl", "data/b.jsonl"]
+    assert list_objects(f"s3://{bucket}/data/") == ["data/a.jsonl", "data/b.jsonl"]
+    assert list_objects(f"s3://{bucket}/none/") == []
 
 
 def test_small_file_round_trip_with_single_put(s3, bucket, tmp_path):

@@ -133,7 +133,7 @@ def upload_file(
     size = path.stat().st_size
     if part_size < MIN_PART_SIZE:
         raise ValueError(f"part_size={part_size} is below S3's minimum of {MIN_PART_SIZE} bytes")
-    client = client or _default_client()
+    client = client or s3_client()
     sha256 = _file_sha256(path)
     with path.open("rb") as f:
         if size <= threshold:
@@ -184,7 +184,7 @@ def upload_dir(
     files = sorted(p for p in local_dir.rglob("*") if p.is_file())
     if (local_dir / MANIFEST_NAME) in files:
         raise StorageError(f"{local_dir}: holds a file named {MANIFEST_NAME}, which is reserved")
-    client = client or _default_client()
+    client = client or s3_client()
     manifest_key = prefix + MANIFEST_NAME
     with _wrap_errors(f"s3://{bucket}/{manifest_key}", "delete stale manifest"):
         client.delete_object(Bucket=bucket, Key=manifest_key)
@@ -249,7 +249,7 @@ def download_file(
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     etag_file = path.with_name(path.name + ".partial.etag")
-    client = client or _default_client()
+    client = client or s3_client()
     with _wrap_errors(uri, "head object"):
         head = client.head_object(Bucket=bucket, Key=key)
     etag, size = head["ETag"], head["ContentLength"]
@@ -329,7 +329,7 @@ def download_dir(
     if local_dir.exists() and (not local_dir.is_dir() or any(local_dir.iterdir())):
         raise StorageError(f"{local_dir}: exists and is not an empty directory; remove it first")
     bucket, prefix = _prefix_key(uri_prefix)
-    client = client or _default_client()
+    client = client or s3_client()
     try:
         manifest = _read_manifest(client, bucket, prefix, uri_prefix)
     except NoManifestError:
@@ -357,8 +357,38 @@ def download_dir(
     return local_dir
 
 
-def _default_client() -> S3Client:
-    """``boto3.client("s3")``, sending checksums only where S3 requires them.
+def list_objects(uri: str, *, client: S3Client | None = None) -> list[str]:
+    """The keys of the objects whose key starts with the URI's key, as S3 matches a prefix
+    (``s3://bucket/data`` lists ``data/a.jsonl`` and ``data.jsonl``), sorted.
+
+    "Directory" markers (keys ending in ``/``) are left out.
+
+    Args:
+        uri: ``s3://bucket/prefix`` (an empty prefix lists the whole bucket).
+        client: boto3 S3 client; :func:`s3_client` when omitted.
+
+    Raises:
+        StorageError: the listing failed, or a key would escape a local directory it is
+            downloaded into (``..`` or absolute).
+    """
+    bucket, prefix = parse_s3_uri(uri)
+    client = client or s3_client()
+    keys = []
+    with _wrap_errors(uri, "list objects"):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                key = item["Key"]
+                if key.endswith("/"):
+                    continue
+                if PurePosixPath(key).is_absolute() or ".." in PurePosixPath(key).parts:
+                    raise StorageError(f"{uri}: unsafe object key {key!r}")
+                keys.append(key)
+    return sorted(keys)
+
+
+def s3_client() -> S3Client:
+    """``boto3.client("s3")``, sending checksums only where S3 requires them: the client every
+    function here uses unless given one.
 
     We send Content-MD5 ourselves; botocore's default extra CRC32 checksums are refused by
     some S3-compatible stores.
@@ -516,7 +546,9 @@ __all__ = [
     "UploadedObject",
     "download_dir",
     "download_file",
+    "list_objects",
     "parse_s3_uri",
+    "s3_client",
     "upload_dir",
     "upload_file",
 ]

@@ -1,4 +1,4 @@
-"""The scorer behind each engine's reward-function convention (eval/adapters.py)."""
+"""The scorer behind each engine's reward-function convention (reward/adapters.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from eval import adapters
-from eval.adapters import (
+from reward import adapters
+from reward.adapters import (
     LanguageComplianceReward,
     compute_score,
     language_compliance_reward,

@@ -1,6 +1,6 @@
 """Sampling one token per row with the row's own random stream (Hugging Face engines).
 
-A row's draws come from its own ``torch.Generator``, seeded by ``eval.seeds.sample_seed``, so
+A row's draws come from its own ``torch.Generator``, seeded by ``core.seeds.sample_seed``, so
 what a response samples does not depend on which other rows share its batch: the draws of
 row ``i`` at token ``t`` are the ``t``-th of its generator whatever the batch. (The logits
 themselves are the batch's forward: with different padding or batch sizes they may differ in

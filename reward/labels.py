@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import lru_cache
 
-from eval.languages import LanguageLabels, UnknownLanguageError
+from core.languages import LanguageLabels, UnknownLanguageError
 
 LabelsLike = LanguageLabels | str | Mapping[str, object]
 """``LanguageLabels``, one label string (``"fr"``: both; ``"fr/en"``: reasoning/answer), or a

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.degeneracy import measure_degeneracy, real_word_share, repeated_ngram_rate, words
 from eval.runner import BUNDLED_QUESTIONS
+from reward.degeneracy import measure_degeneracy, real_word_share, repeated_ngram_rate, words
 
 
 def test_real_text_is_mostly_real_words():

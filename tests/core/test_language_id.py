@@ -1,4 +1,4 @@
-"""Language identification restricted to en/fr/de/es/it + other (eval/language_id.py)."""
+"""Language identification restricted to en/fr/de/es/it + other (core/language_id.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eval.language_id import (
+from core.language_id import (
     MAX_PROFILE_PIECES,
     LanguageIdentifier,
     LanguageProfile,
@@ -21,7 +21,7 @@ from eval.language_id import (
     identify_language,
     language_profile,
 )
-from eval.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
+from core.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
 
 SENTENCES = {
     "en": "We need to find the total cost of three notebooks and two pens.",
@@ -154,7 +154,7 @@ def test_profile_fractions_are_a_distribution(text: str) -> None:
     assert 0 <= profile.judged_letters <= profile.total_letters
 
 
-# Short text: fastText combined with word frequencies (eval/word_evidence.py).
+# Short text: fastText combined with word frequencies (core/word_evidence.py).
 
 SHORT_PHRASES = Path(__file__).resolve().parents[2] / "bench" / "data" / "short_phrases.jsonl"
 

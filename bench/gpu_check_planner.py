@@ -115,7 +115,9 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     vocab, generator = config["vocab_size"], torch.Generator().manual_seed(0)
 
     # HF rollouts: tokens/s of the engine GRPO uses without vLLM
-    tokenizer = type("Ids", (), {"pad_token_id": 0, "eos_token_id": vocab - 1})()
+    tokenizer = type(
+        "Ids", (), {"pad_token_id": 0, "eos_token_id": vocab - 1, "get_vocab": lambda self: {}}
+    )()
     engine = HFRolloutEngine(
         model,
         tokenizer,

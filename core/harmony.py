@@ -34,6 +34,10 @@ HARMONY_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
 )
 
+STOP_TOKENS: tuple[str, ...] = ("<|return|>", "<|call|>")
+"""Tokens that end an assistant turn: ``<|return|>`` after the final answer, ``<|call|>``
+after a tool call."""
+
 SYSTEM_MESSAGE = (
     "You are ChatGPT, a large language model trained by OpenAI.\n"
     "Knowledge cutoff: 2024-06\n\n"
@@ -97,3 +101,26 @@ def render_completion(analysis: str, final: str) -> str:
         f"{CHANNEL}analysis{MESSAGE}{analysis}{END}"
         f"{START}assistant{CHANNEL}final{MESSAGE}{final}{RETURN}"
     )
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The token ids that end a response: one convention for every engine (GRPO's rollouts
+    and the eval's, Hugging Face and vLLM).
+
+    Harmony's stop tokens the vocabulary has (``STOP_TOKENS``), the tokenizer's eos, and
+    the eos ids of the model's generation config when given (gpt-oss-20b's:
+    ``<|return|>``, ``<|endoftext|>``, ``<|call|>``), sorted. A response keeps its stop token.
+    """
+    vocab = tokenizer.get_vocab()
+    stops = {vocab[t] for t in STOP_TOKENS if t in vocab}
+    eos = [tokenizer.eos_token_id]
+    if generation_config is not None:
+        configured = generation_config.eos_token_id
+        eos += configured if isinstance(configured, list) else [configured]
+    stops.update(t for t in eos if t is not None)
+    if not stops:
+        raise ValueError(
+            "the tokenizer has no stop token: neither harmony's "
+            f"{' '.join(STOP_TOKENS)} nor an eos token"
+        )
+    return sorted(stops)

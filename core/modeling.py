@@ -81,6 +81,15 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+def load_generation_config(path: str | Path):
+    """The ``GenerationConfig`` saved with a model, or None when it has none."""
+    from transformers import GenerationConfig
+
+    if not (Path(path) / "generation_config.json").is_file():
+        return None
+    return GenerationConfig.from_pretrained(path)
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | None = None):
     """``AutoModelForCausalLM.from_pretrained`` with eager attention on CPU."""
     from transformers import AutoModelForCausalLM

@@ -16,14 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from core.harmony import stop_token_ids
 from core.parsing import ParsedResponse, ResponseFormat, parse_response
 from core.vllm_scheduling import vllm_scheduling_kwargs
 from eval.eval_config import EvalConfig, SamplingSettings
 
 log = logging.getLogger(__name__)
-
-STOP_TOKENS: tuple[str, ...] = ("<|return|>", "<|call|>")
-"""Tokens that end an assistant turn (besides the tokenizer's eos)."""
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -161,11 +159,7 @@ class HFEngine:
         self.model = load_causal_lm(path, resolve_dtype(dtype, self.device), self.device)
         self.model.eval()
         self.batch_size = batch_size
-        vocab = self.tokenizer.get_vocab()
-        stops = {vocab[t] for t in STOP_TOKENS if t in vocab}
-        if self.tokenizer.eos_token_id is not None:
-            stops.add(self.tokenizer.eos_token_id)
-        self.stop_ids = sorted(stops)
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model.generation_config)
         self.description = f"hf:{path} ({self.device}, {self.model.dtype})"
 
     def generate(
@@ -268,6 +262,8 @@ class VLLMEngine:
             ) from err
         from vllm.platforms import current_platform
 
+        from core.modeling import load_generation_config
+
         kwargs: dict[str, object] = {"model": str(path), "dtype": dtype}
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         model_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
@@ -276,11 +272,7 @@ class VLLMEngine:
         )
         self.llm = LLM(**kwargs)
         tokenizer = self.llm.get_tokenizer()
-        vocab = tokenizer.get_vocab()
-        stops = {vocab[t] for t in STOP_TOKENS if t in vocab}
-        if tokenizer.eos_token_id is not None:
-            stops.add(tokenizer.eos_token_id)
-        self.stop_ids = sorted(stops)
+        self.stop_ids = stop_token_ids(tokenizer, load_generation_config(path))
         self.description = f"vllm:{path}"
 
     def generate(

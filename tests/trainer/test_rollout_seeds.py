@@ -69,13 +69,14 @@ def test_first_tokens_vary_across_prompts_for_every_sample_index(engine, prompts
 def test_vllm_gets_one_request_per_response_with_its_own_seed():
     cfg = RolloutConfig(engine="vllm", max_new_tokens=256, temperature=0.9, top_p=0.95)
     seeds = group_seeds(42, 5, range(8), 4)
-    params = vllm_request_params(seeds, cfg)
+    params = vllm_request_params(seeds, cfg, [4, 6])
     assert [len(group) for group in params] == [4] * 8
     flat = [p for group in params for p in group]
     assert {p["n"] for p in flat} == {1}
     assert len({p["seed"] for p in flat}) == 32
     assert [p["seed"] for p in params[2]] == seeds[2]
     assert {(p["temperature"], p["top_p"], p["max_tokens"]) for p in flat} == {(0.9, 0.95, 256)}
+    assert {tuple(p["stop_token_ids"]) for p in flat} == {(4, 6)}
     # a seed + k scheme would overlap across prompts; these never do
     assert not {s + 1 for s in seeds[0]} & set(seeds[1])
 

@@ -4,8 +4,9 @@ An engine samples one response per seed of each prompt (token ids in, token ids 
 the policy's new weights after each update (``sync_weights``). Every response has its own seed
 (``core.seeds.sample_seed`` of the run seed, step, prompt slot and sample index), so no two
 responses share a random stream and a rerun draws the same ones. Responses end with the first
-stop token (``<|return|>``, kept in the response so the policy learns to stop) or at the token
-limit.
+stop token (``core.harmony.stop_token_ids``, as the eval's engines: ``<|return|>``,
+``<|call|>``, the eos ids; kept in the response so the policy learns to stop) or at the
+token limit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Protocol
 
 import torch
 
-from core.modeling import cache_keyword, output_cache
+from core.harmony import stop_token_ids
+from core.modeling import cache_keyword, load_generation_config, output_cache
 from core.sampling import row_generators, sample_tokens
 from core.vllm_scheduling import vllm_scheduling_kwargs
 from trainer.grpo.algorithm import token_log_probs
@@ -177,8 +179,7 @@ class HFRolloutEngine:
         self.batch_size = batch_size
         self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
-        eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
-        self.stop_ids = set(eos if isinstance(eos, list) else [eos])
+        self.stop_ids = set(stop_token_ids(tokenizer, model.generation_config))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
@@ -348,14 +349,15 @@ def vllm_engine_kwargs(
 
 
 def vllm_request_params(
-    seeds: Sequence[Sequence[int]], cfg: RolloutConfig
+    seeds: Sequence[Sequence[int]], cfg: RolloutConfig, stop_ids: Sequence[int]
 ) -> list[list[dict[str, object]]]:
     """``vllm.SamplingParams`` keyword arguments for each response of each prompt.
 
     One request per response (``n=1``) with its own seed: ``SamplingParams(n=k, seed=s)``
     would seed sample ``i`` as ``s + i``, so one seed for every prompt makes sample ``i`` of
     all prompts share a stream. ``LLM.generate`` takes a list of params paired one by one
-    with the prompts.
+    with the prompts. ``stop_ids``: ``core.harmony.stop_token_ids`` (vLLM would otherwise
+    stop on its generation config's eos ids only).
     """
     return [
         [
@@ -365,6 +367,7 @@ def vllm_request_params(
                 "top_p": cfg.top_p,
                 "max_tokens": cfg.max_new_tokens,
                 "seed": seed,
+                "stop_token_ids": list(stop_ids),
                 "skip_special_tokens": False,
                 "logprobs": 0,  # the sampled token's own (raw, vLLM's default logprobs_mode)
             }
@@ -494,6 +497,7 @@ class VLLMRolloutEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.stop_ids = stop_token_ids(tokenizer, load_generation_config(model_dir))
         self.sleep_mode = sleep_mode
         self.tp_size = engine.tensor_parallel_size if engine else 1
         self.tp_rank = engine.ranks.index(rank) if engine else 0
@@ -513,7 +517,8 @@ class VLLMRolloutEngine:
         n = group_size(prompts, seeds)
         self.wake_up()
         requests, params = [], []
-        for prompt, group in zip(prompts, vllm_request_params(seeds, self.cfg), strict=True):
+        per_prompt = vllm_request_params(seeds, self.cfg, self.stop_ids)
+        for prompt, group in zip(prompts, per_prompt, strict=True):
             for kwargs in group:
                 requests.append(TokensPrompt(prompt_token_ids=prompt))
                 params.append(SamplingParams(**kwargs))

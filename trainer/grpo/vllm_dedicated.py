@@ -29,6 +29,8 @@ from datetime import timedelta
 
 import torch
 
+from core.harmony import stop_token_ids
+from core.modeling import load_generation_config
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.remote import _flat, buckets
 from trainer.grpo.rollout import VLLM_MISSING, VLLMRolloutEngine, vllm_engine_kwargs
@@ -76,6 +78,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
             os.environ["CUDA_VISIBLE_DEVICES"] = engine.cuda_visible_devices
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.stop_ids = stop_token_ids(tokenizer, load_generation_config(model_dir))
         self.sleep_mode = self.asleep = False  # dedicated engines own their devices
         self.bucket_bytes = bucket_bytes
         # world_size 1: vLLM starts the engine's workers itself (no external launcher)

@@ -39,7 +39,7 @@ ALLOWED = {
 EXCEPTIONS = {("trainer/tiny_model.py", "data_prep"), ("trainer/tiny_model.py", "eval")}
 
 
-def _architecture_tool():
+def architecture_tool():
     """tools/architecture.py, which reads the imports for the picture as well."""
     spec = importlib.util.spec_from_file_location(
         "architecture", ROOT / "tools" / "architecture.py"
@@ -50,7 +50,7 @@ def _architecture_tool():
 
 
 def imported_packages(path: Path) -> set[str]:
-    return _architecture_tool().imported_packages(path, PACKAGES)
+    return architecture_tool().imported_packages(path, PACKAGES)
 
 
 @pytest.mark.parametrize("package", PACKAGES)

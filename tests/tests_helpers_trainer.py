@@ -1,11 +1,20 @@
-"""Shared test inputs for the trainer tests: small texts for tokenizers, fixed GRPO rollouts."""
+"""Shared test inputs for the trainer tests: small texts for tokenizers, fixed GRPO rollouts,
+and the command line of a GRPO run in a process of its own."""
+
+import json
+import os
+from pathlib import Path
 
 import torch
 
 from trainer.grpo import algorithm as algo
 from trainer.grpo import recipe
+from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import Rollout
+from trainer.metrics import METRICS_FILE, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_grpo_config(**overrides) -> dict:
@@ -25,6 +34,30 @@ def small_grpo_config(**overrides) -> dict:
         "dtype": "float32",
         **overrides,
     }
+
+
+def grpo_cli_args(run_dir: Path, name: str, cfg: dict, model: Path, data: Path) -> list[str]:
+    """``python -m trainer.grpo``'s arguments for a run named ``name``: ``cfg`` validated and
+    written to ``run_dir/<name>.json``, the prepared data's train and eval files, the model
+    and the work dir under ``run_dir/<name>/``."""
+    GRPOConfig.model_validate(cfg)
+    config = run_dir / f"{name}.json"
+    config.write_text(json.dumps(cfg))
+    args = ["--config", str(config), "--sft-model", str(model)]
+    args += ["--train", str(data / "train.jsonl"), "--eval", str(data / "eval.jsonl")]
+    args += ["--model-output", str(run_dir / name / "model")]
+    return args + ["--work-dir", str(run_dir / name / "work")]
+
+
+def grpo_step_lines(run_dir: Path, name: str) -> list[dict]:
+    """The step lines (those with a loss) of that run's ``training_metrics.jsonl``."""
+    return [m for m in read_metrics(run_dir / name / "work" / METRICS_FILE) if "loss" in m]
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for a run in a process of its own: the project and the tests' helpers
+    importable from the checkout."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 
 
 SMALL_CORPUS = [

@@ -3,7 +3,6 @@ torch.distributed (trainer/grpo/remote.py), on CPU with gloo and the HF engine."
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,17 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_helpers_trainer import small_grpo_config
+from tests_helpers_trainer import (
+    grpo_cli_args,
+    grpo_step_lines,
+    small_grpo_config,
+    subprocess_env,
+)
 
 from cluster.torchrun import torchrun_command
 from trainer.distributed import DistInfo
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import run_placement
 from trainer.grpo.remote import _flat, _unflat, buckets, engine_slots
-from trainer.metrics import METRICS_FILE, read_metrics
+from trainer.metrics import METRICS_FILE
 from trainer.placement import PlacementError
 
-ROOT = Path(__file__).resolve().parents[2]
 DEDICATED = {"rollout": {"n_samples": 4, "max_new_tokens": 16, "colocate": False, "num_engines": 1}}
 ASYNC = {"rollout": {**DEDICATED["rollout"], "async_steps": 1}}
 
@@ -88,17 +91,9 @@ def test_dedicated_placement_and_what_is_refused(monkeypatch):
 
 
 def _launch(tmp_path, name, cfg, model, data, nproc) -> subprocess.Popen:
-    GRPOConfig.model_validate(cfg)
-    config = tmp_path / f"{name}.json"
-    config.write_text(json.dumps(cfg))
-    args = ["--config", str(config), "--sft-model", str(model)]
-    args += ["--train", str(data / "train.jsonl"), "--eval", str(data / "eval.jsonl")]
-    args += ["--model-output", str(tmp_path / name / "model")]
-    args += ["--work-dir", str(tmp_path / name / "work")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     return subprocess.Popen(
-        torchrun_command("trainer.grpo", args, nproc),
-        env=env,
+        torchrun_command("trainer.grpo", grpo_cli_args(tmp_path, name, cfg, model, data), nproc),
+        env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -106,21 +101,22 @@ def _launch(tmp_path, name, cfg, model, data, nproc) -> subprocess.Popen:
     )
 
 
-def _losses(tmp_path, name):
-    lines = read_metrics(tmp_path / name / "work" / METRICS_FILE)
-    return [m for m in lines if "loss" in m]
+def _trained(tmp_path, name, cfg, model, data, nproc) -> list[dict]:
+    """Run the job to its end; its step lines."""
+    job = _launch(tmp_path, name, cfg, model, data, nproc)
+    assert job.wait(timeout=600) == 0, job.stdout.read()[-3000:]
+    return grpo_step_lines(tmp_path, name)
 
 
 def test_one_trainer_and_one_engine_process_train_like_one_process(
     tmp_path, tiny_model_dir, prepared_data
 ):
     steps = {"max_steps": 2, "checkpoint_every": 0}
-    alone = _launch(tmp_path, "alone", small_grpo_config(**steps), tiny_model_dir, prepared_data, 1)
-    assert alone.wait(timeout=600) == 0, alone.stdout.read()[-3000:]
+    theirs = _trained(
+        tmp_path, "alone", small_grpo_config(**steps), tiny_model_dir, prepared_data, 1
+    )
     cfg = small_grpo_config(**steps, **DEDICATED)
-    split = _launch(tmp_path, "split", cfg, tiny_model_dir, prepared_data, 2)
-    assert split.wait(timeout=600) == 0, split.stdout.read()[-3000:]
-    ours, theirs = _losses(tmp_path, "split"), _losses(tmp_path, "alone")
+    ours = _trained(tmp_path, "split", cfg, tiny_model_dir, prepared_data, 2)
     assert [m["step"] for m in ours] == [1, 2]
     # the same seeds on a copy of the same weights: the same rollouts, the same updates
     for a, b in zip(ours, theirs, strict=True):
@@ -146,14 +142,10 @@ def test_two_deepspeed_training_processes_and_one_engine_train_like_colocated(
         "micro_batch_size": 4,
         "optim": {"backend": "deepspeed", "zero_stage": 3},
     }
-    colocated = _launch(
-        tmp_path, "colocated", small_grpo_config(**steps), tiny_model_dir, prepared_data, 2
-    )
-    assert colocated.wait(timeout=600) == 0, colocated.stdout.read()[-3000:]
+    colocated = small_grpo_config(**steps)
+    theirs = _trained(tmp_path, "colocated", colocated, tiny_model_dir, prepared_data, 2)
     cfg = small_grpo_config(**steps, **DEDICATED)
-    split = _launch(tmp_path, "split", cfg, tiny_model_dir, prepared_data, 3)
-    assert split.wait(timeout=600) == 0, split.stdout.read()[-3000:]
-    ours, theirs = _losses(tmp_path, "split"), _losses(tmp_path, "colocated")
+    ours = _trained(tmp_path, "split", cfg, tiny_model_dir, prepared_data, 3)
     assert [m["step"] for m in ours] == [1, 2]
     for a, b in zip(ours, theirs, strict=True):
         assert a["mean_reward"] == pytest.approx(b["mean_reward"], abs=1e-6)
@@ -202,7 +194,7 @@ def test_a_killed_process_ends_the_job_non_zero(
     job = _launch(tmp_path, "killed", cfg, tiny_model_dir, prepared_data, 2)
     metrics = tmp_path / "killed" / "work" / METRICS_FILE
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and _losses(tmp_path, "killed")):
+    while not (metrics.exists() and grpo_step_lines(tmp_path, "killed")):
         assert job.poll() is None and time.monotonic() < deadline, "no step in 300 s"
         time.sleep(1)
     victim = _rank_pid(job.pid, killed_rank)
@@ -217,9 +209,7 @@ def test_one_step_off_policy_overlaps_and_corrects_the_stale_batches(
     tmp_path, tiny_model_dir, prepared_data
 ):
     cfg = small_grpo_config(max_steps=3, checkpoint_every=0, eval_every=3, **ASYNC)
-    job = _launch(tmp_path, "async", cfg, tiny_model_dir, prepared_data, 2)
-    assert job.wait(timeout=600) == 0, job.stdout.read()[-3000:]
-    lines = _losses(tmp_path, "async")
+    lines = _trained(tmp_path, "async", cfg, tiny_model_dir, prepared_data, 2)
     assert [m["staleness"] for m in lines] == [0, 1, 1]
     assert "importance_ratio_mean" not in lines[0]  # on-policy: the plain loss
     for m in lines[1:]:  # sampled one update ago: the decoupled loss and its weights
@@ -241,21 +231,20 @@ def test_kill_and_resume_with_a_batch_in_flight_matches_an_uninterrupted_run(
     """``async_steps: 1``: the checkpoint at step 2 holds step 3's rollouts (sampled before
     the checkpoint's weights); the resumed run trains on them, so every step matches."""
     cfg = small_grpo_config(max_steps=5, checkpoint_every=2, max_ckpt_num=2, **ASYNC)
-    whole = _launch(tmp_path, "whole", cfg, tiny_model_dir, prepared_data, 2)
-    assert whole.wait(timeout=600) == 0, whole.stdout.read()[-3000:]
+    theirs = _trained(tmp_path, "whole", cfg, tiny_model_dir, prepared_data, 2)
     job = _launch(tmp_path, "killed", cfg, tiny_model_dir, prepared_data, 2)
     deadline = time.monotonic() + 300
     while job.poll() is None and time.monotonic() < deadline:
         metrics = tmp_path / "killed" / "work" / METRICS_FILE
-        if metrics.exists() and len(_losses(tmp_path, "killed")) >= 3:
+        if metrics.exists() and len(grpo_step_lines(tmp_path, "killed")) >= 3:
             os.killpg(job.pid, signal.SIGKILL)  # the whole job, as a node loss would
             break
         time.sleep(0.05)
     job.wait(timeout=60)
-    assert len(_losses(tmp_path, "killed")) < 5, "the run finished before it could be killed"
-    again = _launch(tmp_path, "killed", cfg, tiny_model_dir, prepared_data, 2)
-    assert again.wait(timeout=600) == 0, again.stdout.read()[-3000:]
-    ours, theirs = _losses(tmp_path, "killed"), _losses(tmp_path, "whole")
+    assert len(grpo_step_lines(tmp_path, "killed")) < 5, (
+        "the run finished before it could be killed"
+    )
+    ours = _trained(tmp_path, "killed", cfg, tiny_model_dir, prepared_data, 2)
     assert [m["step"] for m in ours] == [1, 2, 3, 4, 5]
     for a, b in zip(ours, theirs, strict=True):
         for key in ("loss", "mean_reward", "response_length_mean", "staleness"):

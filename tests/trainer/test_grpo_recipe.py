@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from pydantic import ValidationError
+from tests_helpers_trainer import grpo_cli_args, grpo_step_lines
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.torchrun import torchrun_command
@@ -153,28 +154,6 @@ def test_hf_engine_groups_samples_and_stops_at_return(tiny_model_dir):
     assert cut_at_stop([9, 9, 0, 0], {ret}, 0) == ([9, 9], False)
 
 
-def _cli_args(tmp, name, cfg, model, data):
-    (tmp / f"{name}.json").write_text(json.dumps(cfg))
-    return [
-        "--config",
-        str(tmp / f"{name}.json"),
-        "--sft-model",
-        str(model),
-        "--train",
-        str(data / "train.jsonl"),
-        "--eval",
-        str(data / "eval.jsonl"),
-        "--model-output",
-        str(tmp / name / "model"),
-        "--work-dir",
-        str(tmp / name / "work"),
-    ]
-
-
-def _step_lines(tmp, name):
-    return [m for m in read_metrics(tmp / name / "work" / "training_metrics.jsonl") if "loss" in m]
-
-
 def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prepared_data):
     cfg = {**SMALL, "max_steps": 8, "checkpoint_every": 2, "eval_every": 4, "max_ckpt_num": 2}
     subprocess.run(
@@ -182,22 +161,22 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, 
             sys.executable,
             "-m",
             "trainer.grpo",
-            *_cli_args(tmp_path, "whole", cfg, tiny_model_dir, prepared_data),
+            *grpo_cli_args(tmp_path, "whole", cfg, tiny_model_dir, prepared_data),
         ],
         check=True,
     )
-    args = _cli_args(tmp_path, "killed", cfg, tiny_model_dir, prepared_data)
+    args = grpo_cli_args(tmp_path, "killed", cfg, tiny_model_dir, prepared_data)
     proc = subprocess.Popen([sys.executable, "-m", "trainer.grpo", *args])
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
-        if len(_step_lines(tmp_path, "killed")) >= 5:
+        if len(grpo_step_lines(tmp_path, "killed")) >= 5:
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.02)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     subprocess.run([sys.executable, "-m", "trainer.grpo", *args], check=True)
-    whole, resumed = _step_lines(tmp_path, "whole"), _step_lines(tmp_path, "killed")
+    whole, resumed = grpo_step_lines(tmp_path, "whole"), grpo_step_lines(tmp_path, "killed")
     assert [m["step"] for m in resumed] == list(range(1, 9))
     for a, b in zip(whole, resumed, strict=True):
         for key in ("loss", "mean_reward", "learning_rate", "response_length_mean"):
@@ -214,7 +193,7 @@ def test_deepspeed_zero3_two_processes(tmp_path, tiny_model_dir, prepared_data):
         "eval_every": 2,
         "optim": {**SMALL["optim"], "backend": "deepspeed", "zero_stage": 3},
     }
-    args = _cli_args(tmp_path, "ds", cfg, tiny_model_dir, prepared_data)
+    args = grpo_cli_args(tmp_path, "ds", cfg, tiny_model_dir, prepared_data)
     subprocess.run(torchrun_command("trainer.grpo", args, 2), check=True)
     lines = read_metrics(tmp_path / "ds" / "work" / "training_metrics.jsonl")
     assert [m["step"] for m in lines if "loss" in m] == [1, 2]  # rank 0 alone writes

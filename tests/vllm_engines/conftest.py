@@ -40,6 +40,27 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def rollout_settings() -> dict:
+    """The ``rollout`` settings the engines run with here: short responses, and prompts that
+    chunked prefill never splits (seeded requests split by it crash vLLM's CPU build)."""
+    return {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}
+
+
+@pytest.fixture(scope="session")
+def perturb():
+    """Adds seeded noise to every parameter of a model, so every weight group (embeddings …
+    experts, sinks) differs from what an engine loaded."""
+
+    def apply(model: torch.nn.Module, scale: float = 0.05, seed: int = 1) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * scale)
+
+    return apply
+
+
+@pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm-tiny") / "model", VLLM_MODEL)
 

@@ -7,32 +7,26 @@ Skipped where vLLM is missing; ``make test-vllm`` runs them (tools/vllm_env.sh).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from tests_helpers_trainer import small_grpo_config
+from tests_helpers_trainer import grpo_cli_args, grpo_step_lines, small_grpo_config, subprocess_env
 
 from cluster.torchrun import torchrun_command
-from trainer.grpo.config import GRPOConfig, RolloutConfig
-from trainer.metrics import METRICS_FILE, read_metrics
-
-ROLLOUT = {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}
-ROOT = Path(__file__).resolve().parents[2]
+from trainer.grpo.config import RolloutConfig
 
 
 @pytest.fixture(scope="module")
-def engine(vllm_model_dir, policy):
+def engine(vllm_model_dir, policy, rollout_settings):
     from trainer.grpo.vllm_dedicated import DedicatedVLLMEngine
 
     _, tokenizer = policy
     engine = DedicatedVLLMEngine(
         str(vllm_model_dir),
         tokenizer,
-        RolloutConfig(**ROLLOUT),
+        RolloutConfig(**rollout_settings),
         dtype="float32",
         bucket_bytes=16 << 10,  # many buckets: the tiny model is ~1 MB
     )
@@ -45,13 +39,10 @@ def test_the_engine_runs_in_processes_of_its_own(engine):
     assert engine.llm.llm_engine.engine_core.__class__.__name__ == "SyncMPClient"
 
 
-def test_sent_weights_take_in_every_group_including_experts_and_sinks(engine, policy, gap):
+def test_sent_weights_take_in_every_group_including_experts_and_sinks(engine, policy, gap, perturb):
     model, _ = policy
     assert gap(engine) < 1e-4
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _, param in model.named_parameters():  # every group: embeddings … experts, sinks
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    perturb(model)  # every group: embeddings … experts, sinks
     assert gap(engine) > 0.05  # the engine still has the old weights
     engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
     assert gap(engine) < 1e-4
@@ -75,34 +66,29 @@ def _grpo(tmp_path, model_dir, data, name: str, rollout: dict, nproc: int):
     cfg = small_grpo_config(
         max_steps=2, checkpoint_every=0, rollout={"engine": "vllm", "n_samples": 4, **rollout}
     )
-    GRPOConfig.model_validate(cfg)
-    config = tmp_path / f"{name}.json"
-    config.write_text(json.dumps(cfg))
-    args = ["--config", str(config), "--sft-model", str(model_dir)]
-    args += ["--train", str(data / "train.jsonl"), "--eval", str(data / "eval.jsonl")]
-    args += ["--model-output", str(tmp_path / name / "model")]
-    args += ["--work-dir", str(tmp_path / name / "work")]
     done = subprocess.run(
-        torchrun_command("trainer.grpo", args, nproc),
+        torchrun_command(
+            "trainer.grpo", grpo_cli_args(tmp_path, name, cfg, model_dir, data), nproc
+        ),
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
+        env=subprocess_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [m for m in read_metrics(tmp_path / name / "work" / METRICS_FILE) if "loss" in m]
+    return grpo_step_lines(tmp_path, name)
 
 
 def test_one_trainer_and_one_vllm_engine_process_train_like_one_process(
-    tmp_path, vllm_model_dir, prepared_data
+    tmp_path, vllm_model_dir, prepared_data, rollout_settings
 ):
-    dedicated = {**ROLLOUT, "colocate": False, "num_engines": 1, "sync_bucket_mb": 1}
+    dedicated = {**rollout_settings, "colocate": False, "num_engines": 1, "sync_bucket_mb": 1}
     ours = _grpo(tmp_path, vllm_model_dir, prepared_data, "split", dedicated, 2)
     assert [m["step"] for m in ours] == [1, 2]
     assert all(0 <= m["sync_logprob_max_diff"] < 1e-4 for m in ours)
     assert (tmp_path / "split" / "model" / "config.json").exists()
     # the same engine seed and per-response seeds as one process with its engine in-process
-    theirs = _grpo(tmp_path, vllm_model_dir, prepared_data, "alone", ROLLOUT, 1)
+    theirs = _grpo(tmp_path, vllm_model_dir, prepared_data, "alone", rollout_settings, 1)
     for a, b in zip(ours, theirs, strict=True):
         assert a["mean_reward"] == b["mean_reward"]
         assert a["response_length_mean"] == b["response_length_mean"]

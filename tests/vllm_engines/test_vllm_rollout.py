@@ -6,31 +6,24 @@ Skipped where vLLM is missing; ``make test-vllm`` runs them (tools/vllm_env.sh).
 from __future__ import annotations
 
 import gc
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from tests_helpers_trainer import small_grpo_config
+from tests_helpers_trainer import grpo_cli_args, grpo_step_lines, small_grpo_config, subprocess_env
 
 from core.seeds import group_seeds
-from trainer.grpo.config import GRPOConfig, RolloutConfig
+from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import VLLMRolloutEngine, VLLMWeights
 from trainer.grpo.sync_check import WeightSyncError, check_sync, sync_tolerance
-from trainer.metrics import METRICS_FILE, read_metrics
-
-ROLLOUT = {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def engine(vllm_model_dir, policy):
+def engine(vllm_model_dir, policy, rollout_settings):
     _, tokenizer = policy
     engine = VLLMRolloutEngine(
-        str(vllm_model_dir), tokenizer, RolloutConfig(**ROLLOUT), seed=0, dtype="float32"
+        str(vllm_model_dir), tokenizer, RolloutConfig(**rollout_settings), seed=0, dtype="float32"
     )
     yield engine
     del engine.llm
@@ -58,12 +51,9 @@ def test_each_response_has_its_own_random_stream(engine, policy):
     assert [r.response_ids for r in alone] == [r.response_ids for r in out[4:]]
 
 
-def test_sync_takes_every_weight_group_including_experts_and_sinks(engine, policy, gap):
+def test_sync_takes_every_weight_group_including_experts_and_sinks(engine, policy, gap, perturb):
     model, _ = policy
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _, param in model.named_parameters():  # every group: embeddings … experts, sinks
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    perturb(model)  # every group: embeddings … experts, sinks
     assert gap(engine) > 0.05  # the engine still has the old weights
     engine.sync_weights((n, p.detach()) for n, p in model.named_parameters())
     assert gap(engine) < 1e-4
@@ -103,36 +93,31 @@ def test_the_check_catches_a_sync_that_leaves_experts_stale(engine, policy, gap)
     assert gap(engine) < 1e-4
 
 
-def _grpo(tmp_path, model_dir, data, *program: str) -> subprocess.CompletedProcess:
+def _grpo(tmp_path, model_dir, data, rollout: dict, *program: str) -> subprocess.CompletedProcess:
     """``python -m trainer.grpo`` with vLLM rollouts, 2 steps, in its own process (as the GRPO
-    step runs it; vLLM's engine lives in that process)."""
+    step runs it; vLLM's engine lives in that process); the run is named ``grpo``."""
     cfg = small_grpo_config(
-        max_steps=2, checkpoint_every=0, rollout={"engine": "vllm", "n_samples": 4, **ROLLOUT}
+        max_steps=2, checkpoint_every=0, rollout={"engine": "vllm", "n_samples": 4, **rollout}
     )
-    GRPOConfig.model_validate(cfg)
-    config = tmp_path / "grpo.json"
-    config.write_text(json.dumps(cfg))
-    args = ["--config", str(config), "--sft-model", str(model_dir)]
-    args += ["--train", str(data / "train.jsonl"), "--eval", str(data / "eval.jsonl")]
-    args += ["--model-output", str(tmp_path / "model"), "--work-dir", str(tmp_path / "work")]
+    args = grpo_cli_args(tmp_path, "grpo", cfg, model_dir, data)
     return subprocess.run(
         [sys.executable, *(program or ("-m", "trainer.grpo")), *args],
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
+        env=subprocess_env(),
     )
 
 
 def test_grpo_trains_with_vllm_rollouts_and_checks_every_sync(
-    tmp_path, vllm_model_dir, prepared_data
+    tmp_path, vllm_model_dir, prepared_data, rollout_settings
 ):
-    done = _grpo(tmp_path, vllm_model_dir, prepared_data)
+    done = _grpo(tmp_path, vllm_model_dir, prepared_data, rollout_settings)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [m for m in read_metrics(tmp_path / "work" / METRICS_FILE) if "loss" in m]
+    lines = grpo_step_lines(tmp_path, "grpo")
     assert [m["step"] for m in lines] == [1, 2]
     assert all(0 <= m["sync_logprob_max_diff"] < 1e-3 for m in lines)
-    assert (tmp_path / "model" / "config.json").exists()
+    assert (tmp_path / "grpo" / "model" / "config.json").exists()
 
 
 STACKED_SYNC = """
@@ -146,11 +131,10 @@ runpy.run_module("trainer.grpo", run_name="__main__")
 
 
 def test_grpo_stops_when_the_engine_does_not_take_the_weights(
-    tmp_path, vllm_model_dir, prepared_data
+    tmp_path, vllm_model_dir, prepared_data, rollout_settings
 ):
-    done = _grpo(tmp_path, vllm_model_dir, prepared_data, "-c", STACKED_SYNC)
+    done = _grpo(tmp_path, vllm_model_dir, prepared_data, rollout_settings, "-c", STACKED_SYNC)
     assert done.returncode != 0
     assert "WeightSyncError" in done.stderr and "did not take the weights" in done.stderr
     assert "weight sync of step 0" in done.stderr  # at start, before any update
-    lines = read_metrics(tmp_path / "work" / METRICS_FILE)
-    assert not [m for m in lines if "loss" in m]  # no step was recorded as trained
+    assert not grpo_step_lines(tmp_path, "grpo")  # no step was recorded as trained

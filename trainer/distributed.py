@@ -84,22 +84,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _all_reduce(value: float, info: DistInfo, op) -> float:
-    if info.world_size == 1:
+def all_reduce_number(value: float, op, size: int, device, group=None) -> float:
+    """``value`` reduced with ``op`` (a ``dist.ReduceOp``) over the ``size`` processes of
+    ``group`` (None: the whole world); itself when there is one."""
+    if size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t, op=op)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op, group=group)
     return float(t.item())
 
 
 def all_reduce_sum(value: float, info: DistInfo) -> float:
     """Sum a number over all processes (itself when there is one)."""
-    return _all_reduce(value, info, dist.ReduceOp.SUM)
+    return all_reduce_number(value, dist.ReduceOp.SUM, info.world_size, info.device)
 
 
 def all_reduce_max(value: float, info: DistInfo) -> float:
     """The largest of a number over all processes (itself when there is one)."""
-    return _all_reduce(value, info, dist.ReduceOp.MAX)
+    return all_reduce_number(value, dist.ReduceOp.MAX, info.world_size, info.device)
 
 
 def barrier(info: DistInfo) -> None:

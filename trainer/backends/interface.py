@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+
+from trainer.distributed import all_reduce_number
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -53,20 +56,11 @@ class DataParallel:
 
     def all_reduce_sum(self, value: float) -> float:
         """Sum a number over the replicas (itself when there is one)."""
-        return self._all_reduce(value, "SUM")
+        return all_reduce_number(value, dist.ReduceOp.SUM, self.size, self.device, self.group)
 
     def all_reduce_max(self, value: float) -> float:
         """The largest of a number over the replicas (itself when there is one)."""
-        return self._all_reduce(value, "MAX")
-
-    def _all_reduce(self, value: float, op: str) -> float:
-        if self.size == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self.group)
-        return float(t.item())
+        return all_reduce_number(value, dist.ReduceOp.MAX, self.size, self.device, self.group)
 
 
 class ResponseBatch(Protocol):

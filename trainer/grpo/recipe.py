@@ -199,7 +199,7 @@ def run_grpo(
     if channel is not None:
         engine_ranks = [engine.ranks[0] for engine in plan.engines]
         remote = RemoteRolloutEngine(engine_ranks, channel, cfg.rollout.sync_bucket_mb << 20)
-    engines = SharedRemote(remote) if info.world_size > 1 else remote
+    engines = SharedRemote(remote, info) if info.world_size > 1 else remote
     with contextlib.closing(engines):
         return _train(
             cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan, engines
@@ -816,12 +816,13 @@ def _update(
                 for key in ("importance_ratio_mean", "tis_clipped_fraction"):
                     total = sum(stats[key] for stats in micro_stats)
                     sums[key] += dp.all_reduce_sum(total) / masked_tokens
-                local_max = max(stats["importance_ratio_max"] for stats in micro_stats)
-                ratio_max = max(ratio_max, dp.all_reduce_max(local_max))
+                ratio_max = max(
+                    ratio_max, *(stats["importance_ratio_max"] for stats in micro_stats)
+                )
             updates += 1
     out = {k: v / max(1, updates) for k, v in sums.items()}
-    if stale:
-        out["importance_ratio_max"] = ratio_max
+    if stale:  # the largest over every mini-batch and replica: one reduce for the step
+        out["importance_ratio_max"] = dp.all_reduce_max(ratio_max)
     return out
 
 
@@ -905,34 +906,30 @@ def _loss_fn(
 def _behaviour_block(batch: _Batch, micro: list[int], width: int) -> torch.Tensor:
     """The engine's log-probs of the samples ``micro`` as a [len(micro), width] block,
     right-aligned as their layout (``layout.sequences``)."""
-    block = torch.zeros((len(micro), width), dtype=torch.float32)
-    for row, i in enumerate(micro):
-        rollout = batch.rollouts[i]
-        if rollout.log_probs is None:
+    rows = []
+    for i in micro:
+        if batch.rollouts[i].log_probs is None:
             raise ValueError(
                 f"rollout {i} of the batch has no behaviour log-probs: the engine must record "
                 "them for an off-policy update (rollout.async_steps)"
             )
-        values = rollout.log_probs[-width:] if rollout.log_probs else []
-        if values:
-            block[row, width - len(values) :] = torch.tensor(values)
-    return block
+        rows.append(torch.tensor(batch.rollouts[i].log_probs, dtype=torch.float32))
+    return _right_aligned(rows, width)
 
 
 def _gather_old(
     old_log_probs: list[torch.Tensor], micro: list[int], size: int, width: int
 ) -> torch.Tensor:
     """Old log-probs of the samples ``micro`` as a [len(micro), width] right-aligned block."""
-    rows = []
-    for i in micro:
-        row = old_log_probs[i // size][i % size]
-        row = (
-            row[-width:]
-            if row.shape[0] >= width
-            else torch.nn.functional.pad(row, (width - row.shape[0], 0))
-        )
-        rows.append(row)
-    return torch.stack(rows)
+    return _right_aligned([old_log_probs[i // size][i % size] for i in micro], width)
+
+
+def _right_aligned(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """``rows`` as a [len(rows), width] block with each row's last value in the last column:
+    a longer row keeps its last ``width`` values, a shorter one is padded with 0 before."""
+    return torch.stack(
+        [torch.nn.functional.pad(row[-width:], (width - min(len(row), width), 0)) for row in rows]
+    )
 
 
 def _reward_metrics(batch: _Batch, dp: DataParallel) -> dict:

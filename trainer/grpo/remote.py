@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.distributed import DistInfo, broadcast_object
 from trainer.grpo.rollout import Rollout, RolloutEngine, group_size
 
 log = logging.getLogger(__name__)
@@ -398,14 +399,13 @@ class SharedRemote:
 
     overlaps = True
 
-    def __init__(self, remote: RemoteRolloutEngine | None) -> None:
+    def __init__(self, remote: RemoteRolloutEngine | None, info: DistInfo) -> None:
         self.remote = remote
+        self.info = info
         self.last_busy_s = self.last_idle_s = 0.0
 
     def _from_coordinator(self, value=None):
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_object(value, self.info)
 
     def submit(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> None:
         if self.remote is not None:

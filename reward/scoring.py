@@ -103,7 +103,6 @@ class RewardTerm:
     judged response earns them (``price``). ``can_be_zero``: the term may add nothing (e.g.
     correctness without an expected answer), so 0 lies within its range."""
 
-    name: str
     weights: Mapping[str, float]
     price: Callable[[Judgement, RewardWeights], float]
     can_be_zero: bool = False
@@ -135,7 +134,7 @@ def reward_term(name: str, *, can_be_zero: bool = False, **weights: float):
                 f"reward term {name!r} or its weights {sorted(taken & set(weights))} are "
                 "registered already"
             )
-        REWARD_TERMS[name] = RewardTerm(name, dict(weights), price, can_be_zero)
+        REWARD_TERMS[name] = RewardTerm(dict(weights), price, can_be_zero)
         return price
 
     return register
@@ -198,9 +197,6 @@ class RewardWeights:
 
     def __repr__(self) -> str:
         return f"RewardWeights({', '.join(f'{k}={v}' for k, v in self._values.items())})"
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(self._values)
 
     def bounds(self) -> tuple[float, float]:
         """Smallest and largest reward any response can get."""

@@ -4,6 +4,7 @@
 none of the project's packages. Every package of the repository is checked. Read from the
 source with ``ast``, lazy (function-level) imports included."""
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -39,8 +40,9 @@ ALLOWED = {
 EXCEPTIONS = {("trainer/tiny_model.py", "data_prep"), ("trainer/tiny_model.py", "eval")}
 
 
+@functools.cache
 def architecture_tool():
-    """tools/architecture.py, which reads the imports for the picture as well."""
+    """tools/architecture.py, which reads the imports for the picture as well (loaded once)."""
     spec = importlib.util.spec_from_file_location(
         "architecture", ROOT / "tools" / "architecture.py"
     )

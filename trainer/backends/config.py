@@ -1,6 +1,7 @@
 """The typed training settings SFT and GRPO share: optimizer and schedule (``OptimConfig``),
 the Megatron backend's settings (``MegatronSettings``) and how a step runs its processes
-(``ProcessSettings``). Only pydantic is imported: presets and the CLI read them without torch.
+(``ProcessSettings``). This module imports only pydantic (the package's ``__init__`` imports
+the backends, and with them torch).
 """
 
 from __future__ import annotations

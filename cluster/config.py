@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from cluster.hardware import job_fields
+from cluster.hardware import job_fields, rollout_nodes
 from core.config_model import ConfigModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -187,7 +187,7 @@ class ExecutionConfig(ConfigModel):
             return 1, nproc
         job = {**REFERENCE_LAYOUTS.get(self.reference or "", {}), **self.job}
         per_node = int(job.get("nproc_per_node") or job.get("gpus_per_node") or 1)
-        nodes = int(job.get("nodes", 1)) - -(-rollout_processes // per_node)
+        nodes = int(job.get("nodes", 1)) - rollout_nodes(rollout_processes, per_node)
         if nodes < 1:
             raise ValueError(
                 f"the PyTorchJob's {job.get('nodes', 1)} node(s) of {per_node} leave no node for "

@@ -24,6 +24,12 @@ LOCAL = "local"
 """The node type of a run without a cluster: the pipeline's own process, on CPU."""
 
 
+def rollout_nodes(processes: int, per_node: int) -> int:
+    """Nodes that ``processes`` rollout-only processes (dedicated engines) fill, ``per_node``
+    to a node, after the training nodes."""
+    return -(-processes // per_node)
+
+
 class NodeType(ConfigModel):
     """One kind of machine.
 
@@ -148,7 +154,7 @@ class Hardware(ConfigModel):
     def job_nodes(self, step: Step, rollout_processes: int = 0) -> int:
         """Nodes of ``step``'s PyTorchJob: its training nodes, then the nodes that
         ``rollout_processes`` (GRPO's dedicated engines) fill after them."""
-        return self.nodes(step) + -(-rollout_processes // self.node.gpus)
+        return self.nodes(step) + rollout_nodes(rollout_processes, self.node.gpus)
 
     def execution(self, step: Step, rollout_processes: int = 0):
         """``step``'s ``ExecutionConfig``: in its own pod (``local``), or a PyTorchJob of this

@@ -63,14 +63,16 @@ def parameter_type(config_class: type[BaseModel], name: str) -> tuple[type, bool
     )
 
 
-def config_arguments(config: BaseModel, prefix: str = "") -> dict[str, Any]:
-    """The config's values as KFP arguments (JSON types), keyed ``<prefix><field>``.
+def config_dict(config: BaseModel) -> dict:
+    """A step config as a KFP dict parameter (JSON types). ``None`` values are left out, at
+    every depth: KFP structs cannot hold null, and an optional parameter left unset is
+    ``None``."""
+    return config.model_dump(mode="json", exclude_none=True)
 
-    ``None`` values are left out (KFP structs cannot hold null; an optional parameter left
-    unset is ``None``), at every depth.
-    """
-    values = config.model_dump(mode="json", exclude_none=True)
-    return {prefix + name: value for name, value in values.items()}
+
+def config_arguments(config: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """The config's values as KFP arguments (``config_dict``), keyed ``<prefix><field>``."""
+    return {prefix + name: value for name, value in config_dict(config).items()}
 
 
 def _annotation_source(kind: type, optional: bool) -> str:

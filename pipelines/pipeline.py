@@ -9,7 +9,7 @@ edit here); the other steps' configs are one dict parameter each.
 from kfp import dsl
 
 from cluster.config import ExecutionConfig
-from components.config_fields import with_config_parameters
+from components.config_fields import config_dict, with_config_parameters
 from components.data_prep import data_prep
 from components.evaluate import evaluate, gate, register
 from components.grpo import grpo, grpo_megatron
@@ -20,7 +20,7 @@ from data_prep.config import DataPrepConfig
 from eval.eval_config import EvalConfig
 from eval.gate import GateConfig
 from pipelines.platform import ClusterSettings, get_platform, with_platform
-from pipelines.presets import DATA_PREP_PREFIX, ModelSource, Preset, config_dict, megatron_layout
+from pipelines.presets import DATA_PREP_PREFIX, ModelSource, Preset, megatron_layout
 from trainer.grpo.config import GRPOConfig
 from trainer.sft.config import SFTConfig
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.config import ExecutionConfig
 from cluster.hardware import Hardware, Step
-from components.config_fields import config_arguments
+from components.config_fields import config_arguments, config_dict
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
@@ -320,11 +320,6 @@ def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
             raise ValueError(f"override {dotted!r}: no field {path[-1]!r} ({fields})")
         node[path[-1]] = _parse_value(value) if not isinstance(node[path[-1]], str) else value
     return Preset.model_validate(data)
-
-
-def config_dict(config: BaseModel) -> dict:
-    """A step config as a KFP dict parameter (JSON types; KFP structs cannot hold null)."""
-    return config.model_dump(mode="json", exclude_none=True)
 
 
 def step_execution(preset: Preset, step: Step) -> ExecutionConfig:

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from cluster.hardware import rollout_nodes
+
 if TYPE_CHECKING:
     from trainer.grpo.config import GRPOConfig
 
@@ -317,5 +319,5 @@ def grpo_placement(cfg: GRPOConfig, nodes: int, gpus_per_node: int) -> Placement
     (its job); dedicated rollout engines go on the nodes after them."""
     layout = grpo_layout(cfg, nodes * gpus_per_node)
     rollout_gpus = layout.rollout_engines * layout.rollout_tp
-    extra = -(-rollout_gpus // gpus_per_node)
+    extra = rollout_nodes(rollout_gpus, gpus_per_node)
     return plan_placement(nodes + extra, gpus_per_node, layout)

@@ -82,12 +82,16 @@ def load_tokenizer(path: str | Path):
 
 
 def load_generation_config(path: str | Path):
-    """The ``GenerationConfig`` saved with a model, or None when it has none."""
-    from transformers import GenerationConfig
+    """The ``GenerationConfig`` a model loaded from ``path`` gets: the one saved with it, else
+    (as transformers does when loading the model) one made from its ``config.json``; None
+    when the directory has neither."""
+    from transformers import AutoConfig, GenerationConfig
 
-    if not (Path(path) / "generation_config.json").is_file():
-        return None
-    return GenerationConfig.from_pretrained(path)
+    if (Path(path) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(path)
+    if (Path(path) / "config.json").is_file():
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    return None
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | None = None):

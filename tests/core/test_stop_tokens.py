@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -52,5 +54,18 @@ def test_every_engine_stops_on_the_same_tokens(tiny_model_dir):
     assert HFEngine(tiny_model_dir, device="cpu").stop_ids == want
 
 
-def test_a_model_without_a_generation_config_has_none(tmp_path):
+def test_a_model_without_a_generation_config_stops_as_transformers_loads_it(
+    tmp_path, tiny_model_dir
+):
+    """No generation_config.json: the eos ids of config.json, as the loaded model has them."""
+    bare = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("generation_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(bare)
+    model = AutoModelForCausalLM.from_pretrained(bare, dtype=torch.float32)
+    loaded = load_generation_config(bare)
+    assert loaded is not None and loaded.eos_token_id == model.generation_config.eos_token_id
+    assert stop_token_ids(tokenizer, loaded) == stop_token_ids(tokenizer, model.generation_config)
+
+
+def test_a_directory_without_any_config_has_no_generation_config(tmp_path):
     assert load_generation_config(tmp_path) is None

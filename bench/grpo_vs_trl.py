@@ -114,16 +114,15 @@ def run_trl(model: Path, data: Path, work: Path, steps: int, seed: int, threads:
     from trl import GRPOConfig, GRPOTrainer
 
     from reward.adapters import language_compliance_reward
+    from trainer.grpo.prompts import in_language
 
     ours = get_preset("tiny-cpu").grpo
     torch.set_num_threads(threads)
     records = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
-    in_language = {  # the demo's prompt_filter
-        r["prompt"]: r["label"]
-        for r in records
-        if r["user_language"] == r["reasoning_language"] == r["answer_language"]
+    kept = {  # the prompts our loop trains on (the preset's prompt_filter)
+        r["prompt"]: r["label"] for r in records if ours.prompt_filter == "all" or in_language(r)
     }
-    dataset = Dataset.from_list([{"prompt": p, "label": lab} for p, lab in in_language.items()])
+    dataset = Dataset.from_list([{"prompt": p, "label": lab} for p, lab in kept.items()])
     stamps: list[float] = []
 
     class Clock(TrainerCallback):

@@ -55,7 +55,7 @@ def load_prompts(
             record = json.loads(line)
             text, label = record["prompt"], record["label"]
             weight = float(record.get("prompt_weight", 1.0))
-            if prompt_filter == "in-language" and not _in_language(record):
+            if prompt_filter == "in-language" and not in_language(record):
                 filtered += 1
                 continue
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
@@ -89,7 +89,7 @@ def load_prompts(
     return prompts
 
 
-def _in_language(record: dict) -> bool:
+def in_language(record: dict) -> bool:
     """The question is written in the language the reasoning and the answer are asked in."""
     return record["user_language"] == record["reasoning_language"] == record["answer_language"]
 

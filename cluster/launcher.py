@@ -303,22 +303,19 @@ PyTorchJobLauncher = JobLauncher
 
 
 def install_training_runtime(runtime: dict, api_client: k8s.ApiClient | None = None) -> str:
-    """Create the ClusterTrainingRuntime ``runtime`` (``cluster.trainjob.build_training_runtime``),
-    or replace the one of the same name; returns ``created`` or ``replaced``. Needs a
-    cluster-admin's rights (the runtime is cluster-scoped), as ``kubectl apply`` would."""
+    """Create the ClusterTrainingRuntime ``runtime`` (``build_training_runtime``), or update
+    the one of the same name with it (a JSON merge patch: lists replaced, maps merged, so a
+    field an older runtime had and this one lacks stays; delete the runtime first to drop
+    it); returns ``created`` or ``updated``. Needs rights on cluster-scoped
+    ``clustertrainingruntimes`` (a cluster admin's)."""
     custom = k8s.CustomObjectsApi(api_client or default_api_client())
     group, version = runtime["apiVersion"].split("/")
-    name = runtime["metadata"]["name"]
     try:
         custom.create_cluster_custom_object(group, version, "clustertrainingruntimes", runtime)
         return "created"
     except k8s.ApiException as error:
         if error.status != 409:
             raise
-    current = custom.get_cluster_custom_object(group, version, "clustertrainingruntimes", name)
-    version_field = {"resourceVersion": current["metadata"].get("resourceVersion")}
-    replacement = {**runtime, "metadata": {**runtime["metadata"], **version_field}}
-    custom.replace_cluster_custom_object(
-        group, version, "clustertrainingruntimes", name, replacement
-    )
-    return "replaced"
+    name = runtime["metadata"]["name"]
+    custom.patch_cluster_custom_object(group, version, "clustertrainingruntimes", name, runtime)
+    return "updated"

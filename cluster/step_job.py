@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from cluster.config import ClusterJobConfig, ExecutionConfig
+from cluster.config import QUEUE_LABEL, ClusterJobConfig, ExecutionConfig
 from cluster.jobs import JOB_KINDS, TRAINJOB, JobKind, job_state
 from cluster.launcher import JobLauncher, metrics_progress
 from cluster.pytorchjob import build_pytorchjob, manifest_yaml
@@ -281,30 +281,50 @@ def run_step_job(
     return Path(work_dir)
 
 
-def delete_run_jobs(
-    launcher: JobLauncher, run_id: str, include_finished: bool = False
-) -> list[str]:
-    """Delete the run's jobs that are still active or queued (all of them with
-    ``include_finished``), TrainJobs and PyTorchJobs alike (a job API the server does not
-    serve is skipped); returns their names. The pipeline's exit handler calls this."""
+def run_jobs(namespace: str, api_client, run_id: str) -> Iterator[tuple[JobLauncher, dict]]:
+    """The pipeline run's jobs in ``namespace``, TrainJobs and PyTorchJobs alike (a job API
+    the server does not serve is skipped), each with a launcher of its kind."""
     from kubernetes import client as k8s
 
     selector = f"{RUN_LABEL}={label_value(run_id)}"
-    deleted = []
     for kind in JOB_KINDS.values():
-        jobs = JobLauncher(launcher.namespace, launcher.api_client, kind)
+        launcher = JobLauncher(namespace, api_client, kind)
         try:
-            items = jobs.list(selector)
+            items = launcher.list(selector)
         except k8s.ApiException as error:
             if error.status == 404:  # this job API is not served here
                 continue
             raise
-        for item in items:
-            if job_state(kind, item) in FINISHED and not include_finished:
-                continue
-            if jobs.delete(item["metadata"]["name"]):
-                deleted.append(item["metadata"]["name"])
+        yield from ((launcher, item) for item in items)
+
+
+def delete_run_jobs(
+    launcher: JobLauncher, run_id: str, include_finished: bool = False
+) -> list[str]:
+    """Delete the run's jobs (``run_jobs``, in ``launcher``'s namespace) that are still active
+    or queued (all of them with ``include_finished``); returns their names. The pipeline's
+    exit handler calls this."""
+    deleted = []
+    for jobs, item in run_jobs(launcher.namespace, launcher.api_client, run_id):
+        if job_state(jobs.kind, item) in FINISHED and not include_finished:
+            continue
+        if jobs.delete(item["metadata"]["name"]):
+            deleted.append(item["metadata"]["name"])
     return deleted
+
+
+def describe_run_jobs(namespace: str, api_client, run_id: str) -> list[str]:
+    """One line per job of the run: step, kind, name, state (``queued`` with its Kueue
+    queue: a job Kueue has not admitted yet is waiting, not failing)."""
+    lines = []
+    for launcher, item in run_jobs(namespace, api_client, run_id):
+        labels = item["metadata"].get("labels") or {}
+        state = job_state(launcher.kind, item)
+        if state == "queued" and labels.get(QUEUE_LABEL):
+            state += f" (Kueue queue {labels[QUEUE_LABEL]})"
+        step = labels.get(STEP_LABEL, "?")
+        lines.append(f"{step:<5} {launcher.kind.kind:<10} {item['metadata']['name']}  {state}")
+    return lines
 
 
 def _existing(launcher: JobLauncher, name: str) -> dict | None:

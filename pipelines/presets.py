@@ -343,6 +343,24 @@ def step_execution(preset: Preset, step: Step) -> ExecutionConfig:
     return execution.model_copy(update={"job": job})
 
 
+def training_runtime(preset: Preset, image: str) -> dict:
+    """The ClusterTrainingRuntime (``preset.cluster.runtime``) that ``preset``'s TrainJobs
+    reference: ``image``, and the platform's workspace volume at its mount.
+
+    Raises:
+        ValueError: ``preset`` trains in its pipeline pods (``hardware.node_type`` local).
+    """
+    execution = step_execution(preset, "sft")
+    if execution.mode == "local":
+        raise ValueError(
+            f"preset {preset.name!r} trains in its pipeline pods (hardware.node_type local) "
+            "and creates no TrainJob: pick a cluster preset, e.g. gpt-oss-20b"
+        )
+    from cluster.trainjob import build_training_runtime
+
+    return build_training_runtime(execution.cluster_job(image, default_namespace="default"))
+
+
 def megatron_layout(preset: Preset) -> dict[str, Any]:
     """The Megatron branch's layout: the preset's parallel sizes on ``hardware``'s machines."""
     return {**preset.megatron_layout, **preset.hardware.megatron_fields(preset.grpo.nproc)}

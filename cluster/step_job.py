@@ -282,8 +282,9 @@ def run_step_job(
 
 
 def run_jobs(namespace: str, api_client, run_id: str) -> Iterator[tuple[JobLauncher, dict]]:
-    """The pipeline run's jobs in ``namespace``, TrainJobs and PyTorchJobs alike (a job API
-    the server does not serve is skipped), each with a launcher of its kind."""
+    """The pipeline run's jobs in ``namespace``, TrainJobs and PyTorchJobs alike, each with a
+    launcher of its kind. A job API the server does not serve is skipped, and so (with a
+    warning) is one this service account may not list: the other's jobs are still found."""
     from kubernetes import client as k8s
 
     selector = f"{RUN_LABEL}={label_value(run_id)}"
@@ -293,6 +294,9 @@ def run_jobs(namespace: str, api_client, run_id: str) -> Iterator[tuple[JobLaunc
             items = launcher.list(selector)
         except k8s.ApiException as error:
             if error.status == 404:  # this job API is not served here
+                continue
+            if error.status == 403:
+                log.warning("may not list %ss in %s: skipped", kind.kind, namespace)
                 continue
             raise
         yield from ((launcher, item) for item in items)

@@ -211,3 +211,12 @@ def test_progress_tracking_can_be_switched_off():
     assert "annotations" not in job["metadata"]
     assert PROGRESS_PORT_ENV not in {e["name"] for e in job["spec"]["trainer"].get("env") or []}
     assert "progression" not in manifest_yaml(job)
+
+
+def test_the_stock_runtime_upstream_ships_is_accepted():
+    """The checks refuse nothing a real cluster runs (the Trainer's own torch-distributed
+    runtime, copied unchanged from its v2.3.0 manifests)."""
+    stock = yaml.safe_load(
+        (ROOT / "tests/cluster/crds/v2.3.0_runtime_torch-distributed.yaml").read_text()
+    )
+    assert api_server_errors(stock) == []

@@ -1,8 +1,9 @@
 """Where the training steps run: the machines (``hardware``), local processes under torchrun
-(``torchrun``), and Kubernetes as Kubeflow PyTorchJobs (extra ``cluster``).
+(``torchrun``), and Kubernetes as Kubeflow TrainJobs or PyTorchJobs (extra ``cluster``).
 
-``hardware`` and ``config`` are typed data (pydantic only). ``pytorchjob`` builds the manifest
-from a typed ``ClusterJobConfig``; ``launcher`` creates the job, waits for it, follows its
-progress and deletes it. Both import the Kubernetes and Kubeflow SDKs, so import them directly
-(``cluster.pytorchjob``), not from this package.
+``hardware`` and ``config`` are typed data (pydantic only); ``jobs`` names the two job APIs and
+reads a job's state. ``trainjob`` and ``pytorchjob`` build the manifests from a typed
+``ClusterJobConfig``; ``launcher`` creates a job, waits for it, follows its progress and
+deletes it; ``step_job`` runs a pipeline step's training as one. They import the Kubernetes
+and Kubeflow SDKs, so import them directly (``cluster.trainjob``), not from this package.
 """

@@ -1,10 +1,11 @@
 """Where and how a training step runs on Kubernetes, as typed data (no Kubernetes SDK needed).
 
-``ClusterJobConfig`` describes one PyTorchJob (pods, GPUs, volumes, secrets by name);
-``ExecutionConfig`` says whether a pipeline step trains in its own process (``local``) or
-launches such a job (``pytorchjob``). Both import only pydantic, so presets and the CLI can
-use them without the ``cluster`` extra; ``cluster.pytorchjob`` turns them into a
-manifest with the Kubeflow and Kubernetes SDKs.
+``ClusterConfig`` says how jobs are submitted (which job API, the Trainer runtime, the Kueue
+queue, progress tracking; a preset's ``cluster`` section); ``ClusterJobConfig`` adds one job's
+machines (pods, GPUs, volumes, secrets by name); ``ExecutionConfig`` says whether a pipeline
+step trains in its own process (``local``) or launches such a job (``job``). They import only
+pydantic, so presets and the CLI can use them without the ``cluster`` extra;
+``cluster.pytorchjob`` and ``cluster.trainjob`` turn them into manifests.
 """
 
 from __future__ import annotations
@@ -20,6 +21,21 @@ from cluster.hardware import job_fields, rollout_nodes
 from core.config_model import ConfigModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
+JobApi = Literal["auto", "trainjob", "pytorchjob"]
+"""``trainjob``: Kubeflow Trainer v2 (``trainer.kubeflow.org/v1alpha1``); ``pytorchjob``:
+Training Operator v1 (``kubeflow.org/v1``); ``auto``: the one the API server serves, TrainJob
+when it serves both (``cluster.jobs.resolve_job_api``)."""
+DEFAULT_RUNTIME = "lingo-rl"
+"""The ClusterTrainingRuntime lingo-rl ships (``deploy/``, ``lingo cluster install-runtime``)."""
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""The label Kueue admits a job by: the name of a LocalQueue in the job's namespace."""
+PROGRESS_PORT_ENV = "LINGO_PROGRESS_PORT"
+"""Set in a TrainJob's training container when progress tracking is on: the port on which the
+primary training process (global rank 0) serves its progress object."""
+PROGRESS_TRACKING_ANNOTATION = "trainer.opendatahub.io/progression-tracking"
+PROGRESS_PORT_ANNOTATION = "trainer.opendatahub.io/metrics-port"
+PROGRESS_POLL_ANNOTATION = "trainer.opendatahub.io/metrics-poll-interval"
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _SECRET_LIKE = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL", re.IGNORECASE)
 
 
@@ -54,11 +70,63 @@ class ElasticSettings(ConfigModel):
     max_restarts: int = Field(3, ge=0)
 
 
-class ClusterJobConfig(ConfigModel):
-    """Where and how a training step runs as a PyTorchJob.
+class ClusterConfig(ConfigModel):
+    """How the training steps' jobs are submitted (a preset's ``cluster`` section; every
+    step's job takes it, ``pipelines.presets.step_execution``).
+
+    The progress settings follow OpenShift AI's contract for TrainJobs: the job carries the
+    annotations ``trainer.opendatahub.io/progression-tracking: "true"``, ``…/metrics-port``
+    and ``…/metrics-poll-interval``, and its training container the variable
+    ``LINGO_PROGRESS_PORT``, on which the primary training process serves its progress.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_api: JobApi = "auto"
+    runtime: str = DEFAULT_RUNTIME
+    """The ClusterTrainingRuntime a TrainJob references."""
+    queue: str | None = None
+    """A Kueue LocalQueue: the job gets the label ``kueue.x-k8s.io/queue-name`` and waits,
+    suspended, until Kueue admits it."""
+    progress_tracking: bool = True
+    """TrainJobs ask OpenShift AI to poll the training's progress (annotations + port)."""
+    progress_port: int = Field(28080, ge=1024, le=65535)
+    """Where rank 0 serves its progress (the platform refuses ports below 1024)."""
+    progress_poll_interval_s: int = Field(30, ge=5, le=300)
+    """How often the platform polls it (it clamps to 5..300 s)."""
+
+    @field_validator("queue")
+    @classmethod
+    def _queue_is_a_label_value(cls, queue: str | None) -> str | None:
+        if queue is not None and (not queue or not _LABEL_VALUE.match(queue)):
+            raise ValueError(
+                f"queue {queue!r} is not a Kubernetes label value (63 characters of "
+                "[A-Za-z0-9._-], alphanumeric at both ends): name the Kueue LocalQueue"
+            )
+        return queue
+
+    def queue_labels(self) -> dict[str, str]:
+        """The job's Kueue label (none without a ``queue``)."""
+        return {QUEUE_LABEL: self.queue} if self.queue else {}
+
+    def progress_annotations(self) -> dict[str, str]:
+        """The annotations that ask OpenShift AI to poll a TrainJob's progress (none when
+        ``progress_tracking`` is off)."""
+        if not self.progress_tracking:
+            return {}
+        return {
+            PROGRESS_TRACKING_ANNOTATION: "true",
+            PROGRESS_PORT_ANNOTATION: str(self.progress_port),
+            PROGRESS_POLL_ANNOTATION: str(self.progress_poll_interval_s),
+        }
+
+
+class ClusterJobConfig(ClusterConfig):
+    """Where and how a training step runs as a job (TrainJob or PyTorchJob).
 
     Secrets are referenced by name only (``secret_env_from``, ``secret_env``); ``env`` holds
-    plain settings and rejects names that look like credentials.
+    plain settings and rejects names that look like credentials. A variable named both in
+    ``env`` and in ``secret_env`` takes the Secret (``job_env``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -67,7 +135,8 @@ class ClusterJobConfig(ConfigModel):
     image: str
     """The training image (a pipeline parameter); it must contain this package."""
     nodes: int = Field(1, ge=1)
-    """Pods, one per node: a Master and ``nodes - 1`` Workers."""
+    """Pods, one per node (a PyTorchJob's Master and ``nodes - 1`` Workers, a TrainJob's
+    ``numNodes``)."""
     gpus_per_node: int = Field(0, ge=0)
     nproc_per_node: int | None = Field(None, ge=1)
     """Processes per pod (``torchrun --nproc_per_node``); default one per GPU (1 on CPU)."""
@@ -80,7 +149,8 @@ class ClusterJobConfig(ConfigModel):
     shared_mount: str = "/mnt/shared"
     env: dict[str, str] = Field(default_factory=dict)
     secret_env_from: list[str] = Field(default_factory=list)
-    """Secrets whose keys all become environment variables (``envFrom``)."""
+    """Secrets whose keys all become environment variables (``envFrom``; PyTorchJobs only: a
+    TrainJob takes Secrets key by key, ``secret_env``)."""
     secret_env: list[SecretEnv] = Field(default_factory=list)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
@@ -101,6 +171,15 @@ class ClusterJobConfig(ConfigModel):
             )
         return env
 
+    @field_validator("secret_env")
+    @classmethod
+    def _one_secret_per_variable(cls, secret_env: list[SecretEnv]) -> list[SecretEnv]:
+        names = [item.name for item in secret_env]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"secret_env sets {twice} from several Secrets: keep one each")
+        return secret_env
+
     @model_validator(mode="after")
     def _elastic_covers_nodes(self) -> ClusterJobConfig:
         if self.elastic and not self.elastic.min_nodes <= self.nodes <= self.elastic.max_nodes:
@@ -120,6 +199,15 @@ class ClusterJobConfig(ConfigModel):
         """Training processes in the whole job."""
         return self.nodes * self.procs_per_node
 
+    def job_env(self) -> list[tuple[str, str | SecretEnv]]:
+        """The training container's environment, one entry per variable: ``env`` (sorted by
+        name), then ``secret_env``. A Secret wins over a plain value of the same name (the
+        plain one is dropped): an API server refuses a container whose ``env`` names a
+        variable twice (``x-kubernetes-list-type: map`` keyed on ``name``)."""
+        secrets = {item.name for item in self.secret_env}
+        plain = [(name, value) for name, value in sorted(self.env.items()) if name not in secrets]
+        return [*plain, *((item.name, item) for item in self.secret_env)]
+
 
 GPU_TOLERATION = Toleration(key=GPU_RESOURCE)
 
@@ -130,7 +218,7 @@ REFERENCE_LAYOUTS: dict[str, dict] = {
     # 8× H200 (141 GB), 192 vCPU, 2 TiB per node.
     "p5en.48xlarge": {"nodes": 2, **job_fields("p5en.48xlarge")},
 }
-"""A PyTorchJob per node type (``cluster.hardware.NODE_TYPES``), with a default node
+"""A training job per node type (``cluster.hardware.NODE_TYPES``), with a default node
 count; ``Hardware.execution`` sets the nodes a preset's step takes."""
 
 
@@ -148,18 +236,20 @@ def reference_layout(
 
 
 class ExecutionConfig(ConfigModel):
-    """How a training step (SFT, GRPO) runs: in the pipeline step's own pod, or as a PyTorchJob.
+    """How a training step (SFT, GRPO) runs: in the pipeline step's own pod, or as a job.
 
     ``local``: the step's process trains (``torchrun`` on its own GPUs when ``nproc`` > 1).
-    ``pytorchjob``: the step stages its inputs on the shared volume, launches a PyTorchJob of
-    ``reference`` (a ``REFERENCE_LAYOUTS`` name) with ``job`` on top (``ClusterJobConfig``
-    fields), follows it, and copies the results back into its output artifacts. ``image``
-    defaults to the step's own image and ``namespace`` to the namespace of the step's pod.
+    ``job``: the step stages its inputs on the shared volume, launches a TrainJob or a
+    PyTorchJob (``job.job_api``) of ``reference`` (a ``REFERENCE_LAYOUTS`` name) with ``job``
+    on top (``ClusterJobConfig`` fields), follows it, and copies the results back into its
+    output artifacts. ``image`` defaults to the step's own image and ``namespace`` to the
+    namespace of the step's pod. ``pytorchjob``, the mode's name before TrainJobs, still
+    reads as ``job`` with ``job.job_api = pytorchjob`` (runs scheduled with it keep working).
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["local", "pytorchjob"] = "local"
+    mode: Literal["local", "job"] = "local"
     reference: str | None = None
     """A reference layout to start from (``g5.12xlarge``, ``p5en.48xlarge``)."""
     job: dict = Field(default_factory=dict)
@@ -174,8 +264,16 @@ class ExecutionConfig(ConfigModel):
     """Delete a job that succeeded (its manifest stays an output artifact); a failed job is kept
     for ``kubectl describe`` until the pipeline's exit handler deletes it."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pytorchjob_mode_is_a_job(cls, data):
+        if isinstance(data, dict) and data.get("mode") == "pytorchjob":
+            job = {"job_api": "pytorchjob", **(data.get("job") or {})}
+            return {**data, "mode": "job", "job": job}
+        return data
+
     def cluster(self, nproc: int, rollout_processes: int = 0) -> tuple[int, int]:
-        """``(nodes, processes per node)`` the step's training processes fill: its PyTorchJob
+        """``(nodes, processes per node)`` the step's training processes fill: its job
         (reference layout, then ``job`` overrides) less the nodes that ``rollout_processes``
         (dedicated rollout engines, placed after the training processes) take, or one node of
         ``nproc`` processes (``local``).
@@ -190,7 +288,7 @@ class ExecutionConfig(ConfigModel):
         nodes = int(job.get("nodes", 1)) - rollout_nodes(rollout_processes, per_node)
         if nodes < 1:
             raise ValueError(
-                f"the PyTorchJob's {job.get('nodes', 1)} node(s) of {per_node} leave no node for "
+                f"the job's {job.get('nodes', 1)} node(s) of {per_node} leave no node for "
                 f"training beside {rollout_processes} rollout-only processes; raise job.nodes"
             )
         return nodes, per_node
@@ -222,7 +320,7 @@ class ExecutionConfig(ConfigModel):
 
 @dataclass(frozen=True)
 class JobLaunch:
-    """What a pipeline step needs to run its training as a PyTorchJob (``mode='pytorchjob'``).
+    """What a pipeline step needs to run its training as a job (``mode='job'``).
 
     Attributes:
         execution: the step's execution settings.
@@ -248,5 +346,5 @@ class JobLaunch:
 
     @property
     def as_job(self) -> bool:
-        """True when the training runs as a PyTorchJob."""
-        return self.execution.mode == "pytorchjob"
+        """True when the training runs as a job (TrainJob or PyTorchJob)."""
+        return self.execution.mode == "job"

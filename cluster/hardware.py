@@ -1,7 +1,7 @@
 """The machines a run trains on, stated once: a node type and how many nodes each step takes.
 
 A preset names its ``Hardware``; everything else that describes machines is derived from it:
-the Kubernetes platform settings (``pipelines.platform``), each training step's PyTorchJob
+the Kubernetes platform settings (``pipelines.platform``), each training step's job
 (``Hardware.execution``), the GRPO placement plan (``trainer.placement.grpo_placement`` over
 ``Hardware.cluster``), the capacity check's layout (``trainer.capacity_check``) and the
 Megatron layout's machine fields (``Hardware.megatron_fields``). Only pydantic is imported, so
@@ -42,9 +42,9 @@ class NodeType(ConfigModel):
         host_reserved_gib: RAM the OS, kubelet and sidecars keep.
         flash_attention: a fused attention kernel with attention sinks runs on this GPU
             (Hopper); otherwise attention is ``eager`` (pre-Hopper GPUs and CPU).
-        job_cpu: CPU a PyTorchJob pod requests on this node.
-        job_memory: memory a PyTorchJob pod requests on this node.
-        job_shm: size of a PyTorchJob pod's memory-backed ``/dev/shm``.
+        job_cpu: CPU a training job's pod requests on this node.
+        job_memory: memory a training job's pod requests on this node.
+        job_shm: size of a training job pod's memory-backed ``/dev/shm``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -103,8 +103,8 @@ class Hardware(ConfigModel):
 
     Attributes:
         node_type: a ``NODE_TYPES`` name; ``local`` trains in the pipeline step's own pod.
-        sft_nodes: nodes of the SFT PyTorchJob.
-        grpo_nodes: nodes of the GRPO PyTorchJob's training processes; dedicated rollout
+        sft_nodes: nodes of the SFT job.
+        grpo_nodes: nodes of the GRPO job's training processes; dedicated rollout
             engines' processes fill the nodes after them, which the job takes too
             (``job_nodes``).
         storage_gib: size of the volume that holds checkpoints.
@@ -145,26 +145,27 @@ class Hardware(ConfigModel):
         return self.sft_nodes if step == "sft" else self.grpo_nodes
 
     def cluster(self, step: Step, nproc: int) -> tuple[int, int]:
-        """``(nodes, processes per node)`` of ``step``: its PyTorchJob, or one node of
+        """``(nodes, processes per node)`` of ``step``: its job, or one node of
         ``nproc`` processes (``local``)."""
         if self.local:
             return 1, nproc
         return self.nodes(step), self.node.gpus
 
     def job_nodes(self, step: Step, rollout_processes: int = 0) -> int:
-        """Nodes of ``step``'s PyTorchJob: its training nodes, then the nodes that
+        """Nodes of ``step``'s job: its training nodes, then the nodes that
         ``rollout_processes`` (GRPO's dedicated engines) fill after them."""
         return self.nodes(step) + rollout_nodes(rollout_processes, self.node.gpus)
 
     def execution(self, step: Step, rollout_processes: int = 0):
-        """``step``'s ``ExecutionConfig``: in its own pod (``local``), or a PyTorchJob of this
-        node type's reference layout on ``job_nodes(step, rollout_processes)`` nodes."""
+        """``step``'s ``ExecutionConfig``: in its own pod (``local``), or a job (TrainJob or
+        PyTorchJob) of this node type's reference layout on ``job_nodes(step,
+        rollout_processes)`` nodes."""
         from cluster.config import ExecutionConfig
 
         if self.local:
             return ExecutionConfig()
         nodes = self.job_nodes(step, rollout_processes)
-        return ExecutionConfig(mode="pytorchjob", reference=self.node_type, job={"nodes": nodes})
+        return ExecutionConfig(mode="job", reference=self.node_type, job={"nodes": nodes})
 
     def megatron_fields(self, nproc: int) -> dict:
         """The Megatron layout's machine fields: the GRPO job's nodes, processes per node and
@@ -177,7 +178,7 @@ class Hardware(ConfigModel):
 
 
 def job_fields(node_type: str) -> dict:
-    """The ``ClusterJobConfig`` fields a PyTorchJob pod takes from its node type (GPUs, CPU,
+    """The ``ClusterJobConfig`` fields a training job's pod takes from its node type (GPUs, CPU,
     memory, ``/dev/shm``, node selector, GPU toleration)."""
     node = NODE_TYPES[node_type]
     return {

@@ -1,7 +1,8 @@
-"""Create a PyTorchJob, wait for it while following its progress, collect logs, delete it.
+"""Create a training job (TrainJob or PyTorchJob), wait for it while following its progress,
+collect its logs, delete it.
 
-Talks to the API server with the Kubernetes client's ``CustomObjectsApi`` (group
-``kubeflow.org``, version ``v1``, plural ``pytorchjobs``) and ``CoreV1Api`` for the pods.
+Talks to the API server with the Kubernetes client's ``CustomObjectsApi`` (the job's group,
+version and plural, ``cluster.jobs.JobKind``) and ``CoreV1Api`` for the pods.
 """
 
 from __future__ import annotations
@@ -17,20 +18,27 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from cluster.pytorchjob import CONTAINER_NAME
+from cluster.config import QUEUE_LABEL
+from cluster.jobs import PYTORCHJOB, JobKind, job_conditions, job_state, resolve_job_api
 
 log = logging.getLogger(__name__)
-
-GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
-JOB_NAME_LABEL = "training.kubeflow.org/job-name"
-REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 
 Progress = Callable[[], tuple[int, int] | None]
 """Returns the latest ``(step, max_steps)``, or None before the first step."""
 
 
-class PyTorchJobFailed(RuntimeError):
-    """The PyTorchJob reached the Failed condition; the message holds the reasons."""
+class JobFailed(RuntimeError):
+    """The job reached the Failed condition; the message holds the reasons."""
+
+
+def default_api_client() -> k8s.ApiClient:
+    """A client of the cluster this runs in (its service account), else of the local
+    kubeconfig's current context."""
+    try:
+        k8s_config.load_incluster_config()
+    except k8s_config.ConfigException:
+        k8s_config.load_kube_config()
+    return k8s.ApiClient()
 
 
 def metrics_progress(path: str | Path) -> Progress:
@@ -57,74 +65,92 @@ def metrics_progress(path: str | Path) -> Progress:
     return latest
 
 
-def job_conditions(job: dict) -> dict[str, dict]:
-    """The job's conditions that are currently true, by type (Created, Running, Succeeded…)."""
-    conditions = job.get("status", {}).get("conditions") or []
-    return {c["type"]: c for c in conditions if c.get("status") == "True"}
-
-
-class PyTorchJobLauncher:
-    """Run PyTorchJobs in one namespace.
+class JobLauncher:
+    """Run training jobs of one kind in one namespace.
 
     Args:
         namespace: where the jobs live.
-        api_client: a configured Kubernetes ``ApiClient``; default: the in-cluster service
-            account, else the local kubeconfig.
+        api_client: a configured Kubernetes ``ApiClient``; default: ``default_api_client()``.
+        kind: the job API (``cluster.jobs.TRAINJOB`` or ``PYTORCHJOB``).
     """
 
-    def __init__(self, namespace: str, api_client: k8s.ApiClient | None = None) -> None:
-        if api_client is None:
-            try:
-                k8s_config.load_incluster_config()
-            except k8s_config.ConfigException:
-                k8s_config.load_kube_config()
-            api_client = k8s.ApiClient()
+    def __init__(
+        self,
+        namespace: str,
+        api_client: k8s.ApiClient | None = None,
+        kind: JobKind = PYTORCHJOB,
+    ) -> None:
+        self.api_client = api_client or default_api_client()
         self.namespace = namespace
-        self.jobs = k8s.CustomObjectsApi(api_client)
-        self.core = k8s.CoreV1Api(api_client)
+        self.kind = kind
+        self.jobs = k8s.CustomObjectsApi(self.api_client)
+        self.core = k8s.CoreV1Api(self.api_client)
+
+    @classmethod
+    def connect(
+        cls, namespace: str, job_api: str, api_client: k8s.ApiClient | None = None
+    ) -> JobLauncher:
+        """A launcher of the job API ``job_api`` (``auto``: the one the server serves,
+        TrainJob first; ``cluster.jobs.resolve_job_api``).
+
+        Raises:
+            cluster.jobs.JobApiNotServed: the server serves no job API that fits.
+        """
+        api_client = api_client or default_api_client()
+        return cls(namespace, api_client, resolve_job_api(job_api, api_client))
+
+    def _path(self) -> tuple[str, str, str, str]:
+        return self.kind.group, self.kind.version, self.namespace, self.kind.plural
 
     def create(self, manifest: dict) -> str:
-        """Submit the manifest (see ``build_pytorchjob``); returns the job's name."""
+        """Submit the manifest (``build_trainjob``, ``build_pytorchjob``); returns its name."""
         name = manifest["metadata"]["name"]
-        self.jobs.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, manifest)
-        log.info("created PyTorchJob %s/%s", self.namespace, name)
+        self.jobs.create_namespaced_custom_object(*self._path(), manifest)
+        log.info("created %s %s/%s", self.kind.kind, self.namespace, name)
         return name
 
     def get(self, name: str) -> dict:
         """The job object as the API server has it."""
-        return self.jobs.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+        return self.jobs.get_namespaced_custom_object(*self._path(), name)
 
-    def pods(self, name: str, replica_type: str | None = None) -> list[k8s.V1Pod]:
-        """The job's pods (``replica_type``: ``master`` or ``worker`` to narrow), by name."""
-        labels = {JOB_NAME_LABEL: name}
-        if replica_type:
-            labels[REPLICA_TYPE_LABEL] = replica_type
+    def list(self, label_selector: str) -> list[dict]:
+        """The jobs whose labels match ``label_selector`` (``key=value,…``), checked here too
+        (a server may ignore the selector)."""
+        items = self.jobs.list_namespaced_custom_object(
+            *self._path(), label_selector=label_selector
+        )["items"]
+        wanted = dict(pair.split("=", 1) for pair in label_selector.split(","))
+        return [i for i in items if wanted.items() <= (i["metadata"].get("labels") or {}).items()]
+
+    def pods(self, name: str, primary: bool = False) -> list[k8s.V1Pod]:
+        """The job's pods (only the primary one, global rank 0: ``primary``), by name."""
+        labels = self.kind.pod_labels(name, primary)
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
         matching = [p for p in pods if labels.items() <= (p.metadata.labels or {}).items()]
         return sorted(matching, key=lambda p: p.metadata.name)
 
-    def master_logs(self, name: str, tail_lines: int | None = None) -> str:
-        """The training container's log of the master pod ('' when it has none yet)."""
-        masters = self.pods(name, "master")
-        if not masters:
+    def primary_logs(self, name: str, tail_lines: int | None = None) -> str:
+        """The training container's log of the primary pod ('' when it has none yet)."""
+        primaries = self.pods(name, primary=True)
+        if not primaries:
             return ""
         return self.core.read_namespaced_pod_log(
-            masters[0].metadata.name,
+            primaries[0].metadata.name,
             self.namespace,
-            container=CONTAINER_NAME,
+            container=self.kind.container,
             tail_lines=tail_lines,
         )
 
-    def stream_master_logs(self, name: str) -> Iterator[str]:
-        """Follow the master pod's log line by line until the container ends."""
-        masters = self.pods(name, "master")
-        if not masters:
+    def stream_primary_logs(self, name: str) -> Iterator[str]:
+        """Follow the primary pod's log line by line until the container ends."""
+        primaries = self.pods(name, primary=True)
+        if not primaries:
             return
         response = self.core.read_namespaced_pod_log(
-            masters[0].metadata.name,
+            primaries[0].metadata.name,
             self.namespace,
-            container=CONTAINER_NAME,
+            container=self.kind.container,
             follow=True,
             _preload_content=False,
         )
@@ -156,62 +182,71 @@ class PyTorchJobLauncher:
         poll_s: float = 10.0,
         progress: Progress | None = None,
     ) -> dict:
-        """Poll until the job Succeeded; log its conditions and progress on the way.
+        """Poll until the job succeeded; log its conditions, its progress and whether Kueue
+        holds it (a suspended job is queued, not failed) on the way.
 
         Returns:
             The finished job object.
 
         Raises:
-            PyTorchJobFailed: the job Failed (message: the condition's reason and message, the
-                failing pods' termination reasons, the master log's tail).
-            TimeoutError: neither Succeeded nor Failed within ``timeout_s``.
+            JobFailed: the job Failed (message: the condition's reason and message, the
+                failing pods' termination reasons, the primary pod's log tail).
+            TimeoutError: it neither succeeded nor failed within ``timeout_s`` (queued time
+                counts).
         """
+        what = f"{self.kind.kind} {name}"
         deadline = time.monotonic() + timeout_s
         seen: set[str] = set()
-        last_progress = None
+        last_progress = last_state = None
         while True:
             job = self.get(name)
             conditions = job_conditions(job)
             for kind in conditions.keys() - seen:
-                log.info("PyTorchJob %s: %s", name, kind)
+                log.info("%s: %s", what, kind)
             seen |= conditions.keys()
+            state = job_state(self.kind, job)
+            if state == "queued" and last_state != "queued":
+                queue = (job["metadata"].get("labels") or {}).get(QUEUE_LABEL)
+                held = f"Kueue queue {queue}" if queue else "spec.suspend"
+                log.info("%s: queued (suspended, %s)", what, held)
+            last_state = state
             if progress and (now := progress()) and now != last_progress:
                 last_progress = now
-                log.info("PyTorchJob %s: step %d/%d", name, *now)
-            if "Succeeded" in conditions:
+                log.info("%s: step %d/%d", what, *now)
+            if state == "succeeded":
                 return job
-            if "Failed" in conditions:
-                raise PyTorchJobFailed(self._failure_message(name, conditions["Failed"]))
+            if state == "failed":
+                raise JobFailed(self._failure_message(name, conditions["Failed"]))
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"PyTorchJob {self.namespace}/{name} did not finish in {timeout_s:.0f} s "
-                    f"(conditions: {sorted(conditions) or 'none'}); raise the timeout or check "
-                    "`kubectl describe pytorchjob`"
+                    f"{self.kind.kind} {self.namespace}/{name} did not finish in "
+                    f"{timeout_s:.0f} s ({state}; conditions: {sorted(conditions) or 'none'}); "
+                    f"raise the timeout or check `kubectl describe {self.kind.kind.lower()}`"
                 )
             time.sleep(poll_s)
 
     def _failure_message(self, name: str, condition: dict) -> str:
         lines = [
-            f"PyTorchJob {self.namespace}/{name} failed: {condition.get('reason', 'unknown')}: "
-            f"{condition.get('message', '')}".rstrip(": ")
+            f"{self.kind.kind} {self.namespace}/{name} failed: "
+            f"{condition.get('reason', 'unknown')}: {condition.get('message', '')}".rstrip(": ")
         ]
         lines += [f"  {failure}" for failure in self.pod_failures(name)]
-        tail = self.master_logs(name, tail_lines=20)
+        tail = self.primary_logs(name, tail_lines=20)
         if tail:
-            lines += ["master log (last lines):", tail.rstrip()]
+            lines += ["rank 0's log (last lines):", tail.rstrip()]
         return "\n".join(lines)
 
     def delete(self, name: str) -> bool:
         """Delete the job and its pods; True if it existed. Safe to call twice (exit handlers)."""
         try:
             self.jobs.delete_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, name, propagation_policy="Foreground"
+                *self._path(), name, propagation_policy="Foreground"
             )
         except k8s.ApiException as error:
             if error.status == 404:
                 return False
             raise
-        log.info("deleted PyTorchJob %s/%s", self.namespace, name)
+        log.info("deleted %s %s/%s", self.kind.kind, self.namespace, name)
         return True
 
     def run(
@@ -222,7 +257,7 @@ class PyTorchJobLauncher:
         progress: Progress | None = None,
         stream_logs: bool = True,
     ) -> dict:
-        """Create the job, stream the master's log to this log, and wait until it finishes.
+        """Create the job, stream its primary pod's log to this log, and wait until it ends.
 
         The job is left in place (for inspection); call ``delete`` from the exit handler.
 
@@ -230,34 +265,57 @@ class PyTorchJobLauncher:
             The finished job object.
 
         Raises:
-            PyTorchJobFailed, TimeoutError: see ``wait``.
+            JobFailed, TimeoutError: see ``wait``.
         """
         name = self.create(manifest)
         stop = threading.Event()
         if stream_logs:
             threading.Thread(
-                target=self._log_master, args=(name, timeout_s, poll_s, stop), daemon=True
+                target=self._log_primary, args=(name, timeout_s, poll_s, stop), daemon=True
             ).start()
         try:
             return self.wait(name, timeout_s, poll_s, progress)
         finally:
             stop.set()
 
-    def _log_master(
+    def _log_primary(
         self, name: str, timeout_s: float, poll_s: float, stop: threading.Event
     ) -> None:
         deadline = time.monotonic() + timeout_s
         try:
             while not any(
                 p.status and p.status.phase in ("Running", "Succeeded", "Failed")
-                for p in self.pods(name, "master")
+                for p in self.pods(name, primary=True)
             ):
                 if time.monotonic() > deadline or stop.wait(poll_s):
                     return
-            for line in self.stream_master_logs(name):
+            for line in self.stream_primary_logs(name):
                 if stop.is_set():
                     return
-                log.info("[%s master] %s", name, line)
+                log.info("[%s rank 0] %s", name, line)
         except (k8s.ApiException, urllib3.exceptions.HTTPError) as error:
             # logs are a convenience; the job's state decides
-            log.warning("PyTorchJob %s: cannot stream the master log: %s", name, error)
+            log.warning("%s %s: cannot stream rank 0's log: %s", self.kind.kind, name, error)
+
+
+PyTorchJobLauncher = JobLauncher
+"""The launcher's name before TrainJobs (a ``JobLauncher`` of PyTorchJobs by default)."""
+
+
+def install_training_runtime(runtime: dict, api_client: k8s.ApiClient | None = None) -> str:
+    """Create the ClusterTrainingRuntime ``runtime`` (``build_training_runtime``), or update
+    the one of the same name with it (a JSON merge patch: lists replaced, maps merged, so a
+    field an older runtime had and this one lacks stays; delete the runtime first to drop
+    it); returns ``created`` or ``updated``. Needs rights on cluster-scoped
+    ``clustertrainingruntimes`` (a cluster admin's)."""
+    custom = k8s.CustomObjectsApi(api_client or default_api_client())
+    group, version = runtime["apiVersion"].split("/")
+    try:
+        custom.create_cluster_custom_object(group, version, "clustertrainingruntimes", runtime)
+        return "created"
+    except k8s.ApiException as error:
+        if error.status != 409:
+            raise
+    name = runtime["metadata"]["name"]
+    custom.patch_cluster_custom_object(group, version, "clustertrainingruntimes", name, runtime)
+    return "updated"

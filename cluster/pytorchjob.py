@@ -37,6 +37,7 @@ from cluster.config import (  # noqa: E402 (after the SDK check) - re-exported
     Toleration,
     reference_layout,
 )
+from cluster.torchrun import entry_point_command  # noqa: E402 (after the SDK check)
 
 __all__ = [
     "GPU_TOLERATION",
@@ -51,25 +52,21 @@ __all__ = [
 ]
 
 
-def entry_point_command(module: str, args: list[str]) -> list[str]:
-    """The container command: torchrun (settings from the operator's ``PET_*``) on ``module``."""
-    return ["python", "-m", "torch.distributed.run", "-m", module, *args]
-
-
 def _container(cluster: ClusterJobConfig, command: list[str]) -> k8s.V1Container:
     resources = {"cpu": cluster.cpu, "memory": cluster.memory}
     limits = dict(resources)
     if cluster.gpus_per_node:
         limits[GPU_RESOURCE] = str(cluster.gpus_per_node)
-    env = [k8s.V1EnvVar(name=name, value=value) for name, value in sorted(cluster.env.items())]
-    env += [
-        k8s.V1EnvVar(
-            name=item.name,
+    env = [
+        k8s.V1EnvVar(name=name, value=value)
+        if isinstance(value, str)
+        else k8s.V1EnvVar(
+            name=name,
             value_from=k8s.V1EnvVarSource(
-                secret_key_ref=k8s.V1SecretKeySelector(name=item.secret, key=item.key)
+                secret_key_ref=k8s.V1SecretKeySelector(name=value.secret, key=value.key)
             ),
         )
-        for item in cluster.secret_env
+        for name, value in cluster.job_env()
     ]
     return k8s.V1Container(
         name=CONTAINER_NAME,
@@ -116,7 +113,8 @@ def _pod_template(cluster: ClusterJobConfig, command: list[str]) -> k8s.V1PodTem
 
 
 def build_pytorchjob(name: str, cluster: ClusterJobConfig, module: str, args: list[str]) -> dict:
-    """The PyTorchJob manifest that runs ``python -m module args…`` on the cluster layout.
+    """The PyTorchJob manifest that runs ``python -m module args…`` on the cluster layout
+    (labelled for Kueue when ``cluster.queue`` is set).
 
     Args:
         name: the job's name (a DNS label; the pods are named after it).
@@ -147,7 +145,9 @@ def build_pytorchjob(name: str, cluster: ClusterJobConfig, module: str, args: li
     job = kf.KubeflowOrgV1PyTorchJob(
         api_version=API_VERSION,
         kind=KIND,
-        metadata=k8s.V1ObjectMeta(name=name, namespace=cluster.namespace),
+        metadata=k8s.V1ObjectMeta(
+            name=name, namespace=cluster.namespace, labels=cluster.queue_labels() or None
+        ),
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=str(cluster.procs_per_node),
             elastic_policy=elastic,

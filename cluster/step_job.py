@@ -1,12 +1,13 @@
-"""Run one training step (SFT, GRPO) as a PyTorchJob from inside its pipeline step.
+"""Run one training step (SFT, GRPO) as a TrainJob or a PyTorchJob from inside its pipeline step.
 
 The pipeline step's pod is the launcher: it copies its input artifacts onto the shared volume,
-writes the step config there, launches ``python -m trainer.sft|trainer.grpo`` as a PyTorchJob
-over the cluster layout, follows it (conditions, the master's log, ``training_metrics.jsonl``
-for progress), and copies the exported model and the work directory back into its own output
-artifacts. Jobs carry the labels ``lingo-rl/pipeline-run`` and ``lingo-rl/step`` so that the
-pipeline's exit handler can find and delete what a cancelled run left behind
-(``delete_run_jobs``); a SIGTERM to the step (cancellation) deletes its job at once.
+writes the step config there, launches ``python -m trainer.sft|trainer.grpo`` as a job over
+the cluster layout (the job API ``cluster.job_api`` names, or for ``auto`` the one the API
+server serves, TrainJob first), follows it (conditions, Kueue's queueing, rank 0's log,
+``training_metrics.jsonl`` for progress), and copies the exported model and the work directory
+back into its own output artifacts. Jobs carry the labels ``lingo-rl/pipeline-run`` and
+``lingo-rl/step`` so that the pipeline's exit handler can find and delete what a cancelled run
+left behind (``delete_run_jobs``); a SIGTERM to the step (cancellation) deletes its job at once.
 """
 
 from __future__ import annotations
@@ -23,16 +24,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from cluster.config import ClusterJobConfig, ExecutionConfig
-from cluster.launcher import (
-    GROUP,
-    PLURAL,
-    VERSION,
-    PyTorchJobLauncher,
-    job_conditions,
-    metrics_progress,
-)
+from cluster.config import QUEUE_LABEL, ClusterJobConfig, ExecutionConfig
+from cluster.jobs import JOB_KINDS, TRAINJOB, JobKind, job_state
+from cluster.launcher import JobLauncher, metrics_progress
 from cluster.pytorchjob import build_pytorchjob, manifest_yaml
+from cluster.trainjob import RUNTIME_PLURAL, build_trainjob
 from core.tracking import tracking_env
 
 log = logging.getLogger(__name__)
@@ -40,7 +36,11 @@ log = logging.getLogger(__name__)
 RUN_LABEL = "lingo-rl/pipeline-run"
 STEP_LABEL = "lingo-rl/step"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-FINISHED = ("Succeeded", "Failed")
+FINISHED = ("succeeded", "failed")
+
+
+class RuntimeNotInstalled(RuntimeError):
+    """The ClusterTrainingRuntime a TrainJob would reference is not on the cluster."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ def label_value(text: str) -> str:
 
 
 def job_name(step: str, run_id: str) -> str:
-    """``lingo-<step>-<run>``: a DNS-1123 name, short enough for the operator's pod names."""
+    """``lingo-<step>-<run>``: an RFC 1035 label (a TrainJob's rule), short enough for the
+    controllers' pod names."""
     run = re.sub(r"[^a-z0-9-]", "-", run_id.lower()).strip("-")[:36] or "run"
     return f"lingo-{step}-{run}".rstrip("-")[:52]
 
@@ -138,37 +139,83 @@ def _copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def step_cluster(
+    execution: ExecutionConfig, default_image: str, default_namespace: str
+) -> ClusterJobConfig:
+    """The step's job config: the execution's, with the MLflow settings this step runs with
+    (``core.tracking.tracking_env``) as plain env, so the job's rank 0 logs into the
+    pipeline's MLflow run. A variable the job also takes from a Secret (``secret_env``, e.g.
+    ``MLFLOW_TRACKING_URI`` from ``lingo-mlflow``) keeps the Secret (``job_env``)."""
+    cluster = execution.cluster_job(
+        default_image=default_image, default_namespace=default_namespace
+    )
+    return cluster.model_copy(update={"env": {**tracking_env(), **cluster.env}})
+
+
 def build_step_manifest(
-    job: StepJob, cluster: ClusterJobConfig, run_id: str, args: list[str]
+    job: StepJob,
+    cluster: ClusterJobConfig,
+    run_id: str,
+    args: list[str],
+    kind: JobKind,
 ) -> dict:
-    """The PyTorchJob for ``job``, labelled with the pipeline run and the step.
+    """The job of API ``kind`` for ``job``, labelled with the pipeline run and the step.
 
     Raises:
         ValueError: the config's processes (``nproc``, plus GRPO's rollout-only processes of
-            dedicated engines) differ from the job's world size.
+            dedicated engines) differ from the job's world size, or a TrainJob is asked for
+            what only a PyTorchJob carries.
     """
     nproc = getattr(job.config, "nproc", 1)
     engines = getattr(job.config, "rollout_processes", 0)
     if nproc + engines != cluster.world_size:
         with_engines = f" + {engines} rollout-only processes" if engines else ""
         raise ValueError(
-            f"{job.step}: config nproc={nproc}{with_engines} but the PyTorchJob runs "
+            f"{job.step}: config nproc={nproc}{with_engines} but the {kind.kind} runs "
             f"{cluster.world_size} processes ({cluster.nodes} nodes x "
             f"{cluster.procs_per_node}); set {job.step}.nproc"
             f"{' or rollout.num_engines' if engines else ''} or the execution's job.nodes / "
             "job.nproc_per_node so they agree"
         )
-    manifest = build_pytorchjob(job_name(job.step, run_id), cluster, job.module, args)
-    manifest["metadata"]["labels"] = {RUN_LABEL: label_value(run_id), STEP_LABEL: job.step}
+    build = build_trainjob if kind is TRAINJOB else build_pytorchjob
+    manifest = build(job_name(job.step, run_id), cluster, job.module, args)
+    labels = manifest["metadata"].setdefault("labels", {})
+    labels.update({RUN_LABEL: label_value(run_id), STEP_LABEL: job.step})
     return manifest
 
 
+def require_runtime(launcher: JobLauncher, runtime: str) -> None:
+    """Fail early, with the fix, when the ClusterTrainingRuntime a TrainJob references is
+    missing (a service account that may not read cluster-scoped runtimes: warn and go on).
+
+    Raises:
+        RuntimeNotInstalled: the API server has no ClusterTrainingRuntime ``runtime``.
+    """
+    from kubernetes import client as k8s
+
+    try:
+        launcher.jobs.get_cluster_custom_object(
+            TRAINJOB.group, TRAINJOB.version, RUNTIME_PLURAL, runtime
+        )
+    except k8s.ApiException as error:
+        if error.status == 404:
+            raise RuntimeNotInstalled(
+                f"ClusterTrainingRuntime {runtime!r} is not installed: run `lingo cluster "
+                "install-runtime` (or `kubectl apply -f deploy/cluster-training-runtime.yaml`), "
+                "or set cluster.runtime, or cluster.job_api=pytorchjob"
+            ) from None
+        if error.status == 403:
+            log.warning("cannot check ClusterTrainingRuntime %s (403): creating anyway", runtime)
+            return
+        raise
+
+
 @contextmanager
-def delete_on_sigterm(launcher: PyTorchJobLauncher, name: str) -> Iterator[None]:
+def delete_on_sigterm(launcher: JobLauncher, name: str) -> Iterator[None]:
     """While inside, SIGTERM (the pipeline cancelling the step) deletes the job, then exits."""
 
     def handler(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
-        log.warning("step cancelled: deleting PyTorchJob %s", name)
+        log.warning("step cancelled: deleting %s %s", launcher.kind.kind, name)
         launcher.delete(name)
         raise SystemExit(128 + signum)
 
@@ -187,36 +234,40 @@ def run_step_job(
     work_dir: str | Path,
     manifest_path: str | Path,
     default_image: str,
-    launcher: PyTorchJobLauncher | None = None,
+    launcher: JobLauncher | None = None,
 ) -> Path:
-    """Run ``job`` as a PyTorchJob and copy its results into ``model_output`` and ``work_dir``.
+    """Run ``job`` as a TrainJob or PyTorchJob and copy its results into ``model_output`` and
+    ``work_dir``.
 
-    A job of the same name that is still running (the step was retried while it ran) is
-    followed rather than started again; a finished one is replaced.
+    The job API is ``launcher``'s, else the execution's ``job.job_api`` (``auto``: asked of
+    the API server). A job of the same name that is still running or queued (the step was
+    retried meanwhile) is followed rather than started again; a finished one is replaced.
 
     Returns:
         ``work_dir``, holding the job's work directory (summary, metrics, plots).
 
     Raises:
-        PyTorchJobFailed, TimeoutError: from the launcher; the job is kept for inspection.
+        JobFailed, TimeoutError: from the launcher; the job is kept for inspection.
+        JobApiNotServed, RuntimeNotInstalled: the cluster lacks what the job needs.
         ValueError: the layout and the config disagree.
     """
-    namespace = current_namespace()
-    cluster = execution.cluster_job(default_image=default_image, default_namespace=namespace)
-    # the job's rank 0 logs into the pipeline's MLflow run (credentials come as Secrets)
-    cluster = cluster.model_copy(update={"env": {**tracking_env(), **cluster.env}})
+    cluster = step_cluster(execution, default_image, current_namespace())
     name = job_name(job.step, run_id)
     shared = Path(execution.shared_dir(cluster)) / name
-    launcher = launcher or PyTorchJobLauncher(cluster.namespace)
+    launcher = launcher or JobLauncher.connect(cluster.namespace, cluster.job_api)
+    log.info("%s: runs as a %s", job.step, launcher.kind.kind)
     existing = _existing(launcher, name)
-    if existing is not None and not job_conditions(existing).keys() & set(FINISHED):
-        log.info("PyTorchJob %s is still running: following it", name)
+    if existing is not None and job_state(launcher.kind, existing) not in FINISHED:
+        log.info("%s %s is still active: following it", launcher.kind.kind, name)
         manifest = existing
     else:
         if existing is not None:
             launcher.delete(name)
             _wait_gone(launcher, name, execution.poll_s)
-        manifest = build_step_manifest(job, cluster, run_id, stage_inputs(job, shared))
+        if launcher.kind is TRAINJOB:
+            require_runtime(launcher, cluster.runtime)
+        args = stage_inputs(job, shared)
+        manifest = build_step_manifest(job, cluster, run_id, args, launcher.kind)
     Path(manifest_path).write_text(manifest_yaml(manifest))
     progress = metrics_progress(shared / "work" / job.metrics_file) if job.metrics_file else None
     with delete_on_sigterm(launcher, name):
@@ -230,28 +281,57 @@ def run_step_job(
     return Path(work_dir)
 
 
-def delete_run_jobs(
-    launcher: PyTorchJobLauncher, run_id: str, include_finished: bool = False
-) -> list[str]:
-    """Delete the run's PyTorchJobs that are still active (all of them with
-    ``include_finished``); returns their names. The pipeline's exit handler calls this."""
+def run_jobs(namespace: str, api_client, run_id: str) -> Iterator[tuple[JobLauncher, dict]]:
+    """The pipeline run's jobs in ``namespace``, TrainJobs and PyTorchJobs alike, each with a
+    launcher of its kind. A job API the server does not serve is skipped, and so (with a
+    warning) is one this service account may not list: the other's jobs are still found."""
+    from kubernetes import client as k8s
+
     selector = f"{RUN_LABEL}={label_value(run_id)}"
-    jobs = launcher.jobs.list_namespaced_custom_object(
-        GROUP, VERSION, launcher.namespace, PLURAL, label_selector=selector
-    )["items"]
+    for kind in JOB_KINDS.values():
+        launcher = JobLauncher(namespace, api_client, kind)
+        try:
+            items = launcher.list(selector)
+        except k8s.ApiException as error:
+            if error.status == 404:  # this job API is not served here
+                continue
+            if error.status == 403:
+                log.warning("may not list %ss in %s: skipped", kind.kind, namespace)
+                continue
+            raise
+        yield from ((launcher, item) for item in items)
+
+
+def delete_run_jobs(
+    launcher: JobLauncher, run_id: str, include_finished: bool = False
+) -> list[str]:
+    """Delete the run's jobs (``run_jobs``, in ``launcher``'s namespace) that are still active
+    or queued (all of them with ``include_finished``); returns their names. The pipeline's
+    exit handler calls this."""
     deleted = []
-    for item in jobs:
-        if (item["metadata"].get("labels") or {}).get(RUN_LABEL) != label_value(run_id):
-            continue  # a server that ignores label selectors
-        finished = job_conditions(item).keys() & set(FINISHED)
-        if finished and not include_finished:
+    for jobs, item in run_jobs(launcher.namespace, launcher.api_client, run_id):
+        if job_state(jobs.kind, item) in FINISHED and not include_finished:
             continue
-        if launcher.delete(item["metadata"]["name"]):
+        if jobs.delete(item["metadata"]["name"]):
             deleted.append(item["metadata"]["name"])
     return deleted
 
 
-def _existing(launcher: PyTorchJobLauncher, name: str) -> dict | None:
+def describe_run_jobs(namespace: str, api_client, run_id: str) -> list[str]:
+    """One line per job of the run: step, kind, name, state (``queued`` with its Kueue
+    queue: a job Kueue has not admitted yet is waiting, not failing)."""
+    lines = []
+    for launcher, item in run_jobs(namespace, api_client, run_id):
+        labels = item["metadata"].get("labels") or {}
+        state = job_state(launcher.kind, item)
+        if state == "queued" and labels.get(QUEUE_LABEL):
+            state += f" (Kueue queue {labels[QUEUE_LABEL]})"
+        step = labels.get(STEP_LABEL, "?")
+        lines.append(f"{step:<5} {launcher.kind.kind:<10} {item['metadata']['name']}  {state}")
+    return lines
+
+
+def _existing(launcher: JobLauncher, name: str) -> dict | None:
     from kubernetes import client as k8s
 
     try:
@@ -262,13 +342,15 @@ def _existing(launcher: PyTorchJobLauncher, name: str) -> dict | None:
         raise
 
 
-def _wait_gone(launcher: PyTorchJobLauncher, name: str, poll_s: float) -> None:
+def _wait_gone(launcher: JobLauncher, name: str, poll_s: float) -> None:
     import time
 
     deadline = time.monotonic() + 300
     while _existing(launcher, name) is not None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"PyTorchJob {name} was deleted but is still there after 300 s")
+            raise TimeoutError(
+                f"{launcher.kind.kind} {name} was deleted but is still there after 300 s"
+            )
         time.sleep(min(poll_s, 2.0))
 
 
@@ -278,7 +360,7 @@ def _copy_back(shared: Path, model_output: Path, work_dir: Path) -> None:
     model = shared / "model"
     if not model.is_dir():
         raise FileNotFoundError(
-            f"the PyTorchJob succeeded but wrote no model to {model}: check the master's log"
+            f"the job succeeded but wrote no model to {model}: check rank 0's log"
         )
     shutil.copytree(model, model_output, dirs_exist_ok=True)
     work = shared / "work"

@@ -20,6 +20,13 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     return [*torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
 
 
+def entry_point_command(module: str, args: list[str]) -> list[str]:
+    """A job container's command: torchrun on ``module``, its rendezvous settings from the
+    ``PET_*`` variables the Training Operator (PyTorchJob) or the Trainer controller
+    (TrainJob) sets; the image's ``python``."""
+    return ["python", "-m", "torch.distributed.run", "-m", module, *args]
+
+
 def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
     """Write ``cfg`` (a pydantic step config) to ``config_file`` and run ``module`` on
     ``cfg.nproc`` training processes (plus GRPO's rollout-only ones) with ``--config

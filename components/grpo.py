@@ -26,8 +26,8 @@ def grpo(
     megatron_checkpoint: Input[Model] = None,
     megatron_layout: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
 ):
-    """GRPO with the language-compliance reward. Trains in this pod, or as a PyTorchJob
-    (``execution.mode = pytorchjob``; YAML in ``job_manifest``).
+    """GRPO with the language-compliance reward. Trains in this pod, or as a TrainJob or a
+    PyTorchJob (``execution.mode = job``; YAML in ``job_manifest``).
 
     ``backend`` overrides ``config.optim.backend``. With ``megatron``, the actor starts from
     ``megatron_checkpoint`` (``convert_megatron``'s output) with ``megatron_layout`` (unless

@@ -37,7 +37,7 @@ def sft(
     mlflow_parent_run_id: str = "",
 ):
     """LoRA (or full) SFT on the train split, merged into the base weights; in this pod, or
-    as a PyTorchJob (``execution.mode = pytorchjob``; its YAML is ``job_manifest``)."""
+    as a TrainJob or a PyTorchJob (``execution.mode = job``; its YAML is ``job_manifest``)."""
     import logging
     from pathlib import Path
 

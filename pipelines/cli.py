@@ -482,8 +482,16 @@ def schedule(
 def status(
     run_id: Annotated[str, typer.Argument(help="The run id (lingo submit prints it).")],
     endpoint: EndpointOption,
+    namespace: Annotated[
+        str | None,
+        typer.Option(
+            help="Namespace of the run's training jobs (TrainJobs, PyTorchJobs), read with "
+            "the kubeconfig [default: its context's namespace].",
+        ),
+    ] = None,
 ) -> None:
-    """Show a run's state; exit 1 when it FAILED or was CANCELED."""
+    """Show a run's state and its training jobs' (queued, running, …); exit 1 when the run
+    FAILED or was CANCELED (a job Kueue has not admitted yet is queued, not failed)."""
     from pipelines.kfp_client import FAILED_STATES, KfpApiError, KfpConnection, get_run, run_url
 
     conn = KfpConnection.from_env(endpoint)
@@ -495,5 +503,78 @@ def status(
     typer.echo(f"{run.run_id} {run.state} {run.display_name} {run_url(conn, run_id)}")
     if run.error:
         typer.echo(f"error: {run.error}", err=True)
+    for line in _run_jobs(run_id, namespace):
+        typer.echo(f"  {line}")
     if run.state in FAILED_STATES:
         raise typer.Exit(1)
+
+
+def _run_jobs(run_id: str, namespace: str | None) -> list[str]:
+    """``lingo status``'s job lines, or one line saying why they could not be read."""
+    try:
+        from kubernetes import config as k8s_config
+
+        from cluster.launcher import default_api_client
+        from cluster.step_job import current_namespace, describe_run_jobs
+    except ImportError as exc:
+        return [f"training jobs not read: {exc.msg} (pip install 'lingo-rl[cluster]')"]
+    try:
+        api_client = default_api_client()
+    except k8s_config.ConfigException as exc:
+        return [f"training jobs not read: no Kubernetes access ({exc})"]
+    if namespace is None:
+        try:
+            _, context = k8s_config.list_kube_config_contexts()
+            namespace = context["context"].get("namespace", "default")
+        except k8s_config.ConfigException:  # in a pod: its own namespace
+            namespace = current_namespace()
+    jobs = describe_run_jobs(namespace, api_client, run_id)
+    return jobs or [f"no training job of this run in namespace {namespace}"]
+
+
+cluster_app = typer.Typer(help="Set up a Kubernetes cluster for lingo-rl's training jobs.")
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("install-runtime")
+@clear_errors
+def install_runtime(
+    preset: Annotated[
+        str, typer.Option(help="The cluster preset whose volume and runtime name to use.")
+    ] = "gpt-oss-20b",
+    image: Annotated[
+        str | None,
+        typer.Option(help="The training image [default: the GPU image, LINGO_GPU_IMAGE]."),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the YAML (for kubectl apply -f) instead.")
+    ] = False,
+    sets: SetOption = None,
+) -> None:
+    """Install (or update) the ClusterTrainingRuntime the TrainJobs reference (Kubeflow
+    Trainer v2): torchrun on the training image, the shared PVC, /dev/shm. Needs rights on
+    cluster-scoped clustertrainingruntimes (a cluster admin's)."""
+    from components.images import GPU_IMAGE
+    from pipelines.presets import training_runtime
+
+    config = _load_preset(preset, sets)
+    try:
+        runtime = training_runtime(config, image or GPU_IMAGE)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--preset") from exc
+    if dry_run:
+        from cluster.pytorchjob import manifest_yaml
+
+        typer.echo(RUNTIME_HEADER + manifest_yaml(runtime), nl=False)
+        return
+    from cluster.launcher import install_training_runtime
+
+    done = install_training_runtime(runtime)
+    typer.echo(f"{done} ClusterTrainingRuntime {runtime['metadata']['name']}")
+
+
+RUNTIME_HEADER = (
+    "# The ClusterTrainingRuntime lingo-rl's TrainJobs reference (Kubeflow Trainer v2.3).\n"
+    "# Install: kubectl apply -f deploy/cluster-training-runtime.yaml, or\n"
+    "# lingo cluster install-runtime. Written by: lingo cluster install-runtime --dry-run\n"
+)

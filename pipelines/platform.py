@@ -121,7 +121,7 @@ class ClusterSettings(ConfigModel):
     retry: RetryPolicy = RetryPolicy()
     image_pull_policy: Literal["Always", "Never", "IfNotPresent"] | None = None
     training_jobs: bool = False
-    """SFT and GRPO launch PyTorchJobs (``ExecutionConfig`` mode ``pytorchjob``): their pipeline
+    """SFT and GRPO launch training jobs (``ExecutionConfig`` mode ``job``): their pipeline
     pods only orchestrate and get ``cpu`` resources; the exit handler deletes the run's jobs
     that are still active."""
 
@@ -186,7 +186,7 @@ def apply_platform(task: PipelineTask, step: str, settings: ClusterSettings) -> 
 
 
 def job_defaults(settings: ClusterSettings, step: str) -> dict:
-    """``ClusterJobConfig`` fields a PyTorchJob of ``step`` takes from the platform: the same
+    """``ClusterJobConfig`` fields a training job of ``step`` takes from the platform: the same
     workspace volume (so staged inputs are visible) and the same Secrets, by name."""
     if not settings.workspace_pvc:
         return {}
@@ -268,7 +268,7 @@ DEFAULT_SECRETS = (
 )
 GPU_STEPS = ("sft", "grpo", "convert-megatron", "export-hf", "evaluate")
 JOB_STEPS = ("sft", "grpo")
-"""Steps that can run their training as a PyTorchJob."""
+"""Steps that can run their training as a job (TrainJob or PyTorchJob)."""
 NETWORK_STEPS = ("start-tracking", "data-prep", "base-model", "evaluate", "register", "publish")
 # data prep and the capacity check are pure functions of their inputs; training, eval, the
 # gate (reads the current champion) and register (side effects) always run
@@ -300,8 +300,8 @@ def _aws_gpu_preset(
     return ClusterSettings(
         name=instance_type,
         description=(
-            f"{gpus}x {gpu_product} per node ({instance_type}); SFT and GRPO train as "
-            "PyTorchJobs over several nodes, eval takes a node."
+            f"{gpus}x {gpu_product} per node ({instance_type}); SFT and GRPO run as "
+            "TrainJobs or PyTorchJobs over several nodes, eval takes a node."
         ),
         workspace_pvc="lingo-workspace",
         secrets=DEFAULT_SECRETS,

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.config import ExecutionConfig
+from cluster.config import ClusterConfig, ExecutionConfig
 from cluster.hardware import Hardware, Step
 from components.config_fields import config_arguments, config_dict
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
@@ -54,9 +54,13 @@ class Preset(BaseModel):
     gate: GateConfig = Field(default_factory=GateConfig)
     hardware: Hardware = Hardware()
     """The machines, stated once: node type (``local``, ``g5.12xlarge``, ``p5en.48xlarge``),
-    nodes per training step, checkpoint volume. The platform settings, each step's PyTorchJob,
+    nodes per training step, checkpoint volume. The platform settings, each step's job,
     the placement plan, the capacity check's layout and the Megatron layout's machine fields
     derive from it."""
+    cluster: ClusterConfig = ClusterConfig()
+    """How the training steps' jobs are submitted on a cluster: the job API (``auto``,
+    ``trainjob``, ``pytorchjob``), the Trainer runtime, the Kueue queue, OpenShift AI's
+    progress tracking. Unused where ``hardware`` is ``local``."""
     layout_overrides: dict[str, str] = Field(default_factory=dict)
     """Capacity-planner layout fields the run's configs do not decide (``vllm_max_num_seqs``,
     ``attn_implementation`` ...); not the machines (``hardware``)."""
@@ -157,7 +161,7 @@ GPT_OSS_20B = Preset(
     description=(
         "openai/gpt-oss-20b on the full HuggingFaceH4/Multilingual-Thinking dataset; "
         "SFT on 2 g5.12xlarge nodes (8 A10G) with DeepSpeed ZeRO-3, GRPO on 4 (16 A10G), each "
-        "as a PyTorchJob (cluster: needs the hub or an S3 copy)."
+        "as a TrainJob or PyTorchJob (cluster: needs the hub or an S3 copy)."
     ),
     # SFT on 2 nodes, GRPO's 16 training processes on 4; its 2 dedicated vLLM engines (TP 4)
     # on the 2 nodes after them (OpenRLHF's 6-node layout)
@@ -266,6 +270,7 @@ STEPS = (
     "eval",
     "gate",
     "hardware",
+    "cluster",
     "megatron_layout",
 )
 
@@ -324,17 +329,36 @@ def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
 
 def step_execution(preset: Preset, step: Step) -> ExecutionConfig:
     """Where ``step`` trains (its ``<step>_execution`` parameter): in its pipeline pod, or as a
-    PyTorchJob of ``preset.hardware``'s nodes (GRPO's with the nodes of its dedicated rollout
-    engines after the training ones) that takes the platform's workspace volume and Secrets
-    (``platform.job_defaults``)."""
+    job (TrainJob or PyTorchJob, ``preset.cluster``) of ``preset.hardware``'s nodes (GRPO's
+    with the nodes of its dedicated rollout engines after the training ones) that takes the
+    platform's workspace volume and Secrets (``platform.job_defaults``)."""
     rollout_processes = preset.grpo.rollout_processes if step == "grpo" else 0
     execution = preset.hardware.execution(step, rollout_processes)
     if execution.mode == "local":
         return execution
     from pipelines.platform import get_platform, job_defaults
 
-    job = {**job_defaults(get_platform(preset.hardware.platform), step), **execution.job}
+    platform = job_defaults(get_platform(preset.hardware.platform), step)
+    job = {**platform, **config_dict(preset.cluster), **execution.job}
     return execution.model_copy(update={"job": job})
+
+
+def training_runtime(preset: Preset, image: str) -> dict:
+    """The ClusterTrainingRuntime (``preset.cluster.runtime``) that ``preset``'s TrainJobs
+    reference: ``image``, and the platform's workspace volume at its mount.
+
+    Raises:
+        ValueError: ``preset`` trains in its pipeline pods (``hardware.node_type`` local).
+    """
+    execution = step_execution(preset, "sft")
+    if execution.mode == "local":
+        raise ValueError(
+            f"preset {preset.name!r} trains in its pipeline pods (hardware.node_type local) "
+            "and creates no TrainJob: pick a cluster preset, e.g. gpt-oss-20b"
+        )
+    from cluster.trainjob import build_training_runtime
+
+    return build_training_runtime(execution.cluster_job(image, default_namespace="default"))
 
 
 def megatron_layout(preset: Preset) -> dict[str, Any]:

@@ -21,7 +21,7 @@ PACKAGES = {
     "data_prep": "dataset → validated harmony JSONL",
     "trainer": "SFT, GRPO, backends, checkpoints, export",
     "capacity": "the capacity planner (lingo estimate)",
-    "cluster": "machines, torchrun, PyTorchJobs",
+    "cluster": "machines, torchrun, TrainJobs and PyTorchJobs",
     "eval": "the eval, the gate, reports",
     "reward": "the reward scorer, its terms, adapters",
     "core": "what every step shares: languages, harmony, configs, tracking, S3",

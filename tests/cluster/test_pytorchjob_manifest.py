@@ -149,3 +149,32 @@ def test_elastic_range_must_cover_nodes():
 def test_unknown_layout_names_the_known_ones():
     with pytest.raises(KeyError, match="g5.12xlarge"):
         reference_layout("trn1.32xlarge", IMAGE)
+
+
+def test_a_variable_set_plain_and_from_a_secret_is_listed_once_from_the_secret():
+    """The step passes its MLflow settings as plain env and the platform the same variable
+    from the ``lingo-mlflow`` Secret: the container lists it once (an API server refuses a
+    container env naming a variable twice: 422 "Duplicate value"), from the Secret."""
+    uri = SecretEnv(name="MLFLOW_TRACKING_URI", secret="lingo-mlflow", key="MLFLOW_TRACKING_URI")
+    cluster = reference_layout(
+        "g5.12xlarge",
+        IMAGE,
+        env={"MLFLOW_TRACKING_URI": "http://mlflow:5000", "MLFLOW_EXPERIMENT_NAME": "lingo-rl"},
+        secret_env=[uri],
+    )
+    master = build_pytorchjob("sft-run", cluster, "trainer.sft", ARGS)["spec"][
+        "pytorchReplicaSpecs"
+    ]["Master"]["template"]["spec"]
+    assert master["containers"][0]["env"] == [
+        {"name": "MLFLOW_EXPERIMENT_NAME", "value": "lingo-rl"},
+        {
+            "name": "MLFLOW_TRACKING_URI",
+            "valueFrom": {"secretKeyRef": {"name": "lingo-mlflow", "key": "MLFLOW_TRACKING_URI"}},
+        },
+    ]
+
+
+def test_one_variable_from_two_secrets_is_refused():
+    twice = [SecretEnv(name="HF_TOKEN", secret=s, key="token") for s in ("hf", "hf-backup")]
+    with pytest.raises(ValidationError, match=r"secret_env sets \['HF_TOKEN'\] from several"):
+        ClusterJobConfig(image=IMAGE, secret_env=twice)

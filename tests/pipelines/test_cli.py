@@ -21,6 +21,7 @@ def test_version_and_help_teach_the_commands():
         "submit",
         "schedule",
         "status",
+        "cluster",
     ):
         assert command in result.output
     assert "lingo run --local" in result.output

@@ -138,10 +138,11 @@ def test_cluster_presets_compile_with_a_strict_platform_spec(tmp_path):
     executors = platform.platforms["kubernetes"].deployment_spec.executors
     sft = dict(executors["exec-sft"])
     assert sft["pvcMount"][0]["constant"] == "lingo-workspace"
-    assert "nodeSelector" not in sft  # SFT launches a PyTorchJob: its pod orchestrates on CPU
+    assert "nodeSelector" not in sft  # SFT launches a job: its pod orchestrates on CPU
     assert "nodeSelector" in dict(executors["exec-evaluate"])
     arguments = pipeline_arguments(get_preset("gpt-oss-20b"))
-    assert arguments["grpo_execution"]["mode"] == "pytorchjob"
+    assert arguments["grpo_execution"]["mode"] == "job"
+    assert arguments["grpo_execution"]["job"]["job_api"] == "auto"
     assert arguments["grpo_execution"]["job"]["shared_pvc"] == "lingo-workspace"
     # the local preset (the kept YAML) carries no platform settings
     assert len(list(yaml.safe_load_all(COMPILED_PIPELINE.read_text()))) == 1

@@ -63,7 +63,7 @@ def test_every_preset_derives_one_cluster(name):
         nodes, per_node = hardware.cluster(step, config.nproc)
         execution = step_execution(preset, step)
         assert execution.cluster(config.nproc, rollout[step]) == (nodes, per_node), step
-        if execution.mode == "pytorchjob":  # the job the step launches
+        if execution.mode == "job":  # the job the step launches
             job = execution.cluster_job(default_image="i", default_namespace="n")
             assert job.gpus_per_node == node.gpus, step
             # the job runs the training processes and the dedicated engines' (as step_job checks)

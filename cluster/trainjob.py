@@ -1,0 +1,226 @@
+"""Build a Kubeflow Trainer v2 TrainJob for one training step, and the ClusterTrainingRuntime
+it references.
+
+The runtime (``lingo-rl``, shipped as ``deploy/cluster-training-runtime.yaml`` and installed
+by ``lingo cluster install-runtime``) is a JobSet of one replicated job ``node``: its pods run
+our training image with the torch ML policy, so the Trainer controller sets the ``PET_*``
+variables torchrun reads (``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``,
+``PET_MASTER_ADDR``, ``PET_MASTER_PORT``; kubeflow/trainer v2.3.0
+``pkg/runtime/framework/plugins/torch/torch.go``, ``EnforceMLPolicy``). It mounts the shared
+PVC at ``/mnt/shared`` and a memory-backed ``/dev/shm``, keeps Istio's sidecar out, and never
+restarts a failed pod (retries are the pipeline's).
+
+Each TrainJob sets what changes per step: the command (the same ``python -m
+torch.distributed.run -m trainer.<step> …`` a PyTorchJob runs), image, ``numNodes``,
+``numProcPerNode``, ``resourcesPerNode`` and ``env`` (plain values and Secrets key by key:
+``spec.trainer.env`` is where the controller takes the training container's variables, and the
+webhook refuses env in a patch of the ``node`` container); and, as a runtime patch, the PVC's
+claim, ``/dev/shm``'s size, node selector, tolerations and service account. Built with the
+``kubeflow-trainer-api`` models (its own top-level package, ``kubeflow_trainer_api``: it does
+not share ``kubeflow/`` with ``kubeflow-training``) and serialized to a plain dict.
+"""
+
+from __future__ import annotations
+
+try:
+    from kubeflow_trainer_api import models as kt
+except ImportError as error:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "TrainJobs need the Kubeflow Trainer API models: pip install 'lingo-rl[cluster]'"
+    ) from error
+
+from cluster.config import GPU_RESOURCE, PROGRESS_PORT_ENV, ClusterJobConfig
+from cluster.jobs import TRAINJOB
+from cluster.torchrun import entry_point_command
+
+NODE = "node"
+"""The runtime's replicated job and training container; the torch plugin injects ``PET_*``
+into the container of this name in the replicated job labelled as the trainer."""
+ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+RUNTIME_KIND = "ClusterTrainingRuntime"
+RUNTIME_PLURAL = "clustertrainingruntimes"
+PATCH_MANAGER = "lingo-rl/step-job"
+"""The owner of our runtime patch (the webhook wants a domain-prefixed path)."""
+SHARED_VOLUME, SHM_VOLUME = "shared", "dshm"
+ISTIO_INJECT_ANNOTATION = "sidecar.istio.io/inject"
+
+
+def _quantities(values: dict[str, str]) -> dict[str, kt.IoK8sApimachineryPkgApiResourceQuantity]:
+    return {k: kt.IoK8sApimachineryPkgApiResourceQuantity(v) for k, v in values.items()}
+
+
+def _env(cluster: ClusterJobConfig) -> list[kt.IoK8sApiCoreV1EnvVar]:
+    env = []
+    for name, value in cluster.job_env():
+        if isinstance(value, str):
+            env.append(kt.IoK8sApiCoreV1EnvVar(name=name, value=value))
+            continue
+        selector = kt.IoK8sApiCoreV1SecretKeySelector(name=value.secret, key=value.key)
+        source = kt.IoK8sApiCoreV1EnvVarSource(secret_key_ref=selector)
+        env.append(kt.IoK8sApiCoreV1EnvVar(name=name, value_from=source))
+    if cluster.progress_tracking and PROGRESS_PORT_ENV not in {e.name for e in env}:
+        env.append(
+            kt.IoK8sApiCoreV1EnvVar(name=PROGRESS_PORT_ENV, value=str(cluster.progress_port))
+        )
+    return env
+
+
+def _volumes(cluster: ClusterJobConfig, shm_size: str | None) -> list[kt.IoK8sApiCoreV1Volume]:
+    claim = kt.IoK8sApiCoreV1PersistentVolumeClaimVolumeSource(claim_name=cluster.shared_pvc)
+    shm = kt.IoK8sApiCoreV1EmptyDirVolumeSource(
+        medium="Memory",
+        size_limit=kt.IoK8sApimachineryPkgApiResourceQuantity(shm_size) if shm_size else None,
+    )
+    return [
+        kt.IoK8sApiCoreV1Volume(name=SHARED_VOLUME, persistent_volume_claim=claim),
+        kt.IoK8sApiCoreV1Volume(name=SHM_VOLUME, empty_dir=shm),
+    ]
+
+
+def _mounts(cluster: ClusterJobConfig) -> list[kt.IoK8sApiCoreV1VolumeMount]:
+    return [
+        kt.IoK8sApiCoreV1VolumeMount(name=SHARED_VOLUME, mount_path=cluster.shared_mount),
+        kt.IoK8sApiCoreV1VolumeMount(name=SHM_VOLUME, mount_path="/dev/shm"),
+    ]
+
+
+def _refuse_pytorchjob_only(cluster: ClusterJobConfig) -> None:
+    """Settings a TrainJob cannot carry: fail with the fix rather than drop them."""
+    unsupported = {
+        "elastic": "elastic training (the Trainer v2.3 torch policy has no elastic policy)",
+        "secret_env_from": "whole Secrets as envFrom (a TrainJob takes Secrets key by key: "
+        "secret_env)",
+        "backoff_limit": "pod restarts (the runtime's Job has backoffLimit 0)",
+    }
+    for field, what in unsupported.items():
+        if getattr(cluster, field):
+            raise ValueError(
+                f"{field}: a TrainJob cannot carry {what}; unset it or set "
+                "cluster.job_api=pytorchjob"
+            )
+
+
+def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list[str]) -> dict:
+    """The TrainJob that runs ``python -m module args…`` on ``cluster``'s nodes with the
+    ClusterTrainingRuntime ``cluster.runtime``, labelled for Kueue when ``cluster.queue`` is
+    set and annotated for OpenShift AI's progress polling when ``cluster.progress_tracking``.
+
+    Args:
+        name: the job's name (an RFC 1035 label of at most 63 characters; the JobSet and its
+            pods are named after it).
+        cluster: where and how to run.
+        module: the entry point, e.g. ``trainer.sft``.
+        args: its arguments; paths must point into ``cluster.shared_mount``.
+
+    Returns:
+        The manifest as a JSON-ready dict.
+
+    Raises:
+        ValueError: ``cluster`` sets something only a PyTorchJob carries.
+    """
+    _refuse_pytorchjob_only(cluster)
+    requests = {"cpu": cluster.cpu, "memory": cluster.memory}
+    limits = dict(requests)
+    if cluster.gpus_per_node:
+        limits[GPU_RESOURCE] = str(cluster.gpus_per_node)
+    pod = kt.TrainerV1alpha1PodSpecPatch(
+        containers=[kt.TrainerV1alpha1ContainerPatch(name=NODE, volume_mounts=_mounts(cluster))],
+        volumes=_volumes(cluster, cluster.shm_size),
+        node_selector=cluster.node_selector or None,
+        tolerations=[kt.IoK8sApiCoreV1Toleration(**t.model_dump()) for t in cluster.tolerations]
+        or None,
+        service_account_name=cluster.service_account,
+    )
+    patch = kt.TrainerV1alpha1RuntimePatch(
+        manager=PATCH_MANAGER,
+        training_runtime_spec=kt.TrainerV1alpha1TrainingRuntimeSpecPatch(
+            template=kt.TrainerV1alpha1JobSetTemplatePatch(
+                spec=kt.TrainerV1alpha1JobSetSpecPatch(
+                    replicated_jobs=[
+                        kt.TrainerV1alpha1ReplicatedJobPatch(
+                            name=NODE,
+                            template=kt.TrainerV1alpha1JobTemplatePatch(
+                                spec=kt.TrainerV1alpha1JobSpecPatch(
+                                    template=kt.TrainerV1alpha1PodTemplatePatch(spec=pod)
+                                )
+                            ),
+                        )
+                    ]
+                )
+            )
+        ),
+    )
+    job = kt.TrainerV1alpha1TrainJob(
+        api_version=TRAINJOB.api_version,
+        kind=TRAINJOB.kind,
+        metadata=kt.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+            name=name,
+            namespace=cluster.namespace,
+            labels=cluster.queue_labels() or None,
+            annotations=cluster.progress_annotations() or None,
+        ),
+        spec=kt.TrainerV1alpha1TrainJobSpec(
+            runtime_ref=kt.TrainerV1alpha1RuntimeRef(
+                name=cluster.runtime, kind=RUNTIME_KIND, api_group=TRAINJOB.group
+            ),
+            trainer=kt.TrainerV1alpha1Trainer(
+                image=cluster.image,
+                command=entry_point_command(module, args),
+                num_nodes=cluster.nodes,
+                num_proc_per_node=cluster.procs_per_node,
+                resources_per_node=kt.IoK8sApiCoreV1ResourceRequirements(
+                    requests=_quantities(requests), limits=_quantities(limits)
+                ),
+                env=_env(cluster) or None,
+            ),
+            runtime_patches=[patch],
+            active_deadline_seconds=cluster.active_deadline_seconds,
+        ),
+    )
+    return job.to_dict()
+
+
+def build_training_runtime(cluster: ClusterJobConfig) -> dict:
+    """The ClusterTrainingRuntime ``cluster.runtime``: torch policy, one replicated job
+    ``node`` of ``cluster.image`` with the shared PVC ``cluster.shared_pvc`` at
+    ``cluster.shared_mount`` and a memory-backed ``/dev/shm`` (each TrainJob patches the
+    claim and the size); no Secrets (each TrainJob names its own, key by key)."""
+    container = kt.IoK8sApiCoreV1Container(
+        name=NODE,
+        image=cluster.image,
+        command=["python", "-m", "torch.distributed.run"],
+        volume_mounts=_mounts(cluster),
+    )
+    pod = kt.IoK8sApiCoreV1PodTemplateSpec(
+        metadata=kt.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+            annotations={ISTIO_INJECT_ANNOTATION: "false"}
+        ),
+        spec=kt.IoK8sApiCoreV1PodSpec(
+            containers=[container], volumes=_volumes(cluster, None), restart_policy="Never"
+        ),
+    )
+    replicated = kt.JobsetV1alpha2ReplicatedJob(
+        name=NODE,
+        template=kt.IoK8sApiBatchV1JobTemplateSpec(
+            metadata=kt.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+                labels={ANCESTOR_LABEL: "trainer"}
+            ),
+            spec=kt.IoK8sApiBatchV1JobSpec(backoff_limit=0, template=pod),
+        ),
+    )
+    runtime = kt.TrainerV1alpha1ClusterTrainingRuntime(
+        api_version=TRAINJOB.api_version,
+        kind=RUNTIME_KIND,
+        metadata=kt.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+            name=cluster.runtime, labels={"trainer.kubeflow.org/framework": "torch"}
+        ),
+        spec=kt.TrainerV1alpha1TrainingRuntimeSpec(
+            ml_policy=kt.TrainerV1alpha1MLPolicy(
+                num_nodes=1, torch=kt.TrainerV1alpha1TorchMLPolicySource()
+            ),
+            template=kt.TrainerV1alpha1JobSetTemplateSpec(
+                spec=kt.JobsetV1alpha2JobSetSpec(replicated_jobs=[replicated])
+            ),
+        ),
+    )
+    return runtime.to_dict()

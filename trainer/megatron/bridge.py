@@ -283,12 +283,21 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: Para
         ValueError: ``layout.params_dtype`` is not bf16, fp16 or fp32.
     """
 
+    from core.mxfp4 import is_mxfp4, log_dequantization
+
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir}: already exists; remove it or choose a new directory")
     if layout.params_dtype not in DTYPES:
         raise ValueError(f"params_dtype={layout.params_dtype!r}: use one of {sorted(DTYPES)}")
     dtype = DTYPES[layout.params_dtype]
+    if is_mxfp4(hf_dir):  # megatron-bridge reads the packed pairs itself
+        log_dequantization(
+            hf_dir,
+            torch.bfloat16,
+            "megatron-bridge (GPTOSSBridge.maybe_modify_loaded_hf_weight), then cast to "
+            f"{layout.params_dtype}",
+        )
     vpp = getattr(layout, "vpp", None)
     sizes = dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp)
     with megatron_parallel(**sizes, vpp=vpp):
@@ -418,6 +427,8 @@ def export_megatron_to_hf(
     import torch.distributed as dist
     from transformers import AutoConfig
 
+    from core.mxfp4 import drop_quantization_config
+
     out_dir = Path(out_dir)
     dtype = checkpoint_dtype(megatron_dir)
     with _loaded_model(megatron_dir, hf_template_dir) as (bridge, model):
@@ -430,6 +441,7 @@ def export_megatron_to_hf(
             count = writer.close()
             config = AutoConfig.from_pretrained(str(hf_template_dir))
             config.dtype = dtype
+            drop_quantization_config(config)  # an MXFP4 template: the export is unpacked
             config.save_pretrained(out_dir)
             log.info("exported %s → %s (%d tensors, %s)", megatron_dir, out_dir, count, dtype)
         dist.barrier()

@@ -1,6 +1,7 @@
 """SFT as separate processes: DeepSpeed ZeRO-3 under torchrun, and kill-and-resume."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +51,19 @@ def _losses(tmp, name):
     ]
 
 
+def _planned_load_per_rank(model_dir, cfg: dict, processes: int) -> float:
+    """The capacity check's figure for the parameters an SFT rank holds once loaded."""
+    from capacity.model_spec import count_parameters, load_model_spec
+    from capacity.training_memory import loaded_parameters
+    from trainer.capacity_check import sft_layout
+    from trainer.sft.config import SFTConfig
+
+    sft = SFTConfig.model_validate({**cfg, "nproc": processes, "device": "cpu"})
+    layout = sft_layout("tiny-cpu", sft, nodes=1, gpus_per_node=processes)
+    spec = load_model_spec(model_dir)
+    return loaded_parameters(spec, count_parameters(spec), layout)
+
+
 def test_deepspeed_zero3_two_processes_follow_the_single_process_run(
     tmp_path, tiny_model_dir, prepared_data
 ):
@@ -70,12 +84,23 @@ def test_deepspeed_zero3_two_processes_follow_the_single_process_run(
         ],
         check=True,
     )
-    subprocess.run(
+    run = subprocess.run(
         torchrun_command(
             "trainer.sft", _args(tmp_path, "zero3", zero3, tiny_model_dir, prepared_data), 2
         ),
-        check=True,
+        capture_output=True,
+        text=True,
     )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # each rank loaded its partition only, which is what the capacity check plans for SFT
+    loads = re.findall(r"rank (\d): model loaded (\w+): (\d+) of (\d+) parameters", run.stderr)
+    planned = _planned_load_per_rank(tiny_model_dir, zero3, 2)
+    tensors = len(load_file(tiny_model_dir / "model.safetensors"))
+    assert sorted(rank for rank, *_ in loads) == ["0", "1"], run.stderr[-3000:]
+    for _, how, held, total in loads:
+        assert how == "partitioned" and int(held) < int(total)
+        # DeepSpeed pads each tensor's partition: at most one element a tensor on 2 ranks
+        assert abs(int(held) - planned) <= tensors, (held, planned)
     a, b = _losses(tmp_path, "single"), _losses(tmp_path, "zero3")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
     for (_, x), (_, y) in zip(a, b, strict=True):

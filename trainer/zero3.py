@@ -174,6 +174,31 @@ def share_fp32_master(optimizer) -> int:
     return shared
 
 
+def mark_expert_leaves(module: torch.nn.Module) -> int:
+    """Flag each GPT-OSS experts module (``GptOssExperts``) as a ZeRO-3 leaf: its parameters,
+    and those of anything inside it, are gathered together when it runs. Returns how many.
+
+    peft's LoRA on the experts' 3-D weights (``target_parameters``) moves them, for the length
+    of each forward, into a parametrization registered inside the experts module (peft
+    ``ParamWrapper._activate_lora``: ``register_parametrization``, then
+    ``_remove_parametrizations``). The experts module's own parameters then differ between
+    the forward (its biases only) and the trace DeepSpeed builds from it after the step (every
+    weight), and from the next forward on DeepSpeed 0.19's prefetch fails ("tracing error ...
+    expected the next 2 parameters in the parameter fetch queue", ``fetch_sub_module`` in
+    ``runtime/zero/partitioned_param_coordinator.py``) wherever an expert weight is larger
+    than ``stage3_param_persistence_threshold``. A leaf's parameters are gathered
+    recursively (``iter_params(..., recurse=z3_leaf_module(...))``): the same set, moved or
+    not. Only where peft wraps the experts (its ``ParamWrapper``): GRPO's full-parameter
+    models are left as they are.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    if not any(type(m).__name__ == "ParamWrapper" for m in module.modules()):
+        return 0
+    classes = {type(m) for m in module.modules() if type(m).__name__ == "GptOssExperts"}
+    return len(set_z3_leaf_modules(module, sorted(classes, key=str))) if classes else 0
+
+
 def init_deepspeed_comm(device: torch.device) -> None:
     """DeepSpeed's communication on the process group torchrun set up (gloo on CPU)."""
     try:

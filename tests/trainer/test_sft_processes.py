@@ -64,9 +64,21 @@ def _planned_load_per_rank(model_dir, cfg: dict, processes: int) -> float:
     return loaded_parameters(spec, count_parameters(spec), layout)
 
 
+@pytest.fixture(scope="module")
+def wide_experts_dir(tmp_path_factory):
+    """A tiny GPT-OSS whose expert weights (4 × 64 × 1024 and 4 × 512 × 64) are larger than
+    DeepSpeed's ``stage3_param_persistence_threshold`` (10⁵): ZeRO-3 gathers and releases
+    them on every forward, as it does gpt-oss-20b's (the smallest model's stay gathered)."""
+    from trainer.tiny_model import SMALLEST, build_tiny_model
+
+    config = SMALLEST.model_copy(update={"intermediate_size": 512})
+    return build_tiny_model(tmp_path_factory.mktemp("wide") / "model", config)
+
+
 def test_deepspeed_zero3_two_processes_follow_the_single_process_run(
-    tmp_path, tiny_model_dir, prepared_data
+    tmp_path, wide_experts_dir, prepared_data
 ):
+    tiny_model_dir = wide_experts_dir  # LoRA on experts that ZeRO-3 fetches every forward
     steps = {"max_steps": 4, "optim": {"learning_rate": 1e-2}}
     single = {**BASE, **steps, "gradient_accumulation_steps": 2}
     zero3 = {

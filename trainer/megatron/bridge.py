@@ -191,6 +191,9 @@ def _configure_provider(provider: Any, hf_config: Any, dtype: torch.dtype) -> An
       by ~5e-3 without this).
     - dtype: ``params_dtype``, ``pipeline_dtype`` and the bf16/fp16 flags follow the
       requested dtype (the bridge sets bf16).
+    - Transformer Engine, when installed, must take the provider's ``softmax_type`` (GPT-OSS:
+      ``learnable``, from TE 2.8.0 on): an older one is refused here, before any model is
+      built, with what to install (``core.image_checks``).
     - without Transformer Engine (CPU test envs) the layer spec is Megatron-Core's local one,
       which builds ``SequentialMLP`` experts (the GPT-OSS mapping covers them); the MoE
       permute fusion (only TE implements it) and the masked-softmax fusion are off. The
@@ -198,6 +201,9 @@ def _configure_provider(provider: Any, hf_config: Any, dtype: torch.dtype) -> An
       that pip installs lack, and GPT-OSS's attention sinks take the unfused softmax anyway;
       megatron-core only checks for the kernel in bf16/fp16, where it then fails to import.
     """
+    from core.image_checks import require_transformer_engine
+
+    require_transformer_engine(getattr(provider, "softmax_type", "vanilla"))
     hf_config = getattr(hf_config, "config", hf_config)  # a bridge's hf_pretrained works too
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     rope = dict(rope or {})

@@ -171,20 +171,30 @@ def check_device(sizes: Sizes, work: Path) -> dict:
     }
 
 
-def check_sft(sizes: Sizes, work: Path) -> dict:
+def _sft_config(sizes: Sizes, **fields):
+    """The SFT checks' config: ``sizes``' steps and dtype, 2 examples a micro-batch, a short
+    eval and merge check; ``fields`` on top."""
     from trainer.sft.config import SFTConfig
+
+    return SFTConfig.model_validate(
+        {
+            "max_steps": sizes.sft_steps,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "dtype": sizes.dtype,
+            "device": sizes.device,
+            "merge_check_prompts": 2,
+            "eval_max_examples": 8,
+            **fields,
+        }
+    )
+
+
+def check_sft(sizes: Sizes, work: Path) -> dict:
     from trainer.sft.recipe import run_sft
 
     model, data = _fixtures(sizes, work)
-    cfg = SFTConfig(
-        max_steps=sizes.sft_steps,
-        micro_batch_size=2,
-        gradient_accumulation_steps=2,
-        dtype=sizes.dtype,
-        device=sizes.device,
-        merge_check_prompts=2,
-        eval_max_examples=8,
-    )
+    cfg = _sft_config(sizes)
     started = time.monotonic()
     result = run_sft(
         cfg, model, data / "train.jsonl", data / "eval.jsonl", work / "sft", work / "sft-work"
@@ -332,7 +342,8 @@ def check_bf16_numerics(sizes: Sizes, work: Path) -> dict:
     }
 
 
-def check_deepspeed(sizes: Sizes, work: Path) -> dict:
+def _deepspeed_version() -> tuple[str, dict]:
+    """DeepSpeed's version and ``installed_ops``; a skip (a FAIL) when it cannot be imported."""
     try:
         from deepspeed.git_version_info import installed_ops, version
     except ImportError as missing:
@@ -340,22 +351,38 @@ def check_deepspeed(sizes: Sizes, work: Path) -> dict:
             f"DeepSpeed cannot be imported ({missing}): its wheel was not carried "
             "(tools/build_gpu_wheels.py builds it without ops)"
         ) from missing
+    return version, installed_ops
 
-    policy, source = _policy_dir(sizes, work)
-    data = _fixtures(sizes, work)[1]
-    config = work / "grpo-deepspeed.json"
-    cfg = _grpo_config(sizes, backend="deepspeed", zero_stage=2, learning_rate=1e-6)
+
+def _torchrun_step(
+    sizes: Sizes, module: str, cfg, base_flag: str, base: Path, out: Path
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 1 -m <module>`` (``trainer.sft`` / ``trainer.grpo``) with
+    ``cfg`` from ``base`` on the bundled data into ``out``; its output goes to this check's
+    log and comes back."""
+    data = _fixtures(sizes, out.parent)[1]
+    config = out.with_suffix(".json")
     config.write_text(cfg.model_dump_json())
-    out = work / "grpo-deepspeed"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node", "1", "-m", "trainer.grpo", "--config", str(config)]
-    command += ["--sft-model", str(policy), "--train", str(data / "train.jsonl")]
+    command += ["--nproc_per_node", "1", "-m", module, "--config", str(config)]
+    command += [base_flag, str(base), "--train", str(data / "train.jsonl")]
     command += ["--eval", str(data / "eval.jsonl"), "--model-output", str(out / "model")]
     command += ["--work-dir", str(out / "work")]
     env = {**os.environ, "DS_ACCELERATOR": sizes.device, "DS_BUILD_OPS": "0"}
-    done = subprocess.run(command, env=env, cwd=ROOT)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
     if done.returncode != 0:
-        raise CheckFailed(f"torchrun -m trainer.grpo (ZeRO-2) exited {done.returncode}")
+        raise CheckFailed(f"torchrun -m {module} exited {done.returncode}")
+    return done
+
+
+def check_deepspeed(sizes: Sizes, work: Path) -> dict:
+    version, installed_ops = _deepspeed_version()
+    policy, source = _policy_dir(sizes, work)
+    cfg = _grpo_config(sizes, backend="deepspeed", zero_stage=2, learning_rate=1e-6)
+    out = work / "grpo-deepspeed"
+    _torchrun_step(sizes, "trainer.grpo", cfg, "--sft-model", policy, out)
     lines = _checked_metrics(out / "work" / "training_metrics.jsonl", sizes.grpo_steps)
     return {
         "deepspeed": version,
@@ -368,41 +395,15 @@ def check_deepspeed(sizes: Sizes, work: Path) -> dict:
 
 
 def check_sft_zero3(sizes: Sizes, work: Path) -> dict:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError as missing:
-        raise CheckSkipped(
-            f"DeepSpeed cannot be imported ({missing}): its wheel was not carried "
-            "(tools/build_gpu_wheels.py builds it without ops)"
-        ) from missing
-    from trainer.backends.config import OptimConfig
-    from trainer.sft.config import LoraSettings, SFTConfig
-
-    model, data = _fixtures(sizes, work)
-    cfg = SFTConfig(
-        lora=LoraSettings(r=8, alpha=16, experts=True),
-        optim=OptimConfig(backend="deepspeed", zero_stage=3, learning_rate=1e-3),
-        max_steps=sizes.sft_steps,
-        micro_batch_size=2,
+    _deepspeed_version()
+    cfg = _sft_config(
+        sizes,
+        lora={"r": 8, "alpha": 16, "experts": True},
+        optim={"backend": "deepspeed", "zero_stage": 3, "learning_rate": 1e-3},
         gradient_accumulation_steps=1,
-        dtype=sizes.dtype,
-        device=sizes.device,
-        merge_check_prompts=2,
-        eval_max_examples=8,
     )
     out = work / "sft-zero3"
-    config = work / "sft-zero3.json"
-    config.write_text(cfg.model_dump_json())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node", "1", "-m", "trainer.sft", "--config", str(config)]
-    command += ["--base-model", str(model), "--train", str(data / "train.jsonl")]
-    command += ["--eval", str(data / "eval.jsonl"), "--model-output", str(out / "model")]
-    command += ["--work-dir", str(out / "work")]
-    env = {**os.environ, "DS_ACCELERATOR": sizes.device, "DS_BUILD_OPS": "0"}
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
-    sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])  # into the check's log
-    if done.returncode != 0:
-        raise CheckFailed(f"torchrun -m trainer.sft (ZeRO-3) exited {done.returncode}")
+    done = _torchrun_step(sizes, "trainer.sft", cfg, "--base-model", _fixtures(sizes, work)[0], out)
     loaded = re.findall(r"model loaded (\w+): (\d+) of (\d+) parameters", done.stderr)
     if [how for how, *_ in loaded] != ["partitioned"]:
         raise CheckFailed(f"the model did not load partitioned: {loaded or 'no load line'}")

@@ -19,6 +19,12 @@ Checks, in order (``Sizes`` holds the sizes of the full run and of the dry run):
   of a one-GPU layout; the peak memory of the measured update against the planner's estimate
   for that layout.
 - ``deepspeed``: GRPO through DeepSpeed ZeRO-2 under torchrun, one process.
+- ``sft-zero3``: SFT as the gpt-oss-20b preset runs it, DeepSpeed ZeRO-3 with LoRA on
+  attention and experts, under torchrun (one process): the model loads partitioned (its log
+  line), trains, merges, and the merged model reloads.
+- ``mxfp4``: a tiny GPT-OSS in the hub's MXFP4 layout (``tests/mxfp4_checkpoint.py``) loads
+  unpacked to bf16 on the device, equal to the matrices it packs, even where transformers
+  would keep it packed (its figures say whether ``kernels`` and triton are there).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import json
 import logging
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -163,20 +171,30 @@ def check_device(sizes: Sizes, work: Path) -> dict:
     }
 
 
-def check_sft(sizes: Sizes, work: Path) -> dict:
+def _sft_config(sizes: Sizes, **fields):
+    """The SFT checks' config: ``sizes``' steps and dtype, 2 examples a micro-batch, a short
+    eval and merge check; ``fields`` on top."""
     from trainer.sft.config import SFTConfig
+
+    return SFTConfig.model_validate(
+        {
+            "max_steps": sizes.sft_steps,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "dtype": sizes.dtype,
+            "device": sizes.device,
+            "merge_check_prompts": 2,
+            "eval_max_examples": 8,
+            **fields,
+        }
+    )
+
+
+def check_sft(sizes: Sizes, work: Path) -> dict:
     from trainer.sft.recipe import run_sft
 
     model, data = _fixtures(sizes, work)
-    cfg = SFTConfig(
-        max_steps=sizes.sft_steps,
-        micro_batch_size=2,
-        gradient_accumulation_steps=2,
-        dtype=sizes.dtype,
-        device=sizes.device,
-        merge_check_prompts=2,
-        eval_max_examples=8,
-    )
+    cfg = _sft_config(sizes)
     started = time.monotonic()
     result = run_sft(
         cfg, model, data / "train.jsonl", data / "eval.jsonl", work / "sft", work / "sft-work"
@@ -324,7 +342,8 @@ def check_bf16_numerics(sizes: Sizes, work: Path) -> dict:
     }
 
 
-def check_deepspeed(sizes: Sizes, work: Path) -> dict:
+def _deepspeed_version() -> tuple[str, dict]:
+    """DeepSpeed's version and ``installed_ops``; a skip (a FAIL) when it cannot be imported."""
     try:
         from deepspeed.git_version_info import installed_ops, version
     except ImportError as missing:
@@ -332,22 +351,38 @@ def check_deepspeed(sizes: Sizes, work: Path) -> dict:
             f"DeepSpeed cannot be imported ({missing}): its wheel was not carried "
             "(tools/build_gpu_wheels.py builds it without ops)"
         ) from missing
+    return version, installed_ops
 
-    policy, source = _policy_dir(sizes, work)
-    data = _fixtures(sizes, work)[1]
-    config = work / "grpo-deepspeed.json"
-    cfg = _grpo_config(sizes, backend="deepspeed", zero_stage=2, learning_rate=1e-6)
+
+def _torchrun_step(
+    sizes: Sizes, module: str, cfg, base_flag: str, base: Path, out: Path
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 1 -m <module>`` (``trainer.sft`` / ``trainer.grpo``) with
+    ``cfg`` from ``base`` on the bundled data into ``out``; its output goes to this check's
+    log and comes back."""
+    data = _fixtures(sizes, out.parent)[1]
+    config = out.with_suffix(".json")
     config.write_text(cfg.model_dump_json())
-    out = work / "grpo-deepspeed"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node", "1", "-m", "trainer.grpo", "--config", str(config)]
-    command += ["--sft-model", str(policy), "--train", str(data / "train.jsonl")]
+    command += ["--nproc_per_node", "1", "-m", module, "--config", str(config)]
+    command += [base_flag, str(base), "--train", str(data / "train.jsonl")]
     command += ["--eval", str(data / "eval.jsonl"), "--model-output", str(out / "model")]
     command += ["--work-dir", str(out / "work")]
     env = {**os.environ, "DS_ACCELERATOR": sizes.device, "DS_BUILD_OPS": "0"}
-    done = subprocess.run(command, env=env, cwd=ROOT)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
     if done.returncode != 0:
-        raise CheckFailed(f"torchrun -m trainer.grpo (ZeRO-2) exited {done.returncode}")
+        raise CheckFailed(f"torchrun -m {module} exited {done.returncode}")
+    return done
+
+
+def check_deepspeed(sizes: Sizes, work: Path) -> dict:
+    version, installed_ops = _deepspeed_version()
+    policy, source = _policy_dir(sizes, work)
+    cfg = _grpo_config(sizes, backend="deepspeed", zero_stage=2, learning_rate=1e-6)
+    out = work / "grpo-deepspeed"
+    _torchrun_step(sizes, "trainer.grpo", cfg, "--sft-model", policy, out)
     lines = _checked_metrics(out / "work" / "training_metrics.jsonl", sizes.grpo_steps)
     return {
         "deepspeed": version,
@@ -359,6 +394,69 @@ def check_deepspeed(sizes: Sizes, work: Path) -> dict:
     }
 
 
+def check_sft_zero3(sizes: Sizes, work: Path) -> dict:
+    _deepspeed_version()
+    cfg = _sft_config(
+        sizes,
+        lora={"r": 8, "alpha": 16, "experts": True},
+        optim={"backend": "deepspeed", "zero_stage": 3, "learning_rate": 1e-3},
+        gradient_accumulation_steps=1,
+    )
+    out = work / "sft-zero3"
+    done = _torchrun_step(sizes, "trainer.sft", cfg, "--base-model", _fixtures(sizes, work)[0], out)
+    loaded = re.findall(r"model loaded (\w+): (\d+) of (\d+) parameters", done.stderr)
+    if [how for how, *_ in loaded] != ["partitioned"]:
+        raise CheckFailed(f"the model did not load partitioned: {loaded or 'no load line'}")
+    lines = _checked_metrics(out / "work" / "training_metrics.jsonl", sizes.sft_steps)
+    losses = [line["loss"] for line in lines if "loss" in line]
+    return {
+        "dtype": sizes.dtype,
+        "loaded": f"{loaded[0][1]} of {loaded[0][2]}",
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "reloaded_params": _reloads(out / "model"),
+    }
+
+
+def _tests_module(name: str):
+    """A helper module of the tests (``tests/<name>.py``), loaded by its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_mxfp4(sizes: Sizes, work: Path) -> dict:
+    import importlib.util
+
+    import torch
+
+    from core.modeling import load_causal_lm
+
+    packer = _tests_module("mxfp4_checkpoint")
+    out = work / "mxfp4-model"
+    shutil.rmtree(out, ignore_errors=True)
+    originals = packer.write_mxfp4_checkpoint(_fixtures(sizes, work)[0], out)
+    model = load_causal_lm(out, torch.bfloat16, torch.device(sizes.device))
+    experts = type(model.model.layers[0].mlp.experts).__name__
+    if experts != "GptOssExperts":
+        raise CheckFailed(f"the experts loaded as {experts}, not unpacked (GptOssExperts)")
+    state = model.state_dict()
+    wrong = [n for n, t in originals.items() if not torch.equal(state[n].cpu(), t)]
+    if wrong:
+        raise CheckFailed(f"dequantized experts differ from the packed matrices: {wrong}")
+    if getattr(model.config, "quantization_config", None) is not None:
+        raise CheckFailed("the loaded model still carries a quantization_config")
+    return {
+        "experts": experts,
+        "matrices": len(originals),
+        "kernels_installed": importlib.util.find_spec("kernels") is not None,
+        "triton_installed": importlib.util.find_spec("triton") is not None,
+    }
+
+
 CHECKS: dict[str, Check] = {
     "device": Check(check_device, 60, 60),
     "sft": Check(check_sft, 90, 90),
@@ -366,6 +464,8 @@ CHECKS: dict[str, Check] = {
     "bf16-numerics": Check(check_bf16_numerics, 60, 60),
     "planner": Check(check_planner, 180, 90),
     "deepspeed": Check(check_deepspeed, 120, 240),
+    "sft-zero3": Check(check_sft_zero3, 120, 240),
+    "mxfp4": Check(check_mxfp4, 60, 120),
 }
 
 

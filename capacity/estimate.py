@@ -25,6 +25,7 @@ from capacity.storage import storage_terms
 from capacity.training_memory import (
     CUDA_RUNTIME_GIB,
     gpu_resident_state,
+    load_description,
     trainable_parameters,
     training_rank_terms,
 )
@@ -81,19 +82,23 @@ def _sum(terms: list[Term]) -> Bounds:
     return total
 
 
-def _resource(key: str, label: str, capacity: float, terms: list[Term]) -> Resource:
+def _resource(
+    key: str, label: str, capacity: float, terms: list[Term], detail: str = ""
+) -> Resource:
     verdict = verdict_for(_sum(terms), capacity)
-    return Resource(key, label, capacity, tuple(terms), verdict, advice_for(terms, verdict))
+    advice = advice_for(terms, verdict)
+    return Resource(key, label, capacity, tuple(terms), verdict, advice, detail)
 
 
 def _training_resource(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> Resource:
     terms = training_rank_terms(spec, counts, layout)
+    load = load_description(spec, counts, layout)
     host_capacity = (layout.host_memory_gib - layout.host_reserved_gib) * GIB
     if layout.device == "cpu":
         ranks = min(layout.gpus_per_node, layout.training_gpus)
         terms.append(Term("process", "Python + torch process", CPU_PROCESS_RSS_GIB * GIB))
         return _resource(
-            "training_gpu", "memory / training process (CPU)", host_capacity / ranks, terms
+            "training_gpu", "memory / training process (CPU)", host_capacity / ranks, terms, load
         )
     if layout.hybrid:
         terms.append(
@@ -105,7 +110,7 @@ def _training_resource(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
             )
         )
     return _resource(
-        "training_gpu", "GPU memory / training rank", layout.gpu_memory_gib * GIB, terms
+        "training_gpu", "GPU memory / training rank", layout.gpu_memory_gib * GIB, terms, load
     )
 
 

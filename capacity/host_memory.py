@@ -10,6 +10,11 @@ hybrid one they sit on the training GPUs. Per node:
 - ZeRO-3 ``param_offload``: each local rank's weights partition;
 - hybrid with vLLM sleep level 1: each local rollout GPU's weight shard (level 2 drops it);
 - rank 0's node: the HF save gathers the full bf16 state dict (LoRA: the adapter) on the host;
+  or, where the step ends with the whole model on rank 0 (``final_model_on_rank0``: SFT's
+  merge), that model and its reload for the merge check;
+- every rank that loads the whole model (``Layout.whole_model_load``): a copy on the host
+  while ``from_pretrained`` reads it, before it moves to the GPU; the load comes before the
+  training state exists, so only what it adds beyond the (low) training phase counts;
 - hybrid with ``deepspeed_enable_sleep``: each local rank's GPU-resident training state,
   parked while vLLM is awake, i.e. while the two items above are absent: only what it adds
   beyond them counts toward the peak;
@@ -24,7 +29,7 @@ from capacity.layouts import Layout
 from capacity.model_spec import ModelSpec, ParameterCount
 from capacity.quantities import GIB, Bounds, Term
 from capacity.rollout_memory import rollout_weight_bytes
-from capacity.training_memory import rank_share, trainable_parameters
+from capacity.training_memory import loaded_parameters, rank_share, trainable_parameters
 
 OFFLOAD_BYTES_PER_PARAM = 16
 PINNED_BUFFER_GIB = Bounds(0.0, 1.0, 2.0)
@@ -140,7 +145,18 @@ def host_node_terms(
                 "non-hybrid (rollout GPUs of their own), or vllm_sleep_level=2",
             )
         )
-    if role.holds_rank0:
+    if role.holds_rank0 and layout.final_model_on_rank0:
+        final = 2 * layout.weight_bytes * counts.total
+        training_phase += final
+        terms.append(
+            Term(
+                "final_model",
+                "final model whole on rank 0, and its reload (merge check)",
+                Bounds.exact(final),
+                "add host memory to node 0",
+            )
+        )
+    elif role.holds_rank0:
         saved = trainable_parameters(spec, counts, layout) if layout.lora_rank else counts.total
         gathered = HF_SAVE_BYTES_PER_PARAM * saved
         training_phase += gathered
@@ -168,6 +184,19 @@ def host_node_terms(
                 "non-hybrid (training states then stay on their GPUs)",
             )
         )
+    if layout.whole_model_load and t:
+        # each local rank's from_pretrained reads the whole model on the host first
+        load = t * layout.weight_bytes * loaded_parameters(spec, counts, layout)
+        training_low = sum(term.bytes.low for term in terms)
+        if load > training_low:
+            terms.append(
+                Term(
+                    "whole_model_load",
+                    f"model load: {t} ranks' whole copies (beyond the above)",
+                    Bounds.exact(load - training_low),
+                    "load partitioned (DeepSpeed ZeRO-3 builds the model under zero.Init)",
+                )
+            )
     processes = t + role.rollout_gpus  # a vLLM worker is its own process, hybrid or not
     if processes:
         rss = GPU_PROCESS_RSS_GIB if layout.device == "cuda" else CPU_PROCESS_RSS_GIB

@@ -39,6 +39,12 @@ class Layout(BaseModel):
             ``--colocate_all_models``, verl's hybrid engine); otherwise rollout GPUs are
             separate and placed after the training GPUs.
         zero_stage: DeepSpeed ZeRO stage 0-3.
+        partitioned_load: ZeRO-3 builds the model partitioned (``zero.Init``) and fills it one
+            gathered tensor at a time, so no rank holds it whole (this project's loader and
+            OpenRLHF's); false: every rank loads the whole model onto its GPU, through its
+            host, and DeepSpeed partitions it afterwards. Below ZeRO-3 the load is whole.
+        final_model_on_rank0: the step ends on rank 0's host with the whole trained model and
+            its reload (SFT: the LoRA merge and its check).
         adam_offload: optimizer states on the host (DeepSpeed ``offload_optimizer``, Megatron
             ``optimizer_cpu_offload``).
         param_offload: ZeRO-3 ``offload_param``: bf16 weights partitions on the host.
@@ -88,6 +94,8 @@ class Layout(BaseModel):
     rollout_gpus: int = Field(0, ge=0)
     hybrid: bool = False
     zero_stage: int = Field(3, ge=0, le=3)
+    partitioned_load: bool = True
+    final_model_on_rank0: bool = False
     adam_offload: bool = False
     param_offload: bool = False
     deepspeed_enable_sleep: bool = False
@@ -152,6 +160,13 @@ class Layout(BaseModel):
     def vllm_num_engines(self) -> int:
         """vLLM engines (each ``vllm_tensor_parallel_size`` GPUs)."""
         return self.rollout_gpus // self.vllm_tensor_parallel_size
+
+    @property
+    def whole_model_load(self) -> bool:
+        """Every training rank loads the whole model before training (DeepSpeed below ZeRO-3,
+        or ZeRO-3 without ``partitioned_load``); Megatron ranks read their own shards."""
+        partitioned = self.zero_stage == 3 and self.partitioned_load
+        return self.backend == "deepspeed" and not partitioned
 
     @property
     def weight_bytes(self) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from capacity.activations import activation_bytes, logits_bytes, recomputed_layer_bytes
 from capacity.layouts import Layout
 from capacity.model_spec import ModelSpec, ParameterCount, count_lora_parameters
-from capacity.quantities import GIB, ZERO, Bounds, Term, format_count
+from capacity.quantities import GIB, ZERO, Bounds, Term, format_bytes, format_count
 
 # CUDA context, cuBLAS workspaces and NCCL buffers of one process, in GiB.
 CUDA_RUNTIME_GIB = Bounds(0.5, 1.0, 2.0)
@@ -105,6 +105,59 @@ def rank_share(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> RankS
     optimizer = share * (dense / dense_dp + experts / expert_dp)
     adapter_on_rank = share * weights if layout.lora_rank else 0.0
     return RankShare(weights, adapter_on_rank, share * weights, optimizer)
+
+
+def largest_tensor(spec: ModelSpec, counts: ParameterCount) -> int:
+    """Elements of the model's largest tensor (the embedding, ``lm_head`` or one layer's
+    ``gate_up_proj``): what a partitioned load gathers at once."""
+    gate_up = spec.num_experts * spec.hidden_size * 2 * spec.intermediate_size
+    return max(counts.embedding, counts.unembedding, gate_up)
+
+
+def loaded_parameters(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> float:
+    """Parameters one training rank holds once the model is loaded, before training: its
+    share when the load is partitioned (ZeRO-3) or sharded (Megatron), else all of them."""
+    if layout.whole_model_load:
+        return counts.total
+    return rank_share(spec, counts, layout).weights
+
+
+def load_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> list[Term]:
+    """What loading the model adds on a training rank beyond its share of the weights: the
+    rest of the model when every rank loads it whole and ZeRO-3 partitions it only in
+    ``deepspeed.initialize``. Counted as if it met the training peak (an upper bound: at load
+    nothing else but the weights is there yet). Empty for a partitioned or sharded load."""
+    share = rank_share(spec, counts, layout)
+    on_device = 0.0 if layout.param_offload else share.weights
+    extra = loaded_parameters(spec, counts, layout) - on_device
+    if extra <= 0:
+        return []
+    return [
+        Term(
+            "whole_model_load",
+            "model load: the whole model on every rank, then partitioned",
+            Bounds.exact(layout.weight_bytes * extra),
+            "load partitioned (DeepSpeed ZeRO-3 builds the model under zero.Init)",
+        )
+    ]
+
+
+def load_description(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> str:
+    """One line on how a training rank loads the model (the table's detail line)."""
+    w = layout.weight_bytes
+    if layout.backend == "megatron":
+        return "model load: each rank reads its own shard of the Megatron checkpoint"
+    if not layout.whole_model_load:
+        share = rank_share(spec, counts, layout).weights
+        return (
+            f"model load: partitioned (ZeRO-3 zero.Init), {format_count(share)} params a rank, "
+            f"one tensor gathered at a time (largest "
+            f"{format_bytes(w * largest_tensor(spec, counts))})"
+        )
+    whole = format_bytes(w * counts.total)
+    if layout.zero_stage == 3:
+        return f"model load: the whole model ({whole}) on every rank before ZeRO-3 partitions it"
+    return f"model load: the whole model ({whole}) on every rank (ZeRO-{layout.zero_stage})"
 
 
 def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> list[Term]:
@@ -194,6 +247,7 @@ def training_rank_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout)
     """
     w = layout.weight_bytes
     terms = gpu_resident_state(spec, counts, layout)
+    terms[1:1] = load_terms(spec, counts, layout)
     if layout.backend == "deepspeed" and layout.zero_stage == 3 and layout.training_gpus > 1:
         largest = max(counts.per_layer, counts.embedding)
         terms.insert(

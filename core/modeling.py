@@ -95,11 +95,14 @@ def load_generation_config(path: str | Path):
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | None = None):
-    """``AutoModelForCausalLM.from_pretrained`` with eager attention on CPU."""
+    """``AutoModelForCausalLM.from_pretrained`` with eager attention on CPU; MXFP4 experts
+    (the hub's gpt-oss) dequantized to ``dtype`` (``core.mxfp4``)."""
     from transformers import AutoModelForCausalLM
 
+    from core.mxfp4 import from_pretrained_kwargs
+
     path = check_model_dir(path)
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": dtype, **from_pretrained_kwargs(path, dtype)}
     if device is None or device.type == "cpu":
         kwargs["attn_implementation"] = "eager"  # sdpa/flex/MXFP4 kernels do not run on CPU
     try:

@@ -108,3 +108,19 @@ def tiny_model_dir(tmp_path_factory):
     from trainer.tiny_model import SMALLEST, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", SMALLEST)
+
+
+@pytest.fixture(scope="session")
+def mxfp4_model(tmp_path_factory):
+    """``(directory, originals)``: a tiny GPT-OSS written as the hub ships gpt-oss (MXFP4
+    experts, ``tests/mxfp4_checkpoint.py``), and the bf16 expert matrices a loader must give
+    back. Its experts are not square (intermediate 96, hidden 64), so a transposed matrix
+    cannot pass for the right one."""
+    from mxfp4_checkpoint import write_mxfp4_checkpoint
+
+    from trainer.tiny_model import SMALLEST, build_tiny_model
+
+    root = tmp_path_factory.mktemp("mxfp4")
+    source = build_tiny_model(root / "bf16", SMALLEST.model_copy(update={"intermediate_size": 96}))
+    originals = write_mxfp4_checkpoint(source, root / "mxfp4")
+    return root / "mxfp4", originals

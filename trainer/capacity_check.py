@@ -75,6 +75,8 @@ def _training_fields(optim: OptimConfig) -> dict[str, object]:
         "zero_stage": optim.zero_stage if optim.backend == "deepspeed" else 0,
         "adam_offload": optim.backend == "deepspeed" and optim.offload_optimizer,
         "param_offload": optim.backend == "deepspeed" and optim.offload_params,
+        # how the step's loader loads (trainer.backends.loading): the planner models the same
+        "partitioned_load": optim.partitioned_load,
     }
 
 
@@ -177,6 +179,8 @@ def sft_layout(
         "lora_experts": sft.lora.experts,
         "kl": False,
         "max_ckpt_num": sft.keep_checkpoints,
+        # the merge: rank 0 holds the trained model whole, and its reload for the check
+        "final_model_on_rank0": True,
     }
     return _validated(base, f"{base.name} (SFT as configured)", fields, overrides)
 

@@ -232,7 +232,10 @@ def write_hf_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from core.mxfp4 import drop_quantization_config
+
     config = AutoConfig.from_pretrained(template_dir)
+    drop_quantization_config(config)  # an MXFP4 template: the weights written are unpacked
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     expected = set(model.state_dict())

@@ -4,7 +4,9 @@
   ``HfDeepSpeedConfig`` makes ``from_config`` run under ``deepspeed.zero.Init``), then filled
   from its safetensors one tensor at a time: rank 0 reads a tensor from the file (plain reads,
   no memory map, so no page of the file stays resident), the ranks gather that one parameter,
-  rank 0 copies it in, and DeepSpeed re-partitions it.
+  rank 0 copies it in, and DeepSpeed re-partitions it. MXFP4 experts (the hub's gpt-oss) are
+  dequantized one matrix at a time as they are read (``model_entries``). SFT and GRPO both
+  load this way under ZeRO-3.
 - ``gathered_parameters``: the weights under their names, one gathered parameter at a time
   (for a rollout engine that keeps its own copy).
 - ``save_gathered``: a Hugging Face directory written by rank 0 one gathered tensor at a time
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from core import mxfp4
 from core.modeling import ModelLoadError, check_model_dir
 
 log = logging.getLogger(__name__)
@@ -93,6 +96,36 @@ def safetensors_entries(model_dir: str | Path) -> dict[str, SafetensorsEntry]:
     return entries
 
 
+class DequantizedEntry:
+    """An MXFP4 expert matrix stored as ``<name>_blocks`` / ``<name>_scales``: read both,
+    dequantized to ``dtype`` (``core.mxfp4.dequantize``)."""
+
+    def __init__(self, blocks: SafetensorsEntry, scales: SafetensorsEntry, dtype: torch.dtype):
+        self.blocks, self.scales, self.dtype = blocks, scales, dtype
+        self.shape = mxfp4.dequantized_shape(blocks.shape)
+
+    def read(self) -> torch.Tensor:
+        return mxfp4.dequantize(self.blocks.read(), self.scales.read(), self.dtype)
+
+
+def model_entries(
+    model_dir: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, SafetensorsEntry | DequantizedEntry]:
+    """The model's weights by their Hugging Face names (headers only): the safetensors
+    entries, each MXFP4 pair replaced by the matrix it packs, dequantized to ``dtype`` when
+    read (``model_dir``'s ``config.json`` must say MXFP4 for pairs to be unpacked)."""
+    entries: dict = safetensors_entries(model_dir)
+    if not mxfp4.is_mxfp4(model_dir):
+        return entries
+    blocks_suffix, scales_suffix = mxfp4.PACKED_SUFFIXES
+    for name in [n.removesuffix(blocks_suffix) for n in entries if n.endswith(blocks_suffix)]:
+        scales = entries.pop(f"{name}{scales_suffix}", None)
+        if scales is None:
+            raise ModelLoadError(f"{model_dir}: {name}{blocks_suffix} has no {scales_suffix}")
+        entries[name] = DequantizedEntry(entries.pop(f"{name}{blocks_suffix}"), scales, dtype)
+    return entries
+
+
 def gather_windows(model_dir: str | Path, world_size: int = 1) -> dict[str, int]:
     """ZeRO-3 settings for ``model_dir`` on ``world_size`` ranks: each of DeepSpeed's absolute
     window sizes, bounded by the model's largest tensor (in elements).
@@ -107,7 +140,7 @@ def gather_windows(model_dir: str | Path, world_size: int = 1) -> dict[str, int]
     temporaries of a sub-group's size. Bounded by the largest tensor's partition
     (``ceil(largest / world_size)``), a sub-group is about one large partition, not several.
     """
-    largest = max(math.prod(e.shape) for e in safetensors_entries(model_dir).values())
+    largest = max(math.prod(e.shape) for e in model_entries(model_dir).values())
     windows = {key: min(default, largest) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
     windows["sub_group_size"] = min(windows["sub_group_size"], math.ceil(largest / world_size))
     return windows
@@ -139,6 +172,31 @@ def share_fp32_master(optimizer) -> int:
         master.data = module_flat.data  # the clone is freed: nothing else refers to it
         shared += 1
     return shared
+
+
+def mark_expert_leaves(module: torch.nn.Module) -> int:
+    """Flag each GPT-OSS experts module (``GptOssExperts``) as a ZeRO-3 leaf: its parameters,
+    and those of anything inside it, are gathered together when it runs. Returns how many.
+
+    peft's LoRA on the experts' 3-D weights (``target_parameters``) moves them, for the length
+    of each forward, into a parametrization registered inside the experts module (peft
+    ``ParamWrapper._activate_lora``: ``register_parametrization``, then
+    ``_remove_parametrizations``). The experts module's own parameters then differ between
+    the forward (its biases only) and the trace DeepSpeed builds from it after the step (every
+    weight), and from the next forward on DeepSpeed 0.19's prefetch fails ("tracing error ...
+    expected the next 2 parameters in the parameter fetch queue", ``fetch_sub_module`` in
+    ``runtime/zero/partitioned_param_coordinator.py``) wherever an expert weight is larger
+    than ``stage3_param_persistence_threshold``. A leaf's parameters are gathered
+    recursively (``iter_params(..., recurse=z3_leaf_module(...))``): the same set, moved or
+    not. Only where peft wraps the experts (its ``ParamWrapper``): GRPO's full-parameter
+    models are left as they are.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    if not any(type(m).__name__ == "ParamWrapper" for m in module.modules()):
+        return 0
+    classes = {type(m) for m in module.modules() if type(m).__name__ == "GptOssExperts"}
+    return len(set_z3_leaf_modules(module, sorted(classes, key=str))) if classes else 0
 
 
 def init_deepspeed_comm(device: torch.device) -> None:
@@ -173,18 +231,25 @@ def load_partitioned(
     init_deepspeed_comm(device)
     path = check_model_dir(path)
     config = AutoConfig.from_pretrained(path)
+    if mxfp4.is_mxfp4(path):
+        mxfp4.log_dequantization(path, dtype, "the partitioned loader (one matrix at a time)")
+        mxfp4.drop_quantization_config(config)  # the model is built unpacked
     kwargs = {"dtype": dtype}
     if device.type == "cpu":
         kwargs["attn_implementation"] = "eager"  # sdpa/flex/MXFP4 kernels do not run on CPU
     # transformers builds under zero.Init while this object lives; dropped right after, so a
-    # later rank-0-only load (an export) is a plain one
+    # later rank-0-only load (an export) is a plain one. The build's random initialization
+    # (overwritten below) draws from a forked generator: like from_pretrained, the load leaves
+    # the caller's random stream as it was, so what comes next (LoRA's initialization) draws
+    # the same numbers whichever way the model was loaded.
     hf_ds_config = HfDeepSpeedConfig(ds_config)
     try:
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
     finally:
         unset_hf_deepspeed_config()
         del hf_ds_config
-    entries = safetensors_entries(path)
+    entries = model_entries(path, dtype)
     problems = []
     for name, param in model.named_parameters():
         shape = tuple(getattr(param, "ds_shape", param.shape))
@@ -264,6 +329,7 @@ def save_gathered(
             fh.close()
     if writer:
         config.dtype = dtype
+        mxfp4.drop_quantization_config(config)  # the weights written are never packed
         config.save_pretrained(directory)
         generation = getattr(module, "generation_config", None)
         if generation is not None:

@@ -21,7 +21,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 GPU_MACHINE = Path(__file__).resolve().parent / "gpu_machine"
-CHECKS = ["install-wheels", "device", "sft", "grpo", "bf16-numerics", "planner", "deepspeed"]
+CHECKS = [
+    "install-wheels",
+    "device",
+    "sft",
+    "grpo",
+    "bf16-numerics",
+    "planner",
+    "deepspeed",
+    "sft-zero3",
+    "mxfp4",
+]
 
 
 def _wheel(folder: Path, name: str = "gpu_check_probe", version: str = "1.0") -> Path:
@@ -134,3 +144,6 @@ def test_dry_run_passes_every_check_end_to_end(tmp_path):
     planner = figures["planner"]
     assert 0 < planner["ratio"] <= 1.5 and planner["rollout_tokens_per_s"] > 0
     assert figures["bf16-numerics"]["top1"] >= 0.9
+    held, total = map(int, figures["sft-zero3"]["loaded"].split(" of "))
+    assert held == total  # one process: its partition is the whole model
+    assert figures["mxfp4"]["matrices"] == 4 and figures["mxfp4"]["experts"] == "GptOssExperts"

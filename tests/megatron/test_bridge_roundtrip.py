@@ -206,6 +206,32 @@ def test_bf16_round_trip_is_exact_on_cpu(on_cpu, tiny_models, tmp_path):
     round_trip(hf_dir, tmp_path, "bf16", "cpu")
 
 
+def test_an_mxfp4_checkpoint_converts_unpacked_and_exports_without_its_quantization(
+    on_cpu, tiny_models, tmp_path, caplog
+):
+    """The hub's gpt-oss layout (experts as MXFP4 pairs, tests/mxfp4_checkpoint.py): the
+    conversion says it dequantizes (megatron-bridge does), and the export back to HF holds the
+    very matrices that were packed, in bf16, with no quantization config."""
+    import logging
+
+    from mxfp4_checkpoint import write_mxfp4_checkpoint
+
+    source = _as_dtype(tiny_models["default"], torch.bfloat16, tmp_path / "bf16")
+    originals = write_mxfp4_checkpoint(source, tmp_path / "mxfp4")
+    megatron_dir = tmp_path / "megatron"
+    with caplog.at_level(logging.INFO, logger="core.mxfp4"):
+        bridge.convert_hf_to_megatron(
+            str(tmp_path / "mxfp4"), str(megatron_dir), Layout(params_dtype="bf16")
+        )
+    assert any("MXFP4 experts" in r.getMessage() for r in caplog.records)
+    bridge.export_megatron_to_hf(str(megatron_dir), str(tmp_path / "mxfp4"), str(tmp_path / "hf"))
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    exported = _hf_weights(tmp_path / "hf")
+    assert not any(name.endswith(("_blocks", "_scales")) for name in exported)
+    for name, original in originals.items():
+        assert torch.equal(exported[name], original), name
+
+
 def test_failed_conversion_leaves_nothing(on_cpu, tmp_path):
     hf_dir = tmp_path / "not-a-model"
     hf_dir.mkdir()

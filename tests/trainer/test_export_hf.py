@@ -356,3 +356,17 @@ def test_megatron_export_adds_tokenizer_checks_loading_and_publishes_atomically(
     with pytest.raises(ExportError, match="does not load cleanly"):
         export_megatron(megatron_dir, tiny_model_dir, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists() and not list(tmp_path.glob(".*partial"))
+
+
+def test_an_mxfp4_template_exports_unpacked_weights_without_its_quantization_config(
+    mxfp4_model, tmp_path
+):
+    from core.modeling import load_causal_lm
+
+    template, originals = mxfp4_model  # the hub's gpt-oss layout: the run started from it
+    state = load_causal_lm(template, torch.bfloat16).state_dict()
+    out = tmp_path / "out"
+    write_hf_model(state, template, out, torch.bfloat16)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    copy_template_files(template, out)
+    check_loadable(out, {**state, **originals})  # plain from_pretrained: the same bf16 weights

@@ -1,6 +1,7 @@
 """SFT as separate processes: DeepSpeed ZeRO-3 under torchrun, and kill-and-resume."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -50,9 +51,34 @@ def _losses(tmp, name):
     ]
 
 
+def _planned_load_per_rank(model_dir, cfg: dict, processes: int) -> float:
+    """The capacity check's figure for the parameters an SFT rank holds once loaded."""
+    from capacity.model_spec import count_parameters, load_model_spec
+    from capacity.training_memory import loaded_parameters
+    from trainer.capacity_check import sft_layout
+    from trainer.sft.config import SFTConfig
+
+    sft = SFTConfig.model_validate({**cfg, "nproc": processes, "device": "cpu"})
+    layout = sft_layout("tiny-cpu", sft, nodes=1, gpus_per_node=processes)
+    spec = load_model_spec(model_dir)
+    return loaded_parameters(spec, count_parameters(spec), layout)
+
+
+@pytest.fixture(scope="module")
+def wide_experts_dir(tmp_path_factory):
+    """A tiny GPT-OSS whose expert weights (4 × 64 × 1024 and 4 × 512 × 64) are larger than
+    DeepSpeed's ``stage3_param_persistence_threshold`` (10⁵): ZeRO-3 gathers and releases
+    them on every forward, as it does gpt-oss-20b's (the smallest model's stay gathered)."""
+    from trainer.tiny_model import SMALLEST, build_tiny_model
+
+    config = SMALLEST.model_copy(update={"intermediate_size": 512})
+    return build_tiny_model(tmp_path_factory.mktemp("wide") / "model", config)
+
+
 def test_deepspeed_zero3_two_processes_follow_the_single_process_run(
-    tmp_path, tiny_model_dir, prepared_data
+    tmp_path, wide_experts_dir, prepared_data
 ):
+    tiny_model_dir = wide_experts_dir  # LoRA on experts that ZeRO-3 fetches every forward
     steps = {"max_steps": 4, "optim": {"learning_rate": 1e-2}}
     single = {**BASE, **steps, "gradient_accumulation_steps": 2}
     zero3 = {
@@ -70,12 +96,23 @@ def test_deepspeed_zero3_two_processes_follow_the_single_process_run(
         ],
         check=True,
     )
-    subprocess.run(
+    run = subprocess.run(
         torchrun_command(
             "trainer.sft", _args(tmp_path, "zero3", zero3, tiny_model_dir, prepared_data), 2
         ),
-        check=True,
+        capture_output=True,
+        text=True,
     )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # each rank loaded its partition only, which is what the capacity check plans for SFT
+    loads = re.findall(r"rank (\d): model loaded (\w+): (\d+) of (\d+) parameters", run.stderr)
+    planned = _planned_load_per_rank(tiny_model_dir, zero3, 2)
+    tensors = len(load_file(tiny_model_dir / "model.safetensors"))
+    assert sorted(rank for rank, *_ in loads) == ["0", "1"], run.stderr[-3000:]
+    for _, how, held, total in loads:
+        assert how == "partitioned" and int(held) < int(total)
+        # DeepSpeed pads each tensor's partition: at most one element a tensor on 2 ranks
+        assert abs(int(held) - planned) <= tensors, (held, planned)
     a, b = _losses(tmp_path, "single"), _losses(tmp_path, "zero3")
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
     for (_, x), (_, y) in zip(a, b, strict=True):

@@ -157,3 +157,18 @@ def test_sft_refuses_the_megatron_backend():
         SFTConfig.model_validate(
             {"optim": {"backend": "megatron", "megatron": {"layout": "tiny-cpu"}}}
         )
+
+
+def test_sft_from_the_hubs_mxfp4_layout_merges_into_a_plain_model(
+    tmp_path, mxfp4_model, prepared_data
+):
+    """The gpt-oss-20b preset starts SFT from the hub checkpoint, whose experts are MXFP4."""
+    model_dir, originals = mxfp4_model
+    result = _run(tmp_path, model_dir, prepared_data, max_steps=2, dtype="float32")
+    saved = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert "quantization_config" not in saved and saved["dtype"] == "float32"
+    merged = load_file(tmp_path / "model" / "model.safetensors")
+    assert not any(name.endswith(("_blocks", "_scales")) for name in merged)
+    for name, original in originals.items():  # LoRA on attention only: experts as loaded
+        assert torch.equal(merged[name], original.float()), name
+    assert result.merge["max_abs_diff_after_reload"] <= result.merge["tolerance"]

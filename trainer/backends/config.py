@@ -132,6 +132,14 @@ class OptimConfig(ConfigModel):
             )
         return self
 
+    @property
+    def partitioned_load(self) -> bool:
+        """Whether the step's model is loaded partitioned: DeepSpeed ZeRO-3 builds it under
+        ``zero.Init`` and fills it one tensor at a time, so no rank ever holds it whole
+        (``trainer.backends.loading``). Otherwise every rank loads the whole model. The
+        capacity check models the load with this same property."""
+        return self.backend == "deepspeed" and self.zero_stage == 3
+
 
 class ProcessSettings(ConfigModel):
     """How a training step runs its processes; shared by the SFT and GRPO configs."""

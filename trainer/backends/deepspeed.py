@@ -37,7 +37,12 @@ class DeepSpeedBackend(HFModuleBackend):
         ds_config: dict | None = None,
         reference_dir: str | Path | None = None,
     ) -> None:
-        from trainer.zero3 import init_deepspeed_comm, load_partitioned, share_fp32_master
+        from trainer.zero3 import (
+            init_deepspeed_comm,
+            load_partitioned,
+            mark_expert_leaves,
+            share_fp32_master,
+        )
 
         init_deepspeed_comm(dist_info.device)  # a clear ImportError without DeepSpeed
         import deepspeed
@@ -67,6 +72,8 @@ class DeepSpeedBackend(HFModuleBackend):
             self.reference = self._reference_engine.module.eval().requires_grad_(False)
         elif with_reference:
             self.reference = frozen_copy(model)  # ZeRO-0/1/2: every rank holds it whole
+        if cfg.zero_stage == 3:
+            mark_expert_leaves(model)  # before initialize, which hooks the modules
         # offloaded: DeepSpeed's CPU Adam (ds_config["optimizer"]) runs the update
         optimizer = None if cfg.offload_optimizer else optimizer_factory(cfg)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -119,6 +126,7 @@ class DeepSpeedBackend(HFModuleBackend):
                 if self.engine.global_rank == 0
                 else None
             )
+        self._settle()
         state: dict[str, torch.Tensor] = {}
         for name, tensor in gathered_parameters(model):
             if self.engine.global_rank == 0:
@@ -140,8 +148,18 @@ class DeepSpeedBackend(HFModuleBackend):
         if self.cfg.zero_stage == 3:
             from trainer.zero3 import gathered_parameters
 
+            self._settle()
             return gathered_parameters(self.engine.module)
         return ((n, p.detach()) for n, p in self.engine.module.named_parameters())
+
+    def _settle(self) -> None:
+        """Before gathering outside a forward: wait for and release what ZeRO-3 still has in
+        flight or gathered. A forward without a backward (an eval) leaves the prefetch of the
+        parameters its trace's backward would use in flight, and a gather of one of them then
+        fails ("Cannot partition a param in flight", DeepSpeed 0.19
+        ``partition_parameters.py`` ``_partition_param``); ``empty_partition_cache``
+        (``release_and_reset_all``) waits for and releases every parameter."""
+        self.engine.empty_partition_cache()
 
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
         if self.cfg.zero_stage == 3:  # streamed: no rank ever holds the whole model
@@ -151,6 +169,7 @@ class DeepSpeedBackend(HFModuleBackend):
 
             config = AutoConfig.from_pretrained(base_model)
             writer = self.engine.global_rank == 0
+            self._settle()
             save_gathered(self.engine.module, directory, config, dtype, writer)
             return
         from core.modeling import load_causal_lm

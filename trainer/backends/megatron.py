@@ -540,6 +540,7 @@ class MegatronBackend:
         import torch.distributed as dist
         from transformers import AutoConfig
 
+        from core.mxfp4 import drop_quantization_config
         from trainer.megatron.bridge import _ShardWriter
 
         directory = Path(directory)
@@ -551,6 +552,7 @@ class MegatronBackend:
             writer.close()
             config = AutoConfig.from_pretrained(str(base_model))
             config.dtype = self.dtype
+            drop_quantization_config(config)  # the weights written are unpacked
             config.save_pretrained(directory)
             generation = Path(base_model) / "generation_config.json"
             if generation.is_file():

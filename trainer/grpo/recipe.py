@@ -37,9 +37,9 @@ from trainer.backends import (
     DataParallel,
     LossFn,
     TrainingBackend,
-    deepspeed_config,
     make_backend,
 )
+from trainer.backends.loading import load_training_model
 from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
 from trainer.distributed import (
     DistInfo,
@@ -73,7 +73,6 @@ from trainer.placement import (
     grpo_placement,
     plan_placement,
 )
-from trainer.zero3 import gather_windows, load_partitioned
 
 log = logging.getLogger(__name__)
 
@@ -369,22 +368,10 @@ def _build_backend(
     cfg: GRPOConfig, sft_model, info: DistInfo, dtype: torch.dtype, pad_id: int
 ) -> tuple[TrainingBackend, torch.nn.Module]:
     """The training backend and the HF policy it was built from (under ZeRO-3 built
-    partitioned: no rank ever holds the whole model)."""
-    ds_config = None
-    if cfg.optim.backend == "deepspeed":
-        # one configuration for the partitioned load and deepspeed.initialize
-        ds_config = deepspeed_config(
-            cfg.optim,
-            info.device,
-            cfg.micro_batch_size,
-            _micro_per_mini(cfg, info),
-            bf16=dtype == torch.bfloat16,
-            zero_settings=gather_windows(sft_model, info.world_size) if _zero3(cfg) else None,
-        )
-    if _zero3(cfg):
-        policy = load_partitioned(sft_model, dtype, ds_config, info.device)
-    else:
-        policy = load_causal_lm(sft_model, dtype, info.device)
+    partitioned: no rank ever holds the whole model; ``trainer.backends.loading``)."""
+    policy, ds_config = load_training_model(
+        sft_model, dtype, cfg.optim, info, cfg.micro_batch_size, _micro_per_mini(cfg, info)
+    )
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     backend = make_backend(

@@ -35,6 +35,27 @@ VLLM_MISSING = (
 )
 
 
+class QuantizedEngineError(RuntimeError):
+    """A vLLM engine that loaded quantized weights cannot take the policy's unpacked ones."""
+
+
+def refuse_quantized_reload(quantization: str | None, model_dir: str) -> None:
+    """Raise before the policy's weights reach an engine that runs quantized kernels.
+
+    ``quantization``: the engine's ``model_config.quantization`` (vLLM reads it from the
+    model's ``quantization_config``; ``mxfp4`` for the hub's gpt-oss). The policy trains,
+    and sends, unpacked (bf16) weights; a quantized engine's loader takes packed ones (vLLM's
+    MXFP4 MoE loads its experts packed), so a reload would fail on shapes or load garbage.
+    """
+    if quantization:
+        raise QuantizedEngineError(
+            f"the vLLM engine runs {model_dir} as {quantization!r}-quantized and cannot take "
+            "the policy's bf16 weights: start GRPO from a bf16 directory (the SFT step's "
+            "merged model is one; for a hub checkpoint, load it with the project's loader "
+            "and save_pretrained it first)"
+        )
+
+
 @dataclass(frozen=True)
 class Rollout:
     """One sampled response."""
@@ -508,6 +529,8 @@ class VLLMRolloutEngine:
             model_dir, cfg, engine, world_size, seed, dtype, sleep_mode, cpu
         )
         self.llm = LLM(**kwargs)
+        self.model_dir = str(model_dir)
+        self.quantization = self.llm.llm_engine.model_config.quantization
         self.asleep = False
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
@@ -557,6 +580,7 @@ class VLLMRolloutEngine:
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload the policy's weights in place (vLLM's ``reload_weights``), streamed."""
+        refuse_quantized_reload(self.quantization, self.model_dir)
         self.wake_up()
         weights = VLLMWeights(named_tensors, self.tp_rank, self.tp_size)
         # the worker runs in this thread: no autograd on its parameters (vLLM leaves

@@ -33,7 +33,12 @@ from core.harmony import stop_token_ids
 from core.modeling import load_generation_config
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.remote import _flat, buckets
-from trainer.grpo.rollout import VLLM_MISSING, VLLMRolloutEngine, vllm_engine_kwargs
+from trainer.grpo.rollout import (
+    VLLM_MISSING,
+    VLLMRolloutEngine,
+    refuse_quantized_reload,
+    vllm_engine_kwargs,
+)
 from trainer.placement import EnginePlacement
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,8 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
         kwargs["worker_extension_cls"] = vllm_transfer.WORKER_EXTENSION
         self.llm = LLM(**kwargs)
+        self.model_dir = str(model_dir)
+        self.quantization = self.llm.llm_engine.model_config.quantization
         self.group = self._connect()
 
     def _connect(self):
@@ -123,6 +130,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send the policy's weights to the workers in buckets; they load them with vLLM's
         layerwise reload (``trainer.grpo.vllm_transfer``)."""
+        refuse_quantized_reload(self.quantization, self.model_dir)
         self.llm.start_weight_update()
         count = 0
         with ThreadPoolExecutor(max_workers=1) as pool:

@@ -191,6 +191,9 @@ def _configure_provider(provider: Any, hf_config: Any, dtype: torch.dtype) -> An
       by ~5e-3 without this).
     - dtype: ``params_dtype``, ``pipeline_dtype`` and the bf16/fp16 flags follow the
       requested dtype (the bridge sets bf16).
+    - Transformer Engine, when installed, must take the provider's ``softmax_type`` (GPT-OSS:
+      ``learnable``, from TE 2.8.0 on): an older one is refused here, before any model is
+      built, with what to install (``core.image_checks``).
     - without Transformer Engine (CPU test envs) the layer spec is Megatron-Core's local one,
       which builds ``SequentialMLP`` experts (the GPT-OSS mapping covers them); the MoE
       permute fusion (only TE implements it) and the masked-softmax fusion are off. The
@@ -198,6 +201,9 @@ def _configure_provider(provider: Any, hf_config: Any, dtype: torch.dtype) -> An
       that pip installs lack, and GPT-OSS's attention sinks take the unfused softmax anyway;
       megatron-core only checks for the kernel in bf16/fp16, where it then fails to import.
     """
+    from core.image_checks import require_transformer_engine
+
+    require_transformer_engine(getattr(provider, "softmax_type", "vanilla"))
     hf_config = getattr(hf_config, "config", hf_config)  # a bridge's hf_pretrained works too
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     rope = dict(rope or {})
@@ -283,12 +289,21 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: Para
         ValueError: ``layout.params_dtype`` is not bf16, fp16 or fp32.
     """
 
+    from core.mxfp4 import is_mxfp4, log_dequantization
+
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir}: already exists; remove it or choose a new directory")
     if layout.params_dtype not in DTYPES:
         raise ValueError(f"params_dtype={layout.params_dtype!r}: use one of {sorted(DTYPES)}")
     dtype = DTYPES[layout.params_dtype]
+    if is_mxfp4(hf_dir):  # megatron-bridge reads the packed pairs itself
+        log_dequantization(
+            hf_dir,
+            torch.bfloat16,
+            "megatron-bridge (GPTOSSBridge.maybe_modify_loaded_hf_weight), then cast to "
+            f"{layout.params_dtype}",
+        )
     vpp = getattr(layout, "vpp", None)
     sizes = dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp)
     with megatron_parallel(**sizes, vpp=vpp):
@@ -418,6 +433,8 @@ def export_megatron_to_hf(
     import torch.distributed as dist
     from transformers import AutoConfig
 
+    from core.mxfp4 import drop_quantization_config
+
     out_dir = Path(out_dir)
     dtype = checkpoint_dtype(megatron_dir)
     with _loaded_model(megatron_dir, hf_template_dir) as (bridge, model):
@@ -430,6 +447,7 @@ def export_megatron_to_hf(
             count = writer.close()
             config = AutoConfig.from_pretrained(str(hf_template_dir))
             config.dtype = dtype
+            drop_quantization_config(config)  # an MXFP4 template: the export is unpacked
             config.save_pretrained(out_dir)
             log.info("exported %s → %s (%d tensors, %s)", megatron_dir, out_dir, count, dtype)
         dist.barrier()

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from core.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 from core.tracking import log_artifact, mlflow_run
 from trainer.backends import TorchBackend, make_backend
+from trainer.backends.loading import load_training_model
 from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
 from trainer.divergence import DivergenceGuard
@@ -97,7 +98,10 @@ def run_sft(
 
     tokenizer = load_tokenizer(base_model)
     dtype = resolve_dtype(cfg.dtype, info.device)
-    model = load_causal_lm(base_model, dtype, info.device)
+    # under ZeRO-3 built partitioned: no rank ever holds the whole model (GRPO loads the same)
+    model, ds_config = load_training_model(
+        base_model, dtype, cfg.optim, info, cfg.micro_batch_size, cfg.gradient_accumulation_steps
+    )
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -127,6 +131,7 @@ def run_sft(
         cfg.micro_batch_size,
         cfg.gradient_accumulation_steps,
         bf16=dtype == torch.bfloat16,
+        ds_config=ds_config,
     )
     checkpoints = work_dir / "checkpoints"
     run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(base_model)}
@@ -152,10 +157,9 @@ def run_sft(
             checkpoints,
             run_config,
         )
-        final_weights = backend.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+        final = _final_model(cfg, backend, base_model, dtype, info)  # every rank takes part
         if not info.is_main:
             return None
-        final = _final_model(cfg, backend, base_model, dtype, final_weights)
         if cfg.lora.r:
             final.save_pretrained(work_dir / "adapter")
         prompts = [e.input_ids[: len(e.input_ids) - _target_count(e)] for e in (evals or train)]
@@ -266,10 +270,28 @@ def _train_loop(
     progress.close()
 
 
-def _final_model(cfg: SFTConfig, backend, base_model, dtype, weights):
-    """The trained model on rank 0, on CPU, still carrying its adapter (if any)."""
+def _final_model(cfg: SFTConfig, backend, base_model, dtype, info: DistInfo):
+    """The trained model on rank 0, on CPU, still carrying its adapter (if any); None on the
+    other ranks. Collective.
+
+    Under DeepSpeed rank 0 builds the model on its host and the trained weights are copied
+    into it one at a time as the backend streams them (under ZeRO-3 each gathered over the
+    ranks, then released): one whole copy on rank 0, for the merge, and none elsewhere.
+    """
     if isinstance(backend, TorchBackend):
         return backend.unwrapped()  # plain PyTorch: the model itself
-    model = apply_lora(load_causal_lm(base_model, dtype), cfg.lora)
-    model.load_state_dict(weights, strict=True)
+    model = apply_lora(load_causal_lm(base_model, dtype), cfg.lora) if info.is_main else None
+    target = dict(model.named_parameters()) if model is not None else {}
+    streamed = []
+    with torch.no_grad():
+        for name, tensor in backend.hf_weights():
+            if name in target:
+                target[name].copy_(tensor)
+            streamed.append(name)
+    if model is not None and set(streamed) != set(target):
+        raise RuntimeError(
+            f"the trained weights do not fit {base_model} with the adapter: missing "
+            f"{sorted(set(target) - set(streamed))[:5]}, unexpected "
+            f"{sorted(set(streamed) - set(target))[:5]}"
+        )
     return model

@@ -21,7 +21,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 GPU_MACHINE = Path(__file__).resolve().parent / "gpu_machine"
-CHECKS = ["install-wheels", "device", "sft", "grpo", "bf16-numerics", "planner", "deepspeed"]
+CHECKS = [
+    "install-wheels",
+    "device",
+    "sft",
+    "grpo",
+    "bf16-numerics",
+    "planner",
+    "deepspeed",
+    "sync-check",
+    "collective-timeout",
+]
 
 
 def _wheel(folder: Path, name: str = "gpu_check_probe", version: str = "1.0") -> Path:

@@ -333,7 +333,7 @@ def _train(
     )
     if engines_ready is not None:  # no process enters a collective while an engine loads
         engines_ready()
-    producer = _producer(run, plan, state, check)  # the engine takes the policy's weights
+    producer = _producer(run, plan, state, check)  # on-policy, it syncs the engine here
     with (
         mlflow_run("grpo", cfg.model_dump(), info.is_main) as tracking,
         contextlib.closing(backend),

@@ -97,7 +97,7 @@ def _own_sinks_loader(worker, calls: list | None) -> int:
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import capture_layer_to_meta
 
-    model = getattr(worker, "worker", worker).model_runner.model
+    model = getattr(worker, "worker", worker).model_runner.get_model()
     layers = [module for module in model.modules() if "sinks" in module._parameters]
     for layer in layers:
         if calls is None:

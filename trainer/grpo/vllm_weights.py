@@ -187,7 +187,8 @@ def reload_in_worker(worker, weights: VLLMWeights) -> int:
     """The whole policy into ``worker``'s model (``LLM.collective_rpc``, with the worker in
     the calling process); returns the bytes loaded."""
     runner = getattr(worker, "worker", worker).model_runner
-    reload = PolicyReload(runner.model, runner.vllm_config.model_config)
+    # get_model: the model itself, not the CUDA-graph wrapper a GPU runner may hold
+    reload = PolicyReload(runner.get_model(), runner.vllm_config.model_config)
     reload.start()
     try:
         reload.load(weights)

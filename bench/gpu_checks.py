@@ -25,6 +25,11 @@ Checks, in order (``Sizes`` holds the sizes of the full run and of the dry run):
 - ``mxfp4``: a tiny GPT-OSS in the hub's MXFP4 layout (``tests/mxfp4_checkpoint.py``) loads
   unpacked to bf16 on the device, equal to the matrices it packs, even where transformers
   would keep it packed (its figures say whether ``kernels`` and triton are there).
+- ``sync-check``: the weight-sync check calibrated by its noise floor, on the GPU's kernels
+  (an HF engine in bf16 beside an fp32 policy): the floor learned before the first sync,
+  faithful syncs within the bounds, a sync that leaves the experts stale stopped.
+- ``collective-timeout``: the process groups a step creates (torchrun's world, the training
+  group of a job with dedicated engines) get the configured timeout, not NCCL's 10 minutes.
 """
 
 from __future__ import annotations
@@ -457,6 +462,101 @@ def check_mxfp4(sizes: Sizes, work: Path) -> dict:
     }
 
 
+def check_sync_noise(sizes: Sizes, work: Path) -> dict:
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.backends import OptimConfig, make_backend
+    from trainer.distributed import DistInfo
+    from trainer.grpo import recipe
+    from trainer.grpo.config import RolloutConfig
+    from trainer.grpo.prompts import load_prompts
+    from trainer.grpo.rollout import HFRolloutEngine
+    from trainer.grpo.sync_check import SyncCheck, WeightSyncError, sync_probe
+
+    model, data = _fixtures(sizes, work)
+    device = torch.device(sizes.device)
+    info = DistInfo(0, 1, 0, device)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+    backend = make_backend(policy, OptimConfig(learning_rate=1e-2), 4, info, 2, 1)
+    engine_model = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
+    engine = HFRolloutEngine(engine_model, tokenizer, RolloutConfig())
+    prompts = load_prompts(data / "eval.jsonl", tokenizer, 1024, "all")
+    probe = sync_probe([p.ids for p in prompts], 256)
+    check, pad = SyncCheck(torch.float32), tokenizer.pad_token_id
+    recipe._sync(engine, backend, probe, check, pad, info, 0)
+    floor = check.floor
+    generator = torch.Generator(device=device).manual_seed(0)
+    worst = 0.0
+    for step in (1, 2):
+        with torch.no_grad():
+            for param in backend.module.parameters():
+                param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
+        worst = max(worst, recipe._sync(engine, backend, probe, check, pad, info, step).gap.p95)
+    with torch.no_grad():
+        for name, param in backend.module.named_parameters():
+            if ".experts." in name:
+                param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.05)
+    full = backend.hf_weights
+    backend.hf_weights = lambda: ((n, t) for n, t in full() if ".experts." not in n)
+    try:
+        recipe._sync(engine, backend, probe, check, pad, info, 3)
+    except WeightSyncError:
+        pass
+    else:
+        raise CheckFailed("a sync that left the experts stale passed the check")
+    return {
+        "probe_tokens": probe.tokens,
+        "floor_mean": floor.mean,
+        "floor_p95": floor.p95,
+        "floor_max": floor.max,
+        "faithful_p95": worst,
+        "p95_bound": check.limits()[1],
+    }
+
+
+def check_collective_timeout(sizes: Sizes, work: Path) -> dict:
+    import socket
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys
+        from datetime import timedelta
+        import torch, torch.distributed as dist
+        from trainer.distributed import init_distributed
+        device, split, timeout = sys.argv[1], sys.argv[2] == "split", timedelta(seconds=77)
+        if split:
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+            init_distributed(device, members=[0], store=store, timeout=timeout)
+        else:
+            init_distributed(device, timeout=timeout)
+        backend = dist.group.WORLD._get_backend(torch.device(device))
+        print(backend.options._timeout.total_seconds())
+        dist.barrier()
+        dist.destroy_process_group()
+        """
+    )
+    figures = {}
+    for split in ("world", "split"):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        command = [sys.executable, "-c", script, sizes.device, split]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            raise CheckFailed(f"{split}: exit {done.returncode}: {done.stderr.strip()[-300:]}")
+        figures[f"{split}_timeout_s"] = float(done.stdout.split()[-1])
+    if set(figures.values()) != {77.0}:
+        raise CheckFailed(f"group timeouts {figures}, configured 77 s")
+    return figures
+
+
 CHECKS: dict[str, Check] = {
     "device": Check(check_device, 60, 60),
     "sft": Check(check_sft, 90, 90),
@@ -466,6 +566,8 @@ CHECKS: dict[str, Check] = {
     "deepspeed": Check(check_deepspeed, 120, 240),
     "sft-zero3": Check(check_sft_zero3, 120, 240),
     "mxfp4": Check(check_mxfp4, 60, 120),
+    "sync-check": Check(check_sync_noise, 60, 90),
+    "collective-timeout": Check(check_collective_timeout, 30, 30),
 }
 
 

@@ -5,19 +5,27 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(hours=1)
+"""How long a process waits in one collective for the others when the config does not say
+(``ProcessSettings.collective_timeout_s``); torch's own default, used when a group is made
+without one, is 10 minutes for NCCL and 30 for gloo."""
+
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits: global rank, world size, local rank, and its device."""
+    """Where this process sits: global rank, world size, local rank, its device, and how
+    long its collectives wait for the other processes (its groups' timeout)."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT
 
     @property
     def is_main(self) -> bool:
@@ -30,28 +38,36 @@ def launched_by_torchrun() -> bool:
 
 
 def init_distributed(
-    device: str = "auto", cpu_threads: int = 0, members: Sequence[int] | None = None, store=None
+    device: str = "auto",
+    cpu_threads: int = 0,
+    members: Sequence[int] | None = None,
+    store=None,
+    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
 ) -> DistInfo:
     """Join the process group set up by torchrun, or describe a single process.
 
     ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``. ``cpu_threads`` > 0 sets
     torch's intra-op threads (on CPU). ``members``: the job is split (GRPO's dedicated
     engines) and this process's default group holds only these global ranks, built on
-    ``store`` (the job's store); its rank is its place in ``members``.
+    ``store`` (the job's store); its rank is its place in ``members``. ``timeout``: how long
+    a collective of the group waits for the other processes before it fails (given to the
+    group explicitly: torch's default is 10 minutes for NCCL).
     """
     info = process_info(device, cpu_threads)
     if not launched_by_torchrun():
-        return info
+        return DistInfo(info.rank, info.world_size, info.local_rank, info.device, timeout)
     backend = "nccl" if info.device.type == "cuda" else "gloo"
     if members is not None:
         rank = list(members).index(info.rank)
         if not dist.is_initialized():
             world = dist.PrefixStore("world", store)
-            dist.init_process_group(backend, store=world, rank=rank, world_size=len(members))
-        return DistInfo(rank, len(members), info.local_rank, info.device)
+            dist.init_process_group(
+                backend, store=world, rank=rank, world_size=len(members), timeout=timeout
+            )
+        return DistInfo(rank, len(members), info.local_rank, info.device, timeout)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), info.local_rank, info.device)
+        dist.init_process_group(backend=backend, timeout=timeout)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), info.local_rank, info.device, timeout)
 
 
 def process_info(device: str = "auto", cpu_threads: int = 0) -> DistInfo:

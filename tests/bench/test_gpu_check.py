@@ -31,6 +31,8 @@ CHECKS = [
     "deepspeed",
     "sft-zero3",
     "mxfp4",
+    "sync-check",
+    "collective-timeout",
 ]
 
 

@@ -4,8 +4,10 @@ torch.distributed (trainer/grpo/remote.py), on CPU with gloo and the HF engine."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -152,6 +154,65 @@ def test_two_deepspeed_training_processes_and_one_engine_train_like_colocated(
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     assert all(m["sync_logprob_max_diff"] < 1e-5 for m in ours)
     assert (tmp_path / "split" / "model" / "config.json").exists()
+
+
+SLOW_ENGINE = """
+import os, runpy, sys, time
+from datetime import timedelta
+
+import trainer.grpo.recipe as recipe
+from trainer.grpo import remote
+
+build = recipe._rollout_only_engine
+
+
+def slow(*args, **kwargs):  # an engine that starts late (vLLM at 20B: minutes)
+    store = remote.job_store()
+    remote.wait_until_ready(store, [0], timedelta(minutes=10), "trainers")  # they wait now
+    time.sleep(float(os.environ["SLOW_ENGINE_S"]))
+    return build(*args, **kwargs)
+
+
+recipe._rollout_only_engine = slow
+sys.argv[0] = "trainer.grpo"
+runpy.run_module("trainer.grpo", run_name="__main__")
+"""
+
+
+def test_a_slow_starting_engine_does_not_time_the_trainers_out(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    """Two ZeRO-3 trainers, 15-s collective timeouts, and an engine that starts building 25 s
+    after the trainers are ready. The coordinator's first message waits for the engine; had
+    the other trainer gone on, it would have sat in a ZeRO-3 gather with the coordinator past
+    its group's timeout and died. Both wait in the job's store, outside every collective,
+    for longer than that timeout, and the run trains."""
+    pytest.importorskip("deepspeed")
+    cfg = small_grpo_config(
+        max_steps=2,
+        checkpoint_every=0,
+        nproc=2,
+        micro_batch_size=4,
+        collective_timeout_s=15,
+        optim={"backend": "deepspeed", "zero_stage": 3},
+        rollout={**DEDICATED["rollout"], "start_timeout_s": 300},
+    )
+    script = tmp_path / "slow_engine.py"
+    script.write_text(SLOW_ENGINE)
+    args = grpo_cli_args(tmp_path, "slow", cfg, tiny_model_dir, prepared_data)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=3", str(script), *args]
+    done = subprocess.run(
+        command,
+        env={**subprocess_env(), "SLOW_ENGINE_S": "25"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    waits = re.findall(r"waited ([0-9.]+) s for rollout processes", done.stderr)
+    assert len(waits) == 2 and min(float(w) for w in waits) > 15  # both, past the timeout
+    assert [m["step"] for m in grpo_step_lines(tmp_path, "slow")] == [1, 2]
 
 
 def _rank_pid(root: int, rank: int) -> int | None:

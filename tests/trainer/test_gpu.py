@@ -90,9 +90,15 @@ def _vllm_engine(tmp_path, sleep_mode: bool):
 
 
 def test_vllm_engine_samples_groups_and_takes_new_weights(tmp_path):
+    """On the GPU's kernels (vLLM's fp32-softmax attention and fused MoE against HF's eager
+    bf16): the sync check learns their noise floor from the engine as loaded, a perturbed
+    policy is past its bounds, and after a sync every weight group (experts, sinks through
+    their own loader on vLLM 0.33) is back within them, with no warning from vLLM's reload."""
     pytest.importorskip("vllm")
+    import logging
+
     from trainer.grpo.rollout import HFRolloutEngine
-    from trainer.grpo.sync_check import max_abs_diff, sync_tolerance
+    from trainer.grpo.sync_check import SyncCheck, WeightSyncError, sync_gap
 
     engine, policy, tokenizer = _vllm_engine(tmp_path, sleep_mode=False)
     prompt = tokenizer("<|start|>user<|message|>Hallo<|end|><|start|>assistant")["input_ids"]
@@ -101,21 +107,72 @@ def test_vllm_engine_samples_groups_and_takes_new_weights(tmp_path):
     assert [r.response_ids for r in out[:3]] != [r.response_ids for r in out[3:]]
     assert [r.prompt_index for r in out] == [0, 0, 0, 1, 1, 1]
 
-    def diff():
+    def gap():
         mine = HFRolloutEngine(policy, tokenizer, RolloutConfig())
-        return max_abs_diff(
-            engine.token_log_probs(prompt[:-4], prompt[-4:]),
-            mine.token_log_probs(prompt[:-4], prompt[-4:]),
+        return sync_gap(
+            engine.token_log_probs(prompt[:1], prompt[1:]),
+            mine.token_log_probs(prompt[:1], prompt[1:]),
         )
 
-    tolerance = sync_tolerance(None, torch.bfloat16)
-    assert diff() < tolerance
+    check = SyncCheck(torch.bfloat16)
+    check.learn_floor(gap(), "VLLMRolloutEngine")  # the engine loaded the policy's weights
     with torch.no_grad():
         for _, param in policy.named_parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    assert diff() > tolerance
-    engine.sync_weights((n, p.detach()) for n, p in policy.named_parameters())
-    assert diff() < tolerance  # every weight group, experts included, on the GPU's kernels
+    with pytest.raises(WeightSyncError, match="did not take the weights"):
+        check.check(gap(), 1, "VLLMRolloutEngine")
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        engine.sync_weights((n, p.detach()) for n, p in policy.named_parameters())
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+    check.check(gap(), 1, "VLLMRolloutEngine")  # every weight group, on the GPU's kernels
+    assert [r.getMessage() for r in warnings] == []
+
+
+def test_the_sync_check_learns_the_gpu_kernels_noise_and_catches_stale_experts(tiny_model_dir):
+    """An HF engine in bf16 beside an fp32 policy on the GPU (bf16 matmuls and softmax vs
+    fp32/TF32): the floor is learned at step 0, faithful syncs pass, a sync that leaves the
+    experts stale stops the run (bench/gpu_checks.py ``sync-check`` runs the same)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.backends import OptimConfig, make_backend
+    from trainer.distributed import DistInfo
+    from trainer.grpo import recipe
+    from trainer.grpo.rollout import HFRolloutEngine
+    from trainer.grpo.sync_check import SyncCheck, WeightSyncError, sync_probe
+
+    device = torch.device("cuda")
+    info = DistInfo(0, 1, 0, device)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    backend = make_backend(policy, OptimConfig(learning_rate=1e-2), 4, info, 2, 1)
+    engine = HFRolloutEngine(
+        copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False), tokenizer, RolloutConfig()
+    )
+    text = "<|start|>user<|message|>Quelle est la capitale de la France ? Réponds en français."
+    probe = sync_probe([tokenizer(text)["input_ids"]], 64)
+    check, pad = SyncCheck(torch.float32), tokenizer.pad_token_id
+    recipe._sync(engine, backend, probe, check, pad, info, 0)
+    assert check.floor.max > 0  # kernel noise, learned
+    for step in (1, 2):
+        with torch.no_grad():
+            for param in backend.module.parameters():
+                param.add_(torch.randn_like(param) * 0.02)
+        recipe._sync(engine, backend, probe, check, pad, info, step)
+    with torch.no_grad():
+        for name, param in backend.module.named_parameters():
+            if ".experts." in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    full = backend.hf_weights
+    backend.hf_weights = lambda: ((n, t) for n, t in full() if ".experts." not in n)
+    with pytest.raises(WeightSyncError, match="did not take the weights"):
+        recipe._sync(engine, backend, probe, check, pad, info, 3)
 
 
 def test_vllm_sleep_frees_gpu_memory_and_wakes_with_its_weights(tmp_path):

@@ -109,7 +109,7 @@ def test_an_eval_drains_the_request_in_flight_and_the_step_gets_it_back():
     assert ready is engine and engine.version == 1 and engine.pending is None
     made = producer.take(1)
     assert (made.step, made.version) == (1, 0)  # the batch sampled before the eval's sync
-    assert producer.sync_diffs() == [0.0, 0.0]  # start, eval
+    assert producer.sync_reports() == [0.0, 0.0]  # start, eval
 
 
 def test_what_is_in_flight_at_a_checkpoint_survives_a_resume():

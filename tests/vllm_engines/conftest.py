@@ -8,6 +8,7 @@ packages); where it is missing they are skipped, saying so. Run them with ``make
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import HFRolloutEngine
-from trainer.grpo.sync_check import max_abs_diff
+from trainer.grpo.sync_check import SyncGap, sync_gap
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 # vLLM's CPU build sizes its KV cache from a share of host RAM minus this process's RSS,
@@ -78,15 +79,34 @@ def policy(vllm_model_dir):
 
 
 @pytest.fixture(scope="module")
-def gap(policy):
-    """``gap(engine)``: the largest difference between the engine's and the policy's (as it
-    is now) log-probs of the probe's last 8 tokens."""
+def gap_stats(policy):
+    """``gap_stats(engine)``: the difference between the engine's and the policy's (as it is
+    now) log-probs of the probe's last 8 tokens (``SyncGap``)."""
     model, tokenizer = policy
 
-    def measure(engine) -> float:
+    def measure(engine) -> SyncGap:
         ids = tokenizer(PROBE)["input_ids"]
         prompt, response = ids[:-8], ids[-8:]
         mine = HFRolloutEngine(model, tokenizer, RolloutConfig()).token_log_probs(prompt, response)
-        return max_abs_diff(engine.token_log_probs(prompt, response), mine)
+        return sync_gap(engine.token_log_probs(prompt, response), mine)
 
     return measure
+
+
+@pytest.fixture(scope="module")
+def gap(gap_stats):
+    """``gap(engine)``: the largest per-token difference of ``gap_stats``."""
+    return lambda engine: gap_stats(engine).max
+
+
+@pytest.fixture
+def vllm_warnings():
+    """The warnings vLLM's loggers emit in this process during the test (vLLM's ``vllm``
+    logger does not propagate to the root, so ``caplog`` does not see them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)

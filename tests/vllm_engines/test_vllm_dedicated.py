@@ -76,6 +76,8 @@ def _grpo(tmp_path, model_dir, data, name: str, rollout: dict, nproc: int):
         env=subprocess_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr  # every sync, silently (the workers log here too)
+    assert "Failed to load weights" not in output and "were not loaded" not in output
     return grpo_step_lines(tmp_path, name)
 
 

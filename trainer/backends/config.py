@@ -6,6 +6,7 @@ the backends, and with them torch).
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -156,3 +157,12 @@ class ProcessSettings(ConfigModel):
     cpu_threads: int = Field(0, ge=0)
     """Torch threads per process on CPU; 0 keeps torch's default. Small models run fastest
     on 1 thread, and a busy machine slows multi-threaded ops down badly."""
+    collective_timeout_s: int = Field(3600, ge=1)
+    """How long a process waits in one collective for the others before the run fails: the
+    timeout of every process group the step creates (torch's default, 10 minutes for NCCL,
+    is shorter than some waits of a large model: rank 0 saving it, or waiting on the rollout
+    engines while the others wait on rank 0)."""
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        return timedelta(seconds=self.collective_timeout_s)

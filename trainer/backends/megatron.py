@@ -681,6 +681,7 @@ def build_megatron_backend(
                 cp=layout.cp,
                 vpp=layout.vpp,
                 seed=seed,
+                timeout=dist_info.timeout,
             )
         )
         auto_bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=dtype)

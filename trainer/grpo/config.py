@@ -44,18 +44,29 @@ class RolloutConfig(ConfigModel):
     dedicated engines (``colocate: false``), which work while the trainer trains; see
     ``trainer.grpo.producer``."""
     sync_bucket_mb: int = Field(64, ge=1)
-    """Dedicated engines: the weight sync broadcasts the policy in buckets of at most this
-    many MiB (one bucket in flight at a time)."""
+    """Dedicated engines: the weight sync sends the policy to each engine's first process in
+    buckets of at most this many MiB (one bucket in flight at a time)."""
+    start_timeout_s: int = Field(3600, ge=1)
+    """Dedicated engines: how long the training and the rollout processes wait for each other
+    to be ready (the engines built: vLLM at 20B loads, compiles and captures CUDA graphs; the
+    policy loaded and partitioned) before their first collective, which would otherwise wait
+    only its group's timeout (``collective_timeout_s``); past it the run stops naming the
+    processes not ready."""
     max_num_batched_tokens: int | None = Field(None, ge=16)
     """vLLM's cap on the tokens of one scheduler step (None: vLLM's default; on vLLM's CPU build
     at least ``max_prompt_tokens + max_new_tokens``, as prompts are never split there:
     ``core.vllm_scheduling.vllm_scheduling_kwargs``)."""
-    sync_check_tokens: int = Field(32, ge=1)
-    """Tokens of the probe scored by the engine and by the policy after every weight sync
-    (``trainer.grpo.sync_check``)."""
+    sync_check_tokens: int = Field(256, ge=32)
+    """Tokens of the probe (the first held-out prompts' last tokens) scored by the engine and
+    by the policy after every weight sync (``trainer.grpo.sync_check``): enough for a mean
+    and a 95th percentile that one flipped routing decision does not move."""
+    sync_check_factor: float = Field(3.0, ge=1)
+    """How many times the noise floor learned before the first sync (the engine loaded from
+    the policy's own weights) later syncs may differ from the policy, on the mean and the
+    95th percentile of the per-token log-prob differences; past it the run stops."""
     sync_check_tolerance: float | None = Field(None, gt=0)
-    """Largest allowed per-token log-prob difference between engine and policy on the probe
-    (None: 1e-3 for a float32 policy, 0.1 for bf16/fp16); past it the run stops."""
+    """The dtype floor added to each bound of the sync check (None: 1e-3 for a float32
+    policy, 0.05 for bf16/fp16)."""
 
     @model_validator(mode="after")
     def _engines_match_placement(self) -> RolloutConfig:

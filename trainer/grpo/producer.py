@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from trainer.grpo.rollout import Rollout
+from trainer.grpo.sync_check import SyncReport
 
 Requests = Callable[[int], tuple[list[list[int]], list[list[int]]]]
 """Step → (the prompts this process's engine generates, one seed list per prompt)."""
@@ -74,8 +75,8 @@ class RolloutProducer:
         select: turns what the engine returned into this process's rollouts (e.g. the share
             of a data-parallel rank when several ranks drive one engine); identity if None.
         sync: pushes the policy's current weights (the version it is given) into the engine
-            and checks them; returns the sync check's difference (None when the engine is
-            the policy).
+            and checks them; returns the sync check's report (None when the engine is the
+            policy).
         async_steps: 0 (on-policy) or 1 (the engine samples step s+1 while s trains).
         max_steps: the run's last step (nothing is started past it).
         version: the policy's version the engine holds at start (None: unknown, synced on
@@ -86,7 +87,7 @@ class RolloutProducer:
         self,
         engine,
         requests: Requests,
-        sync: Callable[[int], float | None],
+        sync: Callable[[int], SyncReport | None],
         async_steps: int,
         max_steps: int,
         select: Callable[[list[Rollout]], list[Rollout]] | None = None,
@@ -107,7 +108,7 @@ class RolloutProducer:
         self._later: tuple[list, list] | None = None
         """The request an engine without ``submit`` runs when it is collected."""
         self._ready: dict[int, StepRollouts] = {}
-        self._sync_diffs: list[float] = []
+        self._sync_reports: list[SyncReport] = []
 
     @property
     def overlaps(self) -> bool:
@@ -161,16 +162,16 @@ class RolloutProducer:
             batch = StepRollouts.from_json(data)
             self._ready[batch.step] = batch
 
-    def sync_diffs(self) -> list[float]:
-        """The sync checks' differences since the last call."""
-        out, self._sync_diffs = self._sync_diffs, []
+    def sync_reports(self) -> list[SyncReport]:
+        """The sync checks' reports since the last call."""
+        out, self._sync_reports = self._sync_reports, []
         return out
 
     def _bring_up_to_date(self) -> None:
         if self.engine_version != self.policy_version:
-            diff = self._sync(self.policy_version)
-            if diff is not None:
-                self._sync_diffs.append(diff)
+            report = self._sync(self.policy_version)
+            if report is not None:
+                self._sync_reports.append(report)
             self.engine_version = self.policy_version
 
     def _submit(self, step: int) -> None:

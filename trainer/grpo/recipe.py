@@ -16,7 +16,9 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -58,11 +60,14 @@ from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
 from trainer.grpo.rollout import HFRolloutEngine, Rollout, keep_share, share_request
 from trainer.grpo.sync_check import (
+    SyncCheck,
+    SyncGap,
     SyncProbe,
-    check_sync,
-    max_abs_diff,
+    SyncReport,
+    sync_gap,
+    sync_metrics,
     sync_probe,
-    sync_tolerance,
+    worst,
 )
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics
 from trainer.placement import (
@@ -179,29 +184,49 @@ def run_grpo(
     work_dir, model_output = Path(work_dir), Path(model_output)
     job = process_info(cfg.device, cfg.cpu_threads)
     plan = run_placement(cfg, job)
+    timeout = cfg.collective_timeout
     if not plan.rollout_only_ranks:
-        info = init_distributed(cfg.device, cfg.cpu_threads)
+        info = init_distributed(cfg.device, cfg.cpu_threads, timeout=timeout)
         seed_everything(cfg.seed)
         return _train(cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan)
-    from trainer.grpo.remote import Channel, RemoteRolloutEngine, SharedRemote, job_store
+    from trainer.grpo import remote as dedicated
 
-    store = job_store()
-    channel = None
-    if job.rank == 0 or job.rank in plan.rollout_only_ranks:
-        channel = Channel(store, (0, *plan.rollout_only_ranks), job.rank)
+    store = dedicated.job_store(timeout)
+    leads = [engine.ranks[0] for engine in plan.engines]
+    channel, weights = dedicated.open_channels(
+        store, plan.rollout_only_ranks, leads, job.rank, timeout
+    )
     seed_everything(cfg.seed)
+    start = timedelta(seconds=cfg.rollout.start_timeout_s)
     if job.rank in plan.rollout_only_ranks:
-        _serve_rollouts(cfg, sft_model, plan, job, channel)
+        engine = _rollout_only_engine(cfg, sft_model, plan, job)
+        dedicated.announce_ready(store, job.rank)
+        dedicated.wait_until_ready(store, [0], start, "the training coordinator")
+        dedicated.serve(engine, plan.engine_of(job.rank).index, len(plan.engines), channel, weights)
         return None
-    info = init_distributed(cfg.device, cfg.cpu_threads, plan.training_ranks, store)
+    info = init_distributed(cfg.device, cfg.cpu_threads, plan.training_ranks, store, timeout)
     remote = None
     if channel is not None:
-        engine_ranks = [engine.ranks[0] for engine in plan.engines]
-        remote = RemoteRolloutEngine(engine_ranks, channel, cfg.rollout.sync_bucket_mb << 20)
-    engines = SharedRemote(remote, info) if info.world_size > 1 else remote
+        bucket = cfg.rollout.sync_bucket_mb << 20
+        remote = dedicated.RemoteRolloutEngine(leads, channel, bucket, weights)
+    engines = dedicated.SharedRemote(remote, info) if info.world_size > 1 else remote
+
+    def engines_ready() -> None:
+        dedicated.announce_ready(store, job.rank)
+        dedicated.wait_until_ready(store, plan.rollout_only_ranks, start, "rollout processes")
+
     with contextlib.closing(engines):
         return _train(
-            cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan, engines
+            cfg,
+            sft_model,
+            train_path,
+            eval_path,
+            model_output,
+            work_dir,
+            info,
+            plan,
+            engines,
+            engines_ready,
         )
 
 
@@ -218,6 +243,9 @@ class RunState:
     in_flight: list[dict] = field(default_factory=list)
     """Rollouts made ahead of their step (``rollout.async_steps``), kept so that a resumed
     run trains on the same ones (``RolloutProducer.pending``)."""
+    sync_floor: dict | None = None
+    """The sync check's noise floor, learned before the first sync (``SyncGap`` as JSON): a
+    resumed run's engine holds other weights than its policy and cannot learn it again."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -267,8 +295,11 @@ def _train(
     info: DistInfo,
     plan: PlacementPlan,
     remote=None,
+    engines_ready: Callable[[], None] | None = None,
 ) -> GRPOResult | None:
-    """The training processes' part of ``run_grpo`` (``remote``: the dedicated engines)."""
+    """The training processes' part of ``run_grpo`` (``remote``: the dedicated engines;
+    ``engines_ready`` says this process is ready and waits, outside every collective, until
+    they are)."""
     tokenizer = load_tokenizer(sft_model)
     dtype = resolve_dtype(cfg.dtype, info.device)
     backend, policy = _build_backend(cfg, sft_model, info, dtype, tokenizer.pad_token_id)
@@ -293,7 +324,15 @@ def _train(
     checkpoints = work_dir / "checkpoints"
     run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(sft_model)}
     state = RunState.from_json(resume(checkpoints, backend, info, run_config))
-    producer = _producer(run, plan, state)
+    check = SyncCheck(
+        dtype,
+        cfg.rollout.sync_check_factor,
+        cfg.rollout.sync_check_tolerance,
+        SyncGap.from_json(state.sync_floor),
+    )
+    if engines_ready is not None:  # no process enters a collective while an engine loads
+        engines_ready()
+    producer = _producer(run, plan, state, check)  # on-policy, it syncs the engine here
     with (
         mlflow_run("grpo", cfg.model_dump(), info.is_main) as tracking,
         contextlib.closing(backend),
@@ -303,12 +342,14 @@ def _train(
             work_dir / METRICS_FILE, cfg.max_steps, 1.0, info.is_main, state.step, tracking
         )
         engine = producer.ready_engine()  # the engine takes the (resumed) policy's weights
-        for diff in producer.sync_diffs():
-            log.info("weight sync check at step %d: %.3g", state.step, diff)
+        first_sync = sync_metrics(producer.sync_reports())
+        if first_sync:
+            log.info("weight sync check at step %d: %s", state.step, first_sync)
+        state.sync_floor = check.floor.to_json() if check.floor else None
         if state.baseline is None:
             state.baseline = _evaluate(run, engine)
             state.best = {"step": 0, **state.baseline}
-            writer.log(0, **{f"eval_{k}": v for k, v in state.baseline.items()})
+            writer.log(0, **{f"eval_{k}": v for k, v in state.baseline.items()}, **first_sync)
             _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
         guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
         progress = tqdm(
@@ -339,7 +380,7 @@ def _train(
                 **stats,
                 **_reward_metrics(batch, run.dp),
                 **_timing_metrics(run, made, batch, train_time, step_time),
-                **_sync_metrics(producer),
+                **sync_metrics(producer.sync_reports()),
             )
             progress.update(1)
             progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
@@ -347,7 +388,9 @@ def _train(
                 held_out = _evaluate(run, producer.ready_engine())
                 # merged onto this step's line: the last line always carries the train loss
                 writer.log(
-                    done, **{f"eval_{k}": v for k, v in held_out.items()}, **_sync_metrics(producer)
+                    done,
+                    **{f"eval_{k}": v for k, v in held_out.items()},
+                    **sync_metrics(producer.sync_reports()),
                 )
                 state.last_eval = {"step": done, **held_out}
                 # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
@@ -407,9 +450,9 @@ def _load_prompt_sets(
     return train_prompts, eval_prompts
 
 
-def _producer(run: _Run, plan: PlacementPlan, state: RunState) -> RolloutProducer:
+def _producer(run: _Run, plan: PlacementPlan, state: RunState, check: SyncCheck) -> RolloutProducer:
     """The producer of each step's rollouts on this rank: its requests (the prompts its engine
-    generates, one seed per response), its sync (with the check), what was in flight at the
+    generates, one seed per response), its sync (with ``check``), what was in flight at the
     checkpoint."""
     cfg, info = run.cfg, run.info
     per_rank = cfg.prompts_per_step // run.dp.size
@@ -423,7 +466,6 @@ def _producer(run: _Run, plan: PlacementPlan, state: RunState) -> RolloutProduce
         share = (run.dp.rank,)
     probe_from = run.eval_prompts or run.train_prompts
     probe = sync_probe([p.ids for p in probe_from], cfg.rollout.sync_check_tokens)
-    tolerance = sync_tolerance(cfg.rollout.sync_check_tolerance, run.dtype)
     pad_id = run.tokenizer.pad_token_id
 
     def requests(step: int):
@@ -436,7 +478,7 @@ def _producer(run: _Run, plan: PlacementPlan, state: RunState) -> RolloutProduce
     producer = RolloutProducer(
         run.engine,
         requests,
-        lambda version: _sync(run.engine, run.backend, probe, tolerance, pad_id, info, version),
+        lambda version: _sync(run.engine, run.backend, probe, check, pad_id, info, version),
         cfg.rollout.async_steps,
         cfg.max_steps,
         select=lambda out: keep_share(out, share, run.dp.rank, per_rank),
@@ -474,11 +516,6 @@ def _timing_metrics(
     if made.engine_idle_s is not None:
         out["rollout_idle_s"] = made.engine_idle_s
     return out
-
-
-def _sync_metrics(producer: RolloutProducer) -> dict:
-    diffs = producer.sync_diffs()
-    return {"sync_logprob_max_diff": max(diffs)} if diffs else {}
 
 
 def _finish(
@@ -571,14 +608,12 @@ def run_placement(cfg: GRPOConfig, info) -> PlacementPlan:
     return plan
 
 
-def _serve_rollouts(
-    cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: DistInfo, channel
-) -> None:
-    """A rollout-only process: load the SFT model as its engine, answer the coordinator
-    (``trainer.grpo.remote.serve``) until the run ends. A vLLM engine runs in processes of
-    its own, started by the engine's first rank (``trainer.grpo.vllm_dedicated``); its other
-    ranks only follow."""
-    from trainer.grpo.remote import EngineFollower, serve
+def _rollout_only_engine(cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: DistInfo):
+    """A rollout-only process's engine, loaded from the SFT model (it then answers the
+    coordinator, ``trainer.grpo.remote.serve``, until the run ends). A vLLM engine runs in
+    processes of its own, started by the engine's first rank
+    (``trainer.grpo.vllm_dedicated``); its other ranks only follow."""
+    from trainer.grpo.remote import EngineFollower
 
     engine_placement = plan.engine_of(info.rank)
     tokenizer = load_tokenizer(sft_model)
@@ -607,7 +642,7 @@ def _serve_rollouts(
         len(plan.engines),
         info.device,
     )
-    serve(engine, engine_placement.index, len(plan.engines), channel)
+    return engine
 
 
 def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: PlacementPlan, info):
@@ -625,7 +660,6 @@ def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: Placemen
             cfg.seed,
             engine,
             info.world_size,
-            rank=info.rank,
             dtype=str(resolve_dtype(cfg.dtype, info.device)).removeprefix("torch."),
             sleep_mode=cfg.rollout.colocate and info.device.type == "cuda",
         )
@@ -641,31 +675,65 @@ def _sync(
     engine,
     backend: TrainingBackend,
     probe: SyncProbe,
-    tolerance: float,
+    check: SyncCheck,
     pad_id: int,
     info: DistInfo,
     step: int,
-) -> float | None:
-    """Push the policy's weights to an engine that does not share them (streamed by name),
-    then check that it took them: the largest per-token difference between the engine's and
-    the policy's log-probs of ``probe`` over all processes (None: the engine is the policy).
+) -> SyncReport | None:
+    """Push the policy's weights (version ``step``) to an engine that does not share them
+    (streamed by name), then check that it took them: the engine's and the policy's
+    log-probs of ``probe``, compared over all processes and engines (None: the engine is the
+    policy, nothing to sync).
+
+    Before the first sync of a run that starts from the SFT model (``step`` 0) the engine
+    holds the weights the policy loaded: that difference is the check's noise floor. A
+    resumed run brings its floor back from the checkpoint (``RunState.sync_floor``).
 
     Raises:
-        WeightSyncError: the difference is past ``tolerance``.
+        WeightSyncError: the floor, or the difference after the sync, is past its bound.
     """
     if isinstance(engine, HFRolloutEngine) and engine.model is backend.unwrapped():
         return None
-    engine.sync_weights(backend.hf_weights())
-    micro = sequences(
-        [Prompt(probe.prompt, "", "")],
-        [Rollout(0, probe.response, True)],
-        pad_id,
-        backend.data_parallel.device,
+    name = type(engine).__name__
+    if check.floor is None and step == 0:
+        check.learn_floor(_probe_gap(engine, backend, probe, pad_id, info), name)
+    started = time.monotonic()
+    sent = engine.sync_weights(backend.hf_weights())
+    seconds = time.monotonic() - started
+    gap = _probe_gap(engine, backend, probe, pad_id, info)
+    if check.floor is None:  # resumed from a checkpoint written before floors were kept
+        log.warning(
+            "no sync-check noise floor in the checkpoint: taking the difference after this "
+            "sync (step %d) as the floor, so this sync is checked only against its ceiling",
+            step,
+        )
+        check.learn_floor(gap, name)
+    check.check(gap, step, name)
+    return SyncReport(gap, check.floor, sent, seconds)
+
+
+def _probe_gap(engine, backend: TrainingBackend, probe: SyncProbe, pad_id: int, info) -> SyncGap:
+    """The engine's and the policy's log-probs of ``probe``, compared token by token: each
+    statistic's worst over the copies of the weights the engine serves and the processes."""
+    policy: list[float] = []
+    served: list[list[float]] | None = None
+    for text in probe.texts:
+        micro = sequences(
+            [Prompt(text.prompt, "", "")],
+            [Rollout(0, text.response, True)],
+            pad_id,
+            backend.data_parallel.device,
+        )
+        policy += backend.log_probs([micro])[0][0, -len(text.response) :].float().tolist()
+        scores = engine.token_log_probs_per_engine(text.prompt, text.response)
+        served = scores if served is None else [a + b for a, b in zip(served, scores, strict=True)]
+    local = worst(sync_gap(s, policy) for s in served)
+    return SyncGap(
+        all_reduce_max(local.mean, info),
+        all_reduce_max(local.p95, info),
+        all_reduce_max(local.max, info),
+        local.tokens,
     )
-    policy = backend.log_probs([micro])[0][0, -len(probe.response) :].float().tolist()
-    served = engine.token_log_probs_per_engine(probe.prompt, probe.response)
-    diff = all_reduce_max(max(max_abs_diff(s, policy) for s in served), info)
-    return check_sync(diff, tolerance, step, type(engine).__name__)
 
 
 def _mini_batches(cfg: GRPOConfig) -> int:

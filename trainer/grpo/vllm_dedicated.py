@@ -127,24 +127,26 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
             joined.result()
         return group
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send the policy's weights to the workers in buckets; they load them with vLLM's
-        layerwise reload (``trainer.grpo.vllm_transfer``)."""
+        layerwise reload (``trainer.grpo.vllm_transfer``). Returns the bytes sent (each
+        worker counted: every one receives the whole bucket, its loaders keep its shard)."""
         refuse_quantized_reload(self.quantization, self.model_dir)
         self.llm.start_weight_update()
-        count = 0
+        count = sent = 0
         with ThreadPoolExecutor(max_workers=1) as pool:
             for bucket in buckets(named_tensors, self.bucket_bytes):
-                self._send(pool, bucket)
+                sent += self._send(pool, bucket) * self.workers
                 count += len(bucket)
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
         log.debug("sent %d tensors to the vLLM engine", count)
+        return sent
 
-    def _send(self, pool: ThreadPoolExecutor, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _send(self, pool: ThreadPoolExecutor, bucket: list[tuple[str, torch.Tensor]]) -> int:
         """One bucket: the workers' ``update_weights`` (which waits for the bytes) on a side
         thread, the bytes broadcast from here; an error of the workers raises here rather than
-        leave this process waiting on a broadcast they will not join."""
+        leave this process waiting on a broadcast they will not join. Returns its bytes."""
         spec, flat = _flat(bucket, torch.device("cpu"))
         info = {
             "names": [name for name, _, _ in spec],
@@ -165,6 +167,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
                 f"the vLLM engine failed to load the weight bucket of {info['names'][0]!r} "
                 f"and {len(bucket) - 1} more tensors: {exc}"
             ) from exc
+        return flat.numel()
 
     def close(self) -> None:
         """Stop the engine's processes (``serve`` calls it when the run ends)."""

@@ -15,8 +15,8 @@ loaders copy it onto its device).
 
 The workers load as vLLM's in-place reload does (layerwise reload: ``start`` saves the
 kernel tensors, each bucket goes through the model's ``load_weights``, ``finish`` runs the
-post-load processing), with the GPT-OSS rules of ``trainer.grpo.rollout.VLLMWeights``
-(experts one at a time, sinks copied in kernel format at the end) and the CPU experts' repack.
+post-load processing), with the GPT-OSS rules of ``trainer.grpo.vllm_weights`` (experts one
+at a time, sinks through their own loaders, the CPU experts' repack).
 
 This module imports vLLM at the top: it is imported only where vLLM is installed, in vLLM's
 worker processes (``WORKER_EXTENSION``: vLLM imports it there before the model loads, which
@@ -42,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from trainer.grpo.rollout import VLLMWeights, repack_cpu_moe
+from trainer.grpo.vllm_weights import PolicyReload, VLLMWeights
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.group = None
-        self.kernel_format: list[tuple[str, torch.Tensor]] = []
+        self.reload: PolicyReload | None = None
 
     def init_transfer_engine(self, init_info: HostTransferInitInfo) -> None:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
@@ -105,10 +105,8 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
             ).start()
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self.kernel_format = []
-        initialize_layerwise_reload(self.model)
+        self.reload = PolicyReload(self.model, self.model_config)
+        self.reload.start()
 
     def update_weights(self, update_info: dict) -> None:
         # the base class ends with torch.accelerator.synchronize(), which raises on CPU
@@ -117,15 +115,10 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: HostTransferUpdateInfo) -> None:
-        from vllm.distributed import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        if self.group is None:
+        if self.group is None or self.reload is None:
             raise RuntimeError(
                 f"weight transfer backend {BACKEND!r}: update_weights before "
-                "init_weight_transfer_engine"
+                "init_weight_transfer_engine and start_weight_update"
             )
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
         sizes = [
@@ -140,23 +133,12 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
                 update_info.names, dtypes, update_info.shapes, flat.split(sizes), strict=True
             )
         ]
-        weights = VLLMWeights(
-            named, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        )
-        with torch.no_grad():
-            self.model.load_weights(weights.checkpoint_format())
-        self.kernel_format += weights.kernel_format
+        self.reload.load(VLLMWeights(named))
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        with torch.no_grad():  # what the checkpoint-format reload cannot see (the sinks)
-            for name, tensor in self.kernel_format:
-                get_parameter_for_reload(self.model, name).copy_(tensor)
-        self.kernel_format = []
-        repack_cpu_moe(self.model)
+        reload, self.reload = self.reload, None
+        if reload is not None:
+            reload.finish()
 
     def shutdown(self) -> None:
         self.group = None

@@ -27,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -101,6 +103,7 @@ def megatron_parallel(
     cp: int = 1,
     vpp: int | None = None,
     seed: int = 0,
+    timeout: timedelta | None = None,
 ) -> Iterator[None]:
     """``torch.distributed`` and Megatron-Core's parallel state, set up and torn down.
 
@@ -118,6 +121,8 @@ def megatron_parallel(
         cp: context-parallel size.
         vpp: virtual pipeline stages per pipeline rank (``None``: off).
         seed: seed of Megatron's model-parallel CUDA RNG tracker (GPU only).
+        timeout: how long a collective of the groups this creates waits (None: torch's and
+            Megatron-Core's defaults, 10 and 30 minutes).
     """
     import torch.distributed as dist
 
@@ -132,11 +137,12 @@ def megatron_parallel(
         backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        waits = {"timeout": timeout} if timeout else {}
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **waits)
         else:
             address = f"tcp://127.0.0.1:{_free_port()}"
-            dist.init_process_group(backend, init_method=address, world_size=1, rank=0)
+            dist.init_process_group(backend, init_method=address, world_size=1, rank=0, **waits)
         created_group = True
     try:
         if not parallel_state.model_parallel_is_initialized():
@@ -147,6 +153,11 @@ def megatron_parallel(
                 context_parallel_size=cp,
                 expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=etp,
+                **(
+                    {"distributed_timeout_minutes": math.ceil(timeout.total_seconds() / 60)}
+                    if timeout
+                    else {}
+                ),
             )
             created_state = True
             if cuda:

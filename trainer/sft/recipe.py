@@ -92,7 +92,7 @@ def run_sft(
     ``work_dir`` holds ``training_metrics.jsonl``, ``loss.png``, checkpoints and the adapter;
     a run finding checkpoints there resumes from the newest one.
     """
-    info = init_distributed(cfg.device, cfg.cpu_threads)
+    info = init_distributed(cfg.device, cfg.cpu_threads, timeout=cfg.collective_timeout)
     work_dir, model_output = Path(work_dir), Path(model_output)
     seed_everything(cfg.seed)
 

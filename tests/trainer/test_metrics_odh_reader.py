@@ -290,6 +290,20 @@ def small_data(prepared_data, tmp_path_factory):
     return out
 
 
+def _run_polled(recipe, cfg, model_dir, data: Path, tmp_path: Path, progress_env):
+    """Run ``recipe`` (``run_sft`` / ``run_grpo``) while polling its progress server."""
+    with ProgressPoller(progress_env[0]) as poller:
+        result = recipe(
+            cfg,
+            model_dir,
+            data / "train.jsonl",
+            data / "eval.jsonl",
+            tmp_path / "model",
+            tmp_path / "work",
+        )
+    return result, poller.objects
+
+
 def test_sft_metrics_read_right_by_the_odh_reader_and_served_live(
     tmp_path, tiny_model_dir, small_data, progress_env
 ):
@@ -302,15 +316,7 @@ def test_sft_metrics_read_right_by_the_odh_reader_and_served_live(
         max_steps=7,  # 3 steps per pass over 12 rows: 2.33 passes
         eval_every=3,
     )
-    with ProgressPoller(progress_env[0]) as poller:
-        result = run_sft(
-            cfg,
-            tiny_model_dir,
-            small_data / "train.jsonl",
-            small_data / "eval.jsonl",
-            tmp_path / "model",
-            tmp_path / "work",
-        )
+    result, served = _run_polled(run_sft, cfg, tiny_model_dir, small_data, tmp_path, progress_env)
     path = Path(result.metrics_file)
     lines = read_metrics(path)
     assert lines[-1]["data_passes"] > 2 and lines[-1]["epoch"] == 1.0
@@ -318,7 +324,7 @@ def test_sft_metrics_read_right_by_the_odh_reader_and_served_live(
     _check(path, tmp_path / "cuts", read_lora_sft, planned_epochs=1)
     _check(path, tmp_path / "cuts-grpo-rules", read_lora_grpo, planned_epochs=1)
     assert end_of_job_loss(path) == str(result.last_loss) != "0"
-    _check_served(poller.objects, path, progress_env[1], progress_env[0], total_epochs=1)
+    _check_served(served, path, progress_env[1], progress_env[0], total_epochs=1)
 
 
 def test_grpo_metrics_read_right_by_the_odh_reader_and_served_live(
@@ -338,15 +344,7 @@ def test_grpo_metrics_read_right_by_the_odh_reader_and_served_live(
             "dtype": "float32",
         }
     )
-    with ProgressPoller(progress_env[0]) as poller:
-        result = run_grpo(
-            cfg,
-            tiny_model_dir,
-            small_data / "train.jsonl",
-            small_data / "eval.jsonl",
-            tmp_path / "model",
-            tmp_path / "work",
-        )
+    result, served = _run_polled(run_grpo, cfg, tiny_model_dir, small_data, tmp_path, progress_env)
     path = Path(result.metrics_file)
     lines = read_metrics(path)
     assert lines[-1]["data_passes"] > 1 and lines[-1]["epoch"] == 1.0
@@ -360,7 +358,7 @@ def test_grpo_metrics_read_right_by_the_odh_reader_and_served_live(
             <= min(m["answer_language_accuracy"], m["reasoning_language_accuracy"])
         )
     assert read_lora_grpo(path)["trainMetrics"]["full_match_rate"] is not None
-    _check_served(poller.objects, path, progress_env[1], progress_env[0], total_epochs=1)
+    _check_served(served, path, progress_env[1], progress_env[0], total_epochs=1)
 
 
 def test_eval_values_merge_onto_the_step_line_and_survive_a_resume(tmp_path):

@@ -7,6 +7,12 @@ the steps as a component argument, which they put in ``MLFLOW_PARENT_RUN_ID``; t
 and PyTorchJob pods inherit it. Without a parent (a step run on its own), a step's run is
 top-level. The experiment comes from ``MLFLOW_EXPERIMENT_NAME`` (default ``lingo-rl``). Only
 global rank 0 logs. mlflow is imported lazily.
+
+The URI may name a server (``http(s)://``) or a store MLflow opens itself, without a server:
+``lingo run --local`` tracks to ``sqlite:///<output dir>/mlflow.db`` when no URI is set
+(``local_store_uri``; ``mlflow-skinny`` writes it with ``sqlalchemy`` and ``alembic``). An
+experiment created in such a store keeps its artifacts beside the database
+(``<dir>/mlartifacts``), not in ``./mlruns`` under whatever directory a step ran in.
 """
 
 from __future__ import annotations
@@ -45,6 +51,24 @@ def configure_tracking(
     ):
         if value:
             os.environ[name] = value
+
+
+LOCAL_STORE_FILE = "mlflow.db"
+LOCAL_ARTIFACTS_DIR = "mlartifacts"
+
+
+def local_store_uri(directory: str | Path) -> str:
+    """The URI of an SQLite MLflow store in ``directory`` (``sqlite:////abs/dir/mlflow.db``)."""
+    return f"sqlite:///{Path(directory).resolve() / LOCAL_STORE_FILE}"
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of the store at ``uri`` keeps its artifacts: beside an SQLite
+    database; None (the server's or MLflow's default) for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri.removeprefix("sqlite:///"))
+    return str(database.parent / LOCAL_ARTIFACTS_DIR)
 
 
 def tracking_env() -> dict[str, str]:
@@ -112,10 +136,21 @@ def _experiment_id(client) -> str:
         return experiment.experiment_id
     from mlflow.exceptions import MlflowException
 
+    location = artifact_location(os.environ.get("MLFLOW_TRACKING_URI", ""))
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=location)
     except MlflowException:  # created concurrently by another step
         return client.get_experiment_by_name(name).experiment_id
+
+
+def use_experiment() -> str:
+    """Make ``MLFLOW_EXPERIMENT_NAME`` (default ``lingo-rl``) the active experiment, created
+    when missing (artifacts beside a local store); returns its id."""
+    import mlflow
+
+    experiment_id = _experiment_id(mlflow.tracking.MlflowClient())
+    mlflow.set_experiment(experiment_id=experiment_id)
+    return experiment_id
 
 
 def find_pipeline_run(pipeline_run_id: str) -> str | None:
@@ -204,7 +239,7 @@ def mlflow_run(run_name: str, params: Mapping[str, object], is_main: bool = True
             run_name=run_name, experiment_id=experiment_id, parent_run_id=parent, tags=tags
         )
     else:
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT))
+        use_experiment()
         run = mlflow.start_run(run_name=run_name, nested=mlflow.active_run() is not None, tags=tags)
     with run:
         mlflow.log_params(_params(params))

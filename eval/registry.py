@@ -17,9 +17,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from core.tracking import use_experiment
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def register_directory(
     client = _client()
     if _registered_model(client, name) is None:
         client.create_registered_model(name, description="lingo-rl GRPO models (gpt-oss)")
-    mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "lingo-rl"))
+    use_experiment()
     nested = mlflow.active_run() is not None
     with mlflow.start_run(run_name=f"register-{name}", nested=nested) as run:
         mlflow.log_artifacts(str(model_dir), artifact_path="model")

@@ -7,7 +7,6 @@ Agg backend) of the language accuracies per language, one bar per model, with 95
 
 from __future__ import annotations
 
-import base64
 import html
 import io
 import json
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.atomic import atomic_write_text
+from core.html_page import html_page, png_img
 from core.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
 from core.tracking import log_artifact, log_metrics, mlflow_run
 from eval.eval_metrics import DETECTED_COLUMNS, METRICS
@@ -300,27 +300,15 @@ def language_chart_png(results: dict) -> bytes:
     return buffer.getvalue()
 
 
-_STYLE = (
-    "body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
-    "table{border-collapse:collapse;margin:0.4em 0 1.2em}"
-    "td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px;text-align:left}"
-    "th{background:#f2f2f2}caption{font-weight:bold;text-align:left;padding:4px 0}"
-)
-
-
 def render_html(results: dict, chart_png: bytes | None = None) -> str:
     """The report as a self-contained HTML page (for ``Output[HTML]`` in the KFP UI)."""
     results = json_safe(results)
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>lingo-rl eval</title>",
-        f"<style>{_STYLE}</style></head><body><h1>lingo-rl eval</h1>",
-    ]
+    parts = ["<h1>lingo-rl eval</h1>"]
     for index, section in enumerate(_sections(results)):
         parts.append(f"<h2>{html.escape(section.title)}</h2>")
         parts += [f"<p>{html.escape(p)}</p>" for p in section.paragraphs]
         if index == 1 and chart_png:
-            data = base64.b64encode(chart_png).decode("ascii")
-            parts.append(f"<img alt='accuracy per language' src='data:image/png;base64,{data}'>")
+            parts.append(png_img(chart_png, "accuracy per language"))
         for table in section.tables:
             parts.append("<table>")
             if table.caption:
@@ -333,8 +321,7 @@ def render_html(results: dict, chart_png: bytes | None = None) -> str:
                 for row in table.rows
             ]
             parts.append("</table>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    return html_page("lingo-rl eval", "\n".join(parts))
 
 
 def kfp_metrics(results: dict) -> dict[str, float]:

@@ -174,7 +174,7 @@ def run(
             "only --local runs from here; for a cluster use `lingo submit --endpoint URL`",
             param_hint="--local",
         )
-    from pipelines.local_run import run_local
+    from pipelines.local_run import run_local, tracking_summary
 
     config = _load_preset(preset, sets)
     result = run_local(
@@ -199,6 +199,10 @@ def run(
     if "eval_results" in outputs:
         typer.echo("\neval, base vs SFT vs GRPO (overall figures; per language: reports/eval.html)")
         typer.echo(headline(outputs["eval_results"]))
+    if lines := tracking_summary(result, config.gate):
+        typer.echo("")
+        for line in lines:
+            typer.echo(line)
 
 
 HEADLINE_METRICS = (

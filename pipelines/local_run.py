@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import logging
 import os
 import time
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from core.atomic import atomic_writer
+from core.tracking import local_store_uri, redact_uri
+from eval.gate import GateConfig
 from pipelines.local_console import QuietConsole
 from pipelines.presets import Preset, pipeline_arguments
 
@@ -29,6 +33,10 @@ class LocalRunResult:
     seconds: float
     log_path: Path | None = None
     """kfp.local's own output and every step's output (quiet runs)."""
+    run_dir: Path | None = None
+    """The run's directory: ``<pipeline_root>/lingo-rl-<timestamp>``."""
+    tracking_uri: str = ""
+    """Where the steps tracked to (``MLFLOW_TRACKING_URI``, or the local SQLite store)."""
 
 
 def run_local(
@@ -113,34 +121,45 @@ def _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching) -> Lo
     before = {p.name for p in output_dir.iterdir()}
     start = time.monotonic()
     arguments = pipeline_arguments(preset)
-    arguments |= tracking_arguments()
+    arguments |= tracking_arguments(output_dir)
     lingo_pipeline(**arguments)
     seconds = time.monotonic() - start
+    run_dir, outputs = _main_outputs(output_dir, before)
     return LocalRunResult(
-        pipeline_root=output_dir, outputs=_main_outputs(output_dir, before), seconds=seconds
+        pipeline_root=output_dir,
+        outputs=outputs,
+        seconds=seconds,
+        run_dir=run_dir,
+        tracking_uri=redact_uri(
+            os.environ.get("MLFLOW_TRACKING_URI") or arguments["mlflow_tracking_uri"]
+        ),
     )
 
 
-def tracking_arguments() -> dict[str, str]:
+def tracking_arguments(output_dir: Path | None = None) -> dict[str, str]:
     """The pipeline's MLflow arguments for a local run, from this process's environment.
 
-    A URI holding a password is not an argument (kfp.local prints every task's executor
-    input, arguments included): the components, subprocesses of this one, read it from the
-    inherited ``MLFLOW_TRACKING_URI``.
+    No ``MLFLOW_TRACKING_URI``: the run tracks to the SQLite store ``output_dir/mlflow.db``
+    (no server; every run into ``output_dir`` shares it, so the registry's champion carries
+    over from one run to the next). A URI holding a password is not an argument (kfp.local
+    prints every task's executor input, arguments included): the components, subprocesses of
+    this one, read it from the inherited ``MLFLOW_TRACKING_URI``.
     """
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if uri and urlsplit(uri).password is not None:
         log.info("MLFLOW_TRACKING_URI holds a password: the steps read it from the environment")
         uri = ""
+    elif not uri and output_dir is not None:
+        uri = local_store_uri(output_dir)
     return {
         "mlflow_tracking_uri": uri,
         "mlflow_experiment": os.environ.get("MLFLOW_EXPERIMENT_NAME", ""),
     }
 
 
-def _main_outputs(output_dir: Path, before: set[str]) -> dict[str, Path]:
-    """``MAIN_OUTPUTS`` of the run that just ended: kfp.local writes each task's outputs to
-    ``<pipeline_root>/<pipeline>-<timestamp>/<task>/<output>``."""
+def _main_outputs(output_dir: Path, before: set[str]) -> tuple[Path, dict[str, Path]]:
+    """The directory and ``MAIN_OUTPUTS`` of the run that just ended: kfp.local writes each
+    task's outputs to ``<pipeline_root>/<pipeline>-<timestamp>/<task>/<output>``."""
     from pipelines.pipeline import MAIN_OUTPUTS, PIPELINE_NAME
 
     runs = sorted(
@@ -154,25 +173,72 @@ def _main_outputs(output_dir: Path, before: set[str]) -> dict[str, Path]:
         for name, (task, output) in MAIN_OUTPUTS.items()
         if (run / task / output).exists()
     }
-    _link_reports(run / "reports", outputs)
-    return outputs
+    _copy_reports(run / "reports", outputs)
+    return run, outputs
 
 
-REPORT_LINKS = {
+REPORT_FILES = {
     "eval.html": "eval_report_html",
     "eval.md": "eval_report",
     "sft.html": "sft_report",
     "grpo.html": "grpo_report",
 }
-"""``<run>/reports/<name>`` → the output it links to (kfp.local names files after outputs,
-without an extension; a browser opens these links)."""
+"""``<run>/reports/<name>`` ← the output copied there. kfp.local names files after outputs,
+without an extension; a browser decides how to show a file by its name (through a symlink,
+by the target's name: an extensionless page shows as its source text), so these are copies."""
 
 
-def _link_reports(reports: Path, outputs: dict[str, Path]) -> None:
-    for name, output in REPORT_LINKS.items():
+def _copy_reports(reports: Path, outputs: dict[str, Path]) -> None:
+    for name, output in REPORT_FILES.items():
         if output in outputs:
-            reports.mkdir(exist_ok=True)
-            link = reports / name
-            link.unlink(missing_ok=True)
-            link.symlink_to(os.path.relpath(outputs[output], reports))
+            with atomic_writer(reports / name, "wb") as copy:
+                copy.write(outputs[output].read_bytes())
             outputs.setdefault("reports", reports)
+
+
+def tracking_summary(result: LocalRunResult, gate: GateConfig) -> list[str]:
+    """What the run left in its local MLflow store, read back from it, and how to open it.
+
+    For the SQLite store of ``tracking_arguments`` only (a server the user named is theirs to
+    open): the pipeline's run and its step runs, the gate's decision and the registered model
+    the ``register`` step made champion.
+    """
+    uri = result.tracking_uri
+    if not uri.startswith("sqlite:///") or result.run_dir is None:
+        return [f"MLflow: tracked to {uri}"] if uri else []
+    from mlflow import MlflowClient
+
+    from core.tracking import STEP_TAG
+
+    outputs = json.loads((result.run_dir / "start-tracking" / "executor_output.json").read_text())
+    parent_id = outputs["parameterValues"]["Output"]
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    parent = client.get_run(parent_id)
+    experiment = client.get_experiment(parent.info.experiment_id)
+    steps = {
+        run.data.tags.get(STEP_TAG): run
+        for run in client.search_runs(
+            [experiment.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'"
+        )
+    }
+    lines = [
+        f"MLflow: run '{parent.info.run_name}' ({parent.info.status}) with {len(steps)} step "
+        f"runs ({', '.join(sorted(steps))}) in experiment '{experiment.name}' of {uri}"
+    ]
+    decision = steps["gate"].data.params.get("decision") if "gate" in steps else "not run"
+    registered = (
+        steps["register"].data.params.get("registered_version") if "register" in steps else ""
+    )
+    if registered:
+        aliases = client.get_registered_model(gate.registered_model).aliases
+        lines.append(
+            f"gate: {decision}: registered model '{gate.registered_model}' version {registered}"
+            f" ({gate.alias} → version {aliases.get(gate.alias, '-')})"
+        )
+    else:
+        lines.append(f"gate: {decision}, nothing registered (why: {result.run_dir / 'gate'})")
+    lines.append(
+        f"open it: pip install mlflow && mlflow ui --backend-store-uri {uri}"
+        " (then http://127.0.0.1:5000)"
+    )
+    return lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,13 @@ TEXTS = {
         "Ecco la risposta.",
     ),
 }
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a server started right after can bind it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_row(

@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,14 +20,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from conftest import free_port
+
 START_TIMEOUT_S = 90.0
 STOP_GRACE_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mlflow_executable() -> str:
@@ -67,7 +62,7 @@ def mlflow_server(root: str | Path | None = None) -> Iterator[str]:
     owned = root is None
     base = Path(tempfile.mkdtemp(prefix="mlflow-server-")) if owned else Path(root)
     base.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = base / "server.log"
     command = [

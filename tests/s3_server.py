@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 @contextmanager
 def moto_s3_server() -> Iterator[str]:
     """Start ``moto_server`` on a free loopback port; yield its endpoint URL; stop it."""
     exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [exe, "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

@@ -73,6 +73,8 @@ class MetricsWriter:
             before the interruption, not covered by the checkpoint) are dropped, and the wall
             clock continues from the last kept line.
         mlflow_run: log the same metrics to this active MLflow run (see ``core.tracking``).
+        progress: a ``trainer.progress.ProgressServer`` that serves every line as the
+            OpenShift AI progress object (rank 0, when progress tracking is on).
     """
 
     def __init__(
@@ -83,12 +85,14 @@ class MetricsWriter:
         is_main: bool = True,
         resume_step: int = 0,
         mlflow_run=None,
+        progress=None,
     ) -> None:
         self.path = Path(path)
         self.max_steps = max_steps
         self.planned_epochs = planned_epochs
         self.is_main = is_main
         self.mlflow_run = mlflow_run
+        self.progress = progress
         self._offset = 0.0
         if not is_main:
             return
@@ -102,7 +106,13 @@ class MetricsWriter:
         self._written = [json.dumps(m) + "\n" for m in kept[:-1]]
         self._last: dict | None = kept[-1] if kept else None
         self._rewrite()
+        for line in kept:  # a resumed run serves where it stands, its last eval included
+            self._serve(line)
         self._start = time.monotonic()
+
+    def _serve(self, line: dict) -> None:
+        if self.progress is not None:
+            self.progress.update(line, self.planned_epochs)
 
     def _rewrite(self) -> None:
         """Replace the file with the lines so far (atomic: a reader sees old or new, whole)."""
@@ -147,6 +157,7 @@ class MetricsWriter:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(self._last) + "\n")
                 fh.flush()
+        self._serve(self._last)
         if self.mlflow_run is not None:
             from core.tracking import log_metrics
 

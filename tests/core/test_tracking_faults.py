@@ -7,6 +7,7 @@ import pytest
 
 from core.tracking import (
     TrackingUnreachableError,
+    artifact_location,
     find_pipeline_run,
     redact_uri,
     start_pipeline_run,
@@ -36,6 +37,18 @@ def test_a_password_uri_reaches_the_steps_by_environment_only(monkeypatch):
     assert tracking_arguments() == {"mlflow_tracking_uri": "", "mlflow_experiment": "exp"}
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
     assert tracking_arguments()["mlflow_tracking_uri"] == "http://mlflow:5000"
+
+
+def test_without_a_uri_the_local_run_tracks_to_an_sqlite_store_in_its_output_dir(
+    monkeypatch, tmp_path
+):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = tracking_arguments(tmp_path / "runs")["mlflow_tracking_uri"]
+    assert uri == f"sqlite:///{tmp_path.resolve()}/runs/mlflow.db"
+    assert artifact_location(uri) == f"{tmp_path.resolve()}/runs/mlartifacts"
+    assert artifact_location("http://mlflow:5000") is None
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", SECRET_URI)  # the user's store wins, by env
+    assert tracking_arguments(tmp_path)["mlflow_tracking_uri"] == ""
 
 
 def test_redact_uri():

@@ -116,6 +116,42 @@ def test_without_tracking_the_gate_is_skipped_with_the_comparison(tmp_path, monk
     assert missing.decision is Decision.SKIPPED
 
 
+# -- in a local SQLite store, no server (what `lingo run --local` tracks to) -----------------
+
+
+def test_the_gate_registers_into_a_local_sqlite_store(tmp_path, monkeypatch):
+    """mlflow-skinny opens the store itself; the model's files land beside the database, not
+    in ./mlruns of the directory the step runs in."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from core.tracking import local_store_uri
+
+    store, cwd = tmp_path / "runs", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", local_store_uri(store))
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    candidate = model_dir(tmp_path, "grpo", b"weights")
+    result = apply_gate(model_results(sft=0.40, grpo=0.60), candidate, GateConfig())
+    assert (result.decision, result.registered_version) == (Decision.PROMOTE, "1")
+    client = MlflowClient()
+    aliases = client.get_registered_model("lingo-gpt-oss").aliases  # the store says 1, a server "1"
+    assert {k: str(v) for k, v in aliases.items()} == {"champion": "1"}
+    downloaded = mlflow.artifacts.download_artifacts(
+        "models:/lingo-gpt-oss@champion", dst_path=str(tmp_path / "download")
+    )
+    assert content_sha256(downloaded) == content_sha256(candidate)
+    assert (store / "mlflow.db").is_file()
+    assert sorted(p.name for p in (store / "mlartifacts").rglob("model.safetensors")) == [
+        "model.safetensors"
+    ]
+    assert list(cwd.iterdir()) == []
+    assert apply_gate(model_results(grpo=0.60), candidate, GateConfig()).decision is (
+        Decision.UNCHANGED
+    )
+
+
 # -- against a real MLflow server -------------------------------------------------------------
 
 

@@ -3,10 +3,12 @@
 import json
 
 import pytest
+from browser import WINDOW, chromium, render
 from conftest import read_jsonl, write_jsonl
 
+from eval.gate import GateConfig
 from pipelines.local_console import LocalStepFailedError
-from pipelines.local_run import run_local
+from pipelines.local_run import run_local, tracking_summary
 from pipelines.presets import apply_overrides, get_preset
 
 FAST = {
@@ -32,15 +34,26 @@ FAST = {
 }
 
 
-def test_local_pipeline_run_writes_the_step_outputs(tmp_path):
-    """The demo's DAG end to end, with the SFT shortened (the demo itself trains longer)."""
-    result = run_local(apply_overrides(get_preset("tiny-cpu"), FAST), tmp_path / "runs")
+@pytest.fixture(scope="module")
+def fast_run(tmp_path_factory):
+    """The demo's DAG end to end, with the SFT shortened (the demo itself trains longer), with
+    no MLFLOW_TRACKING_URI set (as `make demo` runs)."""
+    root = tmp_path_factory.mktemp("local")
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)
+        env.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+        env.chdir(root)  # nothing may land in the directory lingo runs from
+        return run_local(apply_overrides(get_preset("tiny-cpu"), FAST), root / "runs")
+
+
+def test_local_pipeline_run_writes_the_step_outputs(fast_run):
+    result = fast_run
     train = read_jsonl(result.outputs["train_data"])
     evaluation = read_jsonl(result.outputs["eval_data"])
     assert len(train) >= 250 and len(evaluation) >= 25
     assert {r["reasoning_language"] for r in evaluation} == {"en", "fr", "de", "es", "it"}
     assert "Dataset card" in result.outputs["dataset_card"].read_text()
-    assert result.pipeline_root == (tmp_path / "runs").resolve()
+    assert result.run_dir.parent == result.pipeline_root
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(result.outputs["sft_model"])
@@ -57,17 +70,75 @@ def test_local_pipeline_run_writes_the_step_outputs(tmp_path):
     results = json.loads(result.outputs["eval_results"].read_text())
     assert [m["label"] for m in results["models"]] == ["base", "sft", "grpo"]
     assert result.outputs["eval_report"].read_text().strip()
-    reports = result.outputs["reports"]
-    assert sorted(p.name for p in reports.iterdir()) == [
-        "eval.html",
-        "eval.md",
-        "grpo.html",
-        "sft.html",
-    ]
-    assert "<html" in (reports / "eval.html").read_text().lower()
     # quiet: kfp.local's own output went to the run's log, not to the terminal
-    assert result.log_path.parent == (tmp_path / "runs" / "logs").resolve()
+    assert result.log_path.parent == result.pipeline_root / "logs"
     assert "Executing task 'sft'" in result.log_path.read_text()
+
+
+REPORTS = {"eval.html": "eval_report_html", "sft.html": "sft_report", "grpo.html": "grpo_report"}
+
+
+def test_the_reports_are_files_under_their_own_names(fast_run):
+    """Copies, not symlinks to the extensionless outputs (issue #30: a browser showed those as
+    source text)."""
+    reports = fast_run.outputs["reports"]
+    assert sorted(p.name for p in reports.iterdir()) == sorted([*REPORTS, "eval.md"])
+    for name, output in {**REPORTS, "eval.md": "eval_report"}.items():
+        page = reports / name
+        assert page.is_file() and not page.is_symlink()
+        assert page.read_bytes() == fast_run.outputs[output].read_bytes()
+
+
+@pytest.mark.skipif(chromium() is None, reason="no chromium on PATH (apt-get install chromium)")
+@pytest.mark.parametrize("name", sorted(REPORTS))
+def test_each_report_renders_in_a_real_browser(fast_run, name, tmp_path):
+    """Headless Chromium opens reports/<name> as a user's browser would (.ci/run installs it):
+    the page is HTML (its tables and images are elements, not text in a <pre>), every image
+    decodes, and nothing is wider than the window (the eval's row of four charts fits)."""
+    shown = render(fast_run.outputs["reports"] / name, tmp_path)
+    assert not shown.all("pre"), shown.dom[:300]
+    assert shown.all("table") and shown.all("img")
+    assert all(i.attrs["src"].startswith("data:image/png;base64,") for i in shown.all("img"))
+    assert shown.layout["images"] and all(i["loaded"] for i in shown.layout["images"])
+    width = shown.layout["viewport"]
+    assert width == WINDOW[0] and shown.layout["document"] <= width, shown.layout
+    assert all(0 <= i["left"] < i["right"] <= width for i in shown.layout["images"])
+    from PIL import Image
+
+    with Image.open(shown.screenshot) as screenshot:
+        assert screenshot.size == WINDOW
+        colours = screenshot.convert("RGB").getcolors(maxcolors=1 << 16)
+    assert colours is None or len(colours) > 50  # text, table rules and charts were drawn
+
+
+def test_the_run_tracks_to_an_sqlite_store_in_its_output_dir(fast_run):
+    """No tracking URI set: one MLflow run for the pipeline, a nested run per step, in
+    <output dir>/mlflow.db (artifacts beside it), read back by the lines the demo ends with."""
+    from mlflow import MlflowClient
+
+    root = fast_run.pipeline_root
+    uri = f"sqlite:///{root}/mlflow.db"
+    assert fast_run.tracking_uri == uri
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("lingo-rl")
+    assert experiment.artifact_location.endswith(f"{root}/mlartifacts")
+    (parent,) = client.search_runs(
+        [experiment.experiment_id], filter_string="tags.`lingo.pipeline_run_id` != ''"
+    )
+    assert parent.info.status == "FINISHED"  # closed by the exit handler
+    steps = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+    )
+    assert {r.data.tags["lingo.step"] for r in steps} >= {"data-prep", "sft", "grpo", "gate"}
+    assert (root / "mlartifacts").is_dir() and not list(root.parent.glob("mlruns"))
+    gate = next(r for r in steps if r.data.tags["lingo.step"] == "gate")
+    lines = tracking_summary(fast_run, GateConfig())
+    assert lines[0].startswith(f"MLflow: run '{parent.info.run_name}' (FINISHED) with")
+    assert f"gate: {gate.data.params['decision']}" in lines[1]
+    assert lines[-1].startswith(
+        f"open it: pip install mlflow && mlflow ui --backend-store-uri {uri}"
+    )
 
 
 def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):

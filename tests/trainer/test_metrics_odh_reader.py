@@ -13,19 +13,29 @@ files a real tiny SFT and GRPO run write, cut at several points mid-run and comp
   ``step``; progress as above; ``ETA = int(wall_time_s / step × (max_steps − step))``, 0 at the
   end; ``currentEpoch = max(1, ceil(epoch))`` of ``totalEpochs = 1``.
 - end of job: the last line only; final loss ``loss or train_loss or avg_loss or 0``.
+
+The same runs serve the progress object live (``trainer/progress.py``, ``LINGO_PROGRESS_PORT``):
+a thread polls it as the OpenShift AI controller does (``GET /metrics``) while they train, and
+every object it got is checked against the file the run wrote, by the ``lora_grpo`` rules
+(both SFT and GRPO: the SFT branch has no ETA); the termination message is the final object.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import run_grpo
 from trainer.metrics import MetricsWriter, read_metrics
+from trainer.progress import EVAL_METRICS, PORT_ENV, TERMINATION_PATH_ENV
 from trainer.sft.config import SFTConfig
 from trainer.sft.recipe import run_sft
 
@@ -42,11 +52,11 @@ def _percent(step: int, max_steps: int | None) -> int | None:
     return min(99, percent) if step < max_steps else min(100, percent)
 
 
-def _fmt(value) -> str | None:
+def _fmt(value, decimals: int = 4) -> str | None:
     if value is None or isinstance(value, bool):
         return None
     number = float(value)
-    return f"{number:.4f}" if math.isfinite(number) else None
+    return f"{number:.{decimals}f}" if math.isfinite(number) else None
 
 
 def read_lora_sft(path: Path) -> dict:
@@ -71,6 +81,11 @@ def read_lora_grpo(path: Path) -> dict:
     for line in lines:
         if last_step is None or line.get("step") == last_step:
             m.update(line)
+    return lora_grpo_object(m)
+
+
+def lora_grpo_object(m: dict) -> dict:
+    """The ``lora_grpo`` branch's object for a (merged) metrics line."""
     step, epoch, max_steps = m.get("step", 0), m.get("epoch", 0), m.get("max_steps")
     wall = m.get("wall_time_s")
     eta = None
@@ -80,9 +95,18 @@ def read_lora_grpo(path: Path) -> dict:
         "progressPercentage": _percent(step, max_steps),
         "estimatedRemainingSeconds": eta,
         "currentStep": step,
+        "totalSteps": max_steps or None,
         "currentEpoch": max(1, math.ceil(epoch)),
         "totalEpochs": 1,
         "loss": _fmt(m.get("loss")),
+        "trainMetrics": {
+            "loss": _fmt(m.get("loss")),
+            "learning_rate": _fmt(m.get("learning_rate"), 6),
+            "grad_norm": _fmt(m.get("grad_norm")),
+            "mean_reward": _fmt(m.get("mean_reward")),
+            "full_match_rate": _fmt(m.get("full_match_rate")),
+            "entropy": _fmt(m.get("entropy")),
+        },
     }
 
 
@@ -139,6 +163,123 @@ def _check(path: Path, tmp: Path, reader, planned_epochs: int) -> None:
     assert float(end_of_job_loss(path)) == lines[-1]["loss"]
 
 
+class ProgressPoller:
+    """GET ``/metrics`` every 20 ms from a thread, as the OpenShift AI controller polls the
+    training pod (every 5-300 s there); keeps every object answered."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.objects: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as answer:
+                    assert answer.headers["Content-Type"] == "application/json"
+                    self.objects.append(json.loads(answer.read()))
+            except OSError:  # not serving yet (loading), or no longer
+                pass
+            time.sleep(0.02)
+
+    def __enter__(self) -> ProgressPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def progress_env(tmp_path, monkeypatch):
+    """Progress tracking on (a free port), a termination message file as the kubelet mounts."""
+    port = free_port()
+    termination = tmp_path / "termination-log"
+    termination.touch()
+    monkeypatch.setenv(PORT_ENV, str(port))
+    monkeypatch.setenv(TERMINATION_PATH_ENV, str(termination))
+    return port, termination
+
+
+def _latest_eval(lines: list[dict], step: int, inclusive: bool) -> dict:
+    out: dict = {}
+    for m in lines:
+        if m["step"] < step or (inclusive and m["step"] == step):
+            out |= {k: _fmt(m[k]) for k in EVAL_METRICS if m.get(k) is not None}
+    return out
+
+
+def _check_served(
+    objects: list[dict], path: Path, termination: Path, port: int, total_epochs: int
+) -> None:
+    """Every polled object against the file the run wrote, by the ``lora_grpo`` rules."""
+    lines = read_metrics(path)
+    by_step = {m["step"]: m for m in lines}
+    max_steps = lines[-1]["max_steps"]
+    served = [o for o in objects if o["progressPercentage"] is not None]
+    # seen while training, not only at the end
+    assert len({o["currentStep"] for o in served}) >= 3, [o["currentStep"] for o in objects]
+    assert any(o["currentStep"] < max_steps for o in served)
+    percents = [o["progressPercentage"] for o in served]
+    assert percents == sorted(percents) and percents[-1] == 100
+    for o in objects:
+        assert set(o) == {
+            "progressPercentage",
+            "estimatedRemainingSeconds",
+            "currentStep",
+            "totalSteps",
+            "currentEpoch",
+            "totalEpochs",
+            "trainMetrics",
+            "evalMetrics",
+        }
+        assert isinstance(o["currentEpoch"], float)
+        if o["progressPercentage"] is None:  # before the first line
+            assert o["currentStep"] == 0 and o["totalSteps"] is None
+            continue
+        assert o["totalEpochs"] == total_epochs
+        step = o["currentStep"]
+        expected = lora_grpo_object(by_step[step])
+        for key in ("progressPercentage", "currentStep", "totalSteps", "currentEpoch"):
+            assert o[key] == expected[key], (key, o, by_step[step])
+        # the train figures the line carries, as the reader formats them (loss: every step)
+        train = o["trainMetrics"]
+        assert train == {k: expected["trainMetrics"][k] for k in train}, (o, by_step[step])
+        if step > 0:
+            assert train["loss"] == _fmt(by_step[step]["loss"]) is not None
+            assert {"loss", "learning_rate", "grad_norm"} <= set(train)
+        # ETA: the reader's formula on the line as it stood when polled: written at the step
+        # (after the previous line) or rewritten with the step's eval (the file's last word)
+        if step == 0:
+            assert o["estimatedRemainingSeconds"] is None
+        else:
+            earliest = lora_grpo_object({**by_step[step], "wall_time_s": _wall_before(lines, step)})
+            eta_bounds = (
+                earliest["estimatedRemainingSeconds"] or 0,  # None: nothing before step 1
+                expected["estimatedRemainingSeconds"],
+            )
+            assert eta_bounds[0] <= o["estimatedRemainingSeconds"] <= eta_bounds[1], (o, eta_bounds)
+        # the latest held-out figures: this step's, or the eval before it when polled between
+        assert o["evalMetrics"] in (
+            _latest_eval(lines, step, True),
+            _latest_eval(lines, step, False),
+        ), o
+    final = json.loads(termination.read_text())
+    assert final == served[-1]
+    assert final["progressPercentage"] == 100 and final["estimatedRemainingSeconds"] == 0
+    assert final["trainMetrics"]["loss"] == _fmt(lines[-1]["loss"])
+    assert final["evalMetrics"] == _latest_eval(lines, max_steps, True) != {}
+    assert len(termination.read_bytes()) < 4096  # Kubernetes keeps 4096 bytes of it
+    with pytest.raises(OSError):  # stopped with the run: the port is free again
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def _wall_before(lines: list[dict], step: int) -> float:
+    return max([m["wall_time_s"] for m in lines if m["step"] < step], default=0.0)
+
+
 @pytest.fixture(scope="module")
 def small_data(prepared_data, tmp_path_factory):
     """A train split of 12 rows, so a few steps make more than one pass over the data."""
@@ -149,7 +290,23 @@ def small_data(prepared_data, tmp_path_factory):
     return out
 
 
-def test_sft_metrics_read_right_by_the_odh_reader(tmp_path, tiny_model_dir, small_data):
+def _run_polled(recipe, cfg, model_dir, data: Path, tmp_path: Path, progress_env):
+    """Run ``recipe`` (``run_sft`` / ``run_grpo``) while polling its progress server."""
+    with ProgressPoller(progress_env[0]) as poller:
+        result = recipe(
+            cfg,
+            model_dir,
+            data / "train.jsonl",
+            data / "eval.jsonl",
+            tmp_path / "model",
+            tmp_path / "work",
+        )
+    return result, poller.objects
+
+
+def test_sft_metrics_read_right_by_the_odh_reader_and_served_live(
+    tmp_path, tiny_model_dir, small_data, progress_env
+):
     cfg = SFTConfig(
         micro_batch_size=2,
         gradient_accumulation_steps=2,
@@ -159,14 +316,7 @@ def test_sft_metrics_read_right_by_the_odh_reader(tmp_path, tiny_model_dir, smal
         max_steps=7,  # 3 steps per pass over 12 rows: 2.33 passes
         eval_every=3,
     )
-    result = run_sft(
-        cfg,
-        tiny_model_dir,
-        small_data / "train.jsonl",
-        small_data / "eval.jsonl",
-        tmp_path / "model",
-        tmp_path / "work",
-    )
+    result, served = _run_polled(run_sft, cfg, tiny_model_dir, small_data, tmp_path, progress_env)
     path = Path(result.metrics_file)
     lines = read_metrics(path)
     assert lines[-1]["data_passes"] > 2 and lines[-1]["epoch"] == 1.0
@@ -174,9 +324,12 @@ def test_sft_metrics_read_right_by_the_odh_reader(tmp_path, tiny_model_dir, smal
     _check(path, tmp_path / "cuts", read_lora_sft, planned_epochs=1)
     _check(path, tmp_path / "cuts-grpo-rules", read_lora_grpo, planned_epochs=1)
     assert end_of_job_loss(path) == str(result.last_loss) != "0"
+    _check_served(served, path, progress_env[1], progress_env[0], total_epochs=1)
 
 
-def test_grpo_metrics_read_right_by_the_odh_reader(tmp_path, tiny_model_dir, small_data):
+def test_grpo_metrics_read_right_by_the_odh_reader_and_served_live(
+    tmp_path, tiny_model_dir, small_data, progress_env
+):
     cfg = GRPOConfig.model_validate(
         {
             "rollout": {"n_samples": 4, "max_new_tokens": 8},
@@ -191,19 +344,21 @@ def test_grpo_metrics_read_right_by_the_odh_reader(tmp_path, tiny_model_dir, sma
             "dtype": "float32",
         }
     )
-    result = run_grpo(
-        cfg,
-        tiny_model_dir,
-        small_data / "train.jsonl",
-        small_data / "eval.jsonl",
-        tmp_path / "model",
-        tmp_path / "work",
-    )
+    result, served = _run_polled(run_grpo, cfg, tiny_model_dir, small_data, tmp_path, progress_env)
     path = Path(result.metrics_file)
     lines = read_metrics(path)
     assert lines[-1]["data_passes"] > 1 and lines[-1]["epoch"] == 1.0
     assert [m["step"] for m in lines if "eval_mean_reward" in m] == [0, 2, 4]
     _check(path, tmp_path / "cuts", read_lora_grpo, planned_epochs=1)
+    # every train line carries full_match_rate (both languages right), which the reader shows
+    for m in lines[1:]:
+        assert (
+            0.0
+            <= m["full_match_rate"]
+            <= min(m["answer_language_accuracy"], m["reasoning_language_accuracy"])
+        )
+    assert read_lora_grpo(path)["trainMetrics"]["full_match_rate"] is not None
+    _check_served(served, path, progress_env[1], progress_env[0], total_epochs=1)
 
 
 def test_eval_values_merge_onto_the_step_line_and_survive_a_resume(tmp_path):

@@ -78,6 +78,7 @@ from trainer.placement import (
     grpo_placement,
     plan_placement,
 )
+from trainer.progress import serve_progress
 
 log = logging.getLogger(__name__)
 
@@ -336,10 +337,17 @@ def _train(
     with (
         mlflow_run("grpo", cfg.model_dump(), info.is_main) as tracking,
         contextlib.closing(backend),
+        serve_progress(info.is_main) as progress,
     ):
         # GRPO plans steps, not epochs: the run is one planned epoch (``epoch`` 0 … 1)
         writer = MetricsWriter(
-            work_dir / METRICS_FILE, cfg.max_steps, 1.0, info.is_main, state.step, tracking
+            work_dir / METRICS_FILE,
+            cfg.max_steps,
+            1.0,
+            info.is_main,
+            state.step,
+            tracking,
+            progress,
         )
         engine = producer.ready_engine()  # the engine takes the (resumed) policy's weights
         first_sync = sync_metrics(producer.sync_reports())
@@ -999,6 +1007,8 @@ def _reward_metrics(batch: _Batch, dp: DataParallel) -> dict:
         "reasoning_language_accuracy": mean(
             r.reasoning_verdict == Verdict.MATCH for r in batch.results
         ),
+        # both languages right: the share the ODH SDK shows for GRPO as full_match_rate
+        "full_match_rate": mean(_both_ok(r) for r in batch.results),
         "response_length_mean": mean(len(r.response_ids) for r in batch.rollouts),
         "finished_fraction": mean(r.finished for r in batch.rollouts),
         "no_signal_fraction": mean((1.0 - batch.keep).tolist()),

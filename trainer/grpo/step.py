@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 import html
 from pathlib import Path
 
 from cluster.config import JobLaunch
 from cluster.torchrun import run_step_processes
+from core.html_page import html_page, png_img
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import GRPOResult, read_summary, run_grpo
 from trainer.metrics import METRICS_FILE
@@ -75,12 +75,12 @@ def render_grpo_html(result: GRPOResult) -> str:
     )
     image = ""
     if result.plot and Path(result.plot).exists():
-        data = base64.b64encode(Path(result.plot).read_bytes()).decode()
-        image = f'<img alt="GRPO metrics" src="data:image/png;base64,{data}">'
-    return (
-        "<html><body><h2>GRPO</h2>"
+        image = png_img(Path(result.plot).read_bytes(), "GRPO metrics")
+    return html_page(
+        "lingo-rl GRPO",
+        "<h2>GRPO</h2>"
         f"<p>exported policy: step {result.exported_step} of {result.steps} "
         "(best held-out reward whose real-word share stayed within the guard)</p>"
-        "<table border='1' cellpadding='4'><tr><th>held-out</th><th>SFT model</th>"
-        f"<th>GRPO policy</th></tr>{rows}</table>{image}</body></html>"
+        "<table><tr><th>held-out</th><th>SFT model</th>"
+        f"<th>GRPO policy</th></tr>{rows}</table>{image}",
     )

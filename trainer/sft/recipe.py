@@ -23,6 +23,7 @@ from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
 from trainer.divergence import DivergenceGuard
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
+from trainer.progress import serve_progress
 from trainer.sft.config import SFTConfig
 from trainer.sft.data import (
     Example,
@@ -137,11 +138,20 @@ def run_sft(
     run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(base_model)}
     start_step = (resume(checkpoints, backend, info, run_config) or {"step": 0})["step"]
 
-    with mlflow_run("sft", cfg.model_dump(), info.is_main) as run:
+    with (
+        mlflow_run("sft", cfg.model_dump(), info.is_main) as run,
+        serve_progress(info.is_main) as progress,
+    ):
         # training by epochs, ``epoch`` counts them; by steps, the run is one planned epoch
         planned_epochs = cfg.num_epochs if not cfg.max_steps else 1.0
         writer = MetricsWriter(
-            work_dir / METRICS_FILE, max_steps, planned_epochs, info.is_main, start_step, run
+            work_dir / METRICS_FILE,
+            max_steps,
+            planned_epochs,
+            info.is_main,
+            start_step,
+            run,
+            progress,
         )
         _train_loop(
             cfg,

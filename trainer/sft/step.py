@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 from pathlib import Path
 
 from cluster.config import JobLaunch
 from cluster.torchrun import run_step_processes
+from core.html_page import html_page, png_img
 from trainer.metrics import METRICS_FILE
 from trainer.sft.config import SFTConfig
 from trainer.sft.recipe import SUMMARY_FILE, SFTResult, run_sft
@@ -79,10 +79,9 @@ def render_sft_html(result: SFTResult) -> str:
     )
     image = ""
     if result.loss_plot and Path(result.loss_plot).exists():
-        data = base64.b64encode(Path(result.loss_plot).read_bytes()).decode()
-        image = f'<img alt="SFT loss" src="data:image/png;base64,{data}">'
-    return (
-        "<html><body><h2>SFT</h2>"
-        f"{image}<table border='1' cellpadding='4'>{rows}</table>"
-        f"<p>merged model: {html.escape(result.model_dir)}</p></body></html>"
+        image = png_img(Path(result.loss_plot).read_bytes(), "SFT loss")
+    return html_page(
+        "lingo-rl SFT",
+        f"<h2>SFT</h2>{image}<table>{rows}</table>"
+        f"<p>merged model: {html.escape(result.model_dir)}</p>",
     )

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
+from core.redact import redact
 from core.tracking import (
     TrackingUnreachableError,
     find_pipeline_run,
-    redact_uri,
     start_pipeline_run,
 )
 from pipelines.local_run import tracking_arguments
@@ -39,5 +39,5 @@ def test_a_password_uri_reaches_the_steps_by_environment_only(monkeypatch):
 
 
 def test_redact_uri():
-    assert redact_uri(SECRET_URI) == "http://lingo:***@127.0.0.1:9"
-    assert redact_uri("http://host:5000/x") == "http://host:5000/x"
+    assert redact(SECRET_URI) == "http://lingo:***@127.0.0.1:9"
+    assert redact("http://host:5000/x") == "http://host:5000/x"

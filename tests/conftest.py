@@ -108,3 +108,28 @@ def tiny_model_dir(tmp_path_factory):
     from trainer.tiny_model import SMALLEST, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", SMALLEST)
+
+
+FAST_LOCAL_RUN = {
+    "model.tiny.hidden_size": "64",
+    "model.tiny.intermediate_size": "64",
+    "model.tiny.vocab_size": "600",
+    "sft.max_steps": "3",
+    "sft.eval_every": "0",
+    "sft.checkpoint_every": "0",
+    "sft.eval_max_examples": "8",
+    "grpo.max_steps": "2",
+    "grpo.prompts_per_step": "2",
+    "grpo.rollout.n_samples": "2",
+    "grpo.rollout.max_new_tokens": "12",
+    "grpo.mini_batch_size": "4",
+    "grpo.micro_batch_size": "4",
+    "grpo.eval_every": "0",
+    "grpo.eval_prompts": "4",
+    "grpo.eval_samples": "1",
+    "grpo.checkpoint_every": "0",
+    "eval.limit": "5",
+    "eval.sampling.max_tokens": "16",
+}
+"""`--set` overrides that make the tiny-cpu pipeline run in a minute or two (the demo trains
+longer): the local-run tests use them."""

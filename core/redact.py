@@ -131,8 +131,8 @@ def redact_exception(exc: BaseException) -> str:
     return redact(f"{type(exc).__name__}: {exc}")
 
 
-_installed = threading.Lock()
-_state: dict[str, Any] = {}
+_install_lock = threading.Lock()
+_installed: list[bool] = []
 
 
 def install() -> None:
@@ -140,12 +140,13 @@ def install() -> None:
 
     Log records are redacted when they are made (``logging.setLogRecordFactory``), so every
     handler sees the redacted message and traceback, whichever logger made the record and
-    whenever the handler was added.
+    whenever the handler was added (a filter on a logger misses records its children
+    propagate; one on a handler misses handlers added later).
     """
-    with _installed:
-        if _state.get("installed"):
+    with _install_lock:
+        if _installed:
             return
-        _state["installed"] = True
+        _installed.append(True)
         make_record = logging.getLogRecordFactory()
 
         def redacted_record(*args, **kwargs) -> logging.LogRecord:
@@ -153,25 +154,19 @@ def install() -> None:
             _redact_record(record)
             return record
 
-        logging.setLogRecordFactory(redacted_record)
-        hook = sys.excepthook
-
         def redacted_excepthook(kind, exc, tb) -> None:
             import traceback
 
             sys.stderr.write(redact("".join(traceback.format_exception(kind, exc, tb))))
             sys.stderr.flush()
 
-        sys.excepthook = redacted_excepthook
-        _state["excepthook"] = hook
-        show = warnings.showwarning
-
         def redacted_warning(message, category, filename, lineno, file=None, line=None):
             text = warnings.formatwarning(message, category, filename, lineno, line)
             (file or sys.stderr).write(redact(text))
 
+        logging.setLogRecordFactory(redacted_record)
+        sys.excepthook = redacted_excepthook
         warnings.showwarning = redacted_warning
-        _state["showwarning"] = show
 
 
 def _redact_record(record: logging.LogRecord) -> None:

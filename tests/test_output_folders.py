@@ -19,13 +19,7 @@ import torch
 from conftest import make_rows, write_jsonl
 from tests_helpers_trainer import grpo_cli_args, small_grpo_config, subprocess_env
 
-from core.atomic import (
-    OUTPUT_RECORD,
-    OutputNotOursError,
-    check_output_dir,
-    publish_dir,
-    staging_dir,
-)
+from core import atomic  # its output-folder helpers: tests/core/test_atomic.py
 
 
 def _users_folder(path):
@@ -55,60 +49,6 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     return errors[0]
-
-
-# --- the helper -----------------------------------------------------------------------------
-
-
-def test_publish_dir_replaces_our_folder_and_refuses_one_that_is_not(tmp_path):
-    target = tmp_path / "model"
-    first = staging_dir(target)
-    (first / "weights").write_text("1")
-    publish_dir(first, target)
-    assert json.loads((target / OUTPUT_RECORD).read_text())["entries"] == ["weights"]
-    second = staging_dir(target)
-    (second / "weights").write_text("2")
-    (second / "config").write_text("c")
-    publish_dir(second, target)  # ours: swapped in, the old one removed
-    assert (target / "weights").read_text() == "2" and not second.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
-
-    (target / "notes.txt").write_text("the user's")  # now the folder holds a file not ours
-    third = staging_dir(target)
-    (third / "weights").write_text("3")
-    refused = r"did not write \(notes.txt\); nothing was removed.*kept in .*\.model\.partial"
-    with pytest.raises(OutputNotOursError, match=refused):
-        publish_dir(third, target)
-    assert (target / "notes.txt").exists() and (target / "weights").read_text() == "2"
-    assert (third / "weights").read_text() == "3"  # what the run wrote is kept
-
-
-def test_check_output_dir_refuses_files_links_and_a_work_dir_inside(tmp_path):
-    check_output_dir(tmp_path / "new")  # missing: fine
-    (tmp_path / "empty").mkdir()
-    check_output_dir(tmp_path / "empty")  # empty: fine
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(OutputNotOursError, match="is a file"):
-        check_output_dir(tmp_path / "file")
-    (tmp_path / "link").symlink_to(tmp_path / "empty")
-    with pytest.raises(OutputNotOursError, match="symbolic link"):
-        check_output_dir(tmp_path / "link")
-    with pytest.raises(OutputNotOursError, match="work folder .* lies inside"):
-        check_output_dir(tmp_path / "out", "--model-output", work_dir=tmp_path / "out" / "w")
-    with pytest.raises(OutputNotOursError, match="work folder .* lies inside"):
-        check_output_dir(tmp_path / "out", "--model-output", work_dir=tmp_path / "out")
-
-
-def test_a_staging_folder_we_did_not_make_is_not_removed(tmp_path):
-    stale = staging_dir(tmp_path / "model")  # a killed run's: ours, removed by the next one
-    (stale / "half.bin").write_text("x")
-    assert list(staging_dir(tmp_path / "model").iterdir()) == [stale / OUTPUT_RECORD]
-    foreign = tmp_path / ".data.partial"
-    foreign.mkdir()
-    (foreign / "keep").write_text("x")
-    with pytest.raises(OutputNotOursError, match="did not make it"):
-        staging_dir(tmp_path / "data")
-    assert (foreign / "keep").exists()
 
 
 # --- every writer ---------------------------------------------------------------------------
@@ -157,7 +97,7 @@ def test_merge_replaces_its_own_output_and_refuses_the_users(tmp_path, tiny_mode
     assert (out / "model.safetensors").stat().st_ino != first
     assert json.loads((out / "merge_report.json").read_text())["max_abs_diff_after_reload"] == 0
     mine = _users_folder(tmp_path / "mine")
-    with pytest.raises(OutputNotOursError, match="notes.txt"):
+    with pytest.raises(atomic.OutputNotOursError, match="notes.txt"):
         merge_and_save(model, tokenizer, [[5, 6, 7]], mine)
     assert _intact(mine)
 
@@ -170,7 +110,7 @@ def test_export_replaces_its_own_output_and_refuses_the_users(tmp_path, tiny_mod
     export_hf_directory(tiny_model_dir, tiny_model_dir, out, "bfloat16")  # replaced
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     mine = _users_folder(tmp_path / "mine")
-    with pytest.raises(OutputNotOursError, match="notes.txt"):
+    with pytest.raises(atomic.OutputNotOursError, match="notes.txt"):
         export_hf_directory(tiny_model_dir, tiny_model_dir, mine, "float32")
     assert _intact(mine) and not list(tmp_path.glob(".mine.partial"))  # refused before work
 
@@ -185,7 +125,7 @@ def test_eval_refuses_a_report_it_did_not_write(tmp_path, tiny_model_dir):
     run_eval([f"tiny={tiny_model_dir}"], config, out)  # our own results: replaced
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "report.md").write_text("my report")
-    with pytest.raises(OutputNotOursError, match=r"report.md"):
+    with pytest.raises(atomic.OutputNotOursError, match=r"report.md"):
         run_eval([f"tiny={tiny_model_dir}"], config, tmp_path / "mine")
     assert (tmp_path / "mine" / "report.md").read_text() == "my report"
     assert not (tmp_path / "mine" / "results.json").exists()
@@ -208,9 +148,9 @@ def test_data_prep_refuses_outputs_it_did_not_write(tmp_path):
     prepare()  # our own outputs: replaced
     (out / "train.jsonl").unlink()
     (out / "train.jsonl").write_text("the user's rows\n")
-    record = json.loads((out / OUTPUT_RECORD).read_text())
+    record = json.loads((out / atomic.OUTPUT_RECORD).read_text())
     record["entries"].remove("train.jsonl")  # as if another program wrote it
-    (out / OUTPUT_RECORD).write_text(json.dumps(record))
-    with pytest.raises(OutputNotOursError, match="train.jsonl"):
+    (out / atomic.OUTPUT_RECORD).write_text(json.dumps(record))
+    with pytest.raises(atomic.OutputNotOursError, match="train.jsonl"):
         prepare()
     assert (out / "train.jsonl").read_text() == "the user's rows\n"

@@ -20,8 +20,6 @@ from chat_server import chat_server, completion
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.redact import MASK, install, redact, redact_data, secret_values
-
 LINGO = str(Path(sys.executable).with_name("lingo"))
 PLANTED = {
     "AWS_SECRET_ACCESS_KEY": "aws-SECRET-0123456789",
@@ -32,6 +30,7 @@ PLANTED = {
     "OPENAI_API_KEY": "sk-OPENAI-0123456789",
 }
 PASSWORD = "url-PASSWORD-4242"
+MASK = "***"
 SECRETS = [*PLANTED.values(), PASSWORD]
 
 
@@ -59,6 +58,8 @@ def _lingo(args: list[str], env: dict[str, str] | None = None, **kwargs):
 
 
 def test_urls_lose_their_credentials():
+    from core.redact import redact
+
     assert redact("http://dave:PW@host:8000/v1") == "http://dave:***@host:8000/v1"
     assert redact("https://ghp_TOKEN@github.com/x") == "https://***@github.com/x"
     assert redact("ssh://git@github.com/x") == "ssh://git@github.com/x"  # a user name
@@ -77,6 +78,8 @@ def test_urls_lose_their_credentials():
 
 
 def test_secret_variables_and_url_passwords_in_the_environment():
+    from core.redact import redact, redact_data, secret_values
+
     environ = {
         "AWS_SECRET_ACCESS_KEY": "abcdefgh12345",
         "AWS_ENDPOINT_URL": "http://eve:evepass99@host",
@@ -106,12 +109,16 @@ def test_secret_variables_and_url_passwords_in_the_environment():
     path=st.sampled_from(["", "/", "/v1", "/v1#model", "?x=1"]),
 )
 def test_no_url_password_survives(user, password, path):
+    from core.redact import redact
+
     for template in ("{u}", "error: {u} failed", "'{u}'", '"{u}"', "({u})", "<{u}>"):
         text = template.format(u=f"http://{user}:{password}@host.example:8000{path}")
         assert f":{password}@" not in redact(text, [])
 
 
 def test_log_records_are_redacted_whatever_the_handler(caplog):
+    from core.redact import install
+
     install()
     logging.getLogger("lingo.test").warning("connecting to %s", "http://u:pw1234@host")
     try:

@@ -264,6 +264,10 @@ def load_model_spec(model: str | Path | Mapping[str, Any]) -> ModelSpec:
         )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ModelSpecError(f"{config_path}: not valid JSON ({error})") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelSpecError(
+            f"{config_path}: not a model's config.json (not UTF-8 JSON: {error})"
+        ) from error
+    if not isinstance(config, dict):
+        raise ModelSpecError(f"{config_path}: not a model's config.json (not a JSON object)")
     return ModelSpec.from_config(config, name=str(path))

@@ -29,13 +29,12 @@ def data_prep(
     ``config`` stands for ``DataPrepConfig``'s fields, one input each; in the body it is
     their values as a dict.
     """
-    import logging
-
+    from core.processes import start_step_process
     from core.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare_dataset
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     config = DataPrepConfig.model_validate(config)
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     with mlflow_run("data-prep", config.model_dump()) as run:

@@ -38,13 +38,12 @@ def evaluate(
     The KFP UI shows ``metrics`` (every model's overall figures) and, per model, the
     requested → detected language confusion matrices of the reasoning and the answer.
     """
-    import logging
-
+    from core.processes import start_step_process
     from core.tracking import configure_tracking
     from eval.eval_step import run_eval_step
     from eval.report import kfp_confusion_matrices, load_results
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     models = {
         "base": base_model.path,
@@ -79,12 +78,11 @@ def gate(
 ) -> str:
     """Decide whether the GRPO model beats the champion: returns ``promote``, ``keep``,
     ``unchanged`` or ``skipped`` (the reason is in ``report``)."""
-    import logging
-
+    from core.processes import start_step_process
     from core.tracking import configure_tracking
     from eval.eval_step import run_gate_step
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=False)
     return decision.decision.value
@@ -103,12 +101,11 @@ def register(
 
     Returns the version the alias points to afterwards ("" when nothing changed).
     """
-    import logging
-
+    from core.processes import start_step_process
     from core.tracking import configure_tracking
     from eval.eval_step import run_gate_step
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=True)
     return decision.registered_version or ""

@@ -34,16 +34,16 @@ def grpo(
     the config names one) and ``model`` is the policy's Megatron checkpoint, for
     ``export_hf``; otherwise ``model`` is the policy as a HF directory.
     """
-    import logging
     from pathlib import Path
 
     from cluster.config import JobLaunch
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
+    from core.processes import start_step_process
     from core.tracking import configure_tracking
     from trainer.grpo.config import GRPOConfig
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     config = {**config, "optim": dict(config.get("optim") or {})}
     if backend:

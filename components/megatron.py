@@ -22,20 +22,20 @@ def convert_megatron(
     tolerance (the report is written either way). Nothing is published when a check fails.
     """
     import importlib
-    import logging
     import shutil
     from pathlib import Path
 
+    from core.atomic import discard_staging, publish_dir, staging_dir
+    from core.processes import start_step_process
     from trainer.megatron.layout import validate_layout
     from trainer.megatron.manifest import MANIFEST_FILE, build_manifest, write_manifest
     from trainer.megatron.verify import verify_conversion
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     checked = validate_layout(hf_model.path, layout)
     bridge = importlib.import_module("trainer.megatron.bridge")
     final = Path(megatron_model.path)
-    partial = final.with_name(f".{final.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = staging_dir(final)
     try:
         bridge.convert_hf_to_megatron(hf_model.path, str(partial), checked.layout)
         write_manifest(partial, build_manifest(hf_model.path, checked.layout, checked.world_size))
@@ -47,10 +47,9 @@ def convert_megatron(
             json_path=partial / "lingo_verification.json",
         )
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        discard_staging(partial)
         raise
-    shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
+    publish_dir(partial, final)
     shutil.copyfile(final / MANIFEST_FILE, manifest.path)
     parallel = checked.layout.model_dump(include={"tp", "pp", "ep", "etp", "cp", "dp", "vpp"})
     megatron_model.metadata.update(
@@ -81,11 +80,10 @@ def export_hf(
     Megatron checkpoint, exported by megatron-bridge; ``dtype`` and ``max_shard_size`` are
     the bridge's then).
     """
-    import logging
-
+    from core.processes import start_step_process
     from trainer.export_hf import export_deepspeed, export_hf_directory, export_megatron
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     if source_format == "hf":
         result = export_hf_directory(
             checkpoint.path, template_model.path, model.path, dtype, max_shard_size

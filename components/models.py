@@ -10,12 +10,11 @@ from components.images import CPU_IMAGE, GPU_IMAGE
 def base_model(source: str, tiny_config: dict, model: Output[Model]):
     """The base model as a HF directory: the tiny GPT-OSS, a local copy, an ``s3://`` prefix
     (``AWS_ENDPOINT_URL`` for S3-compatible stores) or a hub download."""
-    import logging
-
+    from core.processes import start_step_process
     from trainer.base_model import materialize_base_model
     from trainer.tiny_model import TinyModelConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     materialize_base_model(source, model.path, TinyModelConfig.model_validate(tiny_config))
     model.metadata.update(source=source, format="huggingface")
 
@@ -43,11 +42,12 @@ def sft(
 
     from cluster.config import JobLaunch
     from components.images import GPU_IMAGE
+    from core.processes import start_step_process
     from core.tracking import configure_tracking
     from trainer.sft.config import SFTConfig
     from trainer.sft.step import render_sft_html, run_sft_step, sft_metrics
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     cfg = SFTConfig.model_validate(config)
     launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, GPU_IMAGE)
@@ -76,13 +76,13 @@ def capacity_check(
     """Fail fast, before any heavy step, when the run cannot fit: SFT and GRPO as configured
     (processes, placement plan, batch, lengths) on ``hardware`` (a ``Hardware``) (the tables and the
     GRPO placement plan are in the report, the tables in the error)."""
-    import logging
     from pathlib import Path
 
     from capacity import LayoutDoesNotFit
+    from core.processes import start_step_process
     from trainer.capacity_check import check_run
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     text, failing = check_run(
         base_model.path, hardware, sft_config, grpo_config, sft_execution, grpo_execution,
         {k: str(v) for k, v in overrides.items()},

@@ -27,11 +27,10 @@ def start_tracking(
 ) -> str:
     """The pipeline run's MLflow run id ("" when no tracking URI is set); its params are the
     sources, the hardware and the SFT/GRPO configs (flattened, ``sft.optim.learning_rate``)."""
-    import logging
-
+    from core.processes import start_step_process
     from core.tracking import configure_tracking, start_pipeline_run
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, experiment=mlflow_experiment)
 
     def flatten(prefix: str, value) -> dict:
@@ -58,12 +57,12 @@ def publish(
 ) -> str:
     """Upload the GRPO model and the eval results to ``<export_uri>/<run id>/`` (multipart,
     checksummed, manifest last); returns that prefix."""
-    import logging
     from pathlib import Path
 
+    from core.processes import start_step_process
     from core.storage import upload_dir, upload_file
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     prefix = f"{export_uri.rstrip('/')}/{pipeline_run_id}"
     upload_dir(grpo_model.path, f"{prefix}/grpo-model/")
     results = Path(eval_results.path)
@@ -87,6 +86,7 @@ def finalize(
     ``lingo.pipeline_run_id`` tag: an exit task cannot take other tasks' outputs)."""
     import logging
 
+    from core.processes import start_step_process
     from core.tracking import (
         TrackingUnreachableError,
         configure_tracking,
@@ -94,7 +94,7 @@ def finalize(
         finish_pipeline_run,
     )
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_step_process()  # dies with its parent; every log line redacted
     log = logging.getLogger("finalize")
     log.info("pipeline run %s ended: %s", pipeline_run_id, status.state)
     if delete_jobs:

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from core.redact import redact, redact_exception, secret_values
+
 log = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "lingo-rl"
@@ -90,14 +92,6 @@ class TrackingUnreachableError(RuntimeError):
     """The configured MLflow tracking server does not answer."""
 
 
-def redact_uri(uri: str) -> str:
-    """``uri`` with the password of its user info (``user:password@host``) as ``***``."""
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    return uri.replace(f":{parts.password}@", ":***@", 1)
-
-
 def check_tracking_server(timeout_s: float = 5.0) -> None:
     """One bounded request to an http(s) tracking server, before MLflow's client (which
     retries for minutes) talks to it.
@@ -114,19 +108,17 @@ def check_tracking_server(timeout_s: float = 5.0) -> None:
     try:
         requests.get(uri.rstrip("/") + "/health", timeout=timeout_s)  # any HTTP answer will do
     except requests.RequestException as exc:
-        detail = str(exc)
-        password = urlsplit(uri).password
-        if password:
-            detail = detail.replace(password, "***")
         raise TrackingUnreachableError(
-            f"MLflow tracking server {redact_uri(uri)} did not answer within {timeout_s:.0f} s "
-            f"({type(exc).__name__}: {detail}); start it, or unset MLFLOW_TRACKING_URI to track "
+            f"MLflow tracking server {redact(uri)} did not answer within {timeout_s:.0f} s "
+            f"({redact_exception(exc)}); start it, or unset MLFLOW_TRACKING_URI to track "
             "to no server"
         ) from None  # the chained exception may hold the URI's password
 
 
 def _params(params: Mapping[str, object]) -> dict[str, str]:
-    return {k: str(v)[:500] for k, v in params.items()}
+    """MLflow parameters: strings of at most 500 characters, credentials redacted."""
+    secrets = secret_values()
+    return {redact(k, secrets): redact(str(v), secrets)[:500] for k, v in params.items()}
 
 
 def _experiment_id(client) -> str:
@@ -215,7 +207,7 @@ def finish_pipeline_run(parent_run_id: str, state: str, message: str = "") -> No
 
     client = MlflowClient()
     if message:
-        client.set_tag(parent_run_id, "lingo.error", message[:5000])
+        client.set_tag(parent_run_id, "lingo.error", redact(message)[:5000])
     client.set_terminated(parent_run_id, TERMINAL_STATUS.get(state, "FAILED"))
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import orjson
 
-from core.atomic import IO_BUFFER, PendingFiles
+from core.atomic import IO_BUFFER, PendingFiles, check_output_files
 from core.languages import SUPPORTED_LANGUAGES
 from data_prep.augment import append_synthetic
 from data_prep.card import render_card
@@ -134,11 +134,13 @@ def prepare_dataset(
         TooManyBadRowsError: the quarantined share is above ``config.max_bad_fraction``.
         EmptyDatasetError: no row passed validation.
         SourceError: the source cannot be read.
+        OutputNotOursError: an output path holds a file this project did not write.
     """
     report = DataPrepReport(source=config.source)
     work_parent = Path(train_path).parent
-    work_parent.mkdir(parents=True, exist_ok=True)
     outputs_named = [train_path, eval_path, quarantine_path, card_path]
+    check_output_files([p for p in outputs_named if p is not None], "--output-dir")
+    work_parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(work_parent, [Path(p).name for p in outputs_named if p is not None])
     with (
         tempfile.TemporaryDirectory(

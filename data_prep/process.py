@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import traceback
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -24,6 +23,7 @@ from typing import NamedTuple
 import orjson
 
 from core.languages import SUPPORTED_LANGUAGES
+from core.processes import die_with_parent
 from data_prep.config import DataPrepConfig
 from data_prep.labels import assign_labels
 from data_prep.records import build_record, content_key
@@ -207,13 +207,7 @@ def _die_with_parent(parent: int) -> None:
     """Have the kernel kill this worker when the data-prep process dies, even by SIGKILL
     (Linux ``PR_SET_PDEATHSIG``); a daemon process is only stopped by a parent that exits
     normally, and a forked worker holds its own pipe's other end, so it would wait forever."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        os._exit(1)
+    die_with_parent(signal.SIGKILL, parent)
 
 
 def _worker(connection, config: DataPrepConfig, parent: int) -> None:

@@ -21,11 +21,34 @@ _SIGN = 1 << 63
 their order."""
 
 
+SQLITE_MAX_PATH = 511
+"""The longest path SQLite's unix file layer opens (``SQLITE_MAX_PATHNAME`` 512, with its
+terminating zero: a 512-byte path fails with "unable to open database file")."""
+
+
+class RowIndexError(OSError):
+    """The scratch database cannot be opened (a path too long for SQLite, a full disk)."""
+
+
+def _open_problem(path: Path, exc: sqlite3.OperationalError) -> str:
+    length = len(str(Path(path).absolute()).encode())
+    if length > SQLITE_MAX_PATH:
+        return (
+            f"data prep's scratch database {str(path)[:60]}…/{Path(path).name} has a path of "
+            f"{length:,} bytes; SQLite opens at most {SQLITE_MAX_PATH}: pass an output folder "
+            f"whose path is at most {SQLITE_MAX_PATH - 60} characters ({exc})"
+        )
+    return f"{path}: SQLite cannot open data prep's scratch database ({exc})"
+
+
 class RowIndex:
     """Distinct rows seen so far: content hash → (row number, language, split hash)."""
 
     def __init__(self, path: Path) -> None:
-        self._db = sqlite3.connect(path, isolation_level=None)
+        try:
+            self._db = sqlite3.connect(path, isolation_level=None)
+        except sqlite3.OperationalError as exc:
+            raise RowIndexError(_open_problem(path, exc)) from exc
         for pragma in (
             "journal_mode = OFF",
             "synchronous = OFF",

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from core.atomic import IO_BUFFER
+from core.hub import HubLookupError, find_on_hub, looks_like_path
 from core.storage import S3Client, download_file, list_objects, parse_s3_uri, s3_client
 from data_prep.config import BUNDLED_SOURCE
 
@@ -63,18 +64,6 @@ def parse_row(raw: RawRow) -> RawRow:
     except orjson.JSONDecodeError as exc:
         text = raw.line.rstrip(b"\r\n").decode("utf-8", errors="backslashreplace")
         return RawRow(raw.index, raw.origin, error=f"invalid JSON: {exc}", raw_text=text)
-
-
-def looks_like_path(source: str) -> bool:
-    """Whether ``source`` names a local path rather than a hub id (``org/name``): it starts
-    with ``.``, ``/`` or ``~``, has more than one ``/`` or a ``\\``, or ends in a data file
-    extension."""
-    return (
-        source.startswith((".", "/", "~"))
-        or source.count("/") > 1
-        or "\\" in source
-        or source.lower().endswith((*SUPPORTED_SUFFIXES, ".csv", ".txt", ".gz"))
-    )
 
 
 def describe_source(source: str) -> str:
@@ -167,7 +156,15 @@ def _iter_parquet(file: Path, name: str) -> Iterator[tuple[str, Any, bytes | Non
 
 
 def _iter_hub(dataset_id: str, split: str) -> Iterator[RawRow]:
-    """Stream a dataset from the Hugging Face hub (needs network or a local HF cache)."""
+    """Stream a dataset from the Hugging Face hub (needs network or a local HF cache); one
+    bounded look-up first (``core.hub.find_on_hub``), not half a minute of retries."""
+    try:
+        find_on_hub(dataset_id, "dataset")
+    except HubLookupError as exc:
+        raise SourceError(
+            f"{dataset_id}: not a local file or directory (looked for "
+            f"{Path(dataset_id).absolute()}), and {exc}"
+        ) from None
     from datasets import load_dataset
 
     log.info("loading %s split %s from the hub", dataset_id, split)

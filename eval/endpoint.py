@@ -7,13 +7,18 @@ all are handled (see ``Generation.parsed``).
 
 Each request is retried on timeouts, connection errors, HTTP 429 and 5xx, with exponential
 backoff (``backoff_s · 2^k``, capped, honouring a numeric ``Retry-After``); other HTTP errors
-and malformed bodies are not retried. A request that still fails comes back as a
-``Generation`` with ``error`` set. At most ``concurrency`` requests are in flight.
+and malformed bodies are not retried. Every wait is bounded (``EndpointSettings``): an
+attempt's connect and read timeouts, the request's total (attempts, backoff and reading the
+answer) and the model's whole run. A request that still fails, or that a bound stopped, comes
+back as a ``Generation`` with ``error`` set. At most ``concurrency`` requests are in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import math
 import os
 import threading
 import time
@@ -72,6 +77,7 @@ class ChatEndpointEngine:
         if key:
             self.headers["Authorization"] = f"Bearer {key}"
         self._local = threading.local()
+        self._run_deadline = math.inf
         self.model = model or self._only_model()
         self.description = f"endpoint:{self.base} (model {self.model})"
 
@@ -86,7 +92,10 @@ class ChatEndpointEngine:
             response = self._session().get(
                 f"{self.base}/models",
                 headers=self.headers,
-                timeout=(self.settings.connect_timeout_s, self.settings.timeout_s),
+                timeout=(
+                    min(self.settings.connect_timeout_s, self.settings.request_timeout_s),
+                    min(self.settings.timeout_s, self.settings.request_timeout_s),
+                ),
             )
             response.raise_for_status()
             names = [m["id"] for m in response.json()["data"]]
@@ -104,7 +113,10 @@ class ChatEndpointEngine:
     def generate(
         self, requests_: Sequence[GenerationRequest], sampling: SamplingSettings
     ) -> list[Generation]:
-        """Send every request (``concurrency`` at a time); results come back in order."""
+        """Send every request (``concurrency`` at a time); results come back in order. All of
+        them end within ``run_timeout_s`` (those not answered by then come back failed)."""
+        run_timeout = self.settings.run_timeout_s
+        self._run_deadline = time.monotonic() + run_timeout if run_timeout else math.inf
         with ThreadPoolExecutor(
             max_workers=self.settings.concurrency, thread_name_prefix="eval-endpoint"
         ) as pool:
@@ -127,13 +139,18 @@ class ChatEndpointEngine:
     def _complete(self, request: GenerationRequest, sampling: SamplingSettings) -> Generation:
         body = self._body(request, sampling)
         began = time.perf_counter()
+        request_deadline = time.monotonic() + self.settings.request_timeout_s
+        deadline = min(request_deadline, self._run_deadline)
         attempts = 0
         last_error = ""
         while True:
+            if time.monotonic() >= deadline:  # a run's bound reached before this request
+                last_error = self._bound_reached(request_deadline, last_error)
+                break
             attempts += 1
             retry_after: float | None = None
             try:
-                return self._post(body, began, attempts)
+                return self._post(body, began, attempts, deadline)
             except _Retryable as err:
                 last_error, retry_after = err.args[0], err.args[1]
             except _Fatal as err:
@@ -141,11 +158,17 @@ class ChatEndpointEngine:
                 break
             except requests.RequestException as err:  # timeouts, connection resets, …
                 last_error = f"{type(err).__name__}: {err}"
+            if time.monotonic() >= deadline:  # this attempt ran into the bound
+                last_error = self._bound_reached(request_deadline, last_error)
+                break
             if attempts > self.settings.max_retries:
                 break
             delay = min(self.settings.backoff_s * 2 ** (attempts - 1), self.settings.max_backoff_s)
             if retry_after is not None:
                 delay = min(max(delay, retry_after), self.settings.max_backoff_s)
+            if time.monotonic() + delay >= deadline:  # no time left for another attempt
+                last_error = self._bound_reached(request_deadline, last_error)
+                break
             log.warning(
                 "%s: attempt %d failed (%s); retrying in %.2f s",
                 request.key,
@@ -162,28 +185,45 @@ class ChatEndpointEngine:
             error=last_error,
         )
 
-    def _post(self, body: dict, began: float, attempts: int) -> Generation:
+    def _bound_reached(self, request_deadline: float, last_error: str) -> str:
+        """The error of a request stopped by a bound: which one, and the last failure."""
+        if self._run_deadline <= request_deadline:
+            bound = (
+                f"the run's bound run_timeout_s={self.settings.run_timeout_s:g} s (--run-timeout)"
+            )
+        else:
+            bound = (
+                f"the request's bound request_timeout_s={self.settings.request_timeout_s:g} s "
+                "(--request-timeout)"
+            )
+        return f"no answer within {bound}" + (f"; last error: {last_error}" if last_error else "")
+
+    def _post(self, body: dict, began: float, attempts: int, deadline: float) -> Generation:
+        left = max(deadline - time.monotonic(), 1e-3)
+        timeout = (min(self.settings.connect_timeout_s, left), min(self.settings.timeout_s, left))
         response = self._session().post(
             f"{self.base}/chat/completions",
             json=body,
             headers=self.headers,
-            timeout=(self.settings.connect_timeout_s, self.settings.timeout_s),
+            timeout=timeout,
+            stream=True,
         )
+        with contextlib.closing(response):
+            content = _read_by(response, deadline)
+        text = content.decode("utf-8", errors="replace")
         if response.status_code in RETRY_STATUS:
             raise _Retryable(
-                f"HTTP {response.status_code}: {response.text[:200]}",
+                f"HTTP {response.status_code}: {text[:200]}",
                 _retry_after(response.headers.get("Retry-After")),
             )
         if response.status_code >= 400:
-            raise _Fatal(f"HTTP {response.status_code}: {response.text[:200]}")
+            raise _Fatal(f"HTTP {response.status_code}: {text[:200]}")
         try:
-            data = response.json()
+            data = json.loads(content)
             choice = data["choices"][0]
             message = choice["message"]
         except (ValueError, KeyError, IndexError, TypeError) as err:
-            raise _Fatal(
-                f"malformed response ({type(err).__name__}): {response.text[:200]}"
-            ) from err
+            raise _Fatal(f"malformed response ({type(err).__name__}): {text[:200]}") from err
         reasoning = message.get("reasoning_content") or message.get("reasoning")
         usage = data.get("usage") or {}
         return Generation(
@@ -197,6 +237,30 @@ class ChatEndpointEngine:
 
     def close(self) -> None:
         """Nothing to free (sessions close with their threads)."""
+
+
+def _read_by(response: requests.Response, deadline: float) -> bytes:
+    """The body of a streamed response, read by ``deadline`` (a server that trickles its
+    answer cannot hold a request past its bound; each read also waits at most the read
+    timeout). ``read1`` returns what has arrived, so the deadline is checked as bytes come.
+
+    Raises:
+        requests.Timeout: the deadline or a read timeout passed before the body was whole.
+        requests.ConnectionError: the connection broke off.
+    """
+    import urllib3
+
+    chunks = []
+    try:
+        while chunk := response.raw.read1(1 << 16, decode_content=True):
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise requests.Timeout("the answer was still coming in when the bound was reached")
+    except urllib3.exceptions.ReadTimeoutError as err:
+        raise requests.Timeout(str(err)) from err
+    except (urllib3.exceptions.ProtocolError, urllib3.exceptions.DecodeError) as err:
+        raise requests.ConnectionError(str(err)) from err
+    return b"".join(chunks)
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -41,9 +41,20 @@ class SamplingSettings(ConfigModel):
 class EndpointSettings(ConfigModel):
     """Client settings for OpenAI-compatible chat endpoints (vLLM, KServe).
 
+    Every wait is bounded: an attempt by ``connect_timeout_s`` (connecting) and ``timeout_s``
+    (each wait for data), a request (its attempts, the waits between them and the reading of
+    its answer) by ``request_timeout_s``, and a model's whole run by ``run_timeout_s``: a
+    request not answered by then fails with an error that names the bound (the responses
+    already in are kept; the eval then fails past ``EvalConfig.max_failure_fraction``).
+
     Attributes:
-        timeout_s: Read timeout of one request.
-        connect_timeout_s: Connect timeout of one request.
+        timeout_s: Read timeout of one attempt: the longest wait for the next bytes of the
+            answer (``lingo eval --timeout``).
+        connect_timeout_s: Connect timeout of one attempt (``--connect-timeout``).
+        request_timeout_s: Bound on one request, all its attempts and backoff waits included
+            (``--request-timeout``).
+        run_timeout_s: Bound on all of a model's requests (``--run-timeout``); ``None``: no
+            bound beyond the requests' own.
         max_retries: Retries after the first attempt (timeouts, connection errors, 429, 5xx).
         backoff_s: First retry delay; doubles each retry (exponential backoff).
         max_backoff_s: Cap on one delay (also on a server's ``Retry-After``).
@@ -58,6 +69,8 @@ class EndpointSettings(ConfigModel):
 
     timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(10.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+    run_timeout_s: float | None = Field(3600.0, gt=0)
     max_retries: int = Field(3, ge=0)
     backoff_s: float = Field(1.0, ge=0)
     max_backoff_s: float = Field(30.0, ge=0)

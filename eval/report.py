@@ -15,9 +15,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.atomic import atomic_write_text
+from core.atomic import atomic_write_text, record_output_files
 from core.html_page import html_page, png_img
 from core.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
+from core.redact import redact_data
 from core.tracking import log_artifact, log_metrics, mlflow_run
 from eval.eval_metrics import DETECTED_COLUMNS, METRICS
 
@@ -375,18 +376,31 @@ class ReportPaths:
     markdown: Path
     html: Path
 
+    @classmethod
+    def under(cls, output_dir: str | Path) -> ReportPaths:
+        """The report files of ``output_dir``."""
+        output_dir = Path(output_dir)
+        return cls(
+            output_dir / "results.json", output_dir / "report.md", output_dir / "report.html"
+        )
+
+    def files(self) -> list[Path]:
+        """The three paths."""
+        return [self.results, self.markdown, self.html]
+
 
 def write_reports(results: dict, output_dir: str | Path) -> ReportPaths:
-    """Write ``results.json``, ``report.md`` and ``report.html`` (each atomically)."""
+    """Write ``results.json``, ``report.md`` and ``report.html`` (each atomically, recorded as
+    ours in ``output_dir``), with every credential redacted (``core.redact``: an endpoint
+    URL's password, a signed URL's query)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    safe = json_safe(results)
-    paths = ReportPaths(
-        output_dir / "results.json", output_dir / "report.md", output_dir / "report.html"
-    )
+    safe = redact_data(json_safe(results))
+    paths = ReportPaths.under(output_dir)
     atomic_write_text(paths.results, json.dumps(safe, ensure_ascii=False, indent=1))
     atomic_write_text(paths.markdown, render_markdown(safe))
     atomic_write_text(paths.html, render_html(safe, language_chart_png(safe)))
+    record_output_files(paths.files())
     return paths
 
 
@@ -411,7 +425,7 @@ def log_eval_run(results: dict, paths: ReportPaths, run_name: str = "eval") -> s
         if run is None:
             return None
         log_metrics({_metric_key(k): v for k, v in kfp_metrics(results).items()})
-        for path in (paths.results, paths.markdown, paths.html):
+        for path in paths.files():
             log_artifact(path, artifact_path="eval")
         log.info("eval logged to MLflow run %s", run.info.run_id)
         return run.info.run_id

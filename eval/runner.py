@@ -22,8 +22,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from core.atomic import check_output_files, check_writable
+from core.errors import describe_validation_error
 from core.harmony import task_prompt
 from core.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
+from core.redact import redact
 from core.seeds import sample_seed
 from eval.engines import (
     Engine,
@@ -36,7 +41,7 @@ from eval.engines import (
 )
 from eval.eval_config import EvalConfig
 from eval.eval_metrics import MISSING, Outcome, Summary, deltas, summarize
-from eval.report import log_eval_run, write_reports
+from eval.report import ReportPaths, log_eval_run, write_reports
 from reward.degeneracy import measure_degeneracy
 from reward.scoring import ComplianceResult, ComplianceScorer
 
@@ -339,11 +344,19 @@ class EvalResults:
         }
 
 
+class DuplicateLabelError(ValueError):
+    """Two models would be reported under one label."""
+
+
 def _check_labels(specs: Sequence[ModelSpec]) -> None:
     labels = [s.label for s in specs]
     duplicates = sorted({x for x in labels if labels.count(x) > 1})
     if duplicates:
-        raise ValueError(f"model labels must be unique, got {duplicates}; use label=location")
+        clash = " and ".join(redact(s.location) for s in specs if s.label == duplicates[0])
+        raise DuplicateLabelError(
+            f"model labels must be unique: {duplicates[0]!r} names {clash}; give each model "
+            "its own label (-m NAME=LOCATION)"
+        )
 
 
 def check_failures(results: EvalResults) -> None:
@@ -378,7 +391,9 @@ def run_eval(
     The outputs are written before the failure check, so a failed run leaves its evidence.
 
     Raises:
-        ValueError: No models, or duplicate labels.
+        ValueError: No models.
+        DuplicateLabelError: Two models have the same label.
+        OutputNotOursError: ``output_dir`` holds a report file this project did not write.
         ModelNotFoundError: A model directory does not exist.
         TooManyFailuresError: A model's failure rate exceeds ``max_failure_fraction``.
     """
@@ -386,10 +401,12 @@ def run_eval(
     if not specs:
         raise ValueError("no models to evaluate")
     _check_labels(specs)
+    check_output_files(ReportPaths.under(output_dir).files(), "--output-dir")
     questions_path = Path(config.questions) if config.questions else BUNDLED_QUESTIONS
     questions = load_questions(questions_path, config.languages, config.limit)
     if engine_factory is _default_engine:  # another factory gives locations its own meaning
         _check_locations(specs)
+    check_writable(output_dir)  # before hours of generation, not after
     scorer = ComplianceScorer()
     results = EvalResults(
         config=config,
@@ -432,6 +449,25 @@ def _check_locations(specs: Sequence[ModelSpec]) -> None:
         raise ModelNotFoundError("; ".join(problems))
 
 
+class EvalSettingsError(ValueError):
+    """A ``lingo eval`` option out of range (named by its option)."""
+
+
+CLI_OPTIONS = {
+    "engine": "--engine",
+    "sampling.temperature": "--temperature",
+    "sampling.max_tokens": "--max-tokens",
+    "sampling.n": "--samples",
+    "limit": "--limit",
+    "endpoint.timeout_s": "--timeout",
+    "endpoint.connect_timeout_s": "--connect-timeout",
+    "endpoint.request_timeout_s": "--request-timeout",
+    "endpoint.run_timeout_s": "--run-timeout",
+    "endpoint.max_retries": "--retries",
+}
+"""``EvalConfig`` fields → the ``lingo eval`` options that set them (for error messages)."""
+
+
 def run_eval_cli(
     models: list[str],
     output_dir: str | Path,
@@ -447,6 +483,9 @@ def run_eval_cli(
     limit: int | None = None,
     languages: list[str] | None = None,
     timeout_s: float = 120.0,
+    connect_timeout_s: float = 10.0,
+    request_timeout_s: float = 300.0,
+    run_timeout_s: float | None = 3600.0,
     max_retries: int = 3,
     concurrency: int = 8,
     api_key_env: str = "OPENAI_API_KEY",
@@ -467,7 +506,10 @@ def run_eval_cli(
         device: HF device (``auto``, ``cpu``, ``cuda``).
         limit: Only the first N questions.
         languages: Only these languages.
-        timeout_s: Endpoint read timeout per request.
+        timeout_s: Endpoint read timeout per attempt.
+        connect_timeout_s: Endpoint connect timeout per attempt.
+        request_timeout_s: Bound on one endpoint request, its retries included.
+        run_timeout_s: Bound on all of a model's endpoint requests (``None``: none).
         max_retries: Endpoint retries per request.
         concurrency: Endpoint requests in flight.
         api_key_env: Environment variable with the endpoint's API key.
@@ -475,29 +517,37 @@ def run_eval_cli(
 
     Returns:
         The path of ``report.md``.
+
+    Raises:
+        EvalSettingsError: a value out of range, named by its ``lingo eval`` option.
     """
-    config = EvalConfig.model_validate(
-        {
-            "engine": engine,
-            "sampling": {
-                "temperature": temperature,
-                "top_p": top_p,
-                "max_tokens": max_tokens,
-                "seed": seed,
-                "n": samples,
-            },
-            "endpoint": {
-                "timeout_s": timeout_s,
-                "max_retries": max_retries,
-                "concurrency": concurrency,
-                "api_key_env": api_key_env,
-            },
-            "batch_size": batch_size,
-            "device": device,
-            "limit": limit,
-            "languages": languages,
-            "max_failure_fraction": max_failure_fraction,
-        }
-    )
+    settings = {
+        "engine": engine,
+        "sampling": {
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "n": samples,
+        },
+        "endpoint": {
+            "timeout_s": timeout_s,
+            "connect_timeout_s": connect_timeout_s,
+            "request_timeout_s": request_timeout_s,
+            "run_timeout_s": run_timeout_s,
+            "max_retries": max_retries,
+            "concurrency": concurrency,
+            "api_key_env": api_key_env,
+        },
+        "batch_size": batch_size,
+        "device": device,
+        "limit": limit,
+        "languages": languages,
+        "max_failure_fraction": max_failure_fraction,
+    }
+    try:
+        config = EvalConfig.model_validate(settings)
+    except ValidationError as exc:
+        raise EvalSettingsError(describe_validation_error(exc, CLI_OPTIONS)) from None
     run_eval(models, config, output_dir)
     return Path(output_dir) / "report.md"

@@ -11,9 +11,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 
+from core.errors import describe_error
+from core.redact import configure_logging, redact
 from data_prep.config import BUNDLED_SOURCE
 from pipelines.presets import (
     DEFAULT_PRESET,
@@ -52,9 +53,9 @@ PresetOption = Annotated[
 def _version_callback(value: bool) -> None:
     if value:
         try:
-            typer.echo(f"lingo-rl {version('lingo-rl')}")
+            echo(f"lingo-rl {version('lingo-rl')}")
         except PackageNotFoundError:
-            typer.echo("lingo-rl (not installed)")
+            echo("lingo-rl (not installed)")
         raise typer.Exit()
 
 
@@ -69,9 +70,9 @@ def main(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     _options.verbose = verbose
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    configure_logging(
+        logging.DEBUG if verbose else logging.INFO,
+        "%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
 
@@ -84,33 +85,34 @@ class _GlobalOptions:
 
 _options = _GlobalOptions()
 
-PROJECT_PACKAGES = ("core", "reward", "data_prep", "trainer", "eval", "pipelines", "components")
 
-
-def _is_project_error(exc: BaseException) -> bool:
-    """Errors the project raises on purpose (their message is the whole story), and the
-    file-system errors that name their file; anything else is a bug and keeps its traceback."""
-    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
-        return True
-    return any(cls.__module__.split(".")[0] in PROJECT_PACKAGES for cls in type(exc).__mro__)
+def echo(text: str, err: bool = False) -> None:
+    """Print a line, credentials redacted (``core.redact``): what every command prints."""
+    typer.echo(redact(text), err=err)
 
 
 def clear_errors(command: Callable) -> Callable:
-    """A command's own errors become one line on stderr and exit status 1 (the traceback
-    too under ``lingo --verbose``)."""
+    """A command's expected failures become one line on stderr and exit status 1 (2 for a
+    bad option value; the traceback too under ``lingo --verbose``); anything else is a bug and
+    keeps its traceback."""
 
     @functools.wraps(command)
     def run_command(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        except typer.BadParameter as exc:  # a value the command itself refused
+            echo(f"error: {' '.join(exc.format_message().split())}", err=True)
+            raise typer.Exit(2) from exc
+        except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:
-            if not _is_project_error(exc):
+            # an expected failure (core.errors.describe_error), or None: a bug
+            line = describe_error(exc, kwargs.get("output_dir") or kwargs.get("output"))
+            if line is None:
                 raise
             if _options.verbose:
-                typer.echo(traceback.format_exc(), err=True)
-            typer.echo(f"error: {exc}", err=True)
+                echo(traceback.format_exc(), err=True)
+            echo(f"error: {line}", err=True)
             raise typer.Exit(1) from exc
 
     return run_command
@@ -182,27 +184,27 @@ def run(
         output_dir,
         enable_caching=cache,
         quiet=not _options.verbose,
-        on_log=lambda path: typer.echo(
+        on_log=lambda path: echo(
             f"local run of preset {config.name!r}: one line per step; kfp.local's output and "
             f"the steps' logs go to {path}"
         ),
     )
-    typer.echo(f"\nlocal run of preset {config.name!r} finished in {result.seconds:.1f} s")
+    echo(f"\nlocal run of preset {config.name!r} finished in {result.seconds:.1f} s")
     outputs = dict(result.outputs)
     reports = outputs.pop("reports", None)
-    typer.echo(f"all task outputs: {result.pipeline_root}")
+    echo(f"all task outputs: {result.pipeline_root}")
     for name, path in outputs.items():
-        typer.echo(f"  {name}: {path}")
+        echo(f"  {name}: {path}")
     if reports is not None:
         names = ", ".join(sorted(p.name for p in reports.iterdir()))
-        typer.echo(f"\nreports (open the .html ones in a browser): {reports}/ {names}")
+        echo(f"\nreports (open the .html ones in a browser): {reports}/ {names}")
     if "eval_results" in outputs:
-        typer.echo("\neval, base vs SFT vs GRPO (overall figures; per language: reports/eval.html)")
-        typer.echo(headline(outputs["eval_results"]))
+        echo("\neval, base vs SFT vs GRPO (overall figures; per language: reports/eval.html)")
+        echo(headline(outputs["eval_results"]))
     if lines := tracking_summary(result, config.gate):
-        typer.echo("")
+        echo("")
         for line in lines:
-            typer.echo(line)
+            echo(line)
 
 
 HEADLINE_METRICS = (
@@ -251,7 +253,7 @@ def compile_cmd(
         )
 
     path = compile_pipeline(output, _load_preset(preset, sets))
-    typer.echo(f"wrote {path}")
+    echo(f"wrote {path}")
 
 
 @app.command("data-prep")
@@ -284,7 +286,7 @@ def data_prep_cmd(
         output_dir / "dataset_card.md",
     )
     synthetic = f" (+{report.synthetic_rows} synthetic)" if report.synthetic_rows else ""
-    typer.echo(
+    echo(
         f"{report.rows_read} rows: {report.train_rows} train{synthetic}, {report.eval_rows} eval, "
         f"{report.rows_bad + report.rows_duplicate} quarantined → {output_dir}"
     )
@@ -309,9 +311,23 @@ def eval_cmd(
     max_tokens: Annotated[int, typer.Option()] = 512,
     temperature: Annotated[float, typer.Option()] = 0.7,
     limit: Annotated[int | None, typer.Option(help="Only the first N questions")] = None,
+    timeout: Annotated[
+        float, typer.Option(help="Endpoints: longest wait for the next bytes of an answer (s).")
+    ] = 120.0,
+    connect_timeout: Annotated[
+        float, typer.Option(help="Endpoints: longest wait to connect (s).")
+    ] = 10.0,
+    request_timeout: Annotated[
+        float, typer.Option(help="Endpoints: bound on one request, its retries included (s).")
+    ] = 300.0,
+    run_timeout: Annotated[
+        float, typer.Option(help="Endpoints: bound on all of one model's requests (s).")
+    ] = 3600.0,
+    retries: Annotated[int, typer.Option(help="Endpoints: retries of a failed request.")] = 3,
 ) -> None:
     """Run the 50-question multilingual eval on one or more models; writes results.json and
-    the Markdown/HTML reports."""
+    the Markdown/HTML reports. Every wait on an endpoint is bounded (--timeout,
+    --connect-timeout, --request-timeout, --run-timeout)."""
     from eval.runner import run_eval_cli
 
     report = run_eval_cli(
@@ -322,19 +338,25 @@ def eval_cmd(
         max_tokens=max_tokens,
         temperature=temperature,
         limit=limit,
+        timeout_s=timeout,
+        connect_timeout_s=connect_timeout,
+        request_timeout_s=request_timeout,
+        run_timeout_s=run_timeout,
+        max_retries=retries,
     )
-    typer.echo(f"report: {report}")
-    typer.echo(headline(Path(report).parent / "results.json"))
+    echo(f"report: {report}")
+    echo(headline(Path(report).parent / "results.json"))
 
 
 @app.command()
 def presets() -> None:
     """List the named configurations."""
     for name, preset in PRESETS.items():
-        typer.echo(f"{name:14s} {preset.description}")
+        echo(f"{name:14s} {preset.description}")
 
 
 @app.command()
+@clear_errors
 def estimate(
     model: Annotated[
         str | None,
@@ -385,7 +407,7 @@ def estimate(
             _estimate_preset(get_preset(preset), model, layout, overrides)
             return
         model, layout = model or "gpt-oss-20b", layout or "g5.12xlarge-x6-openrlhf"
-        typer.echo(render_estimate(model, layout, overrides))
+        echo(render_estimate(model, layout, overrides))
         check_layout(model, layout, overrides)
     except (ModelSpecError, LayoutError, PlacementError, UnknownPresetError) as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -404,9 +426,9 @@ def _estimate_preset(
         name = "tiny-gpt-oss" if preset.model.source == "tiny" else preset.model.source
         model = name.rsplit("/", 1)[-1] if name.rsplit("/", 1)[-1] in MODEL_PRESETS else name
     plan, estimates = run_estimates(preset, model, layout, overrides)
-    typer.echo(plan.render())
+    echo(plan.render())
     for step, result in estimates.items():
-        typer.echo(f"\n{step.upper()}\n{format_table(result)}")
+        echo(f"\n{step.upper()}\n{format_table(result)}")
     if any(e.verdict is Verdict.DOES_NOT_FIT for e in estimates.values()):
         raise typer.Exit(1)
 
@@ -444,11 +466,11 @@ def submit(
     conn = KfpConnection.from_env(endpoint)
     try:
         submitted = submit_preset(conn, _load_preset(preset, sets), experiment=experiment)
-        typer.echo(f"run {submitted.run_id}: {submitted.url}")
+        echo(f"run {submitted.run_id}: {submitted.url}")
         if wait:
-            typer.echo(f"run {submitted.run_id}: {wait_for_run(conn, submitted.run_id).state}")
+            echo(f"run {submitted.run_id}: {wait_for_run(conn, submitted.run_id).state}")
     except (KfpApiError, RunFailedError) as exc:
-        typer.echo(str(exc), err=True)
+        echo(str(exc), err=True)
         raise typer.Exit(1) from exc
 
 
@@ -476,9 +498,9 @@ def schedule(
     except ValueError as exc:  # a bad cron
         raise typer.BadParameter(str(exc), param_hint="--cron") from exc
     except KfpApiError as exc:
-        typer.echo(str(exc), err=True)
+        echo(str(exc), err=True)
         raise typer.Exit(1) from exc
-    typer.echo(f"recurring run {recurring_id} on {cron!r}")
+    echo(f"recurring run {recurring_id} on {cron!r}")
 
 
 @app.command()
@@ -502,13 +524,13 @@ def status(
     try:
         run = get_run(conn, run_id)
     except KfpApiError as exc:
-        typer.echo(str(exc), err=True)
+        echo(str(exc), err=True)
         raise typer.Exit(1) from exc
-    typer.echo(f"{run.run_id} {run.state} {run.display_name} {run_url(conn, run_id)}")
+    echo(f"{run.run_id} {run.state} {run.display_name} {run_url(conn, run_id)}")
     if run.error:
-        typer.echo(f"error: {run.error}", err=True)
+        echo(f"error: {run.error}", err=True)
     for line in _run_jobs(run_id, namespace):
-        typer.echo(f"  {line}")
+        echo(f"  {line}")
     if run.state in FAILED_STATES:
         raise typer.Exit(1)
 
@@ -574,7 +596,7 @@ def install_runtime(
     from cluster.launcher import install_training_runtime
 
     done = install_training_runtime(runtime)
-    typer.echo(f"{done} ClusterTrainingRuntime {runtime['metadata']['name']}")
+    echo(f"{done} ClusterTrainingRuntime {runtime['metadata']['name']}")
 
 
 RUNTIME_HEADER = (

@@ -5,7 +5,11 @@ output and banners (about 1,650 lines for the demo). While a ``QuietConsole`` is
 
 - kfp.local's own messages (it logs them on the root logger) and prints go to the log file;
 - each task's output (kfp.local streams the subprocess's stdout and stderr) goes to the log
-  file as it comes; the ``sft`` / ``grpo`` progress bars (tqdm) are also drawn on the console;
+  file a line (or a ``\\r``-ended bar update) at a time; the ``sft`` / ``grpo`` progress bars
+  (tqdm) are also drawn on the console;
+- everything written, to the log or the console, goes through ``core.redact.redact``; the
+  task runs in a process group of its own, stopped when the run is interrupted
+  (``pipelines.step_processes``);
 - the console gets one line when a step starts and one when it ends (status, seconds); a
   failing step's last output lines are printed below its line, and ``LocalStepFailedError``
   names the step and the log.
@@ -28,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 from typing import TextIO
+
+from core.redact import redact
+from pipelines.step_processes import StepProcesses
 
 TRAINING_BARS = ("sft", "grpo")
 TAIL_LINES = 30
@@ -66,6 +73,19 @@ class LocalStepFailedError(RuntimeError):
         super().__init__(f"step {step!r} failed: {last} (its whole output: {log_path})")
 
 
+class _Redacting:
+    """A text stream that writes ``core.redact.redact`` of what it is given."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(redact(text))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 class QuietConsole:
     """Route kfp.local's output to ``log_path`` and print step lines on ``console``.
 
@@ -74,9 +94,12 @@ class QuietConsole:
         console: where the step lines and the bars go (default: this process's stdout).
     """
 
-    def __init__(self, log_path: Path, console: TextIO | None = None) -> None:
+    def __init__(
+        self, log_path: Path, console: TextIO | None = None, steps: StepProcesses | None = None
+    ) -> None:
         self.log_path = log_path
         self.console = console or sys.stdout
+        self.steps = steps or StepProcesses()
         self.failed: tuple[str, list[str], str | None] | None = None
         self._started: dict[str, float] = {}
         self._current: str | None = None
@@ -93,7 +116,7 @@ class QuietConsole:
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = self._stack.enter_context(self.log_path.open("w", encoding="utf-8"))
-        self._stack.enter_context(contextlib.redirect_stdout(self.log))
+        self._stack.enter_context(contextlib.redirect_stdout(_Redacting(self.log)))
         root = logging.getLogger()
         root.addFilter(self._take_record)
         self._stack.callback(root.removeFilter, self._take_record)
@@ -112,7 +135,7 @@ class QuietConsole:
     # kfp.local's messages: every root-logger record goes to the log; step starts and ends
     # also make a console line
     def _take_record(self, record: logging.LogRecord) -> bool:
-        message = _ANSI.sub("", record.getMessage())
+        message = redact(_ANSI.sub("", record.getMessage()))
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
         self.log.write(f"{stamp} {record.levelname} {message}\n")
         self.log.flush()
@@ -150,28 +173,27 @@ class QuietConsole:
 
     # a task's output: to the log, its last lines kept for a failure, training bars drawn
     def _run_subprocess(self, full_command: list[str], env_vars: dict | None = None) -> int:
-        env = {**os.environ, **env_vars} if env_vars else None
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         pending = ""
-        with subprocess.Popen(
-            full_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
-        ) as process:
+        process = self.steps.start(
+            full_command, env_vars, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        with self.steps.stopped_on_error(process):
             fd = process.stdout.fileno()
             while chunk := os.read(fd, 65536):
-                text = decoder.decode(chunk)
-                self.log.write(text)
-                self.log.flush()
-                pending += text
+                pending += decoder.decode(chunk)
                 *pieces, pending = re.split(r"(\r|\n)", pending)
                 for piece, end in zip(pieces[::2], pieces[1::2], strict=True):
-                    self._output_piece(piece, end)
+                    self._output_piece(redact(piece), end)
             pending += decoder.decode(b"", final=True)
             if pending:
-                self._output_piece(pending, "\n")
+                self._output_piece(redact(pending), "\n")
             return process.wait()
 
     def _output_piece(self, piece: str, end: str) -> None:
-        """One ``\\r``- or ``\\n``-terminated piece of a task's output."""
+        """One ``\\r``- or ``\\n``-terminated piece of a task's output (redacted)."""
+        self.log.write(piece + end)
+        self.log.flush()
         if bar := _BAR.match(piece):
             self.console.write("\r" + bar.group(0).ljust(self._bar_width))
             self.console.flush()

@@ -20,6 +20,7 @@ from core.tracking import local_store_uri, redact_uri
 from eval.gate import GateConfig
 from pipelines.local_console import QuietConsole
 from pipelines.presets import Preset, pipeline_arguments
+from pipelines.step_processes import local_steps
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,10 @@ def run_local(
     ``output_dir/logs/run-<timestamp>.log`` (``on_log`` gets its path first); otherwise
     kfp.local prints everything.
 
+    Every step runs in a process group of its own; when this process is interrupted (SIGINT,
+    SIGTERM: ``SystemExit(143)``) or the run fails, the running step's group is stopped
+    (``pipelines.step_processes``), and a step dies with this process even when it is killed.
+
     Raises:
         LocalStepFailedError: a step failed (quiet runs; otherwise kfp.local's RuntimeError).
         OutputDirBusyError: another run writes into ``output_dir``.
@@ -69,13 +74,13 @@ def run_local(
     warnings.filterwarnings("ignore", message=".*custom or non-Python base image.*")
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    with output_dir_lock(output_dir):
+    with output_dir_lock(output_dir), local_steps() as steps:  # steps stop with the run
         if not quiet:
             return _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
         log_path = output_dir / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
         if on_log is not None:
             on_log(log_path)
-        with QuietConsole(log_path):  # a failed step: LocalStepFailedError
+        with QuietConsole(log_path, steps=steps):  # a failed step: LocalStepFailedError
             result = _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
         return dataclasses.replace(result, log_path=log_path)
 

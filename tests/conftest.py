@@ -132,3 +132,26 @@ def mxfp4_model(tmp_path_factory):
     source = build_tiny_model(root / "bf16", SMALLEST.model_copy(update={"intermediate_size": 96}))
     originals = write_mxfp4_checkpoint(source, root / "mxfp4")
     return root / "mxfp4", originals
+FAST_LOCAL_RUN = {
+    "model.tiny.hidden_size": "64",
+    "model.tiny.intermediate_size": "64",
+    "model.tiny.vocab_size": "600",
+    "sft.max_steps": "3",
+    "sft.eval_every": "0",
+    "sft.checkpoint_every": "0",
+    "sft.eval_max_examples": "8",
+    "grpo.max_steps": "2",
+    "grpo.prompts_per_step": "2",
+    "grpo.rollout.n_samples": "2",
+    "grpo.rollout.max_new_tokens": "12",
+    "grpo.mini_batch_size": "4",
+    "grpo.micro_batch_size": "4",
+    "grpo.eval_every": "0",
+    "grpo.eval_prompts": "4",
+    "grpo.eval_samples": "1",
+    "grpo.checkpoint_every": "0",
+    "eval.limit": "5",
+    "eval.sampling.max_tokens": "16",
+}
+"""`--set` overrides that make the tiny-cpu pipeline run in a minute or two (the demo trains
+longer): the local-run tests use them."""

@@ -170,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"--out {args.out} is a file; pass a folder")
+    others = [p.name for p in args.out.iterdir() if p.suffix != ".whl"] if args.out.is_dir() else []
+    if others:  # the folder is replaced whole: never one holding more than our wheels
+        raise SystemExit(
+            f"--out {args.out} holds files other than wheels {others[:3]}; pass a new one"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gpu_wheels_", dir=args.out.parent))
     try:

@@ -6,12 +6,17 @@ import logging
 import shutil
 from pathlib import Path
 
+from core.hub import HubLookupError, find_on_hub, looks_like_path
 from core.modeling import check_model_dir
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 log = logging.getLogger(__name__)
 
 TINY = "tiny"
+
+
+class ModelSourceError(ValueError):
+    """A model source that is neither the tiny model, a local directory, s3:// nor a hub id."""
 
 
 def materialize_base_model(source: str, output_dir: str | Path, tiny: TinyModelConfig) -> Path:
@@ -35,6 +40,15 @@ def materialize_base_model(source: str, output_dir: str | Path, tiny: TinyModelC
         check_model_dir(source)
         shutil.copytree(source, output_dir, dirs_exist_ok=True)
         return output_dir
+    if looks_like_path(source):
+        raise ModelSourceError(
+            f"model source {source}: no such model directory (looked for "
+            f"{Path(source).expanduser().absolute()})"
+        )
+    try:
+        find_on_hub(source, "model")
+    except HubLookupError as exc:
+        raise ModelSourceError(f"model source {source}: not a local directory, and {exc}") from None
     from huggingface_hub import snapshot_download
 
     log.info("downloading %s from the hub", source)

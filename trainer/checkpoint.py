@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.errors import names_write_failures
 from trainer.backends.interface import TrainingBackend
 from trainer.distributed import DistInfo, barrier, broadcast_object
 
@@ -101,6 +102,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+@names_write_failures("root")
 def save_checkpoint(
     root: Path,
     step: int,

@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel
+
+from core.errors import describe_error
+from core.processes import die_with_parent
+from core.redact import configure_logging
+
+log = logging.getLogger(__name__)
 
 
 def step_main(
@@ -20,7 +27,12 @@ def step_main(
     argv: list[str] | None = None,
 ) -> None:
     """Parse ``--config JSON --<model_flag> DIR --train --eval --model-output --work-dir`` and
-    call ``run(config, model, train, eval, model_output, work_dir)``."""
+    call ``run(config, model, train, eval, model_output, work_dir)``.
+
+    The process dies with its parent (``core.processes.die_with_parent``: a killed torchrun
+    or step leaves no rank behind), logs through the redaction, and an expected failure
+    (``core.errors.describe_error``) ends it with one ``error: …`` line and exit status 1
+    (``LINGO_TRACEBACK=1``: the traceback instead)."""
     parser = argparse.ArgumentParser(prog=prog, description=f"One process of {prog}.")
     parser.add_argument(
         "--config", type=Path, required=True, help=f"{config_class.__name__} as JSON"
@@ -31,11 +43,17 @@ def step_main(
     parser.add_argument("--model-output", required=True)
     parser.add_argument("--work-dir", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    config = config_class.model_validate(json.loads(args.config.read_text()))
-    run(config, args.model, args.train, args.eval, args.model_output, args.work_dir)
+    die_with_parent()
+    configure_logging(logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_class.model_validate(json.loads(args.config.read_text()))
+        run(config, args.model, args.train, args.eval, args.model_output, args.work_dir)
+    except Exception as exc:
+        line = describe_error(exc, args.work_dir)
+        if line is None or os.environ.get("LINGO_TRACEBACK"):
+            raise  # a bug, or asked for: the traceback
+        log.error("%s", line)
+        raise SystemExit(f"error: {line}") from None
     shut_down_process_group()
 
 

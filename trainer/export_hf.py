@@ -8,7 +8,9 @@ shards), consolidated with DeepSpeed's own
 (``trainer.megatron.bridge.export_megatron_to_hf``). Each way the result is written under a
 temp name, gets the tokenizer files and chat template of a template HF directory (the model
 the run started from), must load with ``AutoModelForCausalLM.from_pretrained`` with no
-missing, unexpected or mis-shaped weight, and only then is renamed into place.
+missing, unexpected or mis-shaped weight, and only then is put in place
+(``core.atomic.publish_dir``: an output folder holding files this project did not write is
+refused before any work, never wiped).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Literal
 
 import torch
 
+from core.atomic import check_output_dir, discard_staging, publish_dir, staging_dir
+from core.errors import names_write_failures
 from trainer.checkpoint import latest_checkpoint
 
 log = logging.getLogger(__name__)
@@ -321,17 +325,6 @@ def check_loadable(
     return len(loaded), sum(v.numel() for v in loaded.values())
 
 
-def _partial_dir(output_dir: Path) -> Path:
-    tmp = output_dir.with_name(f".{output_dir.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    return tmp
-
-
-def _publish(tmp: Path, output_dir: Path) -> None:
-    shutil.rmtree(output_dir, ignore_errors=True)
-    tmp.rename(output_dir)
-
-
 def export_deepspeed(
     checkpoint: str | Path,
     template_dir: str | Path,
@@ -347,7 +340,8 @@ def export_deepspeed(
             ``resolve_deepspeed_checkpoint``).
         template_dir: the HF directory of the trained model's architecture (the model
             training started from): config, tokenizer and chat template come from it.
-        output_dir: where the HF directory goes (replaced if present).
+        output_dir: where the HF directory goes (an earlier output of ours is replaced; a
+            folder holding other files is refused).
         dtype: weights dtype; ``auto`` keeps the template's.
         max_shard_size: largest safetensors file (``"5GB"``, or bytes).
         tag: the DeepSpeed tag, when it cannot be found.
@@ -360,6 +354,7 @@ def export_deepspeed(
             does not load; nothing is left at ``output_dir``.
     """
     template_dir, output_dir = Path(template_dir), Path(output_dir)
+    check_output_dir(output_dir)
     checkpoint_dir, tag = resolve_deepspeed_checkpoint(checkpoint, tag)
     torch_dtype = _resolve_dtype(dtype, template_dir)
     state = normalize_state_dict_keys(
@@ -390,6 +385,7 @@ def export_hf_directory(
     from safetensors.torch import load_file
 
     hf_dir, template_dir, output_dir = Path(hf_dir), Path(template_dir), Path(output_dir)
+    check_output_dir(output_dir)
     shards = sorted(hf_dir.glob("*.safetensors")) if hf_dir.is_dir() else []
     if not shards:
         raise ExportError(f"{hf_dir}: no *.safetensors weights; not a HF model directory")
@@ -403,6 +399,7 @@ def export_hf_directory(
     )  # fmt: skip
 
 
+@names_write_failures("output_dir")
 def _write_export(
     state: dict[str, torch.Tensor],
     source: Path,
@@ -414,7 +411,7 @@ def _write_export(
 ) -> ExportResult:
     """Write ``state`` as the template's architecture under a temp name, add the template's
     files, check that it loads with exactly these weights, then rename it into place."""
-    tmp = _partial_dir(output_dir)
+    tmp = staging_dir(output_dir)
     try:
         model = write_hf_model(state, template_dir, tmp, torch_dtype, max_shard_size)
         state.clear()
@@ -422,7 +419,7 @@ def _write_export(
         written = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
         tensors, parameters = check_loadable(tmp, written)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard_staging(tmp)
         raise
     dtype = str(torch_dtype).removeprefix("torch.")
     return _publish_export(
@@ -442,7 +439,7 @@ def _publish_export(
 ) -> ExportResult:
     """Rename a checked export from its temp name into place, and say what it holds."""
     shards = len(list(tmp.glob("*.safetensors")))
-    _publish(tmp, output_dir)
+    publish_dir(tmp, output_dir)
     log.info("exported %s (%s) → %s (%d shards)", source, source_format, output_dir, shards)
     return ExportResult(
         output_dir=output_dir,
@@ -474,15 +471,16 @@ def export_megatron(
     )
     if not megatron_dir.is_dir():
         raise ExportError(f"{megatron_dir}: no such Megatron checkpoint directory")
+    check_output_dir(output_dir)
     bridge = importlib.import_module("trainer.megatron.bridge")  # megatron-core: GPU image
-    tmp = _partial_dir(output_dir)
+    tmp = staging_dir(output_dir)
     try:
         bridge.export_megatron_to_hf(str(megatron_dir), str(template_dir), str(tmp))
         copied = copy_template_files(template_dir, tmp)
         tensors, parameters = check_loadable(tmp)
         config = json.loads((tmp / "config.json").read_text())
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard_staging(tmp)
         raise
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "unknown")
     return _publish_export(

@@ -5,11 +5,11 @@ import time
 
 import pytest
 
+from core.redact import redact
 from core.tracking import (
     TrackingUnreachableError,
     artifact_location,
     find_pipeline_run,
-    redact_uri,
     start_pipeline_run,
 )
 from pipelines.local_run import tracking_arguments
@@ -52,5 +52,5 @@ def test_without_a_uri_the_local_run_tracks_to_an_sqlite_store_in_its_output_dir
 
 
 def test_redact_uri():
-    assert redact_uri(SECRET_URI) == "http://lingo:***@127.0.0.1:9"
-    assert redact_uri("http://host:5000/x") == "http://host:5000/x"
+    assert redact(SECRET_URI) == "http://lingo:***@127.0.0.1:9"
+    assert redact("http://host:5000/x") == "http://host:5000/x"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from conftest import make_rows, write_jsonl
 
+from core.atomic import OUTPUT_RECORD
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare_dataset
 
@@ -71,7 +72,7 @@ def test_killed_data_prep_leaves_no_workers_and_the_next_run_cleans_up(tmp_path)
         out / "eval.jsonl",
         out / "quarantine.jsonl",
     )
-    assert sorted(p.name for p in out.iterdir()) == [
+    assert sorted(p.name for p in out.iterdir() if p.name != OUTPUT_RECORD) == [
         "eval.jsonl",
         "quarantine.jsonl",
         "train.jsonl",

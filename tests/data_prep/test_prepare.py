@@ -7,6 +7,7 @@ from conftest import make_row, make_rows, read_jsonl, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core.atomic import OUTPUT_RECORD
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import (
     EmptyDatasetError,
@@ -88,7 +89,8 @@ def test_too_many_bad_rows_fails_naming_file_and_rows_but_keeps_quarantine(tmp_p
     out = tmp_path / "out"
     assert not (out / "train.jsonl").exists() and not (out / "eval.jsonl").exists()
     assert len(read_jsonl(out / "quarantine.jsonl")) == 3
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no temp files left
+    left = [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != OUTPUT_RECORD]
+    assert left == []  # no temp files left
     assert src.exists()
 
 
@@ -108,7 +110,7 @@ def test_a_failed_run_leaves_no_older_train_eval_beside_its_quarantine(tmp_path)
     write_jsonl(tmp_path / "in.jsonl", [{"wrong": "columns"}] * 5)
     with pytest.raises(TooManyBadRowsError):
         _run(tmp_path, src)
-    assert sorted(p.name for p in out.iterdir()) == ["quarantine.jsonl"]
+    assert sorted(p.name for p in out.iterdir() if p.name != OUTPUT_RECORD) == ["quarantine.jsonl"]
     assert len(read_jsonl(out / "quarantine.jsonl")) == 5
 
 

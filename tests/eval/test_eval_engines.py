@@ -3,15 +3,13 @@ against real HTTP servers started here (one serving the tiny model, one scripted
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 
 import pytest
 import torch
+from chat_server import Reply, chat_server, completion
 
 from core.harmony import render_prompt
 from core.modeling import load_causal_lm, load_tokenizer
@@ -147,97 +145,6 @@ def test_missing_or_invalid_model_directory(tmp_path):
 
 
 # -- a real OpenAI-compatible HTTP server ----------------------------------------------------
-
-Reply = tuple[int, object, dict[str, str], float]
-"""(status, JSON body or raw text, headers, seconds to wait before answering)"""
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _ChatServer
-
-    def log_message(self, *args) -> None:  # keep pytest output clean
-        pass
-
-    def _send(self, status: int, payload: object, headers: dict[str, str]) -> None:
-        data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in headers.items():
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client gave up (timeout test)
-
-    def do_GET(self) -> None:
-        if self.path.rstrip("/") == "/v1/models":
-            models = [{"id": name, "object": "model"} for name in self.server.models]
-            self._send(200, {"object": "list", "data": models}, {})
-        else:
-            self._send(404, {"error": "not found"}, {})
-
-    def do_POST(self) -> None:
-        if self.path != "/v1/chat/completions":
-            self._send(404, {"error": "not found"}, {})
-            return
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        server = self.server
-        with server.lock:
-            server.bodies.append(body)
-            server.auth.append(self.headers.get("Authorization"))
-            server.in_flight += 1
-            server.max_in_flight = max(server.max_in_flight, server.in_flight)
-        try:
-            status, payload, headers, delay = server.reply(body)
-            time.sleep(delay)
-        finally:
-            # counted until just before answering: the client cannot send its next request
-            # before it has the answer, so this never over-counts the client's concurrency
-            with server.lock:
-                server.in_flight -= 1
-        self._send(status, payload, headers)
-
-
-class _ChatServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, reply: Callable[[dict], Reply], models: list[str]) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.reply = reply
-        self.models = models
-        self.lock = threading.Lock()
-        self.bodies: list[dict] = []
-        self.auth: list[str | None] = []
-        self.in_flight = 0
-        self.max_in_flight = 0
-
-
-@contextmanager
-def chat_server(reply: Callable[[dict], Reply], models: list[str]) -> Iterator[_ChatServer]:
-    server = _ChatServer(reply, models)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def completion(message: dict, finish_reason: str = "stop") -> dict:
-    return {
-        "object": "chat.completion",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", **message},
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": {"completion_tokens": 7},
-    }
 
 
 class TinyModelApp:

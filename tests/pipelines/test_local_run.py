@@ -4,34 +4,13 @@ import json
 
 import pytest
 from browser import WINDOW, chromium, render
+from conftest import FAST_LOCAL_RUN as FAST
 from conftest import read_jsonl, write_jsonl
 
 from eval.gate import GateConfig
 from pipelines.local_console import LocalStepFailedError
 from pipelines.local_run import run_local, tracking_summary
 from pipelines.presets import apply_overrides, get_preset
-
-FAST = {
-    "model.tiny.hidden_size": "64",
-    "model.tiny.intermediate_size": "64",
-    "model.tiny.vocab_size": "600",
-    "sft.max_steps": "3",
-    "sft.eval_every": "0",
-    "sft.checkpoint_every": "0",
-    "sft.eval_max_examples": "8",
-    "grpo.max_steps": "2",
-    "grpo.prompts_per_step": "2",
-    "grpo.rollout.n_samples": "2",
-    "grpo.rollout.max_new_tokens": "12",
-    "grpo.mini_batch_size": "4",
-    "grpo.micro_batch_size": "4",
-    "grpo.eval_every": "0",
-    "grpo.eval_prompts": "4",
-    "grpo.eval_samples": "1",
-    "grpo.checkpoint_every": "0",
-    "eval.limit": "5",
-    "eval.sampling.max_tokens": "16",
-}
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def test_a_bf16_merge_is_held_to_the_models_own_noise(tmp_path, tiny_model_dir):
     floor = report["noise_floor"]
     assert 0 < floor["mean"] < floor["p99"] <= floor["max"]
     assert report["p99_abs_diff_in_memory"] <= 3 * floor["p99"] + 1e-3
-    saved = json.loads((tmp_path / "merged_merge_report.json").read_text())
+    saved = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
     assert saved["noise_floor"] == floor
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert merged.dtype == torch.bfloat16

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from core.atomic import check_output_dir, check_writable, discard_staging, publish_dir, staging_dir
+from core.errors import names_write_failures
 from core.modeling import (
     load_causal_lm,
     load_tokenizer,
@@ -183,6 +185,8 @@ def run_grpo(
     over a ``Channel`` of their own (``trainer.grpo.remote``).
     """
     work_dir, model_output = Path(work_dir), Path(model_output)
+    check_output_dir(model_output, "--model-output", work_dir=work_dir)
+    check_writable(model_output.parent)  # a read-only or full disk, found before training
     job = process_info(cfg.device, cfg.cpu_threads)
     plan = run_placement(cfg, job)
     timeout = cfg.collective_timeout
@@ -1015,6 +1019,7 @@ def _reward_metrics(batch: _Batch, dp: DataParallel) -> dict:
     }
 
 
+@names_write_failures("directory")
 def _save_policy(
     backend: TrainingBackend, tokenizer, directory: Path, dtype, base_model, info: DistInfo
 ) -> None:
@@ -1024,7 +1029,7 @@ def _save_policy(
     step turns into a HF directory."""
     tmp = directory.with_name(f".{directory.name}.partial")
     if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = staging_dir(directory)
     barrier(info)
     if hasattr(backend, "save_policy"):
         backend.save_policy(tmp)
@@ -1032,17 +1037,19 @@ def _save_policy(
         backend.save_hf_pretrained(tmp, base_model, dtype)
     if info.is_main:
         tokenizer.save_pretrained(tmp)
-        shutil.rmtree(directory, ignore_errors=True)
-        tmp.rename(directory)
+        publish_dir(tmp, directory)
     barrier(info)
 
 
+@names_write_failures("model_output")
 def _export(source: Path, model_output: Path) -> None:
-    tmp = model_output.with_name(f".{model_output.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    shutil.rmtree(model_output, ignore_errors=True)
-    tmp.rename(model_output)
+    tmp = staging_dir(model_output)
+    try:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+    except BaseException:
+        discard_staging(tmp)
+        raise
+    publish_dir(tmp, model_output, "--model-output")
 
 
 def read_summary(work_dir: str | Path) -> GRPOResult:

@@ -40,6 +40,8 @@ from typing import Any, Protocol
 
 import torch
 
+from core.atomic import publish_dir
+
 log = logging.getLogger(__name__)
 
 ITERATION_DIR = "iter_0000000"
@@ -349,8 +351,7 @@ def save_megatron_model(model: list[Any], out_dir: str | Path) -> Path:
         dist.barrier()
         if rank == 0:
             (tmp / TRACKER_FILE).write_text("0")
-            shutil.rmtree(out_dir, ignore_errors=True)
-            os.replace(tmp, out_dir)
+            publish_dir(tmp, out_dir)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

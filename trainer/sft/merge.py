@@ -3,7 +3,8 @@
 The check: logits of the merged model equal those of base + adapter on a few prompts, both in
 memory and after reloading the saved directory with plain
 ``AutoModelForCausalLM.from_pretrained`` (no peft). The directory is written under a temp name
-and renamed only when the check passed.
+and put in place only when the check passed (``core.atomic.publish_dir``: a folder holding
+files this project did not write is refused, never wiped).
 
 In float32 the two agree to ~1e-6 and the largest difference is bounded (``FLOAT32_TOLERANCE``).
 In bf16/fp16 they cannot agree that closely: merged weights round once (``W + s·B·A``), peft's
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
+
+from core.atomic import discard_staging, publish_dir, staging_dir
+from core.errors import names_write_failures
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ model's own half-vs-float32 noise (two roundings of one computation differ by ~�
 NOISE_ALLOWANCE = 1e-3
 """Added to each half-precision bound (a floor measured at ~0 does not make the check exact)."""
 PERCENTILE = 0.99
+MERGE_REPORT = "merge_report.json"
 
 
 class MergeCheckError(RuntimeError):
@@ -97,16 +101,18 @@ def _problems(stats: dict, floor: dict | None, what: str) -> list[str]:
     return out
 
 
+@names_write_failures("output_dir")
 def merge_and_save(
     model, tokenizer, prompts: list[list[int]], output_dir: str | Path, max_shard_size: str = "5GB"
 ) -> dict:
     """Merge (if ``model`` is a peft model), check, and save to ``output_dir``.
 
-    Returns the check report (also written as ``merge_report.json`` beside the model).
+    Returns the check report (also written as ``merge_report.json`` in the model directory).
 
     Raises:
         MergeCheckError: logits differ beyond the bound of the dtype: float32's tolerance,
             or the model's own half-precision noise (nothing is left at output_dir).
+        OutputNotOursError: ``output_dir`` holds files this project did not write.
     """
     from transformers import AutoModelForCausalLM
 
@@ -117,37 +123,38 @@ def merge_and_save(
     merged = model.merge_and_unload() if is_peft else model
     in_memory = _logits(merged, prompts)
     floor = None if dtype == torch.float32 else _noise_floor(merged, prompts, in_memory)
-    tmp = output_dir.with_name(f".{output_dir.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(tmp)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="eager")
-    after_reload = _logits(reloaded, prompts)
-    stats = {
-        "in_memory": _diff_stats(reference, in_memory),
-        "after_reload": _diff_stats(reference, after_reload),
-    }
-    report = {
-        "merged_adapter": is_peft,
-        "dtype": str(dtype).removeprefix("torch."),
-        "prompts": len(prompts),
-        "tolerance": FLOAT32_TOLERANCE if floor is None else None,
-        "noise_floor": floor,
-        **{f"{key}_abs_diff_{when}": s[key] for when, s in stats.items() for key in s},
-    }
-    problems = [p for when, s in stats.items() for p in _problems(s, floor, when)]
-    if problems:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise MergeCheckError(
-            f"merged model differs from base + adapter ({dtype}): {'; '.join(problems)}; "
-            f"nothing written to {output_dir}"
+    tmp = staging_dir(output_dir)
+    try:
+        merged.save_pretrained(tmp, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        reloaded = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=dtype, attn_implementation="eager"
         )
-    worst = max(report["max_abs_diff_in_memory"], report["max_abs_diff_after_reload"])
-    shutil.rmtree(output_dir, ignore_errors=True)
-    tmp.rename(output_dir)
-    (output_dir.parent / f"{output_dir.name}_merge_report.json").write_text(
-        json.dumps(report, indent=2)
-    )
+        after_reload = _logits(reloaded, prompts)
+        stats = {
+            "in_memory": _diff_stats(reference, in_memory),
+            "after_reload": _diff_stats(reference, after_reload),
+        }
+        report = {
+            "merged_adapter": is_peft,
+            "dtype": str(dtype).removeprefix("torch."),
+            "prompts": len(prompts),
+            "tolerance": FLOAT32_TOLERANCE if floor is None else None,
+            "noise_floor": floor,
+            **{f"{key}_abs_diff_{when}": s[key] for when, s in stats.items() for key in s},
+        }
+        problems = [p for when, s in stats.items() for p in _problems(s, floor, when)]
+        if problems:
+            raise MergeCheckError(
+                f"merged model differs from base + adapter ({dtype}): {'; '.join(problems)}; "
+                f"nothing written to {output_dir}"
+            )
+        worst = max(report["max_abs_diff_in_memory"], report["max_abs_diff_after_reload"])
+        (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2))
+    except BaseException:
+        discard_staging(tmp)
+        raise
+    publish_dir(tmp, output_dir, "--model-output")
     log.info("merged model saved to %s (max |Δ logit| %.2g)", output_dir, worst)
     return report
 

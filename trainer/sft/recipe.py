@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from core.atomic import check_output_dir, check_writable
 from core.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 from core.tracking import log_artifact, mlflow_run
 from trainer.backends import TorchBackend, make_backend
@@ -93,8 +94,10 @@ def run_sft(
     ``work_dir`` holds ``training_metrics.jsonl``, ``loss.png``, checkpoints and the adapter;
     a run finding checkpoints there resumes from the newest one.
     """
-    info = init_distributed(cfg.device, cfg.cpu_threads, timeout=cfg.collective_timeout)
     work_dir, model_output = Path(work_dir), Path(model_output)
+    check_output_dir(model_output, "--model-output", work_dir=work_dir)
+    check_writable(model_output.parent)  # a read-only or full disk, found before training
+    info = init_distributed(cfg.device, cfg.cpu_threads, timeout=cfg.collective_timeout)
     seed_everything(cfg.seed)
 
     tokenizer = load_tokenizer(base_model)

@@ -1,0 +1,61 @@
+"""Processes that die with the process that started them.
+
+``die_with_parent`` asks the Linux kernel to signal this process when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``), however the parent dies (SIGKILL included). The pipeline's step
+processes (``start_step_process``), torchrun's ranks and data prep's workers call it first, so
+a killed ``lingo run --local`` or a killed step leaves nothing running (the local run also
+stops its steps' process groups itself when it is signalled: ``pipelines.step_processes``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option (``linux/prctl.h``): the signal a process gets when its parent dies."""
+
+
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux; elsewhere a
+    no-op that returns False).
+
+    ``SIGTERM`` (the default) lets the process stop its own children (torchrun stops its
+    ranks on SIGTERM); ``SIGKILL`` for processes with nothing to clean up.
+
+    Args:
+        sig: The signal.
+        parent: The pid the parent had when it started this process: if it is gone already
+            (it died before the request took effect), this process exits at once.
+    """
+    done = False
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        done = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig)) == 0
+    if parent is not None and os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+    return done
+
+
+def start_step_process(level: int = logging.INFO) -> None:
+    """What a pipeline step process does first: ask for SIGTERM when the process that started
+    it dies, turn SIGTERM into ``SystemExit(143)`` (so the step unwinds: ``subprocess.run``
+    kills the torchrun it waits for, data prep stops its workers, staging folders are
+    discarded; a handler installed later, such as a PyTorchJob's deletion, takes precedence
+    while it is installed), and log at ``level`` with every record redacted
+    (``core.redact.configure_logging``)."""
+    import threading
+
+    from core.redact import configure_logging
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+    die_with_parent(signal.SIGTERM)
+    configure_logging(level)
+
+
+def _exit_on_signal(signum: int, frame) -> None:  # noqa: ARG001 (a signal handler's signature)
+    raise SystemExit(128 + signum)

@@ -32,6 +32,8 @@ class QuestionSetConfig(ConfigModel):
             prompts have weight 1): 2.0 makes one of its prompts twice as likely to be drawn.
         max_rows: Read at most this many rows (``None``: all).
         persona: The persona line of the prompts' developer instructions.
+        max_bad_fraction: The step fails when more than this share of the set's rows is
+            quarantined (repeated questions aside), or when the set gives no question at all.
     """
 
     source: str
@@ -41,6 +43,7 @@ class QuestionSetConfig(ConfigModel):
     weight: float = Field(1.0, gt=0.0)
     max_rows: int | None = Field(None, ge=1)
     persona: str = "You are a helpful assistant."
+    max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
 
 
 class DataPrepConfig(ConfigModel):

@@ -76,7 +76,7 @@ def load_questions(
     path = Path(path) if path is not None else BUNDLED_QUESTIONS
     wanted = {normalize_language(code) for code in languages} if languages else None
     questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -280,9 +280,11 @@ def data_prep_cmd(
         output_dir / "dataset_card.md",
     )
     synthetic = f" (+{report.synthetic_rows} synthetic)" if report.synthetic_rows else ""
+    if report.prompt_only_rows:
+        synthetic += f" (+{report.prompt_only_rows} question-set prompts)"
     typer.echo(
         f"{report.rows_read} rows: {report.train_rows} train{synthetic}, {report.eval_rows} eval, "
-        f"{report.rows_bad + report.rows_duplicate} quarantined → {output_dir}"
+        f"{report.quarantined} quarantined → {output_dir}"
     )
 
 

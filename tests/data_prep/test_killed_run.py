@@ -9,6 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from conftest import make_rows, write_jsonl
 
 from data_prep.config import DataPrepConfig
@@ -76,3 +77,43 @@ def test_killed_data_prep_leaves_no_workers_and_the_next_run_cleans_up(tmp_path)
         "quarantine.jsonl",
         "train.jsonl",
     ]
+
+
+def test_a_second_data_prep_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
+    # issue #32 item 9: on main both exited 0 and one silently replaced the other's outputs
+    from data_prep.prepare import DataPrepBusyError
+
+    source = write_jsonl(tmp_path / "big.jsonl", make_rows(6000))  # 30,000 rows: seconds
+    out = tmp_path / "out"
+    script = textwrap.dedent(
+        f"""
+        from data_prep.config import DataPrepConfig
+        from data_prep.prepare import prepare_dataset
+        prepare_dataset(DataPrepConfig(source={str(source)!r}, workers=1),
+                        {str(out / "train.jsonl")!r}, {str(out / "eval.jsonl")!r},
+                        {str(out / "quarantine.jsonl")!r})
+        """
+    )
+    first = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(out.glob(".data-prep-*")):
+        assert first.poll() is None, "the first data prep ended before the test could overlap"
+        time.sleep(0.02)
+    other = write_jsonl(tmp_path / "other.jsonl", make_rows(3))
+    with pytest.raises(DataPrepBusyError, match=rf"{out} is in use by another data prep \(pid"):
+        prepare_dataset(
+            DataPrepConfig(source=str(other), workers=1),
+            out / "train.jsonl",
+            out / "eval.jsonl",
+            out / "quarantine.jsonl",
+        )
+    assert first.wait(timeout=300) == 0
+    rows = sum(sum(1 for _ in (out / name).open()) for name in ("train.jsonl", "eval.jsonl"))
+    assert rows == 30_000  # the first run's outputs, whole: nothing of the second's
+    # once the first has ended, the folder is free again
+    prepare_dataset(
+        DataPrepConfig(source=str(other), workers=1),
+        out / "train.jsonl",
+        out / "eval.jsonl",
+        out / "quarantine.jsonl",
+    )

@@ -184,10 +184,13 @@ def prepare_dataset(
         with (work / "duplicates").open("rb", buffering=IO_BUFFER) as dups:
             shutil.copyfileobj(dups, quarantine)  # after the bad rows, as they were found
         _count_statistics(report, kept, eval_rows)
-        if config.augment_factor:
+        if config.augment_factor == "auto" and not config.synthetic_per_row:
+            log.info("augment_factor auto: %s is not the bundled sample, no synthetic rows",
+                     config.source)  # fmt: skip
+        if config.synthetic_per_row:
             train.flush()
             report.synthetic_rows = append_synthetic(
-                outputs.temp_path(train_path), train, config.augment_factor, config.seed,
+                outputs.temp_path(train_path), train, config.synthetic_per_row, config.seed,
                 config.reasoning_effort,
             )  # fmt: skip
         if config.question_sets:

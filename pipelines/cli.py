@@ -14,7 +14,6 @@ from typing import Annotated
 import click
 import typer
 
-from data_prep.config import BUNDLED_SOURCE
 from pipelines.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -129,28 +128,9 @@ def _parse_sets(sets: list[str] | None) -> dict[str, str]:
 def _load_preset(name: str, sets: list[str] | None):
     overrides = _parse_sets(sets)
     try:
-        config = apply_overrides(get_preset(name), overrides)
+        return apply_overrides(get_preset(name), overrides)
     except (KeyError, ValueError) as exc:
         raise typer.BadParameter(str(exc).strip("'\"")) from exc
-    return _augment_bundled_only(config, overrides)
-
-
-def _augment_bundled_only(config, overrides: dict[str, str]):
-    """A preset's augmentation is for the bundled demo data: with another source it is off
-    unless ``--set data_prep.augment_factor=N`` asks for it."""
-    data_prep = config.data_prep
-    explicit = "data_prep.augment_factor" in overrides
-    if data_prep.source == BUNDLED_SOURCE or not data_prep.augment_factor or explicit:
-        return config
-    log.info(
-        "data_prep.augment_factor %d of preset %r is for the bundled demo data; off for source "
-        "%s (--set data_prep.augment_factor=N to augment it)",
-        data_prep.augment_factor,
-        config.name,
-        data_prep.source,
-    )
-    off = data_prep.model_copy(update={"augment_factor": 0})
-    return config.model_copy(update={"data_prep": off})
 
 
 @app.command()

@@ -12,7 +12,6 @@ from conftest import read_jsonl
 
 from data_prep.config import DataPrepConfig, QuestionSetConfig
 from data_prep.prepare import prepare_dataset
-from data_prep.question_sets import QuestionSetError
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
 from trainer.sft.data import load_examples
 
@@ -162,6 +161,8 @@ def _write_questions(path, rows):
 def test_a_column_that_does_not_exist_fails_naming_it_and_the_columns_there_are(
     tmp_path, columns, named
 ) -> None:
+    from data_prep.question_sets import QuestionSetError
+
     # issue #32 item 6: on main every row was quarantined and the step exited 0
     source = _write_questions(tmp_path / "questions.jsonl", QUESTIONS[:5])
     out = tmp_path / "out"
@@ -178,6 +179,8 @@ def test_a_column_that_does_not_exist_fails_naming_it_and_the_columns_there_are(
 
 
 def test_a_set_that_loses_more_than_its_share_or_gives_nothing_fails(tmp_path) -> None:
+    from data_prep.question_sets import QuestionSetError
+
     rows = QUESTIONS[:5] + [{"q": "Quantos dias tem uma semana?", "lang": "pt"}]  # 1 of 6 lost
     source = _write_questions(tmp_path / "questions.jsonl", rows)
     sets = [QuestionSetConfig(source=str(source), question_column="q", language_column="lang")]

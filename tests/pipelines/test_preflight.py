@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from eval.runner import BUNDLED_QUESTIONS
 from pipelines.cli import app
-from pipelines.preflight import RunInputError, check_run_inputs, output_dir_problems
 from pipelines.presets import DEFAULT_PRESET, apply_overrides, get_preset
 
 runner = CliRunner()
@@ -71,6 +70,8 @@ def test_compile_refuses_a_model_directory_without_its_tokenizer(tmp_path, tiny_
 
 
 def test_compile_leaves_paths_of_the_cluster_to_the_steps(tmp_path, caplog):
+    from pipelines.preflight import RunInputError, check_run_inputs
+
     # a path that is not on this machine may be on the cluster's volume: logged, not refused
     preset = apply_overrides(
         get_preset(DEFAULT_PRESET),
@@ -83,6 +84,8 @@ def test_compile_leaves_paths_of_the_cluster_to_the_steps(tmp_path, caplog):
 
 
 def test_output_paths_are_checked(tmp_path):
+    from pipelines.preflight import output_dir_problems
+
     a_file = tmp_path / "file"
     a_file.write_text("x")
     assert "is a file, not a directory" in output_dir_problems(a_file)[0]

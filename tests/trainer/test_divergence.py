@@ -8,7 +8,6 @@ import pytest
 import torch
 from tests_helpers_trainer import small_grpo_config
 
-from trainer.checkpoint import UnhealthyCheckpointError
 from trainer.distributed import DistInfo
 from trainer.divergence import DivergenceGuard, TrainingDivergedError, weights_square_sum
 from trainer.grpo.config import GRPOConfig
@@ -150,6 +149,8 @@ def test_the_guards_counters_travel_with_the_checkpoint(tmp_path):
 def test_a_checkpoint_saved_while_the_gradient_was_0_is_refused_on_resume(
     tmp_path, tiny_model_dir, prepared_data
 ):
+    from trainer.checkpoint import UnhealthyCheckpointError
+
     # the run ends (max_steps 3) inside a run of zero gradients that had not yet reached the
     # limit; on main a resume from its step-2 restarted the count and trained on
     _grpo(

@@ -140,10 +140,10 @@ def test_a_checkpoint_damaged_without_changing_its_size_falls_back_to_the_previo
     middle = len(data) // 2
     data[middle : middle + 64] = b"\xff\xff\xc0\x7f" * 16  # float32 NaNs, same size
     newest.write_bytes(bytes(data))
-    manifest = json.loads((work / "checkpoints" / "step-1" / "manifest.json").read_text())
-    assert len(manifest["files"]["backend.pt"]["sha256"]) == 64
     caplog.set_level(logging.WARNING, logger="trainer.checkpoint")
     result = _run(tmp_path, tiny_model_dir, prepared_data, max_steps=3)
     assert result.steps == 3
     assert "step-2 is damaged (backend.pt does not hold what was written" in caplog.text
     assert (work / "checkpoints" / ".corrupt-step-2").is_dir()
+    manifest = json.loads((work / "checkpoints" / "step-1" / "manifest.json").read_text())
+    assert len(manifest["files"]["backend.pt"]["sha256"]) == 64

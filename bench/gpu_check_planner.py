@@ -137,7 +137,9 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     m = sizes.micro_batch
     cfg = GRPOConfig.model_validate(
         {
-            "rollout": {"n_samples": 1, "max_new_tokens": sizes.generate_len},
+            # the update takes the batch built below (its own advantages); n_samples only
+            # has to be a valid group size (>= 2) dividing into mini_batch_size
+            "rollout": {"n_samples": 2, "max_new_tokens": sizes.generate_len},
             "algorithm": {"filter_no_signal_groups": False},
             "prompts_per_step": m,
             "mini_batch_size": m,

@@ -20,7 +20,7 @@ import linecache
 import textwrap
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -35,7 +35,9 @@ def parameter_type(config_class: type[BaseModel], name: str) -> tuple[type, bool
     """The KFP parameter type of a config field, and whether the field may be ``None``.
 
     ``str``, ``int``, ``float``, ``bool`` and a ``Literal`` of one of them are themselves; lists,
-    tuples and sets are ``list``; mappings and nested models are ``dict``.
+    tuples and sets are ``list``; mappings and nested models are ``dict``. A number or a word
+    (``int | Literal["auto"]``) is ``str``: the parameter carries the text (``"auto"``,
+    ``"9"``) and the class parses it.
 
     Raises:
         UnsupportedFieldError: The field's type maps to none of these (the message names it).
@@ -45,6 +47,8 @@ def parameter_type(config_class: type[BaseModel], name: str) -> tuple[type, bool
     if get_origin(annotation) in (Union, types.UnionType):
         members = [a for a in get_args(annotation) if a is not type(None)]
         optional = len(members) < len(get_args(annotation))
+        if len(members) > 1 and _number_or_word(members):
+            return str, optional
         annotation = members[0] if len(members) == 1 else annotation
     origin = get_origin(annotation) or annotation
     if origin is Literal:
@@ -63,6 +67,19 @@ def parameter_type(config_class: type[BaseModel], name: str) -> tuple[type, bool
     )
 
 
+def _number_or_word(members: list) -> bool:
+    """Whether a union's members are numbers and string literals (``int | Literal["auto"]``)."""
+    kinds = set()
+    for member in members:
+        if get_origin(member) is Annotated:
+            member = get_args(member)[0]
+        if get_origin(member) is Literal:
+            kinds |= {type(value) for value in get_args(member)}
+        else:
+            kinds.add(member)
+    return str in kinds and bool(kinds & {int, float}) and kinds <= {str, int, float}
+
+
 def config_dict(config: BaseModel) -> dict:
     """A step config as a KFP dict parameter (JSON types). ``None`` values are left out, at
     every depth: KFP structs cannot hold null, and an optional parameter left unset is
@@ -71,8 +88,14 @@ def config_dict(config: BaseModel) -> dict:
 
 
 def config_arguments(config: BaseModel, prefix: str = "") -> dict[str, Any]:
-    """The config's values as KFP arguments (``config_dict``), keyed ``<prefix><field>``."""
-    return {prefix + name: value for name, value in config_dict(config).items()}
+    """The config's values as KFP arguments (``config_dict``), keyed ``<prefix><field>``; a
+    field carried as text (``parameter_type``) gets its value as text."""
+    out = {}
+    for name, value in config_dict(config).items():
+        if not isinstance(value, str) and parameter_type(type(config), name)[0] is str:
+            value = str(value)
+        out[prefix + name] = value
+    return out
 
 
 def _annotation_source(kind: type, optional: bool) -> str:

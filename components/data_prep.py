@@ -53,4 +53,4 @@ def data_prep(
         format="jsonl",
     )
     eval_data.metadata.update(rows=report.eval_rows, format="jsonl")
-    quarantine.metadata.update(rows=report.rows_bad + report.rows_duplicate, format="jsonl")
+    quarantine.metadata.update(rows=report.quarantined, format="jsonl")

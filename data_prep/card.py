@@ -30,7 +30,7 @@ def render_card(config: DataPrepConfig, report: DataPrepReport) -> str:
         f"({report.bad_fraction:.2%} bad, limit {config.max_bad_fraction:.0%})",
         f"- split: eval_fraction {config.eval_fraction}, seed {config.seed}, "
         "stratified by reasoning language",
-        f"- synthetic train rows (augment_factor {config.augment_factor}): {report.synthetic_rows}",
+        f"- synthetic train rows (augment_factor {_augment(config)}): {report.synthetic_rows}",
         *(
             [
                 f"- prompt-only train rows (question sets, GRPO only): "
@@ -77,3 +77,10 @@ def render_card(config: DataPrepConfig, report: DataPrepReport) -> str:
     else:
         lines.append("No row was quarantined.")
     return "\n".join(lines) + "\n"
+
+
+def _augment(config: DataPrepConfig) -> str:
+    """``9``, or ``auto → 9`` (``auto`` resolved for the source)."""
+    if config.augment_factor == "auto":
+        return f"auto → {config.synthetic_per_row}"
+    return str(config.augment_factor)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -10,6 +10,10 @@ from core.config_model import ConfigModel
 
 BUNDLED_SOURCE = "bundled"
 HUB_DATASET_ID = "HuggingFaceH4/Multilingual-Thinking"
+BUNDLED_AUGMENT_FACTOR = 9
+"""Synthetic recombinations per train row of the bundled sample (``augment_factor: auto``):
+its ~300 train rows are too few for a model trained from scratch to learn languages rather
+than rows; 9 per row give ~3,000 examples (data_prep/augment.py, docs/benchmarks.md)."""
 
 AnswerLanguagePolicy = Literal["user", "same-as-reasoning"]
 
@@ -32,6 +36,8 @@ class QuestionSetConfig(ConfigModel):
             prompts have weight 1): 2.0 makes one of its prompts twice as likely to be drawn.
         max_rows: Read at most this many rows (``None``: all).
         persona: The persona line of the prompts' developer instructions.
+        max_bad_fraction: The step fails when more than this share of the set's rows is
+            quarantined (repeated questions aside), or when the set gives no question at all.
     """
 
     source: str
@@ -41,6 +47,7 @@ class QuestionSetConfig(ConfigModel):
     weight: float = Field(1.0, gt=0.0)
     max_rows: int | None = Field(None, ge=1)
     persona: str = "You are a helpful assistant."
+    max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
 
 
 class DataPrepConfig(ConfigModel):
@@ -59,7 +66,10 @@ class DataPrepConfig(ConfigModel):
         max_field_chars: a field longer than this is quarantined as oversize.
         reasoning_effort: the harmony system message's ``Reasoning:`` level.
         augment_factor: synthetic train examples per train row, recombined from sentences in
-            the same language (see data_prep/augment.py); for tiny-model demos. 0: none.
+            the same language (see data_prep/augment.py); for tiny-model demos. 0: none;
+            ``"auto"``: ``BUNDLED_AUGMENT_FACTOR`` for the bundled sample, none for any other
+            source (what the ``tiny-cpu`` preset sets, so a pipeline compiled from it adds
+            no synthetic row to a user's ``source`` unless a number is asked for).
         workers: processes that validate and render rows when the source has more than
             ~1,000 rows; 0 means one per CPU core (at most 8). The output does not depend on it.
         question_sets: multilingual question sets mixed into GRPO's prompts (prompt-only
@@ -76,6 +86,13 @@ class DataPrepConfig(ConfigModel):
     answer_language_policy: AnswerLanguagePolicy = "user"
     max_field_chars: int = Field(32_000, gt=0)
     reasoning_effort: Literal["low", "medium", "high"] = "medium"
-    augment_factor: int = Field(0, ge=0)
+    augment_factor: Annotated[int, Field(ge=0)] | Literal["auto"] = 0
     workers: int = Field(0, ge=0)
     question_sets: list[QuestionSetConfig] = Field(default_factory=list)
+
+    @property
+    def synthetic_per_row(self) -> int:
+        """The augment factor this source gets (``"auto"`` resolved from ``source``)."""
+        if self.augment_factor != "auto":
+            return self.augment_factor
+        return BUNDLED_AUGMENT_FACTOR if self.source == BUNDLED_SOURCE else 0

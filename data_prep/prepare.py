@@ -23,11 +23,14 @@ so the rejected rows can be inspected. Scratch files live in a temp folder besid
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +43,7 @@ from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
 from data_prep.lengths import LengthHistogram
 from data_prep.process import ANSWER_SOURCES, Bad, Good, process_rows, quarantine_entry
-from data_prep.question_sets import append_question_prompts
+from data_prep.question_sets import QuestionSetError, append_question_prompts
 from data_prep.row_index import RowIndex
 from data_prep.sources import iter_source
 from data_prep.spool import RowSpool
@@ -90,6 +93,11 @@ class DataPrepReport:
     """Per reasoning language and field (user, analysis, final): lengths of the rows kept."""
 
     @property
+    def quarantined(self) -> int:
+        """Rows in the quarantine file: bad, duplicate, and question-set rows."""
+        return self.rows_bad + self.rows_duplicate + self.question_rows_bad
+
+    @property
     def bad_fraction(self) -> float:
         return self.rows_bad / self.rows_read if self.rows_read else 0.0
 
@@ -98,7 +106,7 @@ class DataPrepReport:
         out: dict[str, float] = {
             "rows_read": self.rows_read,
             "rows_valid": self.rows_valid,
-            "rows_quarantined": self.rows_bad + self.rows_duplicate,
+            "rows_quarantined": self.quarantined,
             "rows_bad": self.rows_bad,
             "rows_duplicate": self.rows_duplicate,
             "bad_fraction": round(self.bad_fraction, 6),
@@ -135,6 +143,8 @@ def prepare_dataset(
         EmptyDatasetError: no row passed validation.
         SourceError: the source cannot be read.
         OutputNotOursError: an output path holds a file this project did not write.
+        QuestionSetError: a question set gave no question or lost too many rows.
+        DataPrepBusyError: another data prep writes into the same directory.
     """
     report = DataPrepReport(source=config.source)
     work_parent = Path(train_path).parent
@@ -143,11 +153,13 @@ def prepare_dataset(
     work_parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(work_parent, [Path(p).name for p in outputs_named if p is not None])
     with (
+        output_dir_lock(work_parent),
         tempfile.TemporaryDirectory(
             prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=work_parent
         ) as work_dir,
         PendingFiles() as outputs,
     ):
+        clean_leftovers(work_parent, [Path(p).name for p in outputs_named if p is not None])
         work = Path(work_dir)
         quarantine = outputs.open(quarantine_path)
         index = RowIndex(work / "rows.sqlite")
@@ -163,12 +175,7 @@ def prepare_dataset(
                     f"{config.source}: no valid rows ({report.rows_read} read)"
                 )
             if failure is not None:
-                # an earlier run's train/eval must not sit beside this run's quarantine
-                for stale in (train_path, eval_path, card_path):
-                    if stale is not None:
-                        Path(stale).unlink(missing_ok=True)
-                outputs.commit(only=[quarantine_path])  # rejected rows stay inspectable
-                raise failure  # train/eval are not written
+                _fail(failure, outputs, quarantine_path, (train_path, eval_path, card_path))
             thresholds = [
                 index.smallest_split_hash(i, k) if k else None
                 for i, k in enumerate(eval_count(n, config.eval_fraction) for n in kept.rows)
@@ -180,17 +187,23 @@ def prepare_dataset(
         with (work / "duplicates").open("rb", buffering=IO_BUFFER) as dups:
             shutil.copyfileobj(dups, quarantine)  # after the bad rows, as they were found
         _count_statistics(report, kept, eval_rows)
-        if config.augment_factor:
+        if config.augment_factor == "auto" and not config.synthetic_per_row:
+            log.info("augment_factor auto: %s is not the bundled sample, no synthetic rows",
+                     config.source)  # fmt: skip
+        if config.synthetic_per_row:
             train.flush()
             report.synthetic_rows = append_synthetic(
-                outputs.temp_path(train_path), train, config.augment_factor, config.seed,
+                outputs.temp_path(train_path), train, config.synthetic_per_row, config.seed,
                 config.reasoning_effort,
             )  # fmt: skip
         if config.question_sets:
-            questions = append_question_prompts(
-                config.question_sets, train, quarantine, config.reasoning_effort,
-                config.max_field_chars,
-            )  # fmt: skip
+            try:
+                questions = append_question_prompts(
+                    config.question_sets, train, quarantine, config.reasoning_effort,
+                    config.max_field_chars,
+                )  # fmt: skip
+            except QuestionSetError as exc:
+                _fail(exc, outputs, quarantine_path, (train_path, eval_path, card_path))
             report.prompt_only_rows = questions.kept
             report.question_rows_bad = questions.bad
             report.prompt_only_by_language.update(questions.by_language)
@@ -205,10 +218,55 @@ def prepare_dataset(
         report.synthetic_rows,
         report.prompt_only_rows,
         report.eval_rows,
-        report.rows_bad + report.rows_duplicate + report.question_rows_bad,
+        report.quarantined,
         report.rows_duplicate,
     )
     return report
+
+
+def _fail(failure: Exception, outputs: PendingFiles, quarantine_path, stale_paths) -> None:
+    """Put the quarantine in place alone (the rejected rows stay inspectable) and raise
+    ``failure``; train/eval are not written."""
+    # an earlier run's train/eval must not sit beside this run's quarantine
+    for stale in stale_paths:
+        if stale is not None:
+            Path(stale).unlink(missing_ok=True)
+    outputs.commit(only=[quarantine_path])
+    raise failure
+
+
+class DataPrepBusyError(RuntimeError):
+    """Another data prep is writing into the same output directory."""
+
+
+@contextlib.contextmanager
+def output_dir_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` for the whole data prep (``flock`` on the
+    directory itself: no lock file is left behind; the kernel releases it when the process
+    ends, however it ends).
+
+    Raises:
+        DataPrepBusyError: another data prep holds it (two runs into one folder would each
+            replace the other's outputs).
+    """
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pids = sorted(
+                pid
+                for work in directory.glob(f"{WORK_PREFIX}*")
+                if (pid := work.name.removeprefix(WORK_PREFIX).split("-", 1)[0]).isdigit()
+            )
+            holder = f" (pid {', '.join(pids)})" if pids else ""
+            raise DataPrepBusyError(
+                f"{directory} is in use by another data prep{holder}; wait for it to end or "
+                "write into another output directory"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -224,10 +282,13 @@ def _alive(pid: int) -> bool:
 def clean_leftovers(directory: Path, output_names: list[str]) -> None:
     """Remove what a killed data prep left in ``directory``: its work folder
     (``.data-prep-<pid>-*``, when that process is gone) and, when no data prep is running
-    there, the temp files of ``output_names`` (``.<name>.*.partial``)."""
+    there, the temp files of ``output_names`` (``.<name>.*.partial``). This process's own
+    work folder is left alone."""
     running = False
     for work in directory.glob(f"{WORK_PREFIX}*"):
         pid = work.name.removeprefix(WORK_PREFIX).split("-", 1)[0]
+        if pid == str(os.getpid()):
+            continue
         if pid.isdigit() and _alive(int(pid)):
             running = True
             continue

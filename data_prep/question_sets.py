@@ -11,11 +11,14 @@ The rows are *prompt-only* records (``"prompt_only": true``, no ``analysis``/``f
 augmentation skip them. They go to the train split only; the held-out split stays the main
 dataset's. A row without the question column, with an empty question or with a language
 outside en/fr/de/es/it is quarantined with its reason, like any bad row; a repeated question
-(within or across sets) is quarantined as a duplicate.
+(within or across sets) is quarantined as a duplicate. A set that gives no question, or loses
+more than its ``max_bad_fraction`` of rows, fails the step (``QuestionSetError``): a column
+that does not exist must not turn into "every row quarantined, exit 0".
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from hashlib import blake2b
 from typing import Any, BinaryIO
@@ -42,6 +45,10 @@ from data_prep.validate import (
 )
 
 
+class QuestionSetError(ValueError):
+    """A question set gave no question, or lost more rows than it allows."""
+
+
 class QuestionSetCounts:
     """Rows read, kept and quarantined over all question sets, with kept rows by language."""
 
@@ -50,6 +57,51 @@ class QuestionSetCounts:
         self.kept = 0
         self.bad = 0
         self.by_language: dict[str, int] = dict.fromkeys(SUPPORTED_LANGUAGES, 0)
+
+
+class _SetTally:
+    """One set's rows: read, kept, bad (repeats aside), reasons, the first row's columns."""
+
+    def __init__(self) -> None:
+        self.read = self.kept = self.bad = 0
+        self.reasons: Counter[str] = Counter()
+        self.missing: Counter[str] = Counter()
+        """Rows without a named column, by column."""
+        self.columns: list[str] | None = None
+
+    def count_missing(self, question_set: QuestionSetConfig, data: Any) -> None:
+        """Count the set's named columns that the row ``data`` lacks."""
+        for column in (question_set.question_column, question_set.language_column):
+            if column is not None and not (isinstance(data, dict) and column in data):
+                self.missing[column] += 1
+
+    def check(self, number: int, question_set: QuestionSetConfig) -> None:
+        """Raise ``QuestionSetError`` when the set gave nothing or lost too much."""
+        where = f"data_prep.question_sets[{number}] ({question_set.source})"
+        present = ", ".join(self.columns) if self.columns else "none"
+        for column, field in (
+            (question_set.question_column, "question_column"),
+            (question_set.language_column, "language_column"),
+        ):
+            if column is not None and self.read and self.missing[column] == self.read:
+                raise QuestionSetError(
+                    f"{where}: no row has the column {column!r} ({field}); the columns are: "
+                    f"{present}. Set {field} to the right one."
+                )
+        if self.kept == 0:
+            raise QuestionSetError(
+                f"{where}: no usable question in {self.read} rows (reasons: "
+                f"{dict(self.reasons) or 'the source is empty'}); the rejected rows are in the "
+                "quarantine file"
+            )
+        share = self.bad / self.read
+        if share > question_set.max_bad_fraction:
+            raise QuestionSetError(
+                f"{where}: {self.bad} of {self.read} rows quarantined ({share:.1%} > "
+                f"max_bad_fraction {question_set.max_bad_fraction:.1%}; reasons "
+                f"{dict(self.reasons)}); the rejected rows are in the quarantine file. Fix "
+                "the set or raise its max_bad_fraction."
+            )
 
 
 def append_question_prompts(
@@ -63,12 +115,18 @@ def append_question_prompts(
 
     Raises:
         SourceError: a set's source cannot be read.
+        QuestionSetError: a set gave no question (a column that does not exist is named, with
+            the columns there are), or lost more than its ``max_bad_fraction`` of rows.
     """
     counts = QuestionSetCounts()
     seen: set[bytes] = set()
     for number, question_set in enumerate(sets):
+        tally = _SetTally()
         for index, origin, data, problem in _rows(question_set, number):
             counts.read += 1
+            tally.read += 1
+            if tally.columns is None and isinstance(data, dict):
+                tally.columns = sorted(map(str, data))
             if problem is None:
                 question, language, problem = _question(question_set, data, max_field_chars)
             if problem is None:
@@ -78,12 +136,17 @@ def append_question_prompts(
                 seen.add(key)
             if problem is not None:
                 counts.bad += 1
+                tally.reasons[problem.reason] += 1
+                tally.bad += problem.reason != DUPLICATE
+                tally.count_missing(question_set, data)
                 quarantine.write(quarantine_entry(index, origin, problem, data))
                 continue
             record = prompt_record(question_set, question, language, origin, key, reasoning_effort)
             train.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
             counts.kept += 1
+            tally.kept += 1
             counts.by_language[language] += 1
+        tally.check(number, question_set)
     return counts
 
 
@@ -157,7 +220,11 @@ def _question(
             detail = f"{column!r} is detected as {language!r}, not one of {SUPPORTED_LANGUAGES}"
             return "", "", Rejection(UNKNOWN_LANGUAGE, detail)
         return question, language, None
-    value = data.get(question_set.language_column)
+    if question_set.language_column not in data:
+        found = ", ".join(sorted(map(str, data))) or "none"
+        detail = f"no column {question_set.language_column!r} (columns: {found})"
+        return "", "", Rejection(MISSING_FIELD, detail)
+    value = data[question_set.language_column]
     try:
         return question, _normalize(value), None
     except UnknownLanguageError as err:

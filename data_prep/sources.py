@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 BUNDLED_DIR = Path(__file__).parent / "sample"
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+UTF8_BOM = b"\xef\xbb\xbf"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -123,10 +124,15 @@ def iter_local(path: Path, start_index: int = 0) -> Iterator[RawRow]:
 
 
 def _iter_json_file(file: Path, name: str) -> Iterator[tuple[str, Any, bytes | None]]:
-    """(origin, data, None) for a JSON array file; (origin, None, line) for JSON Lines."""
+    """(origin, data, None) for a JSON array file; (origin, None, line) for JSON Lines.
+
+    A UTF-8 byte-order mark (editors on Windows write one) is skipped, not read as part of
+    the first row."""
     with file.open("rb", buffering=IO_BUFFER) as fh:
+        start = len(UTF8_BOM) if fh.read(len(UTF8_BOM)) == UTF8_BOM else 0
+        fh.seek(start)
         head = fh.read(4096).lstrip()
-        fh.seek(0)
+        fh.seek(start)
         if file.suffix == ".json" and head.startswith(b"["):
             try:
                 rows = orjson.loads(fh.read())

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from core.harmony import stop_token_ids
+from core.model_files import model_dir_problems
 from core.parsing import ParsedResponse, ResponseFormat, parse_response
 from core.vllm_scheduling import vllm_scheduling_kwargs
 from eval.eval_config import EvalConfig, SamplingSettings
@@ -118,15 +119,18 @@ class Engine(Protocol):
 
 
 def require_model_dir(path: str | Path) -> Path:
-    """``path`` as a Hugging Face model directory; ``ModelNotFoundError`` if it is not one."""
+    """``path`` as a Hugging Face model directory whose config, tokenizer files and weight
+    files are there and readable (``core.model_files``); ``ModelNotFoundError`` naming every
+    problem if not."""
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFoundError(
             f"model directory {path} does not exist; pass a Hugging Face model directory or an "
             "http(s):// URL of an OpenAI-compatible endpoint"
         )
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+    problems = model_dir_problems(path)
+    if problems:
+        raise ModelNotFoundError("; ".join(problems))
     return path
 
 

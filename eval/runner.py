@@ -29,6 +29,7 @@ from core.errors import describe_validation_error
 from core.harmony import task_prompt
 from core.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
 from core.redact import redact
+from core.model_files import nonfinite_weights
 from core.seeds import sample_seed
 from eval.engines import (
     Engine,
@@ -81,7 +82,7 @@ def load_questions(
     path = Path(path) if path is not None else BUNDLED_QUESTIONS
     wanted = {normalize_language(code) for code in languages} if languages else None
     questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -394,7 +395,9 @@ def run_eval(
         ValueError: No models.
         DuplicateLabelError: Two models have the same label.
         OutputNotOursError: ``output_dir`` holds a report file this project did not write.
-        ModelNotFoundError: A model directory does not exist.
+        ModelNotFoundError: A model directory does not exist, or lacks its config, tokenizer
+            files or readable weights.
+        NonFiniteWeightsError: A model's weights hold NaN or infinite values.
         TooManyFailuresError: A model's failure rate exceeds ``max_failure_fraction``.
     """
     specs = [m if isinstance(m, ModelSpec) else ModelSpec.parse(m) for m in models]
@@ -435,18 +438,31 @@ class ModelEvalError(RuntimeError):
     """A model failed to load or generate; the models finished before it are written."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """A model's weights hold NaN or infinite values: there is nothing to evaluate."""
+
+
 def _check_locations(specs: Sequence[ModelSpec]) -> None:
-    """Every model directory exists and is a model, before any generation (URLs: at use)."""
+    """Every model directory exists and is a model (config, tokenizer files, readable
+    weights), then every model's weights are finite, before any generation (URLs: at use)."""
     problems = []
-    for spec in specs:
-        if is_endpoint(spec.location):
-            continue
+    directories = [spec for spec in specs if not is_endpoint(spec.location)]
+    for spec in directories:
         try:
             require_model_dir(spec.location)
         except ModelNotFoundError as exc:
             problems.append(f"{spec.label}: {exc}")
     if problems:
         raise ModelNotFoundError("; ".join(problems))
+    for spec in directories:
+        # a diverged model would be scored as a real one (every response wrong): stop here
+        if (bad := nonfinite_weights(spec.location)) is not None:
+            problems.append(f"{spec.label}: {bad}")
+    if problems:
+        raise NonFiniteWeightsError(
+            "model weights are not finite, there is nothing to evaluate (a training run that "
+            f"diverged?): {'; '.join(problems)}"
+        )
 
 
 class EvalSettingsError(ValueError):

@@ -131,28 +131,9 @@ def _parse_sets(sets: list[str] | None) -> dict[str, str]:
 def _load_preset(name: str, sets: list[str] | None):
     overrides = _parse_sets(sets)
     try:
-        config = apply_overrides(get_preset(name), overrides)
+        return apply_overrides(get_preset(name), overrides)
     except (KeyError, ValueError) as exc:
         raise typer.BadParameter(str(exc).strip("'\"")) from exc
-    return _augment_bundled_only(config, overrides)
-
-
-def _augment_bundled_only(config, overrides: dict[str, str]):
-    """A preset's augmentation is for the bundled demo data: with another source it is off
-    unless ``--set data_prep.augment_factor=N`` asks for it."""
-    data_prep = config.data_prep
-    explicit = "data_prep.augment_factor" in overrides
-    if data_prep.source == BUNDLED_SOURCE or not data_prep.augment_factor or explicit:
-        return config
-    log.info(
-        "data_prep.augment_factor %d of preset %r is for the bundled demo data; off for source "
-        "%s (--set data_prep.augment_factor=N to augment it)",
-        data_prep.augment_factor,
-        config.name,
-        data_prep.source,
-    )
-    off = data_prep.model_copy(update={"augment_factor": 0})
-    return config.model_copy(update={"data_prep": off})
 
 
 @app.command()
@@ -286,9 +267,11 @@ def data_prep_cmd(
         output_dir / "dataset_card.md",
     )
     synthetic = f" (+{report.synthetic_rows} synthetic)" if report.synthetic_rows else ""
+    if report.prompt_only_rows:
+        synthetic += f" (+{report.prompt_only_rows} question-set prompts)"
     echo(
         f"{report.rows_read} rows: {report.train_rows} train{synthetic}, {report.eval_rows} eval, "
-        f"{report.rows_bad + report.rows_duplicate} quarantined → {output_dir}"
+        f"{report.quarantined} quarantined → {output_dir}"
     )
 
 

@@ -27,11 +27,19 @@ def compile_pipeline(output: Path, preset: Preset | None = None) -> Path:
     Raises:
         CompileError: ``output`` is a folder or not a ``.yaml`` file, or kfp refuses the
             pipeline (its message).
+        RunInputError: the preset's inputs that can be checked on this machine would fail a
+            step (``pipelines.preflight``), or ``output`` cannot be written.
     """
     from kfp import compiler
 
     from pipelines.pipeline import build_pipeline
     from pipelines.platform import get_platform
+    from pipelines.preflight import RunInputError, check_run_inputs, output_file_problems
+
+    if problems := output_file_problems(output):
+        raise RunInputError("; ".join(problems))
+    if preset is not None:
+        check_run_inputs(preset, local=False)
 
     if output.is_dir():
         raise CompileError(

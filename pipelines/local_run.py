@@ -61,12 +61,17 @@ def run_local(
     (``pipelines.step_processes``), and a step dies with this process even when it is killed.
 
     Raises:
+        RunInputError: an input or the output directory would fail a step
+            (``pipelines.preflight``); nothing has run.
         LocalStepFailedError: a step failed (quiet runs; otherwise kfp.local's RuntimeError).
         OutputDirBusyError: another run writes into ``output_dir``.
     """
     from kfp import local
 
     from pipelines.pipeline import lingo_pipeline
+    from pipelines.preflight import check_run_inputs
+
+    check_run_inputs(preset, output_dir, local=True)
 
     # kfp.local warns that it ignores display names and that our image is not a stock Python
     # image; both are expected here (components import the installed project).

@@ -103,8 +103,10 @@ TINY_CPU = Preset(
     name="tiny-cpu",
     description="Laptop demo: bundled sample, tiny GPT-OSS model, CPU only, no network.",
     # ~300 rows are too few for a model trained from scratch to learn languages rather than
-    # rows: 9 synthetic recombinations per train row give ~3,000 examples (data_prep/augment.py)
-    data_prep=DataPrepConfig(source="bundled", augment_factor=9),
+    # rows: "auto" adds 9 synthetic recombinations per train row of the bundled sample (~3,000
+    # examples, data_prep/augment.py) and none to any other source, decided from the values
+    # the step sees: a user who changes only data_source in the KFP UI gets no synthetic rows
+    data_prep=DataPrepConfig(source="bundled", augment_factor="auto"),
     # a 4,096-token vocabulary (the default is 2,048) makes most words one token: responses
     # are ~30% fewer tokens, so they fit GRPO's 128-token limit, and each token carries its
     # language (measured: SFT both-language accuracy 0.14 -> 0.69 on the 50-question eval)

@@ -5,7 +5,7 @@ a field added to the class reaches the compiled pipeline and the component with 
 import importlib
 import inspect
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 import yaml
@@ -39,6 +39,7 @@ class ToyConfig(ConfigModel):
     tags: list[str] = Field(default_factory=lambda: ["a"])
     extra: dict[str, str] = Field(default_factory=dict)
     nested: Nested = Nested()
+    factor: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     label: str | None = None
 
 
@@ -69,14 +70,15 @@ def test_field_types_map_to_kfp_parameter_types():
         "extra": (dict, False),
         "nested": (dict, False),
         "label": (str, True),
+        "factor": (str, False),  # a number or "auto": the parameter carries the text
     }
 
 
 def test_a_field_kfp_cannot_carry_is_named_in_the_error():
     class Odd(BaseModel):
-        either: int | str = 1
+        either: int | list[int] = 1
 
-    with pytest.raises(UnsupportedFieldError, match=r"Odd\.either: .*int \| str"):
+    with pytest.raises(UnsupportedFieldError, match=r"Odd\.either: .*int \| list\[int\]"):
         parameter_type(Odd, "either")
 
     def template(config: dict) -> str:
@@ -125,9 +127,11 @@ def test_the_pipeline_takes_one_parameter_per_field_with_the_config_defaults():
 def test_fields_travel_through_a_local_run_with_their_types(tmp_path):
     """The generated source runs in KFP's own executor (kfp.local), as in a pod."""
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path))
-    task = toy_pipeline(toy_count=9, toy_nested={"depth": 5}, toy_label="x")
+    task = toy_pipeline(toy_count=9, toy_nested={"depth": 5}, toy_label="x", toy_factor="3")
     received = json.loads(task.output.removesuffix("!"))
-    expected = ToyConfig(count=9, nested=Nested(depth=5), label="x").model_dump(mode="json")
+    expected = ToyConfig(count=9, nested=Nested(depth=5), label="x", factor=3).model_dump(
+        mode="json"
+    )
     assert ToyConfig.model_validate(received).model_dump(mode="json") == expected
     assert received["count"] == 9 and received["label"] == "x"
     assert json.loads(echo_config(**config_arguments(ToyConfig())).output)["label"] is None

@@ -9,6 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from conftest import make_rows, write_jsonl
 
 from core.atomic import OUTPUT_RECORD
@@ -34,19 +35,24 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_killed_data_prep_leaves_no_workers_and_the_next_run_cleans_up(tmp_path):
-    source = write_jsonl(tmp_path / "big.jsonl", make_rows(6000))  # 30,000 rows
-    out = tmp_path / "out"
+def _start_data_prep(tmp_path: Path, out: Path, workers: int) -> subprocess.Popen:
+    """A data prep of 30,000 rows (seconds) into ``out``, in a process of its own."""
+    source = write_jsonl(tmp_path / "big.jsonl", make_rows(6000))
     script = textwrap.dedent(
         f"""
         from data_prep.config import DataPrepConfig
         from data_prep.prepare import prepare_dataset
-        prepare_dataset(DataPrepConfig(source={str(source)!r}, workers=2),
+        prepare_dataset(DataPrepConfig(source={str(source)!r}, workers={workers}),
                         {str(out / "train.jsonl")!r}, {str(out / "eval.jsonl")!r},
                         {str(out / "quarantine.jsonl")!r})
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+
+
+def test_killed_data_prep_leaves_no_workers_and_the_next_run_cleans_up(tmp_path):
+    out = tmp_path / "out"
+    proc = _start_data_prep(tmp_path, out, workers=2)
     deadline = time.monotonic() + 120
     workers: list[int] = []
     while time.monotonic() < deadline and proc.poll() is None:
@@ -77,3 +83,33 @@ def test_killed_data_prep_leaves_no_workers_and_the_next_run_cleans_up(tmp_path)
         "quarantine.jsonl",
         "train.jsonl",
     ]
+
+
+def test_a_second_data_prep_into_the_same_folder_is_refused_while_the_first_runs(tmp_path):
+    # issue #32 item 9: on main both exited 0 and one silently replaced the other's outputs
+    from data_prep.prepare import DataPrepBusyError
+
+    out = tmp_path / "out"
+    first = _start_data_prep(tmp_path, out, workers=1)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(out.glob(".data-prep-*")):
+        assert first.poll() is None, "the first data prep ended before the test could overlap"
+        time.sleep(0.02)
+    other = write_jsonl(tmp_path / "other.jsonl", make_rows(3))
+    with pytest.raises(DataPrepBusyError, match=rf"{out} is in use by another data prep \(pid"):
+        prepare_dataset(
+            DataPrepConfig(source=str(other), workers=1),
+            out / "train.jsonl",
+            out / "eval.jsonl",
+            out / "quarantine.jsonl",
+        )
+    assert first.wait(timeout=300) == 0
+    rows = sum(sum(1 for _ in (out / name).open()) for name in ("train.jsonl", "eval.jsonl"))
+    assert rows == 30_000  # the first run's outputs, whole: nothing of the second's
+    # once the first has ended, the folder is free again
+    prepare_dataset(
+        DataPrepConfig(source=str(other), workers=1),
+        out / "train.jsonl",
+        out / "eval.jsonl",
+        out / "quarantine.jsonl",
+    )

@@ -42,7 +42,12 @@ def _prepare(tmp_path, sets: list[QuestionSetConfig]):
 def test_questions_become_prompt_only_train_rows_labelled_by_language(tmp_path) -> None:
     source = tmp_path / "questions.jsonl"
     source.write_text("".join(json.dumps(q, ensure_ascii=False) + "\n" for q in QUESTIONS))
-    sets = [QuestionSetConfig(source=str(source), question_column="q", language_column="lang")]
+    # two of eight rows are bad on purpose (a repeat is not counted as lost)
+    sets = [
+        QuestionSetConfig(
+            source=str(source), question_column="q", language_column="lang", max_bad_fraction=0.25
+        )
+    ]
     report, out = _prepare(tmp_path, sets)
 
     train = read_jsonl(out / "train.jsonl")
@@ -139,3 +144,86 @@ def test_in_language_filter_keeps_only_the_deployed_task(tmp_path) -> None:
     path.write_text(json.dumps(rows[1]) + "\n")
     with pytest.raises(ValueError, match="1 left out by prompt_filter=in-language"):
         load_prompts(path, tokenizer, 10, "in-language")
+
+
+def _write_questions(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("columns", "named"),
+    [
+        ({"question_column": "question", "language_column": "lang"}, "'question' (question_"),
+        ({"question_column": "q", "language_column": "language"}, "'language' (language_"),
+    ],
+)
+def test_a_column_that_does_not_exist_fails_naming_it_and_the_columns_there_are(
+    tmp_path, columns, named
+) -> None:
+    from data_prep.question_sets import QuestionSetError
+
+    # issue #32 item 6: on main every row was quarantined and the step exited 0
+    source = _write_questions(tmp_path / "questions.jsonl", QUESTIONS[:5])
+    out = tmp_path / "out"
+    (out / "train.jsonl").parent.mkdir()
+    (out / "train.jsonl").write_text("an earlier run's\n")
+    with pytest.raises(QuestionSetError) as e:
+        _prepare(tmp_path, [QuestionSetConfig(source=str(source), **columns)])
+    message = str(e.value)
+    assert f"question_sets[0] ({source})" in message and f"no row has the column {named}" in message
+    assert "the columns are: lang, q" in message
+    # the rejected rows can be inspected; nothing complete-looking is left beside them
+    assert len(read_jsonl(out / "quarantine.jsonl")) == 5
+    assert not (out / "train.jsonl").exists() and not (out / "eval.jsonl").exists()
+
+
+def test_a_set_that_loses_more_than_its_share_or_gives_nothing_fails(tmp_path) -> None:
+    from data_prep.question_sets import QuestionSetError
+
+    rows = QUESTIONS[:5] + [{"q": "Quantos dias tem uma semana?", "lang": "pt"}]  # 1 of 6 lost
+    source = _write_questions(tmp_path / "questions.jsonl", rows)
+    sets = [QuestionSetConfig(source=str(source), question_column="q", language_column="lang")]
+    with pytest.raises(QuestionSetError, match=r"1 of 6 rows quarantined \(16.7% > max_bad"):
+        _prepare(tmp_path / "a", sets)
+    allowed = [sets[0].model_copy(update={"max_bad_fraction": 0.2})]
+    assert _prepare(tmp_path / "b", allowed)[0].prompt_only_rows == 5
+    empty = _write_questions(tmp_path / "empty.jsonl", [])
+    with pytest.raises(QuestionSetError, match=r"no usable question in 0 rows"):
+        _prepare(tmp_path / "c", [QuestionSetConfig(source=str(empty), question_column="q")])
+
+
+def test_the_cli_summary_counts_the_quarantined_question_rows(tmp_path) -> None:
+    # on main the summary said "0 quarantined" with question rows in the quarantine file
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    source = _write_questions(tmp_path / "questions.jsonl", QUESTIONS)
+    question_set = json.dumps(
+        [
+            {
+                "source": str(source),
+                "question_column": "q",
+                "language_column": "lang",
+                "max_bad_fraction": 0.5,
+            }
+        ]
+    )
+    result = CliRunner().invoke(
+        app,
+        [
+            "data-prep",
+            "-o",
+            str(tmp_path / "out"),
+            "--set",
+            "data_prep.augment_factor=0",
+            "--set",
+            f"data_prep.question_sets={question_set}",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    quarantined = len(read_jsonl(tmp_path / "out" / "quarantine.jsonl"))
+    assert quarantined == 3
+    assert "(+5 question-set prompts)" in result.output
+    assert f" eval, {quarantined} quarantined" in result.output

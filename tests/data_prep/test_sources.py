@@ -178,3 +178,16 @@ def test_a_short_or_corrupted_s3_download_is_detected(tmp_path, monkeypatch):
         with pytest.raises(IntegrityError, match="SHA-256"):
             list(iter_s3("s3://datasets/verified/", client=flipped))
     assert list(downloads.iterdir()) == []  # nothing half-downloaded is left behind
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_utf8_byte_order_mark_does_not_cost_the_first_row(tmp_path, suffix):
+    # issue #32 item 9: on main the BOM made row 1 invalid JSON (quarantined); a .json array
+    # with a BOM was read as JSON Lines, every line broken
+    rows = [make_row(), make_row("German")]
+    path = tmp_path / f"rows{suffix}"
+    text = json.dumps(rows) if suffix == ".json" else "\n".join(map(json.dumps, rows)) + "\n"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    read = _read(path)
+    assert [r.error for r in read] == [None, None]
+    assert [r.data for r in read] == rows

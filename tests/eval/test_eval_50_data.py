@@ -37,3 +37,12 @@ def test_questions_are_in_their_language():
         r["id"] for r in _rows() if identify_language(r["question"]) not in (r["language"], "und")
     ]
     assert len(wrong) <= 2, wrong
+
+
+def test_a_questions_file_with_a_byte_order_mark_loads_its_first_question(tmp_path):
+    # issue #32 item 9: on main line 1 was "not a valid eval question" (the BOM before "{")
+    from eval.runner import BUNDLED_QUESTIONS, load_questions
+
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + BUNDLED_QUESTIONS.read_bytes())
+    assert load_questions(path) == load_questions(BUNDLED_QUESTIONS)

@@ -363,7 +363,9 @@ def test_a_model_that_fails_to_load_keeps_the_finished_models_results(tiny_model
 
     bad = tmp_path / "bad"
     shutil.copytree(tiny_model_dir, bad)
-    (bad / "model.safetensors").write_bytes(b"\x00" * 64)
+    # readable files (the pre-check passes) whose weights do not fit the config: a load error
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
     with pytest.raises(ModelEvalError, match=rf"model 'bad' \({bad}\) failed") as err:
         run_eval_cli(
             [f"good={tiny_model_dir}", f"bad={bad}"],
@@ -376,3 +378,47 @@ def test_a_model_that_fails_to_load_keeps_the_finished_models_results(tiny_model
     data = load_results(tmp_path / "out")
     assert [m["label"] for m in data["models"]] == ["good"]
     assert len(data["responses"]) == 1
+
+
+def test_the_pre_check_names_missing_tokenizer_files_and_damaged_weights(tiny_model_dir, tmp_path):
+    # issue #32 item 13: without tokenizer.json the pre-check passed and the eval failed later
+    # with "install sentencepiece or tiktoken"
+    import shutil
+
+    from eval.runner import run_eval_cli
+
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    torn = tmp_path / "torn"
+    shutil.copytree(tiny_model_dir, torn)
+    (torn / "model.safetensors").write_bytes(b"\x00" * 64)
+    models = [f"a={no_tokenizer}", f"b={torn}"]
+    with pytest.raises(ModelNotFoundError) as err:
+        run_eval_cli(models, tmp_path / "out", max_tokens=4, limit=1, device="cpu")
+    message = str(err.value)
+    assert f"a: {no_tokenizer} has no tokenizer files (tokenizer.json or" in message
+    assert f"b: {torn / 'model.safetensors'} is not a readable safetensors file" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_weights_stop_the_eval_before_any_generation(tiny_model_dir, tmp_path):
+    # issue #32 item 9: on main a model with NaN weights was scored as a real model, exit 0
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from eval.runner import NonFiniteWeightsError, run_eval_cli
+
+    nan = tmp_path / "nan"
+    shutil.copytree(tiny_model_dir, nan)
+    weights = load_file(nan / "model.safetensors")
+    name = sorted(weights)[3]
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeightsError, match=rf"nan: {nan / 'model.safetensors'}: {name}"):
+        run_eval_cli(
+            [f"good={tiny_model_dir}", f"nan={nan}"], tmp_path / "out", limit=1, device="cpu"
+        )
+    assert not (tmp_path / "out").exists()

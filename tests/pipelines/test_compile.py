@@ -156,3 +156,32 @@ def test_every_preset_validates_as_written():
         assert again == preset, preset.name
     assert PRESETS["gpt-oss-20b"].grpo.rollout.async_steps == 1  # dedicated, one step off
     assert PRESETS["gpt-oss-20b-verl"].grpo.rollout.colocate
+
+
+def test_the_compiled_defaults_add_no_synthetic_rows_to_a_users_source(tmp_path):
+    # issue #32 item 8: on main the compiled tiny-cpu pipeline kept data_augment_factor=9 when
+    # a user changed only data_source in the KFP UI (177 real rows -> +1,593 synthetic). The
+    # data-prep step runs here as the pipeline runs it (kfp.local), with the kept YAML's
+    # defaults and only data_source changed.
+    from conftest import make_rows, write_jsonl
+    from kfp import local
+
+    from components.data_prep import data_prep
+    from pipelines.presets import DATA_PREP_PREFIX
+
+    parameters = _load(COMPILED_PIPELINE)["root"]["inputDefinitions"]["parameters"]
+    defaults = {  # the YAML writes integers as floats (9.0)
+        name.removeprefix(DATA_PREP_PREFIX): int(spec["defaultValue"])
+        if spec["parameterType"] == "NUMBER_INTEGER"
+        else spec["defaultValue"]
+        for name, spec in parameters.items()
+        if name.startswith(DATA_PREP_PREFIX)
+    }
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "r"))
+    source = write_jsonl(tmp_path / "mine.jsonl", make_rows(10))
+    mine = data_prep(**{**defaults, "source": str(source), "workers": 1})
+    assert mine.outputs["train_data"].metadata["synthetic_rows"] == 0
+    assert mine.outputs["train_data"].metadata["rows"] == 45  # 50 rows, 5 to eval
+    # the demo's own data keeps its augmentation (the README's figures)
+    bundled = data_prep(**{**defaults, "workers": 1})
+    assert bundled.outputs["train_data"].metadata["synthetic_rows"] > 0

@@ -41,3 +41,22 @@ def test_booleans_and_numbers_still_parse_where_they_belong():
 def test_any_non_finite_learning_rate_is_rejected(value):
     with pytest.raises(ValidationError, match="learning_rate"):
         GRPOConfig.model_validate({"optim": {"learning_rate": value}})
+
+
+def test_a_group_of_one_sample_is_refused_when_the_pipeline_is_compiled(tmp_path):
+    # issue #32 item 5: with n_samples=1 every advantage is 0; on main it compiled and "trained"
+    # with loss and grad 0, exit 0
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    with pytest.raises(ValidationError, match=r"rollout\.n_samples.*at least 2|n_samples"):
+        GRPOConfig.model_validate({"rollout": {"n_samples": 1}})
+    with pytest.raises(ValueError, match="n_samples"):
+        apply_overrides(get_preset(DEFAULT_PRESET), {"grpo.rollout.n_samples": "1"})
+    out = tmp_path / "p.yaml"
+    result = CliRunner().invoke(
+        app, ["compile", "-o", str(out), "--set", "grpo.rollout.n_samples=1"]
+    )
+    assert result.exit_code != 0 and not out.exists()
+    assert "n_samples" in result.output and "group" in result.output

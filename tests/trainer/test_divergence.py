@@ -1,6 +1,9 @@
 """The divergence guard (issue #17): no non-finite or saturated state is ever saved, and a
 diverged run fails naming the step and the last good checkpoint."""
 
+import json
+import math
+
 import pytest
 import torch
 from tests_helpers_trainer import small_grpo_config
@@ -9,6 +12,7 @@ from trainer.distributed import DistInfo
 from trainer.divergence import DivergenceGuard, TrainingDivergedError, weights_square_sum
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import run_grpo
+from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.sft.config import SFTConfig
 from trainer.sft.recipe import run_sft
 
@@ -22,10 +26,9 @@ def _saved_tensors(work):
         yield ckpt.name, state["trainable"]
 
 
-def _grpo(tmp_path, model, data, lr, **overrides):
-    cfg = GRPOConfig.model_validate(
-        {**GRPO_SMALL, "optim": {"learning_rate": lr, "lr_scheduler": "constant"}, **overrides}
-    )
+def _grpo(tmp_path, model, data, lr, optim_extra=None, **overrides):
+    optim = {"learning_rate": lr, "lr_scheduler": "constant", **(optim_extra or {})}
+    cfg = GRPOConfig.model_validate({**GRPO_SMALL, "optim": optim, **overrides})
     return run_grpo(
         cfg, model, data / "train.jsonl", data / "eval.jsonl", tmp_path / "model", tmp_path / "work"
     )
@@ -47,13 +50,123 @@ def test_grpo_divergence_is_caught_before_the_checkpoint_is_written(
 def test_grpo_vanishing_gradients_fail_instead_of_exporting_step_0(
     tmp_path, tiny_model_dir, prepared_data
 ):
-    # lr 1e6 saturates the model: grad_norm 0 from step 2; on main the run exited 0 and the
-    # guard exported the starting policy as if all was well
+    # lr 1e6 saturates the model: grad_norm 0 from step 2; on main (issue #17) the run exited
+    # 0 and the guard exported the starting policy as if all was well
     gone = r"at step 4: the gradient norm has been 0"
     with pytest.raises(TrainingDivergedError, match=gone) as e:
         _grpo(tmp_path, tiny_model_dir, prepared_data, 1e6)
-    assert "last good checkpoint is" in str(e.value) and "step-3" in str(e.value)
+    # the gradient was 0 from step 2 on, so the weights after step 1 were already saturated:
+    # step-1 to step-3 are set aside, not named "last good" (issue #32 item 4: on main the
+    # message named step-3, and a rerun resumed from it)
+    assert "the checkpoints from step 1 on held weights already bad" in str(e.value)
+    assert "no good checkpoint is left" in str(e.value)
+    checkpoints = tmp_path / "work" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        ".diverged-step-1",
+        ".diverged-step-2",
+        ".diverged-step-3",
+    ]
     assert not (tmp_path / "model").exists()
+
+
+def _sft_config(lr: float, **overrides) -> SFTConfig:
+    """The demo's LoRA (with embeddings and output layer trained fully) and warm-up, small."""
+    return SFTConfig.model_validate(
+        {
+            "lora": {"r": 8, "experts": True, "modules_to_save": ["embed_tokens", "lm_head"]},
+            "optim": {"learning_rate": lr, "warmup_steps": 10},
+            "micro_batch_size": 4,
+            "gradient_accumulation_steps": 1,
+            "max_steps": 6,
+            "max_seq_len": 512,
+            "dtype": "float32",
+            "checkpoint_every": 1,
+            "keep_checkpoints": 10,
+            **overrides,
+        }
+    )
+
+
+def _sft(tmp_path, model, data, cfg):
+    return run_sft(cfg, model, data / "train.jsonl", None, tmp_path / "model", tmp_path / "work")
+
+
+def test_sft_loss_spike_stops_the_run_and_a_rerun_does_not_resume_the_broken_model(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    # issue #32 item 4: lr 1e6 gave a loss of ~2e6 at step 2 (unflagged on main), then grad 0;
+    # main stopped at step 5 naming step-4 the "last good checkpoint", and a rerun with a sane
+    # lr resumed from it and merged a model with loss ln(V) (uniform output), exit 0
+    with pytest.raises(
+        TrainingDivergedError, match=r"SFT diverged at step 2: the loss .* its running average"
+    ) as e:
+        _sft(tmp_path, tiny_model_dir, prepared_data, _sft_config(1e6))
+    assert "no good checkpoint is left" in str(e.value)
+    checkpoints = tmp_path / "work" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == [".diverged-step-1"]
+    result = _sft(tmp_path, tiny_model_dir, prepared_data, _sft_config(1e-3, max_steps=4))
+    lines = [m for m in read_metrics(tmp_path / "work" / METRICS_FILE) if "loss" in m]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]  # started over, not resumed
+    assert all(m["loss"] < 7.5 and m["grad_norm"] > 0 for m in lines)
+    assert result.steps == 4 and (tmp_path / "model" / "config.json").is_file()
+
+
+def test_sft_back_to_a_uniform_guess_is_caught_after_the_model_has_learned(tmp_path):
+    module = torch.nn.Linear(2, 2)
+    guard = DivergenceGuard(
+        "SFT", tmp_path, INFO, 3, uniform_loss=math.log(1024), max_loss_spike=10
+    )
+    guard.check(1, 7.0, 1.0, module)  # a random model: about ln(1024) = 6.93
+    for step in range(2, 30):
+        guard.check(step, 2.5, 1.0, module)
+    with pytest.raises(
+        TrainingDivergedError,
+        match=r"step 30: the loss 6.95 is back at or above ln\(vocabulary\) = 6.9315",
+    ):
+        guard.check(30, 6.95, 1.0, module)
+    fresh = DivergenceGuard(
+        "SFT", tmp_path, INFO, 3, uniform_loss=math.log(1024), max_loss_spike=10
+    )
+    fresh.check(1, 7.2, 1.0, module)  # early: slightly above ln V is no alarm
+    with pytest.raises(TrainingDivergedError, match="outputs the uniform distribution"):
+        fresh.check(2, math.log(1024), 0.0, module)
+
+
+def test_the_guards_counters_travel_with_the_checkpoint(tmp_path):
+    module = torch.nn.Linear(2, 2)
+    guard = DivergenceGuard("GRPO", tmp_path, INFO, max_zero_grad_steps=3)
+    guard.check(1, 0.1, 0.5, module)
+    guard.check(2, 0.1, 0.0, module)
+    saved = guard.state_dict()
+    assert saved["healthy"] is False and saved["bad_from"] == 1
+    resumed = DivergenceGuard("GRPO", tmp_path, INFO, max_zero_grad_steps=3)
+    resumed.load_state_dict(json.loads(json.dumps(saved)))
+    resumed.check(3, 0.1, 0.0, module)
+    with pytest.raises(TrainingDivergedError, match="0 for 3 steps in a row"):
+        resumed.check(4, 0.1, 0.0, module)  # on main the count restarted at 0 on resume
+
+
+def test_a_checkpoint_saved_while_the_gradient_was_0_is_refused_on_resume(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    from trainer.checkpoint import UnhealthyCheckpointError
+
+    # the run ends (max_steps 3) inside a run of zero gradients that had not yet reached the
+    # limit; on main a resume from its step-2 restarted the count and trained on
+    _grpo(
+        tmp_path,
+        tiny_model_dir,
+        prepared_data,
+        1e6,
+        max_steps=3,
+        optim_extra={"max_zero_grad_steps": 10},
+    )
+    with pytest.raises(
+        UnhealthyCheckpointError,
+        match=r"cannot resume from .*step-2: it was saved while the gradient norm was 0",
+    ) as e:
+        _grpo(tmp_path, tiny_model_dir, prepared_data, 1e6, max_steps=6)
+    assert "no earlier good checkpoint" in str(e.value)
 
 
 def test_sft_divergence_never_merges_or_exports(tmp_path, tiny_model_dir, prepared_data):
@@ -87,7 +200,7 @@ def test_guard_counts_only_consecutive_zero_gradient_steps_with_signal(tmp_path)
     guard.check(2, 0.1, 0.5, module)  # resets
     guard.check(3, 0.1, 0.0, module)
     guard.check(4, 0.0, 0.0, module, signal=False)  # no signal: neither counts nor resets
-    with pytest.raises(TrainingDivergedError, match="step 5.*0 for 2 steps.*no checkpoint"):
+    with pytest.raises(TrainingDivergedError, match="step 5.*0 for 2 steps.*no good checkpoint"):
         guard.check(5, 0.1, 0.0, module)
     with pytest.raises(TrainingDivergedError, match="gradient norm is nan"):
         guard.check(6, 0.1, float("nan"), module)

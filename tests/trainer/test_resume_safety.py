@@ -3,6 +3,7 @@ checkpoint falls back to the previous one, a torn metrics line is repaired."""
 
 import json
 import logging
+import shutil
 
 import pytest
 from tests_helpers_trainer import small_grpo_config
@@ -108,3 +109,41 @@ def test_config_changes_lists_nested_fields():
         "n": (None, 3),
         "o.lr": (1, 2),
     }
+
+
+def test_resume_with_a_changed_train_file_is_refused(tmp_path, tiny_model_dir, prepared_data):
+    # issue #32 item 7: on main a resume trained on whatever file --train named now
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        shutil.copyfile(prepared_data / name, data / name)
+    _run(tmp_path, tiny_model_dir, data, max_steps=2)  # leaves step-1
+    moved = tmp_path / "moved"  # the same content elsewhere is the same data
+    shutil.copytree(data, moved)
+    _run(tmp_path, tiny_model_dir, moved, max_steps=2)
+    lines = (data / "train.jsonl").read_text().splitlines(keepends=True)
+    (data / "train.jsonl").write_text("".join(lines[:-1]))  # one row fewer
+    with pytest.raises(ResumeConfigError, match=r"the data differs in train_data: 'sha256 ") as e:
+        _run(tmp_path, tiny_model_dir, data, max_steps=3)
+    assert "the content of the train file is not the one the checkpoint trained on" in str(e.value)
+
+
+def test_a_checkpoint_damaged_without_changing_its_size_falls_back_to_the_previous(
+    tmp_path, tiny_model_dir, prepared_data, caplog
+):
+    # issue #32 item 9: NaN bytes of the same size passed the size-only manifest on main, and
+    # every rerun reported a divergence
+    _run(tmp_path, tiny_model_dir, prepared_data, max_steps=3)  # leaves step-1 and step-2
+    work = tmp_path / "work"
+    newest = work / "checkpoints" / "step-2" / "backend.pt"
+    data = bytearray(newest.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = b"\xff\xff\xc0\x7f" * 16  # float32 NaNs, same size
+    newest.write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING, logger="trainer.checkpoint")
+    result = _run(tmp_path, tiny_model_dir, prepared_data, max_steps=3)
+    assert result.steps == 3
+    assert "step-2 is damaged (backend.pt does not hold what was written" in caplog.text
+    assert (work / "checkpoints" / ".corrupt-step-2").is_dir()
+    manifest = json.loads((work / "checkpoints" / "step-1" / "manifest.json").read_text())
+    assert len(manifest["files"]["backend.pt"]["sha256"]) == 64

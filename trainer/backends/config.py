@@ -108,6 +108,10 @@ class OptimConfig(ConfigModel):
     max_zero_grad_steps: int = Field(3, ge=0)
     """Fail the run when the gradient norm is 0 this many optimizer steps in a row (a
     saturated, diverged model); 0: never (see trainer/divergence.py)."""
+    max_loss_spike: float = Field(10.0, ge=0)
+    """SFT (a token cross-entropy loss): fail the run when a step's loss is above ln(vocabulary)
+    and this many times the running average of the steps before; 0: never. GRPO's policy
+    loss is not a cross-entropy and is checked for finiteness only."""
     zero_stage: Literal[0, 1, 2, 3] = 3
     offload_optimizer: bool = False
     offload_params: bool = False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from core.config_model import ConfigModel
 from trainer.backends.config import OptimConfig, ProcessSettings
@@ -18,7 +18,7 @@ class RolloutConfig(ConfigModel):
 
     engine: Literal["hf", "vllm"] = "hf"
     n_samples: int = Field(8, ge=1)
-    """Responses per prompt (the group size)."""
+    """Responses per prompt (the group size); at least 2 (see ``_a_group``)."""
     max_new_tokens: int = Field(256, ge=1)
     max_prompt_tokens: int = Field(1024, ge=8)
     """Longer prompts are dropped at load (counted)."""
@@ -67,6 +67,19 @@ class RolloutConfig(ConfigModel):
     sync_check_tolerance: float | None = Field(None, gt=0)
     """The dtype floor added to each bound of the sync check (None: 1e-3 for a float32
     policy, 0.05 for bf16/fp16)."""
+
+    @field_validator("n_samples")
+    @classmethod
+    def _a_group(cls, n_samples: int) -> int:
+        # GRPO's advantage is a sample's reward against its group's (both estimators centre on
+        # the group mean): one sample is its own mean, every advantage 0, nothing to learn
+        if n_samples < 2:
+            raise ValueError(
+                f"rollout.n_samples={n_samples}: GRPO compares the responses to one prompt with "
+                "each other (the group), so a group of one has advantage 0 and the run cannot "
+                "learn; use at least 2 (8 is usual)"
+            )
+        return n_samples
 
     @model_validator(mode="after")
     def _engines_match_placement(self) -> RolloutConfig:

@@ -48,7 +48,7 @@ def load_prompts(
     seen: set[str] = set()
     prompts: list[Prompt] = []
     too_long = filtered = 0
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for line_no, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         try:

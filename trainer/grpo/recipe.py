@@ -44,7 +44,7 @@ from trainer.backends import (
     make_backend,
 )
 from trainer.backends.loading import load_training_model
-from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
+from trainer.checkpoint import file_fingerprint, model_fingerprint, resume, save_checkpoint
 from trainer.distributed import (
     DistInfo,
     all_reduce_max,
@@ -327,8 +327,14 @@ def _train(
         engine,
     )
     checkpoints = work_dir / "checkpoints"
-    run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(sft_model)}
-    state = RunState.from_json(resume(checkpoints, backend, info, run_config))
+    run_config = {
+        **cfg.model_dump(mode="json"),
+        "model": model_fingerprint(sft_model),
+        "train_data": file_fingerprint(train_path),
+        "eval_data": file_fingerprint(eval_path),
+    }
+    guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
+    state = RunState.from_json(resume(checkpoints, backend, info, run_config, guard))
     check = SyncCheck(
         dtype,
         cfg.rollout.sync_check_factor,
@@ -363,7 +369,6 @@ def _train(
             state.best = {"step": 0, **state.baseline}
             writer.log(0, **{f"eval_{k}": v for k, v in state.baseline.items()}, **first_sync)
             _save_policy(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
-        guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
         progress = tqdm(
             total=cfg.max_steps,
             initial=state.step,
@@ -413,7 +418,14 @@ def _train(
                 producer.drain()  # what is in flight is saved with the step, not lost
                 state.step, state.in_flight = done, producer.pending()
                 save_checkpoint(
-                    checkpoints, done, backend, state.to_json(), info, cfg.max_ckpt_num, run_config
+                    checkpoints,
+                    done,
+                    backend,
+                    state.to_json(),
+                    info,
+                    cfg.max_ckpt_num,
+                    run_config,
+                    guard.state_dict(),
                 )
         progress.close()
         return _finish(run, state, work_dir, model_output, sft_model, tracking)

@@ -77,7 +77,7 @@ def load_examples(
     path = Path(path)
     stats = LoadStats()
     examples: list[Example] = []
-    with path.open(encoding="utf-8") as fh:
+    with path.open(encoding="utf-8-sig") as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue

@@ -20,7 +20,7 @@ from core.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 from core.tracking import log_artifact, mlflow_run
 from trainer.backends import TorchBackend, make_backend
 from trainer.backends.loading import load_training_model
-from trainer.checkpoint import model_fingerprint, resume, save_checkpoint
+from trainer.checkpoint import file_fingerprint, model_fingerprint, resume, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
 from trainer.divergence import DivergenceGuard
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
@@ -106,6 +106,7 @@ def run_sft(
     model, ds_config = load_training_model(
         base_model, dtype, cfg.optim, info, cfg.micro_batch_size, cfg.gradient_accumulation_steps
     )
+    vocab_size = model.config.vocab_size  # the loss of a uniform guess is ln(vocab_size)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -138,8 +139,21 @@ def run_sft(
         ds_config=ds_config,
     )
     checkpoints = work_dir / "checkpoints"
-    run_config = {**cfg.model_dump(mode="json"), "model": model_fingerprint(base_model)}
-    start_step = (resume(checkpoints, backend, info, run_config) or {"step": 0})["step"]
+    run_config = {
+        **cfg.model_dump(mode="json"),
+        "model": model_fingerprint(base_model),
+        "train_data": file_fingerprint(train_path),
+        "eval_data": file_fingerprint(eval_path),
+    }
+    guard = DivergenceGuard(
+        "SFT",
+        checkpoints,
+        info,
+        cfg.optim.max_zero_grad_steps,
+        uniform_loss=math.log(vocab_size),
+        max_loss_spike=cfg.optim.max_loss_spike,
+    )
+    start_step = (resume(checkpoints, backend, info, run_config, guard) or {"step": 0})["step"]
 
     with (
         mlflow_run("sft", cfg.model_dump(), info.is_main) as run,
@@ -169,6 +183,7 @@ def run_sft(
             steps_per_epoch,
             checkpoints,
             run_config,
+            guard,
         )
         final = _final_model(cfg, backend, base_model, dtype, info)  # every rank takes part
         if not info.is_main:
@@ -220,13 +235,13 @@ def _train_loop(
     steps_per_epoch,
     checkpoints,
     run_config,
+    guard: DivergenceGuard,
 ) -> None:
     lengths = [len(e.input_ids) for e in train]
     targets = [_target_count(e) for e in train]
     gas = cfg.gradient_accumulation_steps
     orders: dict[int, list[list[int]]] = {}
     backend.module.train()
-    guard = DivergenceGuard("SFT", checkpoints, info, cfg.optim.max_zero_grad_steps)
     progress = tqdm(
         total=max_steps, initial=start_step, desc="sft", mininterval=2.0, disable=not info.is_main
     )
@@ -279,6 +294,7 @@ def _train_loop(
                 info,
                 cfg.keep_checkpoints,
                 run_config,
+                guard.state_dict(),
             )
     progress.close()
 

@@ -6,12 +6,15 @@ of base, SFT and GRPO side by side — and prints:
 
 * the eval table (mean reward, reasoning / answer / both-language accuracy, real-word share,
   each over questions × samples) and GRPO's gains over SFT;
+* the both-language accuracy of each model in each language (50 responses each);
 * whether SFT converged: its held-out loss fell by at most 2% over its last fifth of steps;
 * seconds per step of the pipeline.
 
 ``check_thresholds`` holds issue #16's bar (GRPO both-language accuracy ≥ 0.40 and ≥ SFT's
 + 0.15, mean reward ≥ SFT's + 1.0, real-word share no more than 10% below SFT's, SFT
-converged); ``tests/pipelines/test_demo_learning.py`` (slow) asserts it.
+converged) and issue #29's per-language floors (GRPO both-language accuracy ≥ 0.70 in every
+language, and ≥ SFT's in every language: a mean over five languages hides one that fails);
+``tests/pipelines/test_demo_learning.py`` (slow) asserts it.
 
 Usage::
 
@@ -32,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from core.languages import SUPPORTED_LANGUAGES  # noqa: E402
 from data_prep.prepare import prepare_dataset  # noqa: E402
 from eval.runner import run_eval  # noqa: E402
 from pipelines.presets import Preset, apply_overrides, get_preset  # noqa: E402
@@ -50,6 +54,8 @@ HEADLINE = (
 )
 CONVERGED_DROP = 0.02
 """SFT has converged when its held-out loss fell by at most this share over its last fifth."""
+LANGUAGE_FLOOR = 0.70
+"""GRPO's both-language accuracy in each language must reach this (issue #29)."""
 
 
 @dataclass
@@ -64,6 +70,22 @@ class DemoOutcome:
     sft_last_fifth_drop: float
     grpo_exported_step: int
     seconds: dict[str, float] = field(default_factory=dict)
+    per_language: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Model label → language → both-language accuracy over that language's responses."""
+
+
+def eval_tables(results: dict) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """The headline table (model → metric, overall) and the per-language table (model →
+    language → both-language accuracy) of an eval's ``results.json`` content."""
+    table, per_language = {}, {}
+    for model in results["models"]:
+        summary = model["summary"]
+        table[model["label"]] = {k: summary["overall"][k]["value"] for k in HEADLINE}
+        per_language[model["label"]] = {
+            code: summary["per_language"][code]["both_language_accuracy"]["value"]
+            for code in SUPPORTED_LANGUAGES
+        }
+    return table, per_language
 
 
 def sft_convergence(metrics_file: Path) -> tuple[list[tuple[int, float]], float]:
@@ -106,10 +128,7 @@ def run_demo(preset: Preset, work: Path) -> DemoOutcome:
     models = [f"base={base}", f"sft={work / 'sft'}", f"grpo={work / 'grpo'}"]
     results = run_eval(models, preset.eval, work / "eval").to_dict()
     seconds["eval"] = time.perf_counter() - began
-    table = {
-        model["label"]: {k: model["summary"]["overall"][k]["value"] for k in HEADLINE}
-        for model in results["models"]
-    }
+    table, per_language = eval_tables(results)
     losses, drop = sft_convergence(work / "sft_work" / "training_metrics.jsonl")
     return DemoOutcome(
         table=table,
@@ -119,11 +138,13 @@ def run_demo(preset: Preset, work: Path) -> DemoOutcome:
         sft_last_fifth_drop=drop,
         grpo_exported_step=grpo.exported_step if grpo else -1,
         seconds=seconds,
+        per_language=per_language,
     )
 
 
 def check_thresholds(outcome: DemoOutcome) -> list[str]:
-    """Issue #16's bar; the list of what falls short (empty: all met)."""
+    """Issue #16's bar and issue #29's per-language floors; the list of what falls short
+    (empty: all met)."""
     sft, grpo = outcome.table["sft"], outcome.table["grpo"]
     problems = []
     if grpo["both_language_accuracy"] < 0.40:
@@ -142,6 +163,17 @@ def check_thresholds(outcome: DemoOutcome) -> list[str]:
             f"GRPO real-word share {grpo['real_word_share']:.3f} more than 10% below SFT's "
             f"{sft['real_word_share']:.3f}"
         )
+    sft_by_language, grpo_by_language = outcome.per_language["sft"], outcome.per_language["grpo"]
+    for code in SUPPORTED_LANGUAGES:
+        grpo_value, sft_value = grpo_by_language[code], sft_by_language[code]
+        if grpo_value < LANGUAGE_FLOOR:
+            problems.append(
+                f"GRPO both-language accuracy in {code} {grpo_value:.3f} < {LANGUAGE_FLOOR}"
+            )
+        if grpo_value < sft_value:
+            problems.append(
+                f"GRPO both-language accuracy in {code} {grpo_value:.3f} < SFT's {sft_value:.3f}"
+            )
     if not outcome.sft_converged:
         problems.append(
             f"SFT not converged: held-out loss fell {outcome.sft_last_fifth_drop:.1%} over its "
@@ -160,6 +192,10 @@ def format_outcome(outcome: DemoOutcome) -> str:
     for label, row in outcome.table.items():
         lines.append(f"{label:<7}" + "".join(f"{row[k]:>11.3f}" for k in HEADLINE))
     sft, grpo = outcome.table["sft"], outcome.table["grpo"]
+    lines.append("both-language accuracy per language")
+    lines.append("model  " + "".join(f"{code:>7}" for code in SUPPORTED_LANGUAGES))
+    for label, row in outcome.per_language.items():
+        lines.append(f"{label:<7}" + "".join(f"{row[c]:>7.3f}" for c in SUPPORTED_LANGUAGES))
     lines.append(
         "grpo - sft: reward {:+.2f}, both-language {:+.3f}, real-word {:+.1%}".format(
             grpo["mean_reward"] - sft["mean_reward"],

@@ -22,6 +22,9 @@ mixed_mostly                reasoning with one sentence in another language; ans
                             mostly in A with a quote or term in another language
 mixed_half                  reasoning half R, half another language; answer half and half
 truncated                   no final channel (cut off by the token limit)
+loop                        the reasoning or the answer is a loop: the first 2-4 words of a
+                            sentence in its language, said again and again (as the demo's
+                            GRPO policy did, issue #29)
 ==========================  ==============================================================
 
 Accuracy is the share of (response, part) verdicts that match the truth; an undetermined
@@ -64,6 +67,7 @@ CATEGORIES = (
     "mixed_mostly",
     "mixed_half",
     "truncated",
+    "loop",
 )
 
 # -- the reference recipe's reward, re-implemented -------------------------------------------
@@ -162,6 +166,10 @@ def build_cases(
     def text(lang: str, low: int, high: int) -> str:
         return " ".join(rng.sample(sentences[lang], rng.randint(low, high)))
 
+    def loop(lang: str, words: int) -> str:
+        cycle = rng.choice(sentences[lang]).rstrip(".!?").split()[: rng.randint(2, 4)]
+        return " ".join((cycle * words)[:words]) + "."
+
     def respond(reasoning: str, final: str | None) -> str:
         if final is None:
             return f"assistantanalysis{reasoning}"
@@ -197,6 +205,10 @@ def build_cases(
                 final, answer_ok, reasoning_ok = rng.choice(halves), False, False
             elif category == "truncated":
                 final, answer_ok = None, False
+            elif category == "loop" and rng.random() < 0.5:
+                final, answer_ok = loop(a, rng.randint(12, 24)), False
+            elif category == "loop":
+                reasoning, reasoning_ok = loop(r, rng.randint(24, 60)), False
             cases.append(Case(category, respond(reasoning, final), r, a, answer_ok, reasoning_ok))
     return cases
 

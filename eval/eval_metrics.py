@@ -2,7 +2,7 @@
 
 Intervals (95%):
 
-* proportions (language accuracies, brevity, correctness): **Wilson score interval**
+* proportions (language accuracies, brevity, correctness, loops): **Wilson score interval**
   ``(p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)`` with ``z = 1.959964``;
 * means (reward, real-word share, repeated n-gram rate): **Student t interval**
   ``mean ± t(0.975, n-1) · s / sqrt(n)`` (no interval for ``n < 2``).
@@ -26,7 +26,10 @@ from core.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
 Z_95 = 1.959963984540054
 MISSING = "missing"
 """Detected language of a part that is absent (no analysis or no final channel)."""
-DETECTED_COLUMNS: tuple[str, ...] = (*SUPPORTED_LANGUAGES, OTHER, UNDETERMINED, MISSING)
+LOOP = "loop"
+"""Detected language of a part with the scorer's LOOP verdict: identified as a language, but a
+repetition loop or not made of that language's words (scored as the wrong language)."""
+DETECTED_COLUMNS: tuple[str, ...] = (*SUPPORTED_LANGUAGES, OTHER, UNDETERMINED, MISSING, LOOP)
 
 PROPORTIONS: tuple[str, ...] = (
     "reasoning_language_accuracy",
@@ -34,11 +37,12 @@ PROPORTIONS: tuple[str, ...] = (
     "both_language_accuracy",
     "brevity",
     "answer_correct",
+    "loop_rate",
 )
 MEANS: tuple[str, ...] = ("mean_reward", "real_word_share", "repeated_ngram_rate")
 METRICS: tuple[str, ...] = PROPORTIONS + MEANS
-"""Every metric of a summary, in report order. All but ``repeated_ngram_rate`` are better
-when higher."""
+"""Every metric of a summary, in report order. All but ``loop_rate`` and
+``repeated_ngram_rate`` are better when higher."""
 
 
 @dataclass(frozen=True)
@@ -141,8 +145,8 @@ class Outcome:
         brief_ok: The final answer exists and is brief.
         reward: The compliance reward.
         correct: The numeric answer is right (``None``: not judged).
-        reasoning_detected: Detected language of the reasoning (a code, ``other``, ``und``
-            or ``missing``).
+        reasoning_detected: Detected language of the reasoning (a code, ``other``, ``und``,
+            ``missing`` or ``loop``).
         answer_detected: Same for the final answer.
         real_word_share: See ``reward.degeneracy`` (NaN: no words).
         repeated_ngram_rate: See ``reward.degeneracy`` (NaN: too short).
@@ -172,6 +176,9 @@ def _estimates(outcomes: Sequence[Outcome]) -> dict[str, Estimate]:
         ),
         "brevity": wilson_interval(sum(o.brief_ok for o in outcomes), n),
         "answer_correct": wilson_interval(sum(bool(o.correct) for o in judged), len(judged)),
+        "loop_rate": wilson_interval(
+            sum(LOOP in (o.reasoning_detected, o.answer_detected) for o in outcomes), n
+        ),
         "mean_reward": t_interval([o.reward for o in outcomes]),
         "real_word_share": t_interval([o.real_word_share for o in outcomes]),
         "repeated_ngram_rate": t_interval([o.repeated_ngram_rate for o in outcomes]),

@@ -45,7 +45,7 @@ from eval.registry import (
 
 log = logging.getLogger(__name__)
 
-LOWER_IS_BETTER = frozenset({"repeated_ngram_rate"})
+LOWER_IS_BETTER = frozenset({"loop_rate", "repeated_ngram_rate"})
 
 
 class GateConfig(ConfigModel):

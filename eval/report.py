@@ -28,6 +28,7 @@ METRIC_TITLES: dict[str, str] = {
     "both_language_accuracy": "reasoning and answer in the requested language",
     "brevity": "brief answer (at most 2 sentences)",
     "answer_correct": "numeric answer correct",
+    "loop_rate": "reasoning or answer a loop (scored as the wrong language)",
     "mean_reward": "mean reward",
     "real_word_share": "real-word share (low = degenerate text)",
     "repeated_ngram_rate": "repeated 3-gram rate (high = degenerate text)",
@@ -173,7 +174,8 @@ def _sections(results: dict) -> list[Section]:
         "Confusion matrices",
         [
             "Rows: requested language; columns: detected language (`und`: too little text to "
-            "judge, `missing`: no such channel)."
+            "judge, `missing`: no such channel, `loop`: a repetition loop or not the "
+            "language's words, scored as the wrong language)."
         ],
     )
     for m in models:
@@ -349,8 +351,8 @@ def kfp_confusion_matrices(results: dict) -> dict[str, tuple[list[str], list[lis
     """Square confusion matrices for KFP ``ClassificationMetrics``, one per model and part.
 
     KFP wants the same categories on both axes, so rows and columns are ``DETECTED_COLUMNS``
-    (the five languages, ``other``, ``und``, ``missing``: what the scorer detects); the rows
-    of ``other``, ``und`` and ``missing`` are zero (a question always requests a language).
+    (the five languages, ``other``, ``und``, ``missing``, ``loop``: what the scorer detects);
+    the rows of the last four are zero (a question always requests a language).
 
     Returns:
         ``"<model>_<part>_language"`` (e.g. ``grpo_answer_language``) → (categories, rows).

@@ -41,10 +41,10 @@ from eval.engines import (
     require_model_dir,
 )
 from eval.eval_config import EvalConfig
-from eval.eval_metrics import MISSING, Outcome, Summary, deltas, summarize
+from eval.eval_metrics import LOOP, MISSING, Outcome, Summary, deltas, summarize
 from eval.report import ReportPaths, log_eval_run, write_reports
 from reward.degeneracy import measure_degeneracy
-from reward.scoring import ComplianceResult, ComplianceScorer
+from reward.scoring import ComplianceResult, ComplianceScorer, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,8 @@ def _score_dict(result: ComplianceResult) -> dict:
         "answer_fraction": result.answer_fraction,
         "answer_sentences": result.answer_sentences,
         "brief_ok": result.brief_ok,
+        "reasoning_loop": result.reasoning_loop and str(result.reasoning_loop),
+        "answer_loop": result.answer_loop and str(result.answer_loop),
         "predicted_answer": result.predicted_answer,
         "correct": result.correct,
         "error": result.error,
@@ -229,12 +231,18 @@ def score_response(
         brief_ok=result.brief_ok,
         reward=result.reward,
         correct=result.correct,
-        reasoning_detected=result.reasoning_language or MISSING,
-        answer_detected=result.answer_language or MISSING,
+        reasoning_detected=_detected(result.reasoning_verdict, result.reasoning_language),
+        answer_detected=_detected(result.answer_verdict, result.answer_language),
         real_word_share=degeneracy.real_word_share,
         repeated_ngram_rate=degeneracy.repeated_ngram_rate,
     )
     return outcome, record
+
+
+def _detected(verdict: Verdict, language: str | None) -> str:
+    """A part's column in the confusion matrix: ``loop`` for the LOOP verdict (the identifier
+    placed it, the loop check did not), else the identified language or ``missing``."""
+    return LOOP if verdict is Verdict.LOOP else language or MISSING
 
 
 @dataclass

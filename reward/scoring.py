@@ -28,6 +28,14 @@ No refuge: saying less never pays.
       answer in the right language, better than one in the wrong language;
     * correctness is only judged when an expected answer is given; otherwise it adds 0.
 
+No loop passes: a part the identifier places in the requested language but that is a
+repetition loop, or whose words the language's word list does not know
+(``reward.degeneracy.LoopDetector``: repeated word pairs, few distinct words, one dominant
+word, unknown words), gets the **loop** verdict, scored as the wrong language. The identifier
+reads character n-grams, so a loop of words two languages share (``"La con una con una con
+con una ..."``, scored Italian) passed it, and the demo's GRPO policy learned such loops when
+asked in Italian (+7.0 each).
+
 So for a response whose parts are in the requested languages, shortening a part until its
 language can no longer be told, or dropping it, never raises the reward
 (``tests/reward/test_scoring.py`` checks it on every prefix of a response).
@@ -52,6 +60,7 @@ from core.language_id import LanguageIdentifier, LanguageProfile, default_identi
 from core.languages import LanguageLabels, UnknownLanguageError
 from core.parsing import ParsedResponse, parse_response
 from core.sentences import count_sentences
+from reward.degeneracy import LoopDetector, LoopSignal
 from reward.labels import LabelsLike, parse_labels
 from reward.numbers import extract_numeric_answer, numbers_match
 
@@ -84,6 +93,9 @@ class Verdict(StrEnum):
     MISSING = "missing"
     NEUTRAL = "neutral"
     """A final answer with digits and no letters: no language to judge (the answer only)."""
+    LOOP = "loop"
+    """Identified as the requested language, but a repetition loop or not made of its words
+    (``reward.degeneracy.LoopDetector``): scored as the wrong language."""
 
 
 @dataclass(frozen=True)
@@ -144,8 +156,9 @@ class RewardWeights:
     """Reward for each outcome of each registered term (``REWARD_TERMS``), by weight name;
     unset weights keep the reference recipe's defaults (their registration's).
 
-    A missing, truncated or undetermined part scores its rule's ``…_mismatch`` weight: there
-    is no weight of its own to set, so no setting can make saying less pay.
+    A missing, truncated, undetermined or looping part scores its rule's ``…_mismatch``
+    weight: there is no weight of its own to set, so no setting can make saying less (or
+    repeating words) pay.
     ``answer_language_neutral`` (a bare number) must lie between the answer's mismatch and
     match weights. Immutable and comparable, like the frozen dataclass it replaced.
 
@@ -259,6 +272,9 @@ class ComplianceResult:
         brief_ok: The final answer exists and has at most ``max_answer_sentences`` sentences.
         predicted_answer: The number read from the final answer, if any.
         correct: Whether it equals the expected answer; ``None`` when none was expected.
+        answer_loop: Why the final answer got the LOOP verdict (a ``LoopSignal``), else
+            ``None``.
+        reasoning_loop: Same for the reasoning.
         error: Why the response could not be scored (unreadable labels, or an internal error,
             which is also logged), else ``None``. Such a response gets the neutral reward.
     """
@@ -277,6 +293,8 @@ class ComplianceResult:
     brief_ok: bool = False
     predicted_answer: float | None = None
     correct: bool | None = None
+    answer_loop: LoopSignal | None = None
+    reasoning_loop: LoopSignal | None = None
     error: str | None = None
 
     @property
@@ -299,6 +317,8 @@ class ComplianceResult:
             "answer_neutral": float(self.answer_verdict is Verdict.NEUTRAL),
             "reasoning_undetermined": float(self.reasoning_verdict is Verdict.UNDETERMINED),
             "answer_missing": float(self.answer_verdict is Verdict.MISSING),
+            "answer_loop": float(self.answer_verdict is Verdict.LOOP),
+            "reasoning_loop": float(self.reasoning_verdict is Verdict.LOOP),
             "brief_ok": float(self.brief_ok),
             "truncated": float(self.parsed.truncated),
             "answer_fraction": self.answer_fraction,
@@ -317,6 +337,8 @@ class ComplianceScorer:
         max_answer_sentences: The brevity rule's limit.
         min_language_fraction: Share of a part that must be in the requested language.
         identifier: Language identifier; default: the process-wide one (loaded once).
+        loop_detector: Tells loops from text (``reward.degeneracy``); ``None`` turns the
+            LOOP verdict off (for comparisons: a loop then scores as its identified language).
 
     Raises:
         ValueError: A setting is out of range.
@@ -326,6 +348,7 @@ class ComplianceScorer:
     max_answer_sentences: int = 2
     min_language_fraction: float = MIN_LANGUAGE_FRACTION
     identifier: LanguageIdentifier | None = None
+    loop_detector: LoopDetector | None = field(default_factory=LoopDetector)
 
     def __post_init__(self) -> None:
         limit = self.max_answer_sentences
@@ -494,6 +517,14 @@ class ComplianceScorer:
             # Scored on its text, a policy gains by never stopping: a longer answer is easier
             # to identify (seen in the demo: GRPO stopped ending its answers, 77% -> 23%)
             answer_verdict = Verdict.MISSING
+        answer_loop = reasoning_loop = None
+        if self.loop_detector is not None:
+            if answer_verdict is Verdict.MATCH:
+                answer_loop = self.loop_detector.signal(parsed.final, labels.answer)
+                answer_verdict = Verdict.LOOP if answer_loop else answer_verdict
+            if reasoning_verdict is Verdict.MATCH:
+                reasoning_loop = self.loop_detector.signal(parsed.reasoning, labels.reasoning)
+                reasoning_verdict = Verdict.LOOP if reasoning_loop else reasoning_verdict
         has_answer = answer_verdict is not Verdict.MISSING
         final = parsed.final or ""
         sentences = count_sentences(final[:MAX_ANSWER_CHARS_FOR_SENTENCES]) if has_answer else 0
@@ -526,13 +557,16 @@ class ComplianceScorer:
             brief_ok=brief_ok,
             predicted_answer=predicted,
             correct=correct,
+            answer_loop=answer_loop,
+            reasoning_loop=reasoning_loop,
         )
 
 
 def _verdict_reward(
     verdict: Verdict, match: float, mismatch: float, neutral: float | None = None
 ) -> float:
-    """A language rule's reward: MISMATCH, MISSING and UNDETERMINED all score ``mismatch``."""
+    """A language rule's reward: MISMATCH, MISSING, UNDETERMINED and LOOP all score
+    ``mismatch``."""
     if verdict is Verdict.MATCH:
         return match
     if verdict is Verdict.NEUTRAL and neutral is not None:
@@ -564,6 +598,8 @@ def result_to_dict(result: ComplianceResult) -> dict[str, object]:
     data["answer_verdict"] = result.answer_verdict.value
     data["reasoning_verdict"] = result.reasoning_verdict.value
     data["parsed"]["format"] = result.parsed.format.value
+    for part in ("answer_loop", "reasoning_loop"):
+        data[part] = data[part] and str(data[part])  # the signal's name, or None
     data["labels"] = result.labels.to_label() if result.labels is not None else None
     data["components"] = dict(result.components)
     return data

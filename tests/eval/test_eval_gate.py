@@ -91,6 +91,8 @@ def test_gate_config_rejects_unknown_or_lower_is_better_metrics():
     with pytest.raises(ValueError, match="gate metric"):
         GateConfig(metric="repeated_ngram_rate")
     with pytest.raises(ValueError, match="gate metric"):
+        GateConfig(metric="loop_rate")  # lower is better too
+    with pytest.raises(ValueError, match="gate metric"):
         GateConfig(metric="accuracy")
 
 

@@ -190,3 +190,39 @@ def test_question_filters():
     assert len(french) == 10
     assert {q.language for q in french} == {"fr"}
     assert [q.id for q in load_questions(limit=3)] == ["p01-en", "p01-fr", "p01-de"]
+
+
+DEMO_LOOP = "La con una con una con con una con una con una con una conci delle con una con con un."
+
+
+def italian_loops(language: str) -> str:
+    """Good responses, except Italian answers: the demo GRPO policy's loop (issue #29)."""
+    if language != "it":
+        return good_response(language)
+    return (
+        f"<|channel|>analysis<|message|>{GOOD['it'][0]}<|end|>"
+        f"<|start|>assistant<|channel|>final<|message|>{DEMO_LOOP}<|return|>"
+    )
+
+
+def test_loops_count_as_the_wrong_language_and_are_reported_per_language(tmp_path):
+    engine = ScriptedEngine(italian_loops)
+    run_eval(["grpo=/x"], EvalConfig(limit=10), tmp_path, engine_factory=lambda s, c: engine)
+    data = load_results(tmp_path)
+    summary = data["models"][0]["summary"]
+    italian = summary["per_language"]["it"]
+    assert italian["answer_language_accuracy"]["value"] == 0.0  # the identifier said Italian
+    assert italian["both_language_accuracy"]["value"] == 0.0
+    assert italian["loop_rate"]["value"] == 1.0
+    assert all(summary["per_language"][c]["loop_rate"]["value"] == 0.0 for c in GOOD if c != "it")
+    assert summary["overall"]["loop_rate"]["value"] == pytest.approx(2 / 10)
+    assert summary["confusion"]["answer"]["it"]["loop"] == 2
+    assert summary["confusion"]["answer"]["it"]["it"] == 0
+    record = next(r for r in data["responses"] if r["language"] == "it")
+    assert record["score"]["answer_verdict"] == "loop"
+    assert record["score"]["answer_loop"] == "repeated_ngrams"
+    assert record["score"]["answer_language"] == "it"  # what the identifier alone said
+    markdown = (tmp_path / "report.md").read_text()
+    assert "reasoning or answer a loop (scored as the wrong language)" in markdown
+    assert "| it | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 2 |" in markdown  # it row of the answers
+    assert kfp_metrics(data)["grpo/loop_rate"] == pytest.approx(0.2)

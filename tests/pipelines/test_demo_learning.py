@@ -5,7 +5,9 @@ Slow (minutes on 2 cores): the whole local pipeline, exactly as ``make demo`` ru
 (``tiny-cpu`` preset, fixed seed, kfp.local), then issue #16's bar on its eval results, over
 questions × samples (250 responses per model): GRPO's both-language accuracy ≥ 0.40 and ≥
 SFT's + 0.15, GRPO's mean reward ≥ SFT's + 1.0, real-word share no more than 10% below SFT's,
-and SFT trained to convergence (held-out loss down by at most 2% over its last fifth).
+and SFT trained to convergence (held-out loss down by at most 2% over its last fifth); and
+issue #29's per-language floors, over each language's 50 responses: GRPO's both-language
+accuracy ≥ 0.70 in every language and ≥ SFT's in every language.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import json
 import pytest
 
 from bench.demo_learning import (
-    HEADLINE,
     DemoOutcome,
     check_thresholds,
+    eval_tables,
     format_outcome,
     sft_convergence,
 )
@@ -29,10 +31,7 @@ from pipelines.presets import TINY_CPU
 def test_demo_grpo_beats_sft_on_the_50_question_eval(tmp_path) -> None:
     result = run_local(TINY_CPU, tmp_path / "runs")
     results = json.loads(result.outputs["eval_results"].read_text())  # results.json
-    table = {
-        model["label"]: {k: model["summary"]["overall"][k]["value"] for k in HEADLINE}
-        for model in results["models"]
-    }
+    table, per_language = eval_tables(results)
     run_dir = result.outputs["sft_model"].parent.parent
     losses, drop = sft_convergence(run_dir / "sft" / "training_log" / "training_metrics.jsonl")
     outcome = DemoOutcome(
@@ -45,7 +44,11 @@ def test_demo_grpo_beats_sft_on_the_50_question_eval(tmp_path) -> None:
             (run_dir / "grpo" / "training_log" / "grpo_summary.json").read_text()
         )["exported_step"],
         seconds={"pipeline": result.seconds},
+        per_language=per_language,
     )
     print(format_outcome(outcome))
     assert outcome.responses_per_model >= 250
+    for model in results["models"]:  # the floors hold over each language's 50 responses
+        per_code = model["summary"]["per_language"]
+        assert {per_code[c]["both_language_accuracy"]["n"] for c in per_language["grpo"]} == {50}
     assert check_thresholds(outcome) == []

@@ -133,3 +133,34 @@ def test_every_adapter_scores_an_unidentifiable_reasoning_as_the_wrong_language(
     assert language_compliance_reward(["p"], [ONE_TOKEN_REASONING], label=["fr"]) == [expected]
     logs = openrlhf_reward_func([ONE_TOKEN_REASONING], [""], ["fr"])["extra_logs"]
     assert logs["reasoning_undetermined"].tolist() == [1.0]
+
+
+LOOPING_ANSWER = (
+    "<|channel|>analysis<|message|>Devo calcolare il prezzo totale dei quaderni.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>La con una con una con con una con una con "
+    "una con una conci delle con una con con un.<|return|>"
+)
+
+
+def test_every_adapter_scores_a_loop_as_the_wrong_language() -> None:
+    """The demo GRPO policy's Italian loop (issue #29): -5.0 for the answer in each engine's
+    convention, where the identifier alone gave +5.0; the loop is logged where logs exist."""
+    expected = 1.5 - 5.0 + 0.5
+    assert LanguageComplianceReward()([LOOPING_ANSWER], ["it"]).rewards == [expected]
+    openrlhf = openrlhf_reward_func([LOOPING_ANSWER], [""], ["it"])
+    assert openrlhf["rewards"].tolist() == [expected]
+    assert openrlhf["extra_logs"]["answer_loop"].tolist() == [1.0]
+    assert openrlhf["extra_logs"]["reasoning_loop"].tolist() == [0.0]
+    verl = verl_compute_score("lingo", LOOPING_ANSWER, "it")
+    assert verl["score"] == expected and verl["answer_loop"] == 1.0
+    assert set(verl) == set(verl_compute_score("lingo", FR, "fr"))  # the same keys every time
+    assert language_compliance_reward(["p"], [LOOPING_ANSWER], label=["it"]) == [expected]
+    conversational = [
+        {
+            "role": "assistant",
+            "thinking": "Devo calcolare il prezzo totale dei quaderni.",
+            "content": "La con una con una con con una con una con una con una conci delle con "
+            "una con con un.",
+        }
+    ]
+    assert language_compliance_reward(["p"], [conversational], label=["it"]) == [expected]

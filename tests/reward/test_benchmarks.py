@@ -66,6 +66,8 @@ def test_cases_have_the_promised_truth(rows: list[dict[str, str]]) -> None:
     assert set(by_category.values()) == {4}
     assert all(not c.answer_ok for c in cases if c.category == "truncated")
     assert all(not c.reasoning_ok for c in cases if c.category == "mixed_half")
+    loops = [c for c in cases if c.category == "loop"]
+    assert all(c.answer_ok != c.reasoning_ok for c in loops)  # one part loops, the other not
     assert build_cases(rows, per_category=4) == cases  # deterministic
 
 
@@ -73,4 +75,5 @@ def test_ours_beats_the_reference_on_short_and_mixed_text() -> None:
     result = run(per_category=8, rounds=1)
     for key in ("accuracy_short", "accuracy_mixed", "accuracy"):
         assert result[key]["ours"] > result[key]["reference"]
+    assert result["by_category"]["loop"]["ours"] == 1.0  # every loop is caught
     assert result["speedup"] > 5  # the full figure is measured by the benchmark itself

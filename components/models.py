@@ -37,7 +37,6 @@ def sft(
 ):
     """LoRA (or full) SFT on the train split, merged into the base weights; in this pod, or
     as a TrainJob or a PyTorchJob (``execution.mode = job``; its YAML is ``job_manifest``)."""
-    import logging
     from pathlib import Path
 
     from cluster.config import JobLaunch

@@ -28,8 +28,8 @@ from core.atomic import check_output_files, check_writable
 from core.errors import describe_validation_error
 from core.harmony import task_prompt
 from core.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
-from core.redact import redact
 from core.model_files import nonfinite_weights
+from core.redact import redact
 from core.seeds import sample_seed
 from eval.engines import (
     Engine,

@@ -15,7 +15,6 @@ import typer
 
 from core.errors import describe_error
 from core.redact import configure_logging, redact
-from data_prep.config import BUNDLED_SOURCE
 from pipelines.presets import (
     DEFAULT_PRESET,
     PRESETS,

@@ -132,6 +132,8 @@ def mxfp4_model(tmp_path_factory):
     source = build_tiny_model(root / "bf16", SMALLEST.model_copy(update={"intermediate_size": 96}))
     originals = write_mxfp4_checkpoint(source, root / "mxfp4")
     return root / "mxfp4", originals
+
+
 FAST_LOCAL_RUN = {
     "model.tiny.hidden_size": "64",
     "model.tiny.intermediate_size": "64",

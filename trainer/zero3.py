@@ -208,7 +208,27 @@ def init_deepspeed_comm(device: torch.device) -> None:
             "backend 'deepspeed' needs DeepSpeed: pip install 'lingo-rl[gpu]' "
             "(on CPU: DS_BUILD_OPS=0 pip install deepspeed)"
         ) from exc
+    if device.type != "cuda":
+        skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_comm_op() -> None:
+    """Tell DeepSpeed not to build its CPU shared-memory all-reduce (``deepspeed_shm_comm``).
+
+    DeepSpeed's ``TorchBackend`` JIT-compiles that op when its communication starts on CPU,
+    the first process under torch's file lock in ``TORCH_EXTENSIONS_DIR``; a rank killed
+    while compiling leaves the lock behind and every later DeepSpeed process on the machine
+    waits on it forever (seen: a killed-run test, then each DeepSpeed test after it hung).
+    Training on gloo never uses the op (it serves DeepSpeed's inference all-reduce), so the
+    op is marked incompatible, which ``deepspeed.comm.torch.build_shm_op`` reads.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 def load_partitioned(

@@ -3,6 +3,7 @@ against real HTTP servers started here (one serving the tiny model, one scripted
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable

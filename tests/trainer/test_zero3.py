@@ -153,3 +153,47 @@ def test_reading_a_safetensors_entry_matches_safetensors(tiny_model_dir):
     windows = gather_windows(tiny_model_dir, world_size=2)
     assert windows.pop("sub_group_size") == -(-largest // 2)  # partition elements
     assert set(windows.values()) == {largest}
+
+
+STALE_LOCK_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from trainer.zero3 import init_deepspeed_comm
+
+    init_deepspeed_comm(torch.device("cpu"))
+    from deepspeed.comm import comm as ds_comm
+
+    print("shm op:", ds_comm.cdb.shm_comm_op)
+    """
+)
+
+
+def test_deepspeed_on_cpu_starts_past_a_stale_shm_op_build_lock(tmp_path):
+    """A rank killed while DeepSpeed JIT-compiled its CPU shared-memory op left torch's build
+    lock behind, and every DeepSpeed process after it waited on the lock forever (CI hung
+    there). Our DeepSpeed start on CPU does not build that op, so a stale lock is harmless."""
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    extensions = tmp_path / "torch_extensions"
+    (extensions / "deepspeed_shm_comm").mkdir(parents=True)
+    (extensions / "deepspeed_shm_comm" / "lock").touch()  # what a killed compile leaves
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": str(REPO)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", STALE_LOCK_SCRIPT.format(port=port)],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("DeepSpeed's start waited on the stale build lock")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "shm op: None" in done.stdout

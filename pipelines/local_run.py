@@ -16,7 +16,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from core.atomic import atomic_writer
-from core.tracking import local_store_uri, redact_uri
+from core.redact import redact
+from core.tracking import local_store_uri
 from eval.gate import GateConfig
 from pipelines.local_console import QuietConsole
 from pipelines.presets import Preset, pipeline_arguments
@@ -140,7 +141,7 @@ def _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching) -> Lo
         outputs=outputs,
         seconds=seconds,
         run_dir=run_dir,
-        tracking_uri=redact_uri(
+        tracking_uri=redact(
             os.environ.get("MLFLOW_TRACKING_URI") or arguments["mlflow_tracking_uri"]
         ),
     )

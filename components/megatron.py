@@ -37,7 +37,13 @@ def convert_megatron(
     final = Path(megatron_model.path)
     partial = staging_dir(final)
     try:
-        bridge.convert_hf_to_megatron(hf_model.path, str(partial), checked.layout)
+        # the bridge writes a directory that must not exist yet (its own save is atomic):
+        # converted inside the staging folder, then its entries moved up into it
+        converted = partial / ".converted"
+        bridge.convert_hf_to_megatron(hf_model.path, str(converted), checked.layout)
+        for entry in converted.iterdir():
+            entry.rename(partial / entry.name)
+        converted.rmdir()
         write_manifest(partial, build_manifest(hf_model.path, checked.layout, checked.world_size))
         report = verify_conversion(
             hf_model.path,

@@ -24,7 +24,10 @@ class HubLookupError(RuntimeError):
 def looks_like_path(source: str) -> bool:
     """Whether ``source`` names a local path rather than a hub id (``org/name``): it starts
     with ``.``, ``/`` or ``~``, has more than one ``/`` or a ``\\``, ends in a data file
-    extension, or its first part is an existing local folder (``data/rows`` beside ``data/``)."""
+    extension, or its first part is an existing local folder (``data/rows`` beside ``data/``).
+    A URL (``scheme://…``) is neither: it is never looked for on disk."""
+    if "://" in source:
+        return False
     return (
         source.startswith((".", "/", "~"))
         or source.count("/") > 1

@@ -25,10 +25,11 @@ def compile_pipeline(output: Path, preset: Preset | None = None) -> Path:
     (``preset.hardware.platform``).
 
     Raises:
-        CompileError: ``output`` is a folder or not a ``.yaml`` file, or kfp refuses the
-            pipeline (its message).
+        CompileError: ``output`` is not a ``.yaml`` file, or kfp refuses the pipeline (its
+            message).
         RunInputError: the preset's inputs that can be checked on this machine would fail a
-            step (``pipelines.preflight``), or ``output`` cannot be written.
+            step (``pipelines.preflight``), or ``output`` cannot be written (a folder, not
+            writable, a name too long).
     """
     from kfp import compiler
 
@@ -41,11 +42,6 @@ def compile_pipeline(output: Path, preset: Preset | None = None) -> Path:
     if preset is not None:
         check_run_inputs(preset, local=False)
 
-    if output.is_dir():
-        raise CompileError(
-            f"--output {output} is a folder; name the YAML file to write, e.g. "
-            f"{output / 'lingo_pipeline.yaml'}"
-        )
     if output.suffix not in YAML_SUFFIXES:
         raise CompileError(
             f"--output {output}: the pipeline is compiled to YAML; name a .yaml file"

@@ -166,9 +166,13 @@ def test_data_prep_from_s3_with_a_password_in_aws_endpoint_url_prints_no_secret(
 
 def test_a_local_run_prints_and_logs_no_secret(tmp_path):
     # the data source carries a token: kfp.local prints every task's arguments into the run's
-    # log, and the failing step's error names the source
-    source = f"https://data.example/rows.jsonl?token={PASSWORD}"
-    result = _lingo(["run", "--local", "-o", str(tmp_path), "--set", f"data_prep.source={source}"])
+    # log, and the failing step's error names the source (an s3:// source is left to its step
+    # by the pre-check; the endpoint is a closed port, so the step fails at once)
+    source = f"s3://data-bucket/rows.jsonl?token={PASSWORD}"
+    result = _lingo(
+        ["run", "--local", "-o", str(tmp_path), "--set", f"data_prep.source={source}"],
+        env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"},
+    )
     assert result.returncode == 1 and "step 'data-prep' failed" in result.stderr
     files = _files(tmp_path)
     assert any(name.endswith(".log") for name in files)

@@ -161,6 +161,7 @@ def _write_questions(path, rows):
 def test_a_column_that_does_not_exist_fails_naming_it_and_the_columns_there_are(
     tmp_path, columns, named
 ) -> None:
+    from core.atomic import record_output_files
     from data_prep.question_sets import QuestionSetError
 
     # issue #32 item 6: on main every row was quarantined and the step exited 0
@@ -168,6 +169,7 @@ def test_a_column_that_does_not_exist_fails_naming_it_and_the_columns_there_are(
     out = tmp_path / "out"
     (out / "train.jsonl").parent.mkdir()
     (out / "train.jsonl").write_text("an earlier run's\n")
+    record_output_files([out / "train.jsonl"])  # an earlier prep's own output
     with pytest.raises(QuestionSetError) as e:
         _prepare(tmp_path, [QuestionSetConfig(source=str(source), **columns)])
     message = str(e.value)

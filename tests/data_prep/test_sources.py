@@ -191,3 +191,11 @@ def test_a_utf8_byte_order_mark_does_not_cost_the_first_row(tmp_path, suffix):
     read = _read(path)
     assert [r.error for r in read] == [None, None]
     assert [r.data for r in read] == rows
+
+
+def test_a_url_source_is_named_as_unsupported_not_looked_for_on_disk():
+    # the pre-check said "no such file or directory (looked for <cwd>/https:/host/rows.jsonl)"
+    from data_prep.sources import SourceError, describe_source
+
+    with pytest.raises(SourceError, match="is not an existing file or directory, an s3:// URI"):
+        describe_source("https://data.example/rows.jsonl")

@@ -3,7 +3,7 @@
 ``start_tracking`` opens one MLflow run for the pipeline run (tagged with the KFP run id; a
 retry finds it again) and returns its id, which every step nests its own run under. ``publish``
 copies the GRPO model and the eval reports to object storage. ``finalize`` is the pipeline's
-exit handler: it runs whatever happened to the steps, deletes the run's PyTorchJobs that are
+exit handler: it runs whatever happened to the steps, deletes the run's training jobs that are
 still active (a cancelled run), and closes the MLflow run with the pipeline's final state.
 """
 
@@ -82,8 +82,9 @@ def finalize(
     mlflow_experiment: str = "",
     delete_jobs: bool = False,
 ):
-    """Exit handler: delete this run's active PyTorchJobs, close the MLflow run (found by its
-    ``lingo.pipeline_run_id`` tag: an exit task cannot take other tasks' outputs)."""
+    """Exit handler: delete this run's active training jobs (TrainJobs, PyTorchJobs), close
+    the MLflow run (found by its ``lingo.pipeline_run_id`` tag: an exit task cannot take other
+    tasks' outputs)."""
     import logging
 
     from core.processes import start_step_process
@@ -100,14 +101,14 @@ def finalize(
     if delete_jobs:
         from kubernetes.client import ApiException
 
-        from cluster.launcher import PyTorchJobLauncher
+        from cluster.launcher import JobLauncher
         from cluster.step_job import current_namespace, delete_run_jobs
 
         try:
-            deleted = delete_run_jobs(PyTorchJobLauncher(current_namespace()), pipeline_run_id)
-            log.info("deleted PyTorchJobs still running: %s", deleted or "none")
+            deleted = delete_run_jobs(JobLauncher(current_namespace()), pipeline_run_id)
+            log.info("deleted training jobs still running: %s", deleted or "none")
         except ApiException as error:  # e.g. 403: the pipeline's service account may not list
-            log.warning("cannot clean up PyTorchJobs (%s %s)", error.status, error.reason)
+            log.warning("cannot clean up training jobs (%s %s)", error.status, error.reason)
     configure_tracking(mlflow_tracking_uri, experiment=mlflow_experiment)
     try:
         parent_run_id = find_pipeline_run(pipeline_run_id)

@@ -135,3 +135,18 @@ def test_only_layers_of_derived_state_have_their_failed_loads_unreported():
     assert quiet.filter(record("Attention"))  # stale sinks stay reported
     other = logging.LogRecord("x", logging.WARNING, "", 0, "Rotary went wrong", (), None)
     assert quiet.filter(other)
+
+
+def test_failed_loads_are_unreported_when_records_arrive_formatted_and_redacted():
+    # every step redacts its log records when they are made (core.redact), which formats
+    # them: the filter matched the raw format string and let vLLM's warning through
+    from core.redact import _redact_record
+
+    quiet = _DerivedStateFilter({"Rotary"})
+    for layer, kept in (("Rotary", False), ("Attention", True)):
+        record = logging.LogRecord(
+            "x", logging.WARNING, "", 0, "%s: Failed to load weights", (layer,), None
+        )
+        _redact_record(record)
+        assert record.args is None
+        assert quiet.filter(record) is kept

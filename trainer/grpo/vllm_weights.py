@@ -133,7 +133,10 @@ class _DerivedStateFilter(logging.Filter):
         self.layers = layers
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == _FAILED_LOAD and record.args and record.args[0] in self.layers)
+        # the formatted message: a record may arrive already formatted (``core.redact``
+        # formats and redacts every record when it is made, leaving no ``args``)
+        message = record.getMessage()
+        return not any(message == _FAILED_LOAD % layer for layer in self.layers)
 
 
 class PolicyReload:

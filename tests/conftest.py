@@ -157,3 +157,11 @@ FAST_LOCAL_RUN = {
 }
 """`--set` overrides that make the tiny-cpu pipeline run in a minute or two (the demo trains
 longer): the local-run tests use them."""
+
+
+def respond(reasoning: str | None, final: str | None) -> str:
+    """A harmony completion: an analysis message (None: none), then a final one (None: none)."""
+    text = "" if reasoning is None else f"<|channel|>analysis<|message|>{reasoning}<|end|>"
+    if final is not None:
+        text += f"<|start|>assistant<|channel|>final<|message|>{final}<|return|>"
+    return text

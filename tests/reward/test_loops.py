@@ -7,6 +7,7 @@ it Italian, and before the LOOP verdict it earned the whole reward (+7.0).
 from __future__ import annotations
 
 import pytest
+from conftest import respond
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,18 +19,6 @@ from reward.scoring import ComplianceScorer, Verdict, result_to_dict
 DEMO_LOOP = "La con una con una con con una con una con una con una conci delle con una con con un."
 IT_REASONING = "Devo calcolare il prezzo totale: tre quaderni a quattro euro fanno dodici euro."
 IT_ANSWER = "Il prezzo totale è di dodici euro."
-
-
-def respond(reasoning: str | None, final: str | None) -> str:
-    text = "" if reasoning is None else f"<|channel|>analysis<|message|>{reasoning}<|end|>"
-    if final is not None:
-        text += f"<|start|>assistant<|channel|>final<|message|>{final}<|return|>"
-    return text
-
-
-@pytest.fixture(scope="module")
-def scorer() -> ComplianceScorer:
-    return ComplianceScorer()
 
 
 def test_the_demo_loop_scores_as_the_wrong_language(scorer: ComplianceScorer) -> None:

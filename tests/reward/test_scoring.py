@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import respond
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,18 +23,6 @@ FR_LONG_ANSWER = (
     "Le prix total est de douze euros. Chaque cahier coûte quatre euros. "
     "Il y a trois cahiers en tout."
 )
-
-
-def respond(reasoning: str | None, final: str | None) -> str:
-    text = "" if reasoning is None else f"<|channel|>analysis<|message|>{reasoning}<|end|>"
-    if final is not None:
-        text += f"<|start|>assistant<|channel|>final<|message|>{final}<|return|>"
-    return text
-
-
-@pytest.fixture(scope="module")
-def scorer() -> ComplianceScorer:
-    return ComplianceScorer()
 
 
 def test_fully_compliant_response_gets_the_maximum(scorer: ComplianceScorer) -> None:

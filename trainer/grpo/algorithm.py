@@ -462,8 +462,9 @@ def rollout_weights(
     Tokens outside the mask get ``w = 1`` and no flag, whatever their log-probs hold.
 
     Raises:
-        ValueError: unknown ``correction``, mismatched shapes, or NaN/inf in either
-            log-prob tensor on a masked-in token (the message names the ``[row, token]``).
+        ValueError: unknown ``correction``, mismatched shapes, or (every correction but
+            ``none``, whose weights are 1 whatever they hold) NaN/inf in either log-prob
+            tensor on a masked-in token (the message names the ``[row, token]``).
     """
     fn = get_rollout_correction(correction)
     if not (old_log_probs.shape == behaviour_log_probs.shape == response_mask.shape):
@@ -473,8 +474,9 @@ def rollout_weights(
             f"{tuple(response_mask.shape)} must all be the same [B, T]"
         )
     counted = response_mask.bool()
-    _check_finite_tokens(old_log_probs, counted, "old_log_probs")
-    _check_finite_tokens(behaviour_log_probs, counted, "behaviour_log_probs")
+    if fn is not correction_none:  # ``none`` weighs nothing by them (its ratio: statistics only)
+        _check_finite_tokens(old_log_probs, counted, "old_log_probs")
+        _check_finite_tokens(behaviour_log_probs, counted, "behaviour_log_probs")
     with torch.no_grad():
         log_ratio = torch.where(
             counted, old_log_probs - behaviour_log_probs, torch.zeros_like(old_log_probs)

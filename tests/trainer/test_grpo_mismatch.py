@@ -178,6 +178,9 @@ def test_an_injected_mismatch_stops_the_run_and_noise_at_the_floor_does_not(
     lines = [m for m in read_metrics(tmp_path / "a" / "training_metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in lines] == [1, 2, 3]
     floor = lines[0]["rollout_kl"]
+    for m in lines:  # the demo's fields, on every step's line
+        assert 0 <= m["router_mismatch_rate"] < 0.05  # the engine is the policy: near-ties only
+        assert {"rollout_logprob_diff_p50", "seq_masked_fraction", "importance_ratio_max"} <= set(m)
     assert 1e-4 < floor < 1e-3  # ≈ σ²/2 = 4.5e-4
     _noisy_engine(monkeypatch, [0.03, 0.5])  # the engine drifts after the first step
     with pytest.raises(RolloutMismatchError, match="step 2: "):

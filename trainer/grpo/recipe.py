@@ -57,11 +57,12 @@ from trainer.distributed import (
 from trainer.divergence import DivergenceGuard
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.layout import sequences
+from trainer.grpo.layout import Micro, sequences, with_routing
 from trainer.grpo.mismatch import MismatchGate, MismatchMeter
 from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
 from trainer.grpo.rollout import HFRolloutEngine, Rollout, keep_share, share_request
+from trainer.grpo.routing import RouterCounts
 from trainer.grpo.sync_check import (
     SyncCheck,
     SyncGap,
@@ -838,6 +839,7 @@ def _update(
             "update, rollout.async_steps)"
         )
     meter = MismatchMeter(a.seq_mask_low, a.seq_mask_high) if recorded else None
+    counts = RouterCounts()
     # one on-policy update: the old log-probs equal the current ones, so reuse them (detached)
     single_update = a.ppo_epochs == 1 and local_mini >= n
     old_log_probs: list[torch.Tensor] = []
@@ -846,10 +848,7 @@ def _update(
             list(range(start, min(start + cfg.micro_batch_size, n)))
             for start in range(0, n, cfg.micro_batch_size)
         ]
-        chunk_layouts = [
-            sequences(batch.prompts, [batch.rollouts[i] for i in chunk], pad_id, device)
-            for chunk in chunks
-        ]
+        chunk_layouts = [_laid_out(cfg, batch, chunk, pad_id, device, counts) for chunk in chunks]
         old_log_probs = backend.log_probs(chunk_layouts)
         if meter is not None:
             for chunk, layout, old in zip(chunks, chunk_layouts, old_log_probs, strict=True):
@@ -876,10 +875,8 @@ def _update(
                 mini[s : s + cfg.micro_batch_size]
                 for s in range(0, len(mini), cfg.micro_batch_size)
             ]
-            layouts = [
-                sequences(batch.prompts, [batch.rollouts[i] for i in micro], pad_id, device)
-                for micro in micros
-            ]
+            measuring = counts if single_update else None  # the forward before the update
+            layouts = [_laid_out(cfg, batch, micro, pad_id, device, measuring) for micro in micros]
             masks = [
                 layout.mask * batch.keep[micro].to(device)[:, None]
                 for layout, micro in zip(layouts, micros, strict=True)
@@ -936,7 +933,42 @@ def _update(
         out["importance_ratio_max"] = dp.all_reduce_max(ratio_max)
     if meter is not None:
         out |= meter.metrics(dp.group, dp.size)
+    compared = dp.all_reduce_sum(counts.compared)
+    if compared:  # the engine recorded its routing and the model routes (MoE)
+        out["router_mismatch_rate"] = dp.all_reduce_sum(counts.differ) / compared
     return out
+
+
+def _laid_out(
+    cfg: GRPOConfig,
+    batch: _Batch,
+    rows: list[int],
+    pad_id: int,
+    device,
+    counts: RouterCounts | None = None,
+) -> Micro:
+    """The rollouts ``rows`` as a micro-batch (``layout.sequences``), with the engine's
+    expert routing when it is replayed (``algorithm.router_replay: rollout``) or, in the
+    forward before the update (``counts``), compared with the trainer's own.
+
+    Raises:
+        ValueError: routing replay on, and a rollout without its engine's routing.
+    """
+    rollouts = [batch.rollouts[i] for i in rows]
+    layout = sequences(batch.prompts, rollouts, pad_id, device)
+    replay = cfg.algorithm.router_replay == "rollout"
+    records = [r.routed_experts for r in rollouts]
+    if replay and any(record is None for record in records):
+        missing = rows[records.index(None)]
+        raise ValueError(
+            f"rollout {missing} of the batch carries no expert routing, which "
+            "algorithm.router_replay=rollout replays: the engine must record it (the HF "
+            "engine does for MoE models; vLLM with enable_return_routed_experts) and the "
+            "model must be a GPT-OSS MoE"
+        )
+    if replay or (counts is not None and all(record is not None for record in records)):
+        with_routing(layout, batch.prompts, rollouts, replay, counts)
+    return layout
 
 
 CORRECTION_MEANS = (

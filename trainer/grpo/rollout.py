@@ -25,6 +25,7 @@ from core.sampling import row_generators, sample_tokens
 from core.vllm_scheduling import vllm_scheduling_kwargs
 from trainer.grpo.algorithm import token_log_probs
 from trainer.grpo.config import RolloutConfig
+from trainer.grpo.routing import RoutingRecorder, routing_shape
 from trainer.placement import EnginePlacement
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,15 @@ class Rollout:
     """True when it ended with a stop token, False when cut by max_new_tokens."""
     log_probs: list[float] | None = None
     """The sampling policy's log-prob of each response token, from its raw logits (no
-    temperature, as the trainer computes its own): the behaviour policy of an off-policy
-    update (``rollout.async_steps``). Recorded by the engines while they sample."""
+    temperature, as the trainer computes its own): the behaviour policy of the rollout
+    correction and of an off-policy update (``rollout.async_steps``), and what the mismatch
+    metrics compare with the trainer's (``trainer.grpo.mismatch``). Recorded by the engines
+    while they sample."""
+    routed_experts: list[list[list[int]]] | None = None
+    """MoE models: the experts the engine routed each token to, ``[positions, layers, k]``
+    over the prompt and the response but its last token (every token the engine ran), for
+    routing replay (``trainer.grpo.routing``). The HF engine records it always, vLLM with
+    ``algorithm.router_replay: rollout``; None otherwise."""
 
 
 class RolloutEngine(Protocol):
@@ -207,6 +215,8 @@ class HFRolloutEngine:
         self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = set(stop_token_ids(tokenizer, model.generation_config))
+        self.routing = routing_shape(model)
+        """``(layers, k)`` of an MoE model, whose routing the engine records; None."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
@@ -248,7 +258,6 @@ class HFRolloutEngine:
         Row ``i`` draws its noise from its own generator (``seeds[i]``): its samples do not
         depend on the other rows of the chunk.
         """
-        generators = row_generators(seeds, device)
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -256,6 +265,18 @@ class HFRolloutEngine:
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
+        recorder = RoutingRecorder(self.model) if self.routing else None
+        try:
+            return self._decode(prompts, seeds, first_index, n, device, ids, mask, recorder)
+        finally:
+            if recorder is not None:
+                recorder.close()
+
+    def _decode(self, prompts, seeds, first_index, n, device, ids, mask, recorder):
+        """``_generate_chunk``'s prefill and decode loop; ``recorder``: the routers' choices
+        of every forward, kept per row (``Rollout.routed_experts``)."""
+        generators = row_generators(seeds, device)
+        width = ids.shape[1]
         prefill = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -263,6 +284,12 @@ class HFRolloutEngine:
             use_cache=True,
             logits_to_keep=1,
         )
+        prompt_routes = fed_routes = None
+        if recorder is not None:  # [prompts, width, layers, k]; then per decode step and row
+            prompt_routes = recorder.take().view(len(prompts), width, *self.routing)
+            fed_routes = torch.full(
+                (len(seeds), self.cfg.max_new_tokens, *self.routing), -1, dtype=torch.int16
+            )
         cache = output_cache(prefill)
         cache.batch_repeat_interleave(n)
         keyword = cache_keyword(self.model)
@@ -297,12 +324,19 @@ class HFRolloutEngine:
                 use_cache=True,
                 **{keyword: cache},
             ).logits[:, -1, :]
+            if recorder is not None:  # the routing of token t of the rows still running
+                fed_routes[rows, t] = recorder.take()
             position = position + 1
         out = []
         for row in range(total):
             response, done = cut_at_stop(tokens[row].tolist(), self.stop_ids, self.pad_id)
             behaviour = sampled_log_probs[row, : len(response)].tolist()
-            out.append(Rollout(first_index + row // n, response, done, behaviour))
+            routes = None
+            if recorder is not None:
+                prompt = prompt_routes[row // n, width - len(prompts[row // n]) :]
+                fed = fed_routes[row, : max(0, len(response) - 1)]
+                routes = torch.cat([prompt, fed]).tolist()
+            out.append(Rollout(first_index + row // n, response, done, behaviour, routes))
         return out
 
     def _all_done(self, done: bool, device) -> bool:

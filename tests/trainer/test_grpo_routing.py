@@ -31,7 +31,7 @@ def _own_routing(model, prompt: list[int], response: list[int]) -> list:
     recorder = RoutingRecorder(model)
     try:
         with torch.no_grad():
-            model(input_ids=torch.tensor([prompt + response[:-1]]))
+            model(input_ids=torch.tensor([(prompt + response)[:-1]]))
         return recorder.take().tolist()
     finally:
         recorder.close()

@@ -216,6 +216,7 @@ def with_routing(
         split = shared_routes(
             records,
             [len(prompts[r.prompt_index].ids) for r in rollouts],
+            [len(r.response_ids) for r in rollouts],
             s.row_prompt.tolist(),
             s.prompt_ids.shape[1],
             max(0, s.response_ids.shape[1] - 1),

@@ -669,6 +669,7 @@ def _rollout_only_engine(cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: 
             engine_placement,
             dtype=str(dtype).removeprefix("torch."),
             bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
+            record_routing=cfg.algorithm.router_replay == "rollout",
         )
     else:
         model = load_causal_lm(sft_model, dtype, info.device)
@@ -700,6 +701,7 @@ def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: Placemen
             info.world_size,
             dtype=str(resolve_dtype(cfg.dtype, info.device)).removeprefix("torch."),
             sleep_mode=cfg.rollout.colocate and info.device.type == "cuda",
+            record_routing=cfg.algorithm.router_replay == "rollout",
         )
     lockstep = _zero3(cfg) and info.world_size > 1
     return HFRolloutEngine(model, tokenizer, cfg.rollout, lockstep=lockstep)

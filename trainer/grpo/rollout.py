@@ -335,7 +335,7 @@ class HFRolloutEngine:
             if recorder is not None:
                 prompt = prompt_routes[row // n, width - len(prompts[row // n]) :]
                 fed = fed_routes[row, : max(0, len(response) - 1)]
-                routes = torch.cat([prompt, fed]).tolist()
+                routes = torch.cat([prompt, fed])[: len(prompt) + len(response) - 1].tolist()
             out.append(Rollout(first_index + row // n, response, done, behaviour, routes))
         return out
 
@@ -384,6 +384,7 @@ def vllm_engine_kwargs(
     dtype: str = "bfloat16",
     sleep_mode: bool = False,
     cpu: bool = False,
+    record_routing: bool = False,
 ) -> dict[str, object]:
     """``vllm.LLM`` keyword arguments for the engine a process takes part in.
 
@@ -395,7 +396,10 @@ def vllm_engine_kwargs(
     what lets ``sync_weights`` stream tensors into it. ``dtype`` is the policy's: the engine
     samples from the weights the policy trains. ``sleep_mode``: a colocated engine on a GPU
     (vLLM has no sleep mode on CPU). ``cpu``: vLLM's CPU build (its scheduling quirk:
-    ``core.vllm_scheduling.vllm_scheduling_kwargs``).
+    ``core.vllm_scheduling.vllm_scheduling_kwargs``). ``record_routing``: each completion
+    returns the experts it routed every token to (``enable_return_routed_experts``, an
+    ``EngineArgs`` field of vLLM ≥ 0.32; ``CompletionOutput.routed_experts``), for routing
+    replay.
     """
     kwargs: dict[str, object] = {
         "model": str(model_dir),
@@ -409,7 +413,19 @@ def vllm_engine_kwargs(
     kwargs |= vllm_scheduling_kwargs(cfg.max_num_batched_tokens, kwargs["max_model_len"], cpu)
     if world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    if record_routing:
+        kwargs["enable_return_routed_experts"] = True
     return kwargs
+
+
+def vllm_routed_experts(completion) -> list[list[list[int]]] | None:
+    """A vLLM completion's expert routing as ``Rollout.routed_experts``: its
+    ``routed_experts`` (vLLM 0.32 ``vllm/outputs.py``: a numpy ``[seq_len, layers, topk]``
+    over every token the engine ran — the prompt and the response but its last token:
+    ``vllm/distributed/aux_output_connector/connector.py`` ``take_output`` ends at
+    ``num_tokens − 1``) as nested lists; None when the engine does not record it."""
+    routes = getattr(completion, "routed_experts", None)
+    return None if routes is None else routes.tolist()
 
 
 def vllm_request_params(
@@ -455,6 +471,7 @@ class VLLMRolloutEngine:
     (non-hybrid) engines own their GPUs and stay awake. ``engine`` is this process's engine
     in the run's ``PlacementPlan`` (None: one process, one engine, tensor parallel 1).
     Whether a sync took is checked by the recipe (``token_log_probs`` against the policy).
+    ``record_routing``: the rollouts carry the engine's expert routing (routing replay).
     """
 
     overlaps = False
@@ -470,6 +487,7 @@ class VLLMRolloutEngine:
         *,
         dtype: str = "bfloat16",
         sleep_mode: bool = False,
+        record_routing: bool = False,
     ) -> None:
         if engine is None and cfg.tensor_parallel_size > 1:
             raise ValueError(
@@ -492,7 +510,7 @@ class VLLMRolloutEngine:
 
         cpu = current_platform.is_cpu()
         kwargs = vllm_engine_kwargs(
-            model_dir, cfg, engine, world_size, seed, dtype, sleep_mode, cpu
+            model_dir, cfg, engine, world_size, seed, dtype, sleep_mode, cpu, record_routing
         )
         self.llm = LLM(**kwargs)
         self.model_dir = str(model_dir)
@@ -523,7 +541,8 @@ class VLLMRolloutEngine:
                     step[token].logprob
                     for step, token in zip(completion.logprobs, ids, strict=True)
                 ]
-            out.append(Rollout(index // n, ids, finished, behaviour))
+            routes = vllm_routed_experts(completion)
+            out.append(Rollout(index // n, ids, finished, behaviour, routes))
         return out
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:

@@ -101,13 +101,16 @@ class Routing:
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _as_routes(record, layers: int, k: int, row: int, length: int) -> torch.Tensor:
-    routes = torch.as_tensor(record, dtype=torch.long)
-    if routes.dim() != 3 or tuple(routes.shape[1:]) != (layers, k) or len(routes) > length:
+def _as_routes(record, layers: int, k: int, row: int, tokens: int) -> torch.Tensor:
+    """Row ``row``'s record as a tensor: one entry per token the engine ran, ``tokens − 1``
+    (all but the last sampled one)."""
+    routes = torch.as_tensor(record, dtype=torch.long).reshape(-1, layers, k)
+    if tuple(routes.shape) != (max(0, tokens - 1), layers, k):
         raise ValueError(
-            f"row {row}: recorded routing of shape {tuple(routes.shape)} for a row of {length} "
-            f"tokens; expected at most [{length}, {layers}, {k}] (positions, layers, experts "
-            "per token): the engine ran another model"
+            f"row {row}: recorded routing of shape {tuple(torch.as_tensor(record).shape)} for "
+            f"a row of {tokens} tokens; expected [{max(0, tokens - 1)}, {layers}, {k}] (every "
+            "token the engine ran but the last sampled one, layers, experts per token): the "
+            "engine ran another model or returned part of the routing"
         )
     return routes
 
@@ -116,11 +119,11 @@ def full_routes(
     records: Sequence[Sequence], lengths: Sequence[int], width: int, layers: int, k: int
 ) -> torch.Tensor:
     """``[B, width, layers, k]`` int64 routes, each row's record right-aligned as its tokens
-    (``layout.sequences``): row ``b``'s ``lengths[b]`` tokens end in the last column, its
-    record covers their first ``len(record)`` positions; ``NOT_RECORDED`` elsewhere.
+    (``layout.sequences``): row ``b``'s ``lengths[b]`` tokens end in the last column and its
+    record covers all of them but the last; ``NOT_RECORDED`` elsewhere.
 
     Raises:
-        ValueError: a record longer than its row, or not ``[positions, layers, k]``.
+        ValueError: a record that is not ``[lengths[b] − 1, layers, k]``.
     """
     out = torch.full((len(records), width, layers, k), NOT_RECORDED, dtype=torch.long)
     for row, (record, length) in enumerate(zip(records, lengths, strict=True)):
@@ -133,6 +136,7 @@ def full_routes(
 def shared_routes(
     records: Sequence[Sequence],
     prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
     row_prompt: Sequence[int],
     prompt_width: int,
     response_width: int,
@@ -151,10 +155,10 @@ def shared_routes(
     seen: set[int] = set()
     for row, (record, slot) in enumerate(zip(records, row_prompt, strict=True)):
         length = prompt_lengths[row]
-        routes = _as_routes(record, layers, k, row, length + response_width + 1)
+        routes = _as_routes(record, layers, k, row, length + response_lengths[row])
         if slot not in seen:
             seen.add(slot)
-            prompts[slot, prompt_width - length :] = routes[:length]
+            prompts[slot, prompt_width - length :][: len(routes)] = routes[:length]
         fed = routes[length : length + response_width]
         responses[row, : len(fed)] = fed
     return prompts, responses

@@ -1,0 +1,129 @@
+"""Routing replay with vLLM: ``enable_return_routed_experts`` gives every rollout the experts
+the engine routed each token to, and the training forward replays them.
+
+On vLLM's CPU build (``make test-vllm``) in fp32, where the engine routes as the policy does;
+the ``gpu`` test runs the same on a GPU in bf16 beside an fp32 policy, where kernels differ
+and the replay must lower the mismatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+from core.seeds import group_seeds
+from trainer.backends.torch import TorchBackend
+from trainer.grpo import algorithm as algo
+from trainer.grpo import recipe
+from trainer.grpo.config import GRPOConfig, RolloutConfig
+from trainer.grpo.prompts import Prompt
+from trainer.grpo.rollout import VLLMRolloutEngine
+from trainer.grpo.routing import RoutingRecorder, moe_routers
+
+QUESTIONS = [
+    "<|start|>user<|message|>Quelle est la capitale de la France ?<|end|><|start|>assistant",
+    "<|start|>user<|message|>Wie spät ist es?<|end|><|start|>assistant",
+    "<|start|>user<|message|>¿Dónde está la estación?<|end|><|start|>assistant",
+    "<|start|>user<|message|>Che tempo fa oggi?<|end|><|start|>assistant",
+]
+
+
+def _batch(engine, tokenizer) -> recipe._Batch:
+    prompts = [Prompt(tokenizer(q)["input_ids"], "fr", q) for q in QUESTIONS]
+    rollouts = engine.generate([p.ids for p in prompts], group_seeds(0, 0, range(4), 4))
+    rewards = torch.arange(len(rollouts), dtype=torch.float32) % 3
+    groups = torch.tensor([r.prompt_index for r in rollouts])
+    advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
+    keep = torch.ones_like(rewards)
+    return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
+
+
+def _rollout_kl(model, batch, replay: str) -> float:
+    cfg = GRPOConfig.model_validate(
+        {
+            "rollout": {"n_samples": 4, "max_new_tokens": 12},
+            "prompts_per_step": 4,
+            "mini_batch_size": 16,
+            "micro_batch_size": 8,
+            "algorithm": {"router_replay": replay},
+            "optim": {"learning_rate": 1e-6},
+            "dtype": "float32",
+        }
+    )
+    backend = TorchBackend(copy.deepcopy(model), cfg.optim, 4)
+    return recipe._update(cfg, backend, batch, 0, 0)["rollout_kl"]
+
+
+def _own_routing(model, ids: list[int]) -> list:
+    recorder = RoutingRecorder(model)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids[:-1]], device=next(model.parameters()).device))
+        return recorder.take().tolist()
+    finally:
+        recorder.close()
+
+
+def test_vllm_returns_the_routing_of_every_token_and_replay_runs_on_it(
+    vllm_model_dir, policy, rollout_settings
+):
+    model, tokenizer = policy
+    engine = VLLMRolloutEngine(
+        str(vllm_model_dir),
+        tokenizer,
+        RolloutConfig(**rollout_settings),
+        seed=0,
+        dtype="float32",
+        record_routing=True,
+    )
+    try:
+        batch = _batch(engine, tokenizer)
+    finally:
+        del engine.llm
+        gc.collect()
+    layers, k = len(moe_routers(model)), model.config.num_experts_per_tok
+    agree = total = 0
+    for rollout in batch.rollouts:
+        ids = batch.prompts[rollout.prompt_index].ids + rollout.response_ids
+        record = rollout.routed_experts
+        assert record is not None and len(record) == len(ids) - 1
+        assert all(len(p) == layers and len(p[0]) == k for p in record)
+        for a, b in zip(record, _own_routing(model, ids), strict=True):
+            for x, y in zip(a, b, strict=True):
+                agree += sorted(x) == sorted(y)
+                total += 1
+    assert agree / total > 0.95  # fp32 engine and policy: only near-ties may flip
+    replayed = _rollout_kl(model, batch, "rollout")
+    plain = _rollout_kl(model, batch, "off")
+    assert replayed <= plain + 1e-9 and replayed < 1e-3
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_replaying_vllm_s_bf16_routing_lowers_the_mismatch(vllm_model_dir, policy):
+    """vLLM on the GPU in bf16 (its fused MoE and attention kernels), the policy in fp32: the
+    engine routes some tokens otherwise; replaying its choices lowers ``rollout_kl``. The GPU
+    check runs the same (``bench/gpu_checks.py``, ``routing-replay``)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model, tokenizer = policy
+    engine = VLLMRolloutEngine(
+        str(vllm_model_dir),
+        tokenizer,
+        RolloutConfig(max_new_tokens=64, gpu_memory_utilization=0.3),
+        seed=0,
+        dtype="bfloat16",
+        record_routing=True,
+    )
+    try:
+        batch = _batch(engine, tokenizer)
+    finally:
+        del engine.llm
+        gc.collect()
+    gpu_model = copy.deepcopy(model).to("cuda")
+    assert all(r.routed_experts is not None for r in batch.rollouts)
+    replayed = _rollout_kl(gpu_model, batch, "rollout")
+    plain = _rollout_kl(gpu_model, batch, "off")
+    assert replayed < plain

@@ -190,3 +190,18 @@ def test_replay_needs_the_engine_s_routing_and_an_hf_backend(model):
                 "optim": {"backend": "megatron", "megatron": {"layout": "tiny-cpu"}},
             }
         )
+
+
+def test_the_routing_travels_with_the_rollouts_it_belongs_to(model):
+    """Rollouts made ahead of their step are kept as JSON by the checkpoint, and cross to the
+    training processes pickled (``trainer.grpo.remote``): the routing comes back whole."""
+    import json
+    import pickle
+
+    from trainer.grpo.producer import StepRollouts
+
+    _, rollouts = _case(model)
+    made = StepRollouts(3, 2, rollouts, 0.5)
+    back = StepRollouts.from_json(json.loads(json.dumps(made.to_json())))
+    assert back.rollouts == rollouts and back.rollouts[1].routed_experts
+    assert pickle.loads(pickle.dumps(rollouts)) == rollouts

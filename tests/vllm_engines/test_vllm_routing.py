@@ -1,9 +1,10 @@
 """Routing replay with vLLM: ``enable_return_routed_experts`` gives every rollout the experts
 the engine routed each token to, and the training forward replays them.
 
-On vLLM's CPU build (``make test-vllm``) in fp32, where the engine routes as the policy does;
-the ``gpu`` test runs the same on a GPU in bf16 beside an fp32 policy, where kernels differ
-and the replay must lower the mismatch.
+vLLM's CPU build cannot (``make test-vllm`` checks that it says so); the ``gpu`` test runs the
+path on a GPU: vLLM in bf16 beside an fp32 policy, where kernels differ: the routing comes back
+for every token the engine ran, agrees mostly with the policy's own, and replaying it lowers
+the mismatch.
 """
 
 from __future__ import annotations
@@ -67,38 +68,25 @@ def _own_routing(model, ids: list[int]) -> list:
         recorder.close()
 
 
-def test_vllm_returns_the_routing_of_every_token_and_replay_runs_on_it(
+def test_vllm_s_cpu_build_cannot_return_routed_experts_and_says_so(
     vllm_model_dir, policy, rollout_settings
 ):
-    model, tokenizer = policy
-    engine = VLLMRolloutEngine(
-        str(vllm_model_dir),
-        tokenizer,
-        RolloutConfig(**rollout_settings),
-        seed=0,
-        dtype="float32",
-        record_routing=True,
-    )
-    try:
-        batch = _batch(engine, tokenizer)
-    finally:
-        del engine.llm
-        gc.collect()
-    layers, k = len(moe_routers(model)), model.config.num_experts_per_tok
-    agree = total = 0
-    for rollout in batch.rollouts:
-        ids = batch.prompts[rollout.prompt_index].ids + rollout.response_ids
-        record = rollout.routed_experts
-        assert record is not None and len(record) == len(ids) - 1
-        assert all(len(p) == layers and len(p[0]) == k for p in record)
-        for a, b in zip(record, _own_routing(model, ids), strict=True):
-            for x, y in zip(a, b, strict=True):
-                agree += sorted(x) == sorted(y)
-                total += 1
-    assert agree / total > 0.95  # fp32 engine and policy: only near-ties may flip
-    replayed = _rollout_kl(model, batch, "rollout")
-    plain = _rollout_kl(model, batch, "off")
-    assert replayed <= plain + 1e-9 and replayed < 1e-3
+    """vLLM 0.32 returns routed experts only from Model Runner V2, which needs Triton: its CPU
+    build refuses ``enable_return_routed_experts`` ("AuxOutput Connector requires Model Runner
+    V2"). The engine says so before vLLM starts; the ``gpu`` test below runs the path."""
+    _, tokenizer = policy
+    with pytest.raises(ValueError, match="Model Runner V2, and that needs Triton"):
+        VLLMRolloutEngine(
+            str(vllm_model_dir),
+            tokenizer,
+            RolloutConfig(**rollout_settings),
+            dtype="float32",
+            record_routing=True,
+        )
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="AuxOutput Connector requires Model Runner V2"):
+        LLM(model=str(vllm_model_dir), dtype="float32", enable_return_routed_experts=True)
 
 
 @pytest.mark.gpu
@@ -123,7 +111,18 @@ def test_on_a_gpu_replaying_vllm_s_bf16_routing_lowers_the_mismatch(vllm_model_d
         del engine.llm
         gc.collect()
     gpu_model = copy.deepcopy(model).to("cuda")
-    assert all(r.routed_experts is not None for r in batch.rollouts)
+    layers, k = len(moe_routers(model)), model.config.num_experts_per_tok
+    agree = total = 0
+    for rollout in batch.rollouts:
+        ids = batch.prompts[rollout.prompt_index].ids + rollout.response_ids
+        record = rollout.routed_experts
+        assert record is not None and len(record) == len(ids) - 1
+        assert all(len(p) == layers and len(p[0]) == k for p in record)
+        for a, b in zip(record, _own_routing(gpu_model, ids), strict=True):
+            for x, y in zip(a, b, strict=True):
+                agree += sorted(x) == sorted(y)
+                total += 1
+    assert agree / total > 0.8  # bf16 kernels flip near-ties, not most choices
     replayed = _rollout_kl(gpu_model, batch, "rollout")
     plain = _rollout_kl(gpu_model, batch, "off")
     assert replayed < plain

@@ -418,6 +418,31 @@ def vllm_engine_kwargs(
     return kwargs
 
 
+def enable_routed_experts(cpu: bool) -> None:
+    """Get this process's vLLM engines ready to return routed experts, or say why they cannot.
+
+    vLLM 0.32 returns them through its auxiliary-output connector, which only Model Runner V2
+    runs (``vllm/config/vllm.py``, ``VllmConfig._verify_aux_output_compatibility``: "AuxOutput
+    Connector requires Model Runner V2"; it also needs prefix caching, which the engines keep
+    on, and no pipeline or decode-context parallelism), and Model Runner V2 needs Triton
+    (``use_v2_model_runner``): the GPU wheel has it, vLLM's CPU build does not. So on a GPU the
+    runner is asked for outright (``VLLM_USE_V2_MODEL_RUNNER=1``: a feature it lacks then
+    fails at start, naming it, instead of falling back to V1 silently).
+
+    Raises:
+        ValueError: on vLLM's CPU build.
+    """
+    if cpu:
+        raise ValueError(
+            "algorithm.router_replay=rollout with rollout.engine=vllm needs vLLM to return the "
+            "experts it routed each token to (enable_return_routed_experts), which vLLM 0.32 "
+            "does only with Model Runner V2, and that needs Triton, which vLLM's CPU build "
+            "lacks: on CPU use rollout.engine=hf (it records the routing itself) or "
+            "router_replay=off"
+        )
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+
+
 def vllm_routed_experts(completion) -> list[list[list[int]]] | None:
     """A vLLM completion's expert routing as ``Rollout.routed_experts``: its
     ``routed_experts`` (vLLM 0.32 ``vllm/outputs.py``: a numpy ``[seq_len, layers, topk]``
@@ -509,6 +534,8 @@ class VLLMRolloutEngine:
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
+        if record_routing:
+            enable_routed_experts(cpu)
         kwargs = vllm_engine_kwargs(
             model_dir, cfg, engine, world_size, seed, dtype, sleep_mode, cpu, record_routing
         )

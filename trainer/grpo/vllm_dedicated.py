@@ -36,6 +36,7 @@ from trainer.grpo.remote import _flat, buckets
 from trainer.grpo.rollout import (
     VLLM_MISSING,
     VLLMRolloutEngine,
+    enable_routed_experts,
     refuse_quantized_reload,
     vllm_engine_kwargs,
 )
@@ -88,6 +89,8 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         self.stop_ids = stop_token_ids(tokenizer, load_generation_config(model_dir))
         self.sleep_mode = self.asleep = False  # dedicated engines own their devices
         self.bucket_bytes = bucket_bytes
+        if record_routing:
+            enable_routed_experts(current_platform.is_cpu())
         # world_size 1: vLLM starts the engine's workers itself (no external launcher)
         kwargs = vllm_engine_kwargs(
             model_dir,

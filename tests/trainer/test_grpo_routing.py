@@ -11,9 +11,8 @@ from pydantic import ValidationError
 from tests_helpers_trainer import fixed_grpo_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.routing_replay import perturbed_engine_batch, update_stats
 from core.seeds import group_seeds
-from trainer.backends.torch import TorchBackend
-from trainer.grpo import recipe
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.layout import micro_log_probs, sequences, with_routing
 from trainer.grpo.prompts import Prompt
@@ -136,42 +135,12 @@ def test_replay_routes_by_the_record_and_the_gates_still_learn(model):
     assert all(float(r.weight.grad.abs().sum()) > 0 for r in moe_routers(work))
 
 
-def _perturbed_engine_batch(model, tokenizer, sigma: float):
-    """The fixed batch's prompts sampled by an engine whose routers' weights carry noise (its
-    routing flips at near-ties, as another kernel's does), with its log-probs and routing."""
-    engine_model = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for router in moe_routers(engine_model):
-            noise = torch.randn(router.weight.shape, generator=gen)
-            router.weight.add_(sigma * router.weight.std() * noise)
-    batch = fixed_grpo_batch(int(model.config.vocab_size))
-    engine = HFRolloutEngine(engine_model, tokenizer, RolloutConfig(n_samples=4, max_new_tokens=16))
-    rollouts = engine.generate([p.ids for p in batch.prompts], group_seeds(0, 0, range(4), 4))
-    batch.rollouts = rollouts
-    return batch
-
-
-def _update(model, batch, replay: str) -> dict:
-    cfg = GRPOConfig.model_validate(
-        {
-            "rollout": {"n_samples": 4, "max_new_tokens": 16},
-            "prompts_per_step": 4,
-            "mini_batch_size": 16,
-            "micro_batch_size": 8,
-            "algorithm": {"router_replay": replay},
-            "optim": {"learning_rate": 1e-6},
-            "dtype": "float32",
-        }
-    )
-    backend = TorchBackend(copy.deepcopy(model), cfg.optim, 10)
-    return recipe._update(cfg, backend, batch, 0, 0)
-
-
 def test_replay_lowers_the_mismatch_of_an_engine_whose_routing_is_perturbed(model, tiny_model_dir):
-    batch = _perturbed_engine_batch(model, AutoTokenizer.from_pretrained(tiny_model_dir), 0.3)
-    without = _update(model, batch, "off")
-    replayed = _update(model, batch, "rollout")
+    """bench/routing_replay.py's engine (router weights with noise) and update."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    batch = perturbed_engine_batch(model, tokenizer, 0.3)
+    without = update_stats(model, batch, "off")
+    replayed = update_stats(model, batch, "rollout")
     # the share of choices the trainer's own routers would make otherwise (replayed, the
     # layers below route as the engine did, so a layer's own choice is measured on their output)
     assert without["router_mismatch_rate"] > 0.05 and replayed["router_mismatch_rate"] > 0.05
@@ -182,7 +151,7 @@ def test_replay_lowers_the_mismatch_of_an_engine_whose_routing_is_perturbed(mode
 def test_replay_needs_the_engine_s_routing_and_an_hf_backend(model):
     batch = fixed_grpo_batch(int(model.config.vocab_size))  # rollouts without routing
     with pytest.raises(ValueError, match="rollout 0 of the batch carries no expert routing"):
-        _update(model, batch, "rollout")
+        update_stats(model, batch, "rollout")
     with pytest.raises(ValidationError, match="Megatron backend"):
         GRPOConfig.model_validate(
             {

@@ -188,3 +188,43 @@ def test_an_injected_mismatch_stops_the_run_and_noise_at_the_floor_does_not(
                  tmp_path / "b" / "model", tmp_path / "b")  # fmt: skip
     lines = [m for m in read_metrics(tmp_path / "b" / "training_metrics.jsonl") if "loss" in m]
     assert lines[-1]["step"] == 2 and lines[-1]["rollout_kl"] > 3 * floor + 0.002
+
+
+@pytest.mark.parametrize("correction", ["token_tis", "seq_tis", "seq_mask"])
+def test_an_on_policy_update_applies_the_configured_correction(tiny_model_dir, correction):
+    """The engine's log-probs 0.3 nats above the trainer's on every token (d = -0.3): every
+    sequence's geometric mean exp(-0.3) is outside [0.99, 1.01], every ratio below 1."""
+    cfg = GRPOConfig.model_validate(
+        {
+            "rollout": {"n_samples": 4, "max_new_tokens": 16},
+            "prompts_per_step": 4,
+            "mini_batch_size": 16,
+            "micro_batch_size": 8,
+            "algorithm": {
+                "rollout_correction": correction,
+                "seq_mask_low": 0.99,
+                "seq_mask_high": 1.01,
+            },
+            "optim": {"learning_rate": 1e-4},
+            "dtype": "float32",
+        }
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = fixed_grpo_batch(int(model.config.vocab_size))
+    layout = sequences(batch.prompts, batch.rollouts, 0, "cpu")
+    own = TorchBackend(model, cfg.optim, 10).log_probs([layout])[0]
+    rows = [
+        (own[i, layout.width - len(r.response_ids) :] + 0.3).tolist() if r.response_ids else []
+        for i, r in enumerate(batch.rollouts)
+    ]
+    stats = recipe._update(
+        cfg, TorchBackend(model, cfg.optim, 10), _with_behaviour(batch, rows), 0, 0
+    )
+    assert stats["rollout_seq_beyond_mask_fraction"] == 1.0
+    assert stats["rollout_kl"] == pytest.approx(_k3(-0.3), rel=1e-3)
+    if correction == "seq_mask":  # every sequence leaves the update: nothing to learn from
+        assert stats["seq_masked_fraction"] == 1.0 and stats["loss"] == 0
+        assert stats["importance_ratio_mean"] == pytest.approx(math.exp(-0.3), rel=1e-3)
+    else:
+        assert stats["seq_masked_fraction"] == 0 and stats["loss"] != 0
+        assert stats["importance_ratio_max"] < 1  # exp(-0.3) per token, smaller per sequence

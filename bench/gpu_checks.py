@@ -561,48 +561,13 @@ def check_collective_timeout(sizes: Sizes, work: Path) -> dict:
     return figures
 
 
-def _replay_batch(engine, tokenizer, data: Path, samples: int):
-    """Four held-out prompts sampled by ``engine`` (rewards by position: a signal in every
-    group), as the GRPO update takes them."""
-    import torch
-
-    from core.seeds import group_seeds
-    from trainer.grpo import algorithm as algo
-    from trainer.grpo import recipe
-    from trainer.grpo.prompts import load_prompts
-
-    prompts = load_prompts(data / "eval.jsonl", tokenizer, 1024, "all")[:4]
-    rollouts = engine.generate([p.ids for p in prompts], group_seeds(0, 0, range(4), samples))
-    rewards = torch.arange(len(rollouts), dtype=torch.float32) % 3
-    groups = torch.tensor([r.prompt_index for r in rollouts])
-    advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
-    keep = torch.ones_like(rewards)
-    return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
-
-
 def _replay_figures(policy, batch, samples: int) -> dict:
     """``rollout_kl`` and ``router_mismatch_rate`` of one update without and with replay."""
-    import copy
-
-    from trainer.backends import OptimConfig
-    from trainer.backends.torch import TorchBackend
-    from trainer.grpo import recipe
-    from trainer.grpo.config import GRPOConfig
+    from routing_replay import update_stats
 
     out = {}
     for replay in ("off", "rollout"):
-        cfg = GRPOConfig.model_validate(
-            {
-                "rollout": {"n_samples": samples, "max_new_tokens": 64},
-                "prompts_per_step": 4,
-                "mini_batch_size": 4 * samples,
-                "micro_batch_size": samples,
-                "algorithm": {"router_replay": replay},
-                "dtype": "float32",
-            }
-        )
-        backend = TorchBackend(copy.deepcopy(policy), OptimConfig(learning_rate=1e-6), 4)
-        stats = recipe._update(cfg, backend, batch, 0, 0)
+        stats = update_stats(policy, batch, replay, samples)
         out[f"rollout_kl_{replay}"] = stats["rollout_kl"]
         out[f"router_mismatch_rate_{replay}"] = stats["router_mismatch_rate"]
     return out
@@ -613,9 +578,11 @@ def check_routing_replay(sizes: Sizes, work: Path) -> dict:
     import importlib.util
 
     import torch
+    from routing_replay import sampled_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.grpo.config import RolloutConfig
+    from trainer.grpo.prompts import load_prompts
     from trainer.grpo.rollout import HFRolloutEngine
 
     model, data = _fixtures(sizes, work)
@@ -626,7 +593,8 @@ def check_routing_replay(sizes: Sizes, work: Path) -> dict:
     # the HF engine in bf16 on the device's kernels beside the fp32 policy: its routing flips
     engine_model = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
     engine = HFRolloutEngine(engine_model, tokenizer, RolloutConfig(max_new_tokens=64))
-    batch = _replay_batch(engine, tokenizer, data, samples)
+    prompts = load_prompts(data / "eval.jsonl", tokenizer, 1024, "all")[:4]
+    batch = sampled_batch(engine, prompts, samples)
     figures = {f"hf_{k}": v for k, v in _replay_figures(policy, batch, samples).items()}
     _finite(list(figures.values()), "routing replay (HF engine)")
     if not figures["hf_rollout_kl_rollout"] < figures["hf_rollout_kl_off"]:
@@ -647,7 +615,7 @@ def check_routing_replay(sizes: Sizes, work: Path) -> dict:
         dtype="bfloat16",
         record_routing=True,
     )
-    batch = _replay_batch(vllm_engine, tokenizer, data, samples)
+    batch = sampled_batch(vllm_engine, prompts, samples)
     del vllm_engine
     if any(r.routed_experts is None for r in batch.rollouts):
         raise CheckFailed("vLLM returned no routed experts with enable_return_routed_experts")

@@ -53,7 +53,15 @@ def perturbed_engine_batch(model, tokenizer, sigma: float, seed: int = 11) -> re
         for n in (41, 12, 27, 9)
     ]
     engine = HFRolloutEngine(engine_model, tokenizer, RolloutConfig(n_samples=4, max_new_tokens=16))
-    rollouts = engine.generate([p.ids for p in prompts], group_seeds(seed, 0, range(4), 4))
+    return sampled_batch(engine, prompts, 4, seed)
+
+
+def sampled_batch(engine, prompts: list[Prompt], samples: int, seed: int = 0) -> recipe._Batch:
+    """``samples`` responses to each of ``prompts`` from ``engine``, as the GRPO update takes
+    them (rewards by position: a signal in every group)."""
+    rollouts = engine.generate(
+        [p.ids for p in prompts], group_seeds(seed, 0, range(len(prompts)), samples)
+    )
     rewards = torch.arange(len(rollouts), dtype=torch.float32) % 3
     groups = torch.tensor([r.prompt_index for r in rollouts])
     advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
@@ -61,14 +69,16 @@ def perturbed_engine_batch(model, tokenizer, sigma: float, seed: int = 11) -> re
     return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
 
 
-def update_stats(model, batch: recipe._Batch, replay: str) -> dict:
-    """The statistics of one update of a copy of ``model`` on ``batch``."""
+def update_stats(model, batch: recipe._Batch, replay: str, samples: int = 4) -> dict:
+    """The statistics of one update of a copy of ``model`` (on its device) on ``batch``, one
+    mini-batch of all its rollouts."""
+    rollouts = len(batch.rollouts)
     cfg = GRPOConfig.model_validate(
         {
-            "rollout": {"n_samples": 4, "max_new_tokens": 16},
-            "prompts_per_step": 4,
-            "mini_batch_size": 16,
-            "micro_batch_size": 8,
+            "rollout": {"n_samples": samples, "max_new_tokens": 16},
+            "prompts_per_step": rollouts // samples,
+            "mini_batch_size": rollouts,
+            "micro_batch_size": samples,
             "algorithm": {"router_replay": replay},
             "optim": {"learning_rate": 1e-6},
             "dtype": "float32",

@@ -15,11 +15,9 @@ import gc
 import pytest
 import torch
 
-from core.seeds import group_seeds
-from trainer.backends.torch import TorchBackend
-from trainer.grpo import algorithm as algo
+from bench.routing_replay import sampled_batch, update_stats
 from trainer.grpo import recipe
-from trainer.grpo.config import GRPOConfig, RolloutConfig
+from trainer.grpo.config import RolloutConfig
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import VLLMRolloutEngine
 from trainer.grpo.routing import RoutingRecorder, moe_routers
@@ -34,28 +32,11 @@ QUESTIONS = [
 
 def _batch(engine, tokenizer) -> recipe._Batch:
     prompts = [Prompt(tokenizer(q)["input_ids"], "fr", q) for q in QUESTIONS]
-    rollouts = engine.generate([p.ids for p in prompts], group_seeds(0, 0, range(4), 4))
-    rewards = torch.arange(len(rollouts), dtype=torch.float32) % 3
-    groups = torch.tensor([r.prompt_index for r in rollouts])
-    advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
-    keep = torch.ones_like(rewards)
-    return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
+    return sampled_batch(engine, prompts, 4)
 
 
 def _rollout_kl(model, batch, replay: str) -> float:
-    cfg = GRPOConfig.model_validate(
-        {
-            "rollout": {"n_samples": 4, "max_new_tokens": 12},
-            "prompts_per_step": 4,
-            "mini_batch_size": 16,
-            "micro_batch_size": 8,
-            "algorithm": {"router_replay": replay},
-            "optim": {"learning_rate": 1e-6},
-            "dtype": "float32",
-        }
-    )
-    backend = TorchBackend(copy.deepcopy(model), cfg.optim, 4)
-    return recipe._update(cfg, backend, batch, 0, 0)["rollout_kl"]
+    return update_stats(model, batch, replay)["rollout_kl"]
 
 
 def _own_routing(model, ids: list[int]) -> list:

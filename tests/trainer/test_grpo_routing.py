@@ -5,6 +5,7 @@ perturbed the replay lowers the engine/trainer mismatch."""
 import copy
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -25,13 +26,13 @@ def model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-def _own_routing(model, prompt: list[int], response: list[int]) -> list:
+def _own_routing(model, prompt: list[int], response: list[int]):
     """The model's own choices over every token it would run for prompt + response."""
     recorder = RoutingRecorder(model)
     try:
         with torch.no_grad():
             model(input_ids=torch.tensor([(prompt + response)[:-1]]))
-        return recorder.take().tolist()
+        return recorder.take().numpy()
     finally:
         recorder.close()
 
@@ -61,13 +62,11 @@ def test_hf_engine_records_the_routing_of_every_token_it_ran(model, tiny_model_d
     for rollout in out:
         prompt = prompts[rollout.prompt_index]
         record = rollout.routed_experts
-        assert len(record) == len(prompt) + len(rollout.response_ids) - 1
-        assert all(len(position) == layers and len(position[0]) == k for position in record)
+        assert record.shape == (len(prompt) + len(rollout.response_ids) - 1, layers, k)
         own = _own_routing(model, prompt, rollout.response_ids)
-        for a, b in zip(record, own, strict=True):  # the cached decode vs one full forward
-            for x, y in zip(a, b, strict=True):
-                agree += sorted(x) == sorted(y)
-                total += 1
+        # the cached decode vs one full forward: the same experts (as sets) but at near-ties
+        agree += int((np.sort(record, -1) == np.sort(own, -1)).all(-1).sum())
+        total += record.shape[0] * layers
     assert agree / total > 0.98
 
 
@@ -101,10 +100,7 @@ def test_replaying_the_model_s_own_routing_changes_nothing(model):
 def test_replay_routes_by_the_record_and_the_gates_still_learn(model):
     prompts, rollouts = _case(model)
     experts = model.config.num_local_experts
-    moved = [  # every choice one expert over
-        [[[(e + 1) % experts for e in choice] for choice in pos] for pos in r.routed_experts]
-        for r in rollouts
-    ]
+    moved = [(r.routed_experts + 1) % experts for r in rollouts]  # every choice one over
     other = [replace(r, routed_experts=m) for r, m in zip(rollouts, moved, strict=True)]
     work = copy.deepcopy(model).train()
     logits_seen, experts_seen = [], []  # layer 1's router logits, what its experts are given
@@ -172,5 +168,9 @@ def test_the_routing_travels_with_the_rollouts_it_belongs_to(model):
     _, rollouts = _case(model)
     made = StepRollouts(3, 2, rollouts, 0.5)
     back = StepRollouts.from_json(json.loads(json.dumps(made.to_json())))
-    assert back.rollouts == rollouts and back.rollouts[1].routed_experts
-    assert pickle.loads(pickle.dumps(rollouts)) == rollouts
+    crossed = pickle.loads(pickle.dumps(rollouts))
+    for copies in (back.rollouts, crossed):
+        assert copies == rollouts  # everything but the routing (not compared by ==) …
+        for a, b in zip(copies, rollouts, strict=True):  # … which comes back whole
+            assert a.routed_experts.dtype == np.int16
+            assert np.array_equal(a.routed_experts, b.routed_experts)

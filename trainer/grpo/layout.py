@@ -204,10 +204,10 @@ def with_routing(
     rows, and the shared-prefix split when it has one): replayed (``replay``) or only
     compared with the model's own (into ``counts``). Every rollout must carry its routing."""
     records = [r.routed_experts for r in rollouts]
-    first = next((record for record in records if record), None)
+    first = next((record for record in records if record is not None and len(record)), None)
     if first is None:
         return micro
-    layers, k = len(first[0]), len(first[0][0])
+    _, layers, k = first.shape
     lengths = [len(prompts[r.prompt_index].ids) + len(r.response_ids) for r in rollouts]
     full = full_routes(records, lengths, micro.ids.shape[1], layers, k)
     split = None

@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from core.harmony import stop_token_ids
@@ -71,11 +72,27 @@ class Rollout:
     correction and of an off-policy update (``rollout.async_steps``), and what the mismatch
     metrics compare with the trainer's (``trainer.grpo.mismatch``). Recorded by the engines
     while they sample."""
-    routed_experts: list[list[list[int]]] | None = None
-    """MoE models: the experts the engine routed each token to, ``[positions, layers, k]``
-    over the prompt and the response but its last token (every token the engine ran), for
-    routing replay (``trainer.grpo.routing``). The HF engine records it always, vLLM with
-    ``algorithm.router_replay: rollout``; None otherwise."""
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+    """MoE models: the experts the engine routed each token to, an int16 array
+    ``[positions, layers, k]`` over the prompt and the response but its last token (every
+    token the engine ran), for routing replay (``trainer.grpo.routing``); an array, not
+    lists: at gpt-oss-20b's 24 layers × top-4 a 4k-token rollout holds ~400k choices. The HF
+    engine records it always, vLLM with ``algorithm.router_replay: rollout``; None
+    otherwise."""
+
+    def to_json(self) -> dict:
+        """The rollout as JSON data (the routing as nested lists)."""
+        data = asdict(self)
+        if self.routed_experts is not None:
+            data["routed_experts"] = self.routed_experts.tolist()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Rollout:
+        routes = data.get("routed_experts")
+        if routes is not None:
+            routes = np.asarray(routes, dtype=np.int16)
+        return cls(**{**data, "routed_experts": routes})
 
 
 class RolloutEngine(Protocol):
@@ -335,7 +352,7 @@ class HFRolloutEngine:
             if recorder is not None:
                 prompt = prompt_routes[row // n, width - len(prompts[row // n]) :]
                 fed = fed_routes[row, : max(0, len(response) - 1)]
-                routes = torch.cat([prompt, fed])[: len(prompt) + len(response) - 1].tolist()
+                routes = torch.cat([prompt, fed])[: len(prompt) + len(response) - 1].numpy()
             out.append(Rollout(first_index + row // n, response, done, behaviour, routes))
         return out
 
@@ -443,14 +460,14 @@ def enable_routed_experts(cpu: bool) -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
 
 
-def vllm_routed_experts(completion) -> list[list[list[int]]] | None:
+def vllm_routed_experts(completion) -> np.ndarray | None:
     """A vLLM completion's expert routing as ``Rollout.routed_experts``: its
     ``routed_experts`` (vLLM 0.32 ``vllm/outputs.py``: a numpy ``[seq_len, layers, topk]``
     over every token the engine ran — the prompt and the response but its last token:
     ``vllm/distributed/aux_output_connector/connector.py`` ``take_output`` ends at
-    ``num_tokens − 1``) as nested lists; None when the engine does not record it."""
+    ``num_tokens − 1``) as int16; None when the engine does not record it."""
     routes = getattr(completion, "routed_experts", None)
-    return None if routes is None else routes.tolist()
+    return None if routes is None else np.asarray(routes, dtype=np.int16)
 
 
 def vllm_request_params(

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 NOT_RECORDED = -1
@@ -101,22 +102,22 @@ class Routing:
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _as_routes(record, layers: int, k: int, row: int, tokens: int) -> torch.Tensor:
+def _as_routes(record: np.ndarray, layers: int, k: int, row: int, tokens: int) -> torch.Tensor:
     """Row ``row``'s record as a tensor: one entry per token the engine ran, ``tokens − 1``
     (all but the last sampled one)."""
-    routes = torch.as_tensor(record, dtype=torch.long).reshape(-1, layers, k)
-    if tuple(routes.shape) != (max(0, tokens - 1), layers, k):
+    shape = tuple(record.shape)
+    if shape != (max(0, tokens - 1), layers, k):
         raise ValueError(
-            f"row {row}: recorded routing of shape {tuple(torch.as_tensor(record).shape)} for "
+            f"row {row}: recorded routing of shape {shape} for "
             f"a row of {tokens} tokens; expected [{max(0, tokens - 1)}, {layers}, {k}] (every "
             "token the engine ran but the last sampled one, layers, experts per token): the "
             "engine ran another model or returned part of the routing"
         )
-    return routes
+    return torch.from_numpy(record.astype(np.int64))
 
 
 def full_routes(
-    records: Sequence[Sequence], lengths: Sequence[int], width: int, layers: int, k: int
+    records: Sequence[np.ndarray], lengths: Sequence[int], width: int, layers: int, k: int
 ) -> torch.Tensor:
     """``[B, width, layers, k]`` int64 routes, each row's record right-aligned as its tokens
     (``layout.sequences``): row ``b``'s ``lengths[b]`` tokens end in the last column and its
@@ -134,7 +135,7 @@ def full_routes(
 
 
 def shared_routes(
-    records: Sequence[Sequence],
+    records: Sequence[np.ndarray],
     prompt_lengths: Sequence[int],
     response_lengths: Sequence[int],
     row_prompt: Sequence[int],

@@ -97,6 +97,16 @@ class MismatchMeter:
         self.sequences += float(rows.sum())
         self.beyond += float(outside.sum())
 
+    def merge(self, other: MismatchMeter) -> None:
+        """Add ``other``'s sums (a micro-batch measured elsewhere: the loss function of a
+        backend that runs it on the last pipeline stage only returns it to every stage)."""
+        self.k3_sum += other.k3_sum
+        self.tokens += other.tokens
+        self.sequences += other.sequences
+        self.beyond += other.beyond
+        self.largest = max(self.largest, other.largest)
+        self.histogram += other.histogram
+
     def metrics(self, group=None, world: int = 1) -> dict[str, float]:
         """The step's metrics over the replicas of ``group`` (``world`` of them; one
         all-reduce of the sums, one of the largest ``|d|``); {} when nothing was added."""

@@ -894,7 +894,7 @@ def _update(
                 ]
             measured = None
             if meter is not None and single_update:  # the only forward before the update
-                measured = (meter, [layout.mask for layout in layouts])
+                measured = [layout.mask for layout in layouts]
             loss = _loss_fn(
                 cfg,
                 batch,
@@ -909,6 +909,9 @@ def _update(
                 measured,
             )
             micro_stats = backend.forward_backward(layouts, loss)
+            for stats in micro_stats:  # on every rank, whichever stage measured it
+                if "mismatch" in stats:
+                    meter.merge(stats.pop("mismatch"))
             mini_loss = mini_clip = mini_entropy = mini_kl = 0.0
             for stats in micro_stats:
                 mini_loss += stats["loss"]
@@ -1001,13 +1004,15 @@ def _loss_fn(
     device,
     behaviour: list[torch.Tensor] | None = None,
     correction: str = "none",
-    measured: tuple[MismatchMeter, list[torch.Tensor]] | None = None,
+    measured: list[torch.Tensor] | None = None,
 ) -> LossFn:
     """The loss of micro-batch ``k`` of a mini-batch (its share of the global loss) and its
     statistics, from its log-probs and entropies; ``old_log_probs`` empty: the proximal
     policy is the current one; ``behaviour``: each micro-batch's sampling log-probs, for the
-    decoupled loss with ``correction``; ``measured``: a meter and each micro-batch's response
-    mask, when this forward is the one before the update (the mismatch is measured here)."""
+    decoupled loss with ``correction``; ``measured``: each micro-batch's response mask, when
+    this forward is the one before the update: the micro-batch's mismatch is measured here and
+    returned with its statistics (``"mismatch"``, a ``MismatchMeter``), which every backend
+    brings back to every rank (Megatron runs the loss on the last pipeline stage only)."""
     a = cfg.algorithm
 
     def loss(k: int, log_probs: torch.Tensor, entropy: torch.Tensor):
@@ -1028,8 +1033,6 @@ def _loss_fn(
         if behaviour is None:
             total, pstats = algo.policy_loss(log_probs, old, advantages, mask, **clipping)
         else:
-            if measured is not None:
-                measured[0].add(old, behaviour[k], measured[1][k])
             total, pstats = algo.decoupled_policy_loss(
                 log_probs,
                 old,
@@ -1076,6 +1079,10 @@ def _loss_fn(
             for key in CORRECTION_MEANS:
                 out[key] = float(pstats[key]) * tokens
             out["importance_ratio_max"] = float(pstats["importance_ratio_max"])
+        if measured is not None:
+            meter = MismatchMeter(a.seq_mask_low, a.seq_mask_high)
+            meter.add(old, behaviour[k], measured[k])
+            out["mismatch"] = meter
         return total, out
 
     return loss

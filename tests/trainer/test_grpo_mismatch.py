@@ -228,3 +228,37 @@ def test_an_on_policy_update_applies_the_configured_correction(tiny_model_dir, c
     else:
         assert stats["seq_masked_fraction"] == 0 and stats["loss"] != 0
         assert stats["importance_ratio_max"] < 1  # exp(-0.3) per token, smaller per sequence
+
+
+def test_recorded_log_probs_leave_the_on_policy_update_as_it_was(tiny_model_dir):
+    """Default settings: an on-policy step whose rollouts carry the engine's log-probs
+    (measured, corrected by ``none``) updates the policy bit for bit as the plain
+    ``policy_loss`` step of rollouts without them."""
+    cfg = GRPOConfig.model_validate(
+        {
+            "rollout": {"n_samples": 4, "max_new_tokens": 16},
+            "prompts_per_step": 4,
+            "mini_batch_size": 16,
+            "micro_batch_size": 8,
+            "optim": {"learning_rate": 1e-3},
+            "dtype": "float32",
+        }
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = fixed_grpo_batch(int(model.config.vocab_size))
+    layout = sequences(batch.prompts, batch.rollouts, 0, "cpu")
+    own = TorchBackend(model, cfg.optim, 10).log_probs([layout])[0]
+    rows = [
+        (own[i, layout.width - len(r.response_ids) :] - 0.1).tolist() if r.response_ids else []
+        for i, r in enumerate(batch.rollouts)
+    ]
+    results = []
+    for rollouts_batch in (batch, _with_behaviour(batch, rows)):
+        policy = copy.deepcopy(model)
+        stats = recipe._update(cfg, TorchBackend(policy, cfg.optim, 10), rollouts_batch, 0, 0)
+        results.append((stats, policy.state_dict()))
+    (plain, before), (measured, after) = results
+    assert "rollout_kl" not in plain and measured["rollout_kl"] > 0
+    for key in ("loss", "grad_norm", "entropy", "kl", "clip_fraction"):
+        assert plain[key] == measured[key], key
+    assert all(torch.equal(before[name], after[name]) for name in before)

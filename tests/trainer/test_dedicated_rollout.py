@@ -269,11 +269,18 @@ def test_a_killed_process_ends_the_job_non_zero(
 def test_one_step_off_policy_overlaps_and_corrects_the_stale_batches(
     tmp_path, tiny_model_dir, prepared_data
 ):
-    cfg = small_grpo_config(max_steps=3, checkpoint_every=0, eval_every=3, **ASYNC)
+    # with routing replay: the engine's routing crosses to the trainer with its rollouts
+    replay = {"algorithm": {"router_replay": "rollout"}}
+    cfg = small_grpo_config(max_steps=3, checkpoint_every=0, eval_every=3, **ASYNC, **replay)
     lines = _trained(tmp_path, "async", cfg, tiny_model_dir, prepared_data, 2)
     assert [m["staleness"] for m in lines] == [0, 1, 1]
-    assert "importance_ratio_mean" not in lines[0]  # on-policy: the plain loss
+    # on-policy: no correction (the engine holds the policy's weights: every ratio 1)
+    assert lines[0]["importance_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert lines[0]["tis_clipped_fraction"] == 0 and lines[0]["rollout_kl"] < 1e-9
+    for m in lines:  # the engine's routing came back, and was compared and replayed
+        assert 0 <= m["router_mismatch_rate"] < 0.05
     for m in lines[1:]:  # sampled one update ago: the decoupled loss and its weights
+        assert m["rollout_kl"] > lines[0]["rollout_kl"]  # the one-update lag
         assert 0.5 < m["importance_ratio_mean"] < 2.0
         assert m["importance_ratio_max"] >= m["importance_ratio_mean"]
         assert 0.0 <= m["tis_clipped_fraction"] <= 1.0

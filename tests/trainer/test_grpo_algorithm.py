@@ -11,6 +11,7 @@ from trainer.grpo.algorithm import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    ROLLOUT_CORRECTIONS,
     aggregate_loss,
     decoupled_policy_loss,
     entropy_from_logits,
@@ -533,7 +534,8 @@ def test_importance_weight_carries_no_gradient():
     torch.testing.assert_close(old.grad, -log_probs.grad)
 
 
-def test_decoupled_micro_batches_sum_to_full_batch():
+@pytest.mark.parametrize("correction", sorted(ROLLOUT_CORRECTIONS))
+def test_decoupled_micro_batches_sum_to_full_batch(correction):
     generator = torch.Generator().manual_seed(6)
     old = -torch.rand(4, 3, generator=generator, dtype=torch.float64) * 3
     log_probs = old + torch.randn(4, 3, generator=generator, dtype=torch.float64) * 0.3
@@ -541,9 +543,8 @@ def test_decoupled_micro_batches_sum_to_full_batch():
     advantages = _t([1.0, -0.5, 2.0, -1.5])
     mask = _t([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
     for mode in sorted(LOSS_AGG_MODES):
-        full, _ = decoupled_policy_loss(
-            log_probs, old, behaviour, advantages, mask, loss_agg_mode=mode
-        )
+        kwargs = {"loss_agg_mode": mode, "correction": correction, "seq_mask_low": 0.5}
+        full, _ = decoupled_policy_loss(log_probs, old, behaviour, advantages, mask, **kwargs)
         normalizer = get_loss_agg_mode(mode).count(mask)
         parts = [
             decoupled_policy_loss(
@@ -552,8 +553,8 @@ def test_decoupled_micro_batches_sum_to_full_batch():
                 behaviour[rows],
                 advantages[rows],
                 mask[rows],
-                loss_agg_mode=mode,
                 global_normalizer=normalizer,
+                **kwargs,
             )[0]
             for rows in (slice(0, 2), slice(2, 4))
         ]

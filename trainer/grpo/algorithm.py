@@ -10,10 +10,13 @@ Registries (validate config names once with the ``get_*`` functions):
 - ``KL_ESTIMATORS``: ``k1``, ``k2``, ``k3`` (alias ``low_var_kl``).
 - ``LOSS_AGG_MODES``: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
   ``seq-mean-token-sum-norm``.
+- ``ROLLOUT_CORRECTIONS``: ``none``, ``token_tis``, ``seq_tis``, ``seq_mask`` (how the gap
+  between the engine that sampled and the trainer is corrected).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
@@ -339,6 +342,155 @@ def policy_loss(
     return loss, stats
 
 
+# --------------------------------------------------------------------------- rollout correction
+
+
+@dataclass(frozen=True)
+class CorrectionBounds:
+    """The bounds of the rollout corrections.
+
+    Attributes:
+        tis_cap: truncation ``C > 1`` of the importance weights (``token_tis``, ``seq_tis``).
+        seq_mask_low: ``seq_mask`` keeps a sequence whose geometric-mean ratio is at least
+            this (``0 < low <= 1``).
+        seq_mask_high: … and at most this (``>= 1``).
+    """
+
+    tis_cap: float = 2.0
+    seq_mask_low: float = 0.999
+    seq_mask_high: float = 1.001
+
+    def __post_init__(self) -> None:
+        if not self.tis_cap > 1:
+            raise ValueError(
+                f"tis_cap (importance-weight truncation) must be > 1, got {self.tis_cap}"
+            )
+        if not 0 < self.seq_mask_low <= 1 <= self.seq_mask_high:
+            raise ValueError(
+                f"need 0 < seq_mask_low <= 1 <= seq_mask_high, got {self.seq_mask_low} and "
+                f"{self.seq_mask_high}"
+            )
+
+
+class RolloutWeights(NamedTuple):
+    """What a rollout correction makes of the log-ratio ``d = old − behaviour`` (``[B, T]``).
+
+    ``weights`` multiply the per-token PPO loss (detached; 1 on tokens outside the mask);
+    ``ratio`` is the untruncated importance ratio each token's weight comes from (its own,
+    or its sequence's); ``truncated`` / ``masked`` flag the tokens whose weight was capped /
+    whose sequence was masked out (weight 0).
+    """
+
+    weights: Tensor
+    ratio: Tensor
+    truncated: Tensor
+    masked: Tensor
+
+
+def _token_ratio(log_ratio: Tensor) -> Tensor:
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _no_flags(log_ratio: Tensor) -> Tensor:
+    return torch.zeros_like(log_ratio, dtype=torch.bool)
+
+
+def correction_none(log_ratio: Tensor, mask: Tensor, bounds: CorrectionBounds) -> RolloutWeights:
+    """No correction: ``w = 1``. ``ratio`` is the per-token ``exp(d)``, for the statistics."""
+    return RolloutWeights(
+        torch.ones_like(log_ratio), _token_ratio(log_ratio), _no_flags(log_ratio), _no_flags(mask)
+    )
+
+
+def correction_token_tis(
+    log_ratio: Tensor, mask: Tensor, bounds: CorrectionBounds
+) -> RolloutWeights:
+    """Token-level truncated importance sampling: ``w_t = min(exp(d_t), C)``."""
+    ratio = _token_ratio(log_ratio)
+    return RolloutWeights(
+        ratio.clamp(max=bounds.tis_cap), ratio, mask & (ratio > bounds.tis_cap), _no_flags(mask)
+    )
+
+
+def correction_seq_tis(log_ratio: Tensor, mask: Tensor, bounds: CorrectionBounds) -> RolloutWeights:
+    """Sequence-level truncated importance sampling: every token of sequence ``b`` gets
+    ``w_b = min(exp(Σ_t m_bt · d_bt), C)``, the truncated ratio of the whole sequence's
+    probabilities (the sum clamped to ±20 before ``exp``)."""
+    total = (log_ratio * mask).sum(-1, keepdim=True)
+    ratio = _token_ratio(total).expand_as(log_ratio)
+    return RolloutWeights(
+        ratio.clamp(max=bounds.tis_cap), ratio, mask & (ratio > bounds.tis_cap), _no_flags(mask)
+    )
+
+
+def correction_seq_mask(
+    log_ratio: Tensor, mask: Tensor, bounds: CorrectionBounds
+) -> RolloutWeights:
+    """Sequence masking by the geometric-mean ratio ``g_b = exp(Σ_t m_bt·d_bt / Σ_t m_bt)``:
+    ``w_b = 1`` if ``low <= g_b <= high`` else 0 (the sequence leaves the update; compared in
+    log space)."""
+    tokens = mask.sum(-1, keepdim=True)
+    mean = (log_ratio * mask).sum(-1, keepdim=True) / tokens.clamp(min=1)
+    inside = (mean >= math.log(bounds.seq_mask_low)) & (mean <= math.log(bounds.seq_mask_high))
+    inside = inside.expand_as(log_ratio)
+    return RolloutWeights(
+        inside.to(log_ratio.dtype),
+        _token_ratio(mean).expand_as(log_ratio),
+        _no_flags(mask),
+        mask & ~inside,
+    )
+
+
+ROLLOUT_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, CorrectionBounds], RolloutWeights]] = {
+    "none": correction_none,
+    "token_tis": correction_token_tis,
+    "seq_tis": correction_seq_tis,
+    "seq_mask": correction_seq_mask,
+}
+
+
+def rollout_weights(
+    old_log_probs: Tensor,
+    behaviour_log_probs: Tensor,
+    response_mask: Tensor,
+    correction: str,
+    bounds: CorrectionBounds = CorrectionBounds(),
+) -> RolloutWeights:
+    """The per-token weights of ``correction`` for the log-ratio
+    ``d = old_log_probs − behaviour_log_probs`` (trainer over engine), over ``response_mask``.
+
+    Tokens outside the mask get ``w = 1`` and no flag, whatever their log-probs hold.
+
+    Raises:
+        ValueError: unknown ``correction``, mismatched shapes, or (every correction but
+            ``none``, whose weights are 1 whatever they hold) NaN/inf in either log-prob
+            tensor on a masked-in token (the message names the ``[row, token]``).
+    """
+    fn = get_rollout_correction(correction)
+    if not (old_log_probs.shape == behaviour_log_probs.shape == response_mask.shape):
+        raise ValueError(
+            f"old_log_probs {tuple(old_log_probs.shape)}, behaviour_log_probs "
+            f"{tuple(behaviour_log_probs.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must all be the same [B, T]"
+        )
+    counted = response_mask.bool()
+    if fn is not correction_none:  # ``none`` weighs nothing by them (its ratio: statistics only)
+        _check_finite_tokens(old_log_probs, counted, "old_log_probs")
+        _check_finite_tokens(behaviour_log_probs, counted, "behaviour_log_probs")
+    with torch.no_grad():
+        log_ratio = torch.where(
+            counted, old_log_probs - behaviour_log_probs, torch.zeros_like(old_log_probs)
+        )
+        out = fn(log_ratio, counted, bounds)
+        ones = torch.ones_like(out.weights)
+        return RolloutWeights(
+            torch.where(counted, out.weights, ones),
+            torch.where(counted, out.ratio, ones),
+            out.truncated & counted,
+            out.masked & counted,
+        )
+
+
 def decoupled_policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -346,7 +498,10 @@ def decoupled_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     *,
+    correction: str = "token_tis",
     tis_cap: float = 2.0,
+    seq_mask_low: float = CorrectionBounds.seq_mask_low,
+    seq_mask_high: float = CorrectionBounds.seq_mask_high,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
@@ -354,23 +509,29 @@ def decoupled_policy_loss(
     norm_length: int | None = None,
     global_normalizer: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decoupled PPO with truncated importance sampling, for rollouts from a stale policy.
+    """Decoupled PPO with a rollout correction, for rollouts the trainer did not sample.
 
-    Three policies: the behaviour policy ``μ`` that sampled the tokens (the rollout engine,
-    possibly a step behind), the proximal policy ``π_prox`` whose log-probs the trainer
-    computes at the start of the update (``old_log_probs``), and the current policy ``π_θ``.
-    PPO clipping is against ``π_prox``; the behaviour gap is corrected by a truncated,
-    detached importance weight. Per token::
+    Three policies: the behaviour policy ``μ`` that sampled the tokens (the rollout engine:
+    other kernels, another precision, possibly a step behind), the proximal policy
+    ``π_prox`` whose log-probs the trainer computes before the update (``old_log_probs``),
+    and the current policy ``π_θ``. PPO clipping is against ``π_prox``; the behaviour gap
+    ``d = log π_prox − log μ`` (per token) is corrected by detached weights ``w``
+    (``rollout_weights``, registry ``ROLLOUT_CORRECTIONS``)::
 
-        w = min(exp(old_log_probs - behaviour_log_probs), tis_cap)   (no gradient)
+        none        w = 1
+        token_tis   w_t = min(exp(d_t), C)                              (C = tis_cap)
+        seq_tis     w_b = min(exp(Σ_t d_bt), C)                          every token of row b
+        seq_mask    w_b = 1 if low <= exp(mean_t d_bt) <= high else 0    every token of row b
         l = w · l_ppo
 
     with ``l_ppo`` the clipped, dual-clipped term of ``policy_loss`` (ratio
-    ``r = π_θ / π_prox``), reduced with ``aggregate_loss(l, response_mask, ...)``. The
-    log-ratio is clamped to ±20 before ``exp``. So ``∂l/∂log_probs = w · ∂l_ppo/∂log_probs``:
-    ``-w·A·r`` where the unclipped branch is active, 0 where a clip or the dual bound is.
-    With ``behaviour_log_probs == old_log_probs``, ``w = 1`` and this is ``policy_loss``.
-    Masked-out tokens get ``w = 1`` whatever their behaviour log-probs hold (padding).
+    ``r = π_θ / π_prox``), reduced with ``aggregate_loss(l, response_mask, ...)``: a masked
+    sequence adds 0 to the numerator and still counts in the normalizer (as TRL's
+    ``sequence_mask``). Log-ratios are clamped to ±20 before ``exp``. So
+    ``∂l/∂log_probs = w · ∂l_ppo/∂log_probs``: ``-w·A·r`` where the unclipped branch is
+    active, 0 where a clip or the dual bound is. With ``behaviour_log_probs == old_log_probs``
+    every correction gives ``w = 1`` and this is ``policy_loss``. Masked-out tokens get
+    ``w = 1`` whatever their behaviour log-probs hold (padding).
 
     Args:
         log_probs: ``[B, T]`` current-policy log-probs of the sampled tokens (with grad).
@@ -380,7 +541,10 @@ def decoupled_policy_loss(
             (recorded by the engine, or recomputed with the stale weights).
         advantages: ``[B]`` (broadcast over tokens) or ``[B, T]``.
         response_mask: ``[B, T]`` 0/1 (or bool) mask of response tokens.
+        correction: a name in ``ROLLOUT_CORRECTIONS``.
         tis_cap: truncation ``C > 1`` of the importance weight.
+        seq_mask_low: ``seq_mask``'s lower bound on the geometric-mean ratio.
+        seq_mask_high: ``seq_mask``'s upper bound.
         clip_ratio_low: as ``policy_loss``.
         clip_ratio_high: as ``policy_loss``.
         clip_ratio_c: as ``policy_loss``.
@@ -391,22 +555,23 @@ def decoupled_policy_loss(
     Returns:
         ``(loss, stats)``: the ``policy_loss`` stats (of ``r = π_θ / π_prox``) plus, over
         masked tokens, ``importance_ratio_mean`` and ``importance_ratio_max`` of the
-        untruncated weight ``exp(old_log_probs - behaviour_log_probs)``, and
-        ``tis_clipped_fraction``, the share of tokens whose weight was truncated
-        (all 0 when the mask is empty).
+        untruncated ratio each weight comes from (the token's; the sequence's for the
+        sequence-level corrections), ``tis_clipped_fraction``, the share of tokens whose
+        weight was truncated, and ``seq_masked_fraction``, the share of tokens whose sequence
+        was masked out (all 0 when the mask is empty).
 
     Raises:
         ValueError: as ``policy_loss``; ``behaviour_log_probs`` of another shape;
-            ``tis_cap <= 1``; NaN/inf in ``old_log_probs`` or ``behaviour_log_probs`` on a
-            masked-in token (the message names the ``[row, token]`` positions).
+            bad bounds (``CorrectionBounds``); an unknown ``correction``; NaN/inf in
+            ``old_log_probs`` or ``behaviour_log_probs`` on a masked-in token (the message
+            names the ``[row, token]`` positions).
     """
     if behaviour_log_probs.shape != log_probs.shape:
         raise ValueError(
             f"behaviour_log_probs {tuple(behaviour_log_probs.shape)} must be the same [B, T] "
             f"as log_probs {tuple(log_probs.shape)}"
         )
-    if not tis_cap > 1:
-        raise ValueError(f"tis_cap (importance-weight truncation) must be > 1, got {tis_cap}")
+    bounds = CorrectionBounds(tis_cap, seq_mask_low, seq_mask_high)
     loss_mat, stats = _clipped_surrogate(
         log_probs,
         old_log_probs,
@@ -416,28 +581,33 @@ def decoupled_policy_loss(
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
     )
-    counted = response_mask.bool()
-    _check_finite_tokens(old_log_probs, counted, "old_log_probs")
-    _check_finite_tokens(behaviour_log_probs, counted, "behaviour_log_probs")
-    with torch.no_grad():
-        log_weight = (old_log_probs - behaviour_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        weight = torch.where(counted, torch.exp(log_weight), torch.ones_like(log_weight))
-        truncated = weight.clamp(max=tis_cap).to(loss_mat.dtype)
+    corrected = rollout_weights(
+        old_log_probs, behaviour_log_probs, response_mask, correction, bounds
+    )
     loss = aggregate_loss(
-        truncated * loss_mat,
+        corrected.weights.to(loss_mat.dtype) * loss_mat,
         response_mask,
         loss_agg_mode,
         norm_length=norm_length,
         global_normalizer=global_normalizer,
     )
-    with torch.no_grad():
-        mask = response_mask.to(weight.dtype)
-        stats["importance_ratio_mean"] = _masked_mean(weight, mask)
-        stats["importance_ratio_max"] = (
-            (weight * mask).max() if weight.numel() else weight.new_zeros(())
-        )
-        stats["tis_clipped_fraction"] = _masked_mean((weight > tis_cap).to(mask.dtype), mask)
+    stats |= correction_stats(corrected, response_mask)
     return loss, stats
+
+
+def correction_stats(corrected: RolloutWeights, response_mask: Tensor) -> dict[str, Tensor]:
+    """Token means over ``response_mask`` of a correction's ratio and flags, and the largest
+    ratio (all 0 when the mask is empty): ``importance_ratio_mean``, ``importance_ratio_max``,
+    ``tis_clipped_fraction``, ``seq_masked_fraction``."""
+    with torch.no_grad():
+        ratio = corrected.ratio
+        mask = response_mask.to(ratio.dtype)
+        return {
+            "importance_ratio_mean": _masked_mean(ratio, mask),
+            "importance_ratio_max": (ratio * mask).max() if ratio.numel() else ratio.new_zeros(()),
+            "tis_clipped_fraction": _masked_mean(corrected.truncated.to(mask.dtype), mask),
+            "seq_masked_fraction": _masked_mean(corrected.masked.to(mask.dtype), mask),
+        }
 
 
 def _check_finite_tokens(values: Tensor, counted: Tensor, name: str) -> None:
@@ -695,3 +865,10 @@ def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
 def get_loss_agg_mode(name: str) -> LossAggregation:
     """The loss aggregation called ``name``; ValueError listing the valid names."""
     return _lookup(LOSS_AGG_MODES, name, "loss aggregation mode")
+
+
+def get_rollout_correction(
+    name: str,
+) -> Callable[[Tensor, Tensor, CorrectionBounds], RolloutWeights]:
+    """The rollout correction called ``name``; ValueError listing the valid names."""
+    return _lookup(ROLLOUT_CORRECTIONS, name, "rollout correction")

@@ -8,7 +8,12 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from core.config_model import ConfigModel
 from trainer.backends.config import OptimConfig, ProcessSettings
-from trainer.grpo.algorithm import get_advantage_estimator, get_kl_estimator, get_loss_agg_mode
+from trainer.grpo.algorithm import (
+    get_advantage_estimator,
+    get_kl_estimator,
+    get_loss_agg_mode,
+    get_rollout_correction,
+)
 
 
 class RolloutConfig(ConfigModel):
@@ -67,6 +72,16 @@ class RolloutConfig(ConfigModel):
     sync_check_tolerance: float | None = Field(None, gt=0)
     """The dtype floor added to each bound of the sync check (None: 1e-3 for a float32
     policy, 0.05 for bf16/fp16)."""
+    max_mismatch_kl: float | None = Field(0.002, gt=0)
+    """The gate on ``rollout_kl`` (the engine's log-probs of each step's tokens against the
+    trainer's, ``trainer.grpo.mismatch``): on-policy steps may reach
+    ``mismatch_floor_factor × floor + max_mismatch_kl``, the floor being the run's first
+    step's value (its kernel noise); None: no gate (the metrics are logged all the same)."""
+    mismatch_floor_factor: float = Field(3.0, ge=1)
+    """How many times its first step's ``rollout_kl`` a later on-policy step may reach
+    (plus ``max_mismatch_kl``)."""
+    mismatch_action: Literal["warn", "stop"] = "warn"
+    """Past the gate: log a warning and go on, or stop the run."""
 
     @field_validator("n_samples")
     @classmethod
@@ -113,9 +128,25 @@ class AlgorithmConfig(ConfigModel):
     clip_ratio_high: float = Field(0.28, ge=0)
     clip_ratio_c: float = Field(10.0, gt=1)
     tis_cap: float = Field(2.0, gt=1)
-    """Truncation ``C`` of the off-policy importance weight ``min(π_prox/π_behaviour, C)`` of
-    ``algorithm.decoupled_policy_loss``, the loss of rollouts sampled a step stale
-    (``rollout.async_steps: 1``); on-policy steps do not use it."""
+    """Truncation ``C`` of the importance weights of ``token_tis`` (``min(π_prox/μ, C)`` per
+    token) and ``seq_tis`` (of the sequence's ratio) in ``algorithm.decoupled_policy_loss``."""
+    rollout_correction: str | None = None
+    """How the loss corrects the gap between the engine that sampled the rollouts (``μ``,
+    whose log-probs it recorded) and the trainer's policy before the update (``π_prox``):
+    ``none``, ``token_tis``, ``seq_tis`` or ``seq_mask`` (``algorithm.ROLLOUT_CORRECTIONS``),
+    on every step, on-policy or stale. None: ``token_tis`` on stale steps
+    (``rollout.async_steps: 1``) and ``none`` on on-policy ones, as before the option."""
+    seq_mask_low: float = Field(0.999, gt=0, le=1)
+    """``seq_mask`` drops a sequence whose geometric-mean ratio ``exp(mean_t log π_prox/μ)``
+    is below this (verl's ``geo_rs`` preset: 1/1.001) … """
+    seq_mask_high: float = Field(1.001, ge=1)
+    """… or above this; the bounds of ``rollout_seq_beyond_mask_fraction`` too."""
+    router_replay: Literal["off", "rollout"] = "off"
+    """MoE models (GPT-OSS): ``rollout`` has the training forward route each token to the
+    experts the rollout engine chose for it (``trainer.grpo.routing``), instead of its own
+    top-k; the gate weights stay differentiable. ``off``: the trainer routes; the share of
+    (token, layer) choices that differ is logged (``router_mismatch_rate``) when the engine
+    records its routing."""
     loss_agg_mode: str = "token-mean"
     kl_loss_coef: float = Field(0.0, ge=0)
     kl_estimator: str = "low_var_kl"
@@ -129,6 +160,8 @@ class AlgorithmConfig(ConfigModel):
         get_advantage_estimator(self.advantage_estimator)
         get_kl_estimator(self.kl_estimator)
         get_loss_agg_mode(self.loss_agg_mode)
+        if self.rollout_correction is not None:
+            get_rollout_correction(self.rollout_correction)
         return self
 
 
@@ -183,6 +216,17 @@ class GRPOConfig(ProcessSettings):
             return 0
         per_engine = self.rollout.tensor_parallel_size if self.rollout.engine == "vllm" else 1
         return self.rollout.num_engines * per_engine
+
+    @model_validator(mode="after")
+    def _router_replay_on_hf_modules(self) -> GRPOConfig:
+        if self.algorithm.router_replay != "off" and self.optim.backend == "megatron":
+            raise ValueError(
+                "algorithm.router_replay=rollout replays the engine's expert choices through a "
+                "hook on the Hugging Face GPT-OSS router, which the Megatron backend does not "
+                "run (its MoE layers route in Megatron-Core, whose router replay is not wired "
+                "here yet); use optim.backend torch or deepspeed, or router_replay=off"
+            )
+        return self
 
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> GRPOConfig:

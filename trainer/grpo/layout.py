@@ -2,8 +2,9 @@
 
 Rows are right-aligned (every response ends in the last column) so the LM head runs on the
 last ``width + 1`` positions only; rows that share a prompt can run it once
-(``SharedPrefix``). The PyTorch and DeepSpeed backends call ``Micro.hf_log_probs``; the
-Megatron backend reads the same fields.
+(``SharedPrefix``). The engine's expert routing, when replayed or compared
+(``Micro.routing``), is laid out the same way (``with_routing``). The PyTorch and DeepSpeed
+backends call ``Micro.hf_log_probs``; the Megatron backend reads the same fields.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from core.modeling import cache_keyword, output_cache
 from trainer.grpo import algorithm as algo
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import Rollout
+from trainer.grpo.routing import RouterCounts, Routing, full_routes, routed, shared_routes
 
 
 @dataclass
@@ -34,6 +36,9 @@ class Micro:
     mask: torch.Tensor
     """[B, width]: 1 on the response tokens (the targets of the kept logits)."""
     shared: SharedPrefix | None = None
+    routing: Routing | None = None
+    """The rollout engine's expert choices for these rows, replayed or compared by the HF
+    forward (``trainer.grpo.routing``); None: the model routes on its own."""
 
     @property
     def width(self) -> int:
@@ -122,19 +127,21 @@ def micro_log_probs(module, micro: Micro, with_entropy: bool):
     if shared and torch.is_grad_enabled() and zero3_partitioned(module):
         shared = False
     if shared:
-        logits = shared_prefix_logits(module, micro.shared)
+        with routed(module, micro.routing, shared=True):
+            logits = shared_prefix_logits(module, micro.shared)
         targets = micro.shared.response_ids
         log_probs = right_align(algo.token_log_probs(logits, targets), micro.shared)
         entropy = None
         if with_entropy:
             entropy = right_align(algo.entropy_from_logits(logits), micro.shared)
         return log_probs, entropy
-    logits = module(
-        input_ids=micro.ids,
-        attention_mask=micro.attention,
-        position_ids=micro.positions,
-        logits_to_keep=micro.width + 1,
-    ).logits[:, :-1, :]
+    with routed(module, micro.routing):
+        logits = module(
+            input_ids=micro.ids,
+            attention_mask=micro.attention,
+            position_ids=micro.positions,
+            logits_to_keep=micro.width + 1,
+        ).logits[:, :-1, :]
     log_probs = algo.token_log_probs(logits, micro.ids[:, -micro.width :])
     entropy = algo.entropy_from_logits(logits) if with_entropy else None
     return log_probs, entropy
@@ -184,3 +191,38 @@ def right_align(values: torch.Tensor, shared: SharedPrefix) -> torch.Tensor:
     )
     valid = source >= 0
     return torch.gather(values, 1, source.clamp(min=0)) * valid
+
+
+def with_routing(
+    micro: Micro,
+    prompts: list[Prompt],
+    rollouts: list[Rollout],
+    replay: bool,
+    counts: RouterCounts | None,
+) -> Micro:
+    """``micro`` with the rollouts' recorded expert routing laid out for its forwards (full
+    rows, and the shared-prefix split when it has one): replayed (``replay``) or only
+    compared with the model's own (into ``counts``). Every rollout must carry its routing."""
+    records = [r.routed_experts for r in rollouts]
+    first = next((record for record in records if record is not None and len(record)), None)
+    if first is None:
+        return micro
+    _, layers, k = first.shape
+    lengths = [len(prompts[r.prompt_index].ids) + len(r.response_ids) for r in rollouts]
+    full = full_routes(records, lengths, micro.ids.shape[1], layers, k)
+    split = None
+    if micro.shared is not None:
+        s = micro.shared
+        split = shared_routes(
+            records,
+            [len(prompts[r.prompt_index].ids) for r in rollouts],
+            [len(r.response_ids) for r in rollouts],
+            s.row_prompt.tolist(),
+            s.prompt_ids.shape[1],
+            max(0, s.response_ids.shape[1] - 1),
+            layers,
+            k,
+        )
+        split = tuple(t.to(micro.ids.device) for t in split)
+    micro.routing = Routing(full.to(micro.ids.device), replay, counts, split)
+    return micro

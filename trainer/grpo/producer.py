@@ -57,11 +57,11 @@ class StepRollouts:
         return self.step - self.version
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "rollouts": [r.to_json() for r in self.rollouts]}
 
     @classmethod
     def from_json(cls, data: dict) -> StepRollouts:
-        rollouts = [Rollout(**r) for r in data["rollouts"]]
+        rollouts = [Rollout.from_json(r) for r in data["rollouts"]]
         return cls(**{**data, "rollouts": rollouts})
 
 

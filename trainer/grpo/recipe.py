@@ -57,10 +57,12 @@ from trainer.distributed import (
 from trainer.divergence import DivergenceGuard
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.layout import sequences
+from trainer.grpo.layout import Micro, sequences, with_routing
+from trainer.grpo.mismatch import MismatchGate, MismatchMeter
 from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
 from trainer.grpo.rollout import HFRolloutEngine, Rollout, keep_share, share_request
+from trainer.grpo.routing import RouterCounts
 from trainer.grpo.sync_check import (
     SyncCheck,
     SyncGap,
@@ -251,6 +253,9 @@ class RunState:
     sync_floor: dict | None = None
     """The sync check's noise floor, learned before the first sync (``SyncGap`` as JSON): a
     resumed run's engine holds other weights than its policy and cannot learn it again."""
+    mismatch_floor: float | None = None
+    """``rollout_kl`` of the run's first step, the floor of the mismatch gate
+    (``trainer.grpo.mismatch.MismatchGate``), kept for a resumed run."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -341,6 +346,12 @@ def _train(
         cfg.rollout.sync_check_tolerance,
         SyncGap.from_json(state.sync_floor),
     )
+    gate = MismatchGate(
+        cfg.rollout.max_mismatch_kl,
+        cfg.rollout.mismatch_floor_factor,
+        cfg.rollout.mismatch_action,
+        state.mismatch_floor,
+    )
     if engines_ready is not None:  # no process enters a collective while an engine loads
         engines_ready()
     producer = _producer(run, plan, state, check)  # on-policy, it syncs the engine here
@@ -399,6 +410,9 @@ def _train(
                 **_timing_metrics(run, made, batch, train_time, step_time),
                 **sync_metrics(producer.sync_reports()),
             )
+            if "rollout_kl" in stats:  # after the line: a stopped run shows the step's value
+                gate.check(stats["rollout_kl"], done, made.staleness == 0)
+                state.mismatch_floor = gate.floor
             progress.update(1)
             progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
@@ -655,6 +669,7 @@ def _rollout_only_engine(cfg: GRPOConfig, sft_model, plan: PlacementPlan, info: 
             engine_placement,
             dtype=str(dtype).removeprefix("torch."),
             bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
+            record_routing=cfg.algorithm.router_replay == "rollout",
         )
     else:
         model = load_causal_lm(sft_model, dtype, info.device)
@@ -686,6 +701,7 @@ def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: Placemen
             info.world_size,
             dtype=str(resolve_dtype(cfg.dtype, info.device)).removeprefix("torch."),
             sleep_mode=cfg.rollout.colocate and info.device.type == "cuda",
+            record_routing=cfg.algorithm.router_replay == "rollout",
         )
     lockstep = _zero3(cfg) and info.world_size > 1
     return HFRolloutEngine(model, tokenizer, cfg.rollout, lockstep=lockstep)
@@ -802,9 +818,12 @@ def _update(
     The backend runs each mini-batch's forward and backward (``forward_backward``), calling
     the ``_loss_fn`` loss of each micro-batch with its log-probs; normalizers are summed over
     the data-parallel replicas, so every replica's loss is its share of the global one.
-    ``stale``: the rollouts were sampled by an older policy (``rollout.async_steps``); the
-    loss is then ``algorithm.decoupled_policy_loss``, with the behaviour log-probs the engine
-    recorded, and the importance-weight statistics are returned too.
+    When the engine recorded its log-probs (the behaviour policy), the loss is
+    ``algorithm.decoupled_policy_loss`` with the step's rollout correction
+    (``_correction``; ``stale``: the rollouts were sampled by an older policy,
+    ``rollout.async_steps``) and the statistics hold the correction's and the mismatch's
+    (``trainer.grpo.mismatch``: the engine's log-probs against the trainer's before the
+    update, every response token).
     """
     a = cfg.algorithm
     agg = algo.get_loss_agg_mode(a.loss_agg_mode)
@@ -812,21 +831,30 @@ def _update(
     n = len(batch.rollouts)
     local_mini = cfg.mini_batch_size // dp.size
     device = dp.device
+    correction = _correction(cfg, stale)
+    recorded = all(r.log_probs is not None for r in batch.rollouts)
+    if correction != "none" and not recorded:
+        missing = next(i for i, r in enumerate(batch.rollouts) if r.log_probs is None)
+        raise ValueError(
+            f"rollout {missing} of the batch has no behaviour log-probs: the engine must record "
+            f"them for algorithm.rollout_correction {correction!r} (and for an off-policy "
+            "update, rollout.async_steps)"
+        )
+    meter = MismatchMeter(a.seq_mask_low, a.seq_mask_high) if recorded else None
+    counts = RouterCounts()
     # one on-policy update: the old log-probs equal the current ones, so reuse them (detached)
     single_update = a.ppo_epochs == 1 and local_mini >= n
     old_log_probs: list[torch.Tensor] = []
     if not single_update:
-        old_log_probs = backend.log_probs(
-            [
-                sequences(
-                    batch.prompts,
-                    batch.rollouts[start : start + cfg.micro_batch_size],
-                    pad_id,
-                    device,
-                )
-                for start in range(0, n, cfg.micro_batch_size)
-            ]
-        )
+        chunks = [
+            list(range(start, min(start + cfg.micro_batch_size, n)))
+            for start in range(0, n, cfg.micro_batch_size)
+        ]
+        chunk_layouts = [_laid_out(cfg, batch, chunk, pad_id, device, counts) for chunk in chunks]
+        old_log_probs = backend.log_probs(chunk_layouts)
+        if meter is not None:
+            for chunk, layout, old in zip(chunks, chunk_layouts, old_log_probs, strict=True):
+                meter.add(old, _behaviour_block(batch, chunk, layout.width), layout.mask)
     sums = {
         "loss": 0.0,
         "grad_norm": 0.0,
@@ -835,8 +863,8 @@ def _update(
         "kl": 0.0,
         "learning_rate": 0.0,
     }
-    if stale:
-        sums |= {"importance_ratio_mean": 0.0, "tis_clipped_fraction": 0.0}
+    if recorded:
+        sums |= {key: 0.0 for key in CORRECTION_MEANS}
     ratio_max = 0.0
     updates = 0
     order = list(range(n))
@@ -849,10 +877,8 @@ def _update(
                 mini[s : s + cfg.micro_batch_size]
                 for s in range(0, len(mini), cfg.micro_batch_size)
             ]
-            layouts = [
-                sequences(batch.prompts, [batch.rollouts[i] for i in micro], pad_id, device)
-                for micro in micros
-            ]
+            measuring = counts if single_update else None  # the forward before the update
+            layouts = [_laid_out(cfg, batch, micro, pad_id, device, measuring) for micro in micros]
             masks = [
                 layout.mask * batch.keep[micro].to(device)[:, None]
                 for layout, micro in zip(layouts, micros, strict=True)
@@ -861,11 +887,14 @@ def _update(
             normalizer = max(dp.all_reduce_sum(local_count), 1e-8)
             ref_log_probs = backend.log_probs(layouts, reference=True) if a.kl_loss_coef else None
             behaviour = None
-            if stale:
+            if recorded:
                 behaviour = [
                     _behaviour_block(batch, micro, layout.width).to(device)
                     for micro, layout in zip(micros, layouts, strict=True)
                 ]
+            measured = None
+            if meter is not None and single_update:  # the only forward before the update
+                measured = [layout.mask for layout in layouts]
             loss = _loss_fn(
                 cfg,
                 batch,
@@ -876,8 +905,13 @@ def _update(
                 ref_log_probs,
                 device,
                 behaviour,
+                correction,
+                measured,
             )
             micro_stats = backend.forward_backward(layouts, loss)
+            for stats in micro_stats:  # on every rank, whichever stage measured it
+                if "mismatch" in stats:
+                    meter.merge(stats.pop("mismatch"))
             mini_loss = mini_clip = mini_entropy = mini_kl = 0.0
             for stats in micro_stats:
                 mini_loss += stats["loss"]
@@ -891,8 +925,8 @@ def _update(
             sums["kl"] += dp.all_reduce_sum(mini_kl)
             masked_tokens = max(dp.all_reduce_sum(sum(float(m.sum()) for m in masks)), 1e-8)
             sums["clip_fraction"] += dp.all_reduce_sum(mini_clip) / masked_tokens
-            if stale:
-                for key in ("importance_ratio_mean", "tis_clipped_fraction"):
+            if recorded:
+                for key in CORRECTION_MEANS:
                     total = sum(stats[key] for stats in micro_stats)
                     sums[key] += dp.all_reduce_sum(total) / masked_tokens
                 ratio_max = max(
@@ -900,9 +934,63 @@ def _update(
                 )
             updates += 1
     out = {k: v / max(1, updates) for k, v in sums.items()}
-    if stale:  # the largest over every mini-batch and replica: one reduce for the step
+    if recorded:  # the largest over every mini-batch and replica: one reduce for the step
         out["importance_ratio_max"] = dp.all_reduce_max(ratio_max)
+    if meter is not None:
+        out |= meter.metrics(dp.group, dp.size)
+    compared = dp.all_reduce_sum(counts.compared)
+    if compared:  # the engine recorded its routing and the model routes (MoE)
+        out["router_mismatch_rate"] = dp.all_reduce_sum(counts.differ) / compared
     return out
+
+
+def _laid_out(
+    cfg: GRPOConfig,
+    batch: _Batch,
+    rows: list[int],
+    pad_id: int,
+    device,
+    counts: RouterCounts | None = None,
+) -> Micro:
+    """The rollouts ``rows`` as a micro-batch (``layout.sequences``), with the engine's
+    expert routing when it is replayed (``algorithm.router_replay: rollout``) or, in the
+    forward before the update (``counts``), compared with the trainer's own.
+
+    Raises:
+        ValueError: routing replay on, and a rollout without its engine's routing.
+    """
+    rollouts = [batch.rollouts[i] for i in rows]
+    layout = sequences(batch.prompts, rollouts, pad_id, device)
+    replay = cfg.algorithm.router_replay == "rollout"
+    records = [r.routed_experts for r in rollouts]
+    if replay and any(record is None for record in records):
+        missing = rows[records.index(None)]
+        raise ValueError(
+            f"rollout {missing} of the batch carries no expert routing, which "
+            "algorithm.router_replay=rollout replays: the engine must record it (the HF "
+            "engine does for MoE models; vLLM with enable_return_routed_experts) and the "
+            "model must be a GPT-OSS MoE"
+        )
+    if replay or (counts is not None and all(record is not None for record in records)):
+        with_routing(layout, batch.prompts, rollouts, replay, counts)
+    return layout
+
+
+CORRECTION_MEANS = (
+    "importance_ratio_mean",
+    "tis_clipped_fraction",
+    "seq_masked_fraction",
+)
+"""The rollout correction's token means logged each step (with ``importance_ratio_max``)."""
+
+
+def _correction(cfg: GRPOConfig, stale: bool) -> str:
+    """The rollout correction of a step: ``algorithm.rollout_correction``, or when unset
+    ``token_tis`` for stale rollouts and ``none`` for on-policy ones."""
+    chosen = cfg.algorithm.rollout_correction
+    if chosen is not None:
+        return chosen
+    return "token_tis" if stale else "none"
 
 
 def _loss_fn(
@@ -915,11 +1003,16 @@ def _loss_fn(
     ref_log_probs: list[torch.Tensor] | None,
     device,
     behaviour: list[torch.Tensor] | None = None,
+    correction: str = "none",
+    measured: list[torch.Tensor] | None = None,
 ) -> LossFn:
     """The loss of micro-batch ``k`` of a mini-batch (its share of the global loss) and its
     statistics, from its log-probs and entropies; ``old_log_probs`` empty: the proximal
     policy is the current one; ``behaviour``: each micro-batch's sampling log-probs, for the
-    decoupled loss of stale rollouts."""
+    decoupled loss with ``correction``; ``measured``: each micro-batch's response mask, when
+    this forward is the one before the update: the micro-batch's mismatch is measured here and
+    returned with its statistics (``"mismatch"``, a ``MismatchMeter``), which every backend
+    brings back to every rank (Megatron runs the loss on the last pipeline stage only)."""
     a = cfg.algorithm
 
     def loss(k: int, log_probs: torch.Tensor, entropy: torch.Tensor):
@@ -941,7 +1034,16 @@ def _loss_fn(
             total, pstats = algo.policy_loss(log_probs, old, advantages, mask, **clipping)
         else:
             total, pstats = algo.decoupled_policy_loss(
-                log_probs, old, behaviour[k], advantages, mask, tis_cap=a.tis_cap, **clipping
+                log_probs,
+                old,
+                behaviour[k],
+                advantages,
+                mask,
+                correction=correction,
+                tis_cap=a.tis_cap,
+                seq_mask_low=a.seq_mask_low,
+                seq_mask_high=a.seq_mask_high,
+                **clipping,
             )
         if ref_log_probs is not None:
             kl = algo.kl_loss(
@@ -974,9 +1076,13 @@ def _loss_fn(
         }
         if behaviour is not None:  # token sums and the max, over the micro-batch's mask
             tokens = float(mask.sum())
-            out["importance_ratio_mean"] = float(pstats["importance_ratio_mean"]) * tokens
-            out["tis_clipped_fraction"] = float(pstats["tis_clipped_fraction"]) * tokens
+            for key in CORRECTION_MEANS:
+                out[key] = float(pstats[key]) * tokens
             out["importance_ratio_max"] = float(pstats["importance_ratio_max"])
+        if measured is not None:
+            meter = MismatchMeter(a.seq_mask_low, a.seq_mask_high)
+            meter.add(old, behaviour[k], measured[k])
+            out["mismatch"] = meter
         return total, out
 
     return loss
@@ -990,7 +1096,7 @@ def _behaviour_block(batch: _Batch, micro: list[int], width: int) -> torch.Tenso
         if batch.rollouts[i].log_probs is None:
             raise ValueError(
                 f"rollout {i} of the batch has no behaviour log-probs: the engine must record "
-                "them for an off-policy update (rollout.async_steps)"
+                "them for a rollout correction or an off-policy update (rollout.async_steps)"
             )
         rows.append(torch.tensor(batch.rollouts[i].log_probs, dtype=torch.float32))
     return _right_aligned(rows, width)

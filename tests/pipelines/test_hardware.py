@@ -173,3 +173,21 @@ def test_the_planners_layouts_take_their_machines_from_the_node_types(layout, no
     assert preset.attn_implementation == ("flash" if node.flash_attention else "eager")
     # node_fields (which the capacity check uses for a preset's hardware) gives these fields
     assert node_fields(node_type, nodes).items() <= preset.model_dump().items()
+
+
+def test_a_derived_nproc_is_given_before_the_step_configs_check_their_sizes():
+    # the GRPO config checks its Megatron layout's world (8) against nproc: it must see the
+    # node's 8 processes, not the default 1
+    megatron = apply_overrides(
+        PRESETS["gpt-oss-20b-verl"],
+        {
+            "grpo.optim.backend": "megatron",
+            "grpo.optim.offload_optimizer": "false",
+            "grpo.optim.megatron": '{"layout": {"preset": "verl-gpt-oss-8x8-h100", '
+            '"nodes": 1, "pp": 1}}',
+            "grpo.gradient_checkpointing": "false",
+        },
+    )
+    assert megatron.grpo.nproc == 8 and "nproc" not in megatron.grpo.model_fields_set
+    # and it stays derived: a later change of nodes changes it again
+    assert apply_overrides(megatron, {"hardware.sft_nodes": "2"}).sft.nproc == 16

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
 
 from capacity.layouts import Layout
 from cluster.hardware import Hardware
@@ -178,16 +179,7 @@ def test_the_planners_layouts_take_their_machines_from_the_node_types(layout, no
 def test_a_derived_nproc_is_given_before_the_step_configs_check_their_sizes():
     # the GRPO config checks its Megatron layout's world (8) against nproc: it must see the
     # node's 8 processes, not the default 1
-    megatron = apply_overrides(
-        PRESETS["gpt-oss-20b-verl"],
-        {
-            "grpo.optim.backend": "megatron",
-            "grpo.optim.offload_optimizer": "false",
-            "grpo.optim.megatron": '{"layout": {"preset": "verl-gpt-oss-8x8-h100", '
-            '"nodes": 1, "pp": 1}}',
-            "grpo.gradient_checkpointing": "false",
-        },
-    )
+    megatron = apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_MEGATRON_OVERRIDES)
     assert megatron.grpo.nproc == 8 and "nproc" not in megatron.grpo.model_fields_set
     # and it stays derived: a later change of nodes changes it again
     assert apply_overrides(megatron, {"hardware.sft_nodes": "2"}).sft.nproc == 16

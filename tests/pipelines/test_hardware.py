@@ -152,18 +152,21 @@ def test_the_gpt_oss_20b_grpo_job_holds_its_engines():
         execution.cluster(16, 40)
 
 
-@pytest.mark.parametrize(
-    ("layout", "node_type", "nodes"),
-    [
-        ("g5.12xlarge-x6-openrlhf", "g5.12xlarge", 6),
-        ("g5.12xlarge-x6-openrlhf-hybrid", "g5.12xlarge", 6),
-        ("p5en.48xlarge-x2-megatron", "p5en.48xlarge", 2),
-        ("tiny-cpu", "local", 1),
-    ],
-)
-def test_the_planners_layouts_take_their_machines_from_the_node_types(layout, node_type, nodes):
+# each planner layout preset: the node type and how many of its nodes it describes
+LAYOUT_MACHINES = {
+    "g5.12xlarge-x6-openrlhf": ("g5.12xlarge", 6),
+    "g5.12xlarge-x6-openrlhf-12train": ("g5.12xlarge", 6),
+    "g5.12xlarge-x6-openrlhf-hybrid": ("g5.12xlarge", 6),
+    "p5en.48xlarge-x2-megatron": ("p5en.48xlarge", 2),
+    "tiny-cpu": ("local", 1),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUT_MACHINES))
+def test_the_planners_layouts_take_their_machines_from_the_node_types(layout):
     from capacity.layouts import LAYOUT_PRESETS, node_fields
 
+    node_type, nodes = LAYOUT_MACHINES[layout]
     node, preset = NODE_TYPES[node_type], LAYOUT_PRESETS[layout]
     assert (preset.nodes, preset.gpus_per_node) == (nodes, node.gpus)
     assert (preset.host_memory_gib, preset.host_reserved_gib) == (
@@ -183,3 +186,9 @@ def test_a_derived_nproc_is_given_before_the_step_configs_check_their_sizes():
     assert megatron.grpo.nproc == 8 and "nproc" not in megatron.grpo.model_fields_set
     # and it stays derived: a later change of nodes changes it again
     assert apply_overrides(megatron, {"hardware.sft_nodes": "2"}).sft.nproc == 16
+
+
+def test_every_planner_layout_preset_is_checked_against_its_node_type():
+    from capacity.layouts import LAYOUT_PRESETS
+
+    assert set(LAYOUT_MACHINES) == set(LAYOUT_PRESETS)

@@ -13,17 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gpu_checks import Sizes
+from gpu_check_base import CheckFailed, Sizes, finite
 
 log = logging.getLogger("gpu_check")
 
 
 def _planner_layout(sizes: Sizes):
     """One training GPU (or CPU process), plain PyTorch (ZeRO-0), bf16, the check's shapes."""
-    from capacity.layouts import H200_GIB, Layout
+    from capacity.layouts import Layout
+    from cluster.nodes import H200_GIB
 
     return Layout(
         name="gpu-check-one-device",
@@ -92,7 +91,6 @@ def _synchronize(device: str) -> None:
 
 def check_planner(sizes: Sizes, work: Path) -> dict:
     import torch
-    from gpu_checks import CheckFailed, _finite
 
     from capacity.estimate import estimate
     from capacity.measured import cpu_allocator_peak, tensor_bytes
@@ -184,7 +182,7 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
         peak = state + cpu_allocator_peak(update)
         update_s = time.monotonic() - started
         reserved = peak
-    _finite([first["loss"], stats["loss"], stats["grad_norm"]], "update loss / grad norm")
+    finite([first["loss"], stats["loss"], stats["grad_norm"]], "update loss / grad norm")
 
     rank = planned.resource("training_gpu")
     overhead = ("cuda_runtime", "fragmentation", "process")

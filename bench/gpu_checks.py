@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -48,69 +47,14 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_check_base import Check, CheckFailed, CheckSkipped, Sizes, finite
 from gpu_check_planner import check_planner
 
 log = logging.getLogger("gpu_check")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class CheckFailed(AssertionError):
-    """A check ran and its result is outside its bounds."""
-
-
-class CheckSkipped(RuntimeError):
-    """A check cannot run here; the runner reports it as a FAIL, never as fine."""
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """How big each check runs: the full run on a GPU, or the dry run's tiny shapes."""
-
-    device: str
-    dry_run: bool
-    sft_steps: int
-    grpo_steps: int
-    planner_model: str
-    """A ``capacity`` model preset whose layer shapes the planner check builds."""
-    planner_layers: int
-    prompt_len: int
-    generate_len: int
-    micro_batch: int
-    rollout_prompts: int
-    rollout_samples: int
-    rollout_new_tokens: int
-    dtype: str
-    """Training dtype of the SFT, GRPO and DeepSpeed checks: bf16 on the GPU; the dry run
-    trains in fp32 (bf16 matmuls on a CPU without bf16 units run ~100× slower)."""
-
-    @classmethod
-    def for_run(cls, dry_run: bool, device: str) -> Sizes:
-        if dry_run:
-            return cls(device, True, 2, 1, "tiny-gpt-oss", 2, 32, 32, 2, 2, 2, 8, "float32")
-        return cls(device, False, 4, 2, "gpt-oss-20b", 2, 1024, 1024, 1, 8, 4, 128, "bfloat16")
-
-
-@dataclass(frozen=True)
-class Check:
-    """A check and its time limits (seconds) in the full run and in the dry run."""
-
-    run: Callable[[Sizes, Path], dict]
-    full_limit_s: float
-    dry_limit_s: float
-
-    def limit_s(self, dry_run: bool) -> float:
-        return self.dry_limit_s if dry_run else self.full_limit_s
-
-
-def _finite(values, what: str) -> None:
-    bad = [v for v in values if not isinstance(v, int | float) or not math.isfinite(v)]
-    if bad:
-        raise CheckFailed(f"{what}: not finite: {bad[:3]}")
 
 
 def _fixtures(sizes: Sizes, work: Path) -> tuple[Path, Path]:
@@ -150,7 +94,7 @@ def _checked_metrics(path: str | Path, max_steps: int) -> list[dict]:
         raise CheckFailed(f"{path}: wall_time_s goes backwards: {walls}")
     if lines[-1]["step"] != max_steps or lines[-1]["max_steps"] != max_steps:
         raise CheckFailed(f"{path}: last line {lines[-1]} is not step {max_steps} of {max_steps}")
-    _finite([line["loss"] for line in lines if "loss" in line], f"{path}: loss")
+    finite([line["loss"] for line in lines if "loss" in line], f"{path}: loss")
     return lines
 
 
@@ -256,7 +200,7 @@ def _grpo_figures(lines: list[dict], steps: int) -> dict:
     train = [line for line in lines if "loss" in line]
     if [line["step"] for line in train] != list(range(1, steps + 1)):
         raise CheckFailed(f"update steps {[line['step'] for line in train]}, not 1..{steps}")
-    _finite([line["grad_norm"] for line in train], "grad_norm")
+    finite([line["grad_norm"] for line in train], "grad_norm")
     last = train[-1]
     return {
         "steps": steps,
@@ -596,7 +540,7 @@ def check_routing_replay(sizes: Sizes, work: Path) -> dict:
     prompts = load_prompts(data / "eval.jsonl", tokenizer, 1024, "all")[:4]
     batch = sampled_batch(engine, prompts, samples)
     figures = {f"hf_{k}": v for k, v in _replay_figures(policy, batch, samples).items()}
-    _finite(list(figures.values()), "routing replay (HF engine)")
+    finite(list(figures.values()), "routing replay (HF engine)")
     if not figures["hf_rollout_kl_rollout"] < figures["hf_rollout_kl_off"]:
         raise CheckFailed(
             f"replaying the bf16 HF engine's routing did not lower rollout_kl: {figures}"

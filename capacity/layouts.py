@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.hardware import A10G_GIB, H200_GIB
+from cluster.nodes import NODE_TYPES
 
 
 class LayoutError(ValueError):
@@ -174,17 +174,30 @@ class Layout(BaseModel):
         return 2 if self.dtype == "bf16" else 4
 
 
+def node_fields(node_type: str, nodes: int = 1) -> dict[str, object]:
+    """The ``Layout`` fields of ``nodes`` machines of ``node_type`` (``cluster.nodes.NODE_TYPES``):
+    device, GPUs per node and their memory, host memory and what the system keeps of it, and
+    the attention kernel the GPU runs (``flash`` where it has one with sinks, else ``eager``).
+    A CPU node keeps the default ``gpu_memory_gib``, which a CPU layout ignores."""
+    node = NODE_TYPES[node_type]
+    return {
+        "device": node.device,
+        "nodes": nodes,
+        "gpus_per_node": node.gpus,
+        **({"gpu_memory_gib": node.gpu_memory_gib} if node.gpu_memory_gib else {}),
+        "host_memory_gib": node.host_memory_gib,
+        "host_reserved_gib": node.host_reserved_gib,
+        "attn_implementation": "flash" if node.flash_attention else "eager",
+    }
+
+
 _OPENRLHF_G5: dict[str, object] = {
-    "nodes": 6,
-    "gpus_per_node": 4,
-    "gpu_memory_gib": A10G_GIB,
-    "host_memory_gib": 192.0,
+    **node_fields("g5.12xlarge", nodes=6),
     "storage_gib": 2000.0,
     "backend": "deepspeed",
     "zero_stage": 3,
     "adam_offload": True,
     "gradient_checkpointing": True,
-    "attn_implementation": "eager",
     "micro_train_batch_size": 1,
     "prompt_max_len": 1024,
     "generate_max_len": 1024,
@@ -218,11 +231,7 @@ LAYOUT_PRESETS: dict[str, Layout] = {
     # gpt-oss-120b: EP=16 over all GPUs, optimizer on the host, hybrid vLLM TP=8.
     "p5en.48xlarge-x2-megatron": Layout(
         name="p5en.48xlarge-x2-megatron",
-        nodes=2,
-        gpus_per_node=8,
-        gpu_memory_gib=H200_GIB,
-        host_memory_gib=2048.0,
-        host_reserved_gib=32.0,
+        **node_fields("p5en.48xlarge", nodes=2),
         storage_gib=8000.0,
         backend="megatron",
         training_gpus=16,
@@ -237,7 +246,6 @@ LAYOUT_PRESETS: dict[str, Layout] = {
         prompt_max_len=1024,
         generate_max_len=4096,
         gradient_checkpointing=True,
-        attn_implementation="flash",
         rollout_batch_size=128,
         n_samples_per_prompt=8,
         vllm_tensor_parallel_size=8,
@@ -247,11 +255,7 @@ LAYOUT_PRESETS: dict[str, Layout] = {
     # The local run: one fp32 PyTorch process on CPU, rollouts with the training model.
     "tiny-cpu": Layout(
         name="tiny-cpu",
-        device="cpu",
-        nodes=1,
-        gpus_per_node=1,
-        host_memory_gib=8.0,
-        host_reserved_gib=2.0,
+        **node_fields("local"),
         storage_gib=10.0,
         backend="deepspeed",
         training_gpus=1,
@@ -262,7 +266,6 @@ LAYOUT_PRESETS: dict[str, Layout] = {
         prompt_max_len=128,
         generate_max_len=128,
         gradient_checkpointing=False,
-        attn_implementation="eager",
         kl=False,
         rollout_batch_size=8,
         n_samples_per_prompt=8,

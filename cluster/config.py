@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from cluster.hardware import job_fields, rollout_nodes
+from cluster.nodes import job_fields, rollout_nodes
 from core.config_model import ConfigModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -218,7 +218,7 @@ REFERENCE_LAYOUTS: dict[str, dict] = {
     # 8× H200 (141 GB), 192 vCPU, 2 TiB per node.
     "p5en.48xlarge": {"nodes": 2, **job_fields("p5en.48xlarge")},
 }
-"""A training job per node type (``cluster.hardware.NODE_TYPES``), with a default node
+"""A training job per node type (``cluster.nodes.NODE_TYPES``), with a default node
 count; ``Hardware.execution`` sets the nodes a preset's step takes."""
 
 

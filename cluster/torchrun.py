@@ -27,6 +27,17 @@ def entry_point_command(module: str, args: list[str]) -> list[str]:
     return ["python", "-m", "torch.distributed.run", "-m", module, *args]
 
 
+def processes_problem(cfg) -> str | None:
+    """Why a step config's processes cannot run (``nproc`` > 1 with the single-process
+    ``torch`` backend), else None; checked when the pipeline is compiled and at launch."""
+    if cfg.optim.backend == "torch" and cfg.nproc > 1:
+        return (
+            f"nproc={cfg.nproc} needs optim.backend=deepspeed (or megatron for GRPO); "
+            "got 'torch', which runs one process"
+        )
+    return None
+
+
 def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
     """Write ``cfg`` (a pydantic step config) to ``config_file`` and run ``module`` on
     ``cfg.nproc`` training processes (plus GRPO's rollout-only ones) with ``--config
@@ -35,11 +46,8 @@ def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
     Raises:
         ValueError: several processes with the single-process ``torch`` backend.
     """
-    if cfg.optim.backend == "torch" and cfg.nproc > 1:
-        raise ValueError(
-            f"nproc={cfg.nproc} needs optim.backend=deepspeed (or megatron for GRPO); "
-            "got 'torch', which runs one process"
-        )
+    if (problem := processes_problem(cfg)) is not None:
+        raise ValueError(problem)
     config_file.write_text(cfg.model_dump_json(indent=2))
     # GRPO's dedicated rollout engines run in processes of their own, after the training ones
     processes = cfg.nproc + getattr(cfg, "rollout_processes", 0)

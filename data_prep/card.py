@@ -9,7 +9,7 @@ from core.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
 if TYPE_CHECKING:
     from data_prep.config import DataPrepConfig
     from data_prep.lengths import LengthHistogram
-    from data_prep.prepare import DataPrepReport
+    from data_prep.report import DataPrepReport
 
 
 def _length_cell(lengths: LengthHistogram) -> str:

@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from eval.engines import Generation, GenerationRequest
 from eval.eval_config import EndpointSettings, SamplingSettings
+from eval.generation import Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
 

@@ -12,98 +12,20 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from core.harmony import stop_token_ids
 from core.model_files import model_dir_problems
-from core.parsing import ParsedResponse, ResponseFormat, parse_response
 from core.vllm_scheduling import vllm_scheduling_kwargs
 from eval.eval_config import EvalConfig, SamplingSettings
+from eval.generation import Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(FileNotFoundError):
     """A model directory that does not exist or is not a Hugging Face model directory."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One response to generate.
-
-    Attributes:
-        key: Identifies the response in logs and errors (``<question id>#<sample>``).
-        prompt: The harmony prompt text, ending with ``<|start|>assistant``.
-        messages: The same prompt as chat messages ``[system, user]``.
-        seed: Seed for this request, where the engine takes one per request.
-    """
-
-    key: str
-    prompt: str
-    messages: tuple[dict[str, str], ...]
-    seed: int
-
-
-@dataclass(frozen=True)
-class Generation:
-    """What an engine returned for one request.
-
-    Attributes:
-        text: The response text: decoded with special tokens (HF, vLLM), or the message
-            ``content`` (endpoints). ``None`` when the request failed.
-        reasoning: Reasoning an endpoint returned separately (``reasoning_content`` or
-            ``reasoning``), else ``None``.
-        finish_reason: ``stop``, ``length``, or the server's value.
-        completion_tokens: New tokens, when known.
-        latency_s: Seconds spent on the request (for batched engines: the batch's time
-            divided evenly).
-        attempts: Requests sent (1 + retries).
-        error: Why no response came back, else ``None``.
-    """
-
-    text: str | None
-    reasoning: str | None = None
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-    latency_s: float = 0.0
-    attempts: int = 1
-    error: str | None = None
-
-    @property
-    def failed(self) -> bool:
-        """The engine gave no response."""
-        return self.error is not None
-
-    def parsed(self) -> ParsedResponse:
-        """The response split into reasoning and final answer.
-
-        A separately returned reasoning is the analysis channel and ``text`` the answer
-        (unless ``text`` itself carries channels); a ``length`` finish with a final answer
-        marks it truncated.
-        """
-        if self.error is not None:
-            return ParsedResponse(ResponseFormat.EMPTY, None, None)
-        cut = self.finish_reason == "length"
-        if self.reasoning is not None and self.reasoning.strip():
-            inner = parse_response(self.text)
-            if inner.reasoning is not None:  # content also carries channels: trust them
-                return inner
-            final = inner.final if inner.format is not ResponseFormat.EMPTY else None
-            return ParsedResponse(
-                ResponseFormat.HARMONY,
-                reasoning=self.reasoning.strip(),
-                final=final,
-                analysis_blocks=1,
-                truncated=cut or final is None,
-            )
-        parsed = parse_response(self.text)
-        if cut and parsed.final is not None and not parsed.truncated:
-            parsed = ParsedResponse(
-                parsed.format, parsed.reasoning, parsed.final, parsed.analysis_blocks, True
-            )
-        return parsed
 
 
 class Engine(Protocol):

@@ -86,50 +86,52 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
         export_uri: str = "",
     ):
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+
+        def step(task, display_name: str, name: str):
+            """``task``, shown as ``display_name``, with the platform's settings of step
+            ``name``."""
+            task.set_display_name(display_name)
+            platform(task, name)
+            return task
+
         cleanup = finalize(
             pipeline_run_id=run_id,
             mlflow_tracking_uri=mlflow_tracking_uri,
             mlflow_experiment=mlflow_experiment,
             delete_jobs=settings.training_jobs,
         )
-        cleanup.set_display_name("finalize: jobs, MLflow run")
-        platform(cleanup, "finalize")
+        step(cleanup, "finalize: jobs, MLflow run", "finalize")
         with dsl.ExitHandler(cleanup, name="lingo-rl"):
+            # the run as the pipeline run records it and as the capacity check estimates it
+            run = dict(hardware=hardware, sft_config=sft_config, grpo_config=grpo_config)
             tracking = start_tracking(
                 pipeline_run_id=run_id,
                 pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
                 data_source=data_prep_fields["source"],
                 model_source=model_source,
-                hardware=hardware,
-                sft_config=sft_config,
-                grpo_config=grpo_config,
+                **run,
                 mlflow_tracking_uri=mlflow_tracking_uri,
                 mlflow_experiment=mlflow_experiment,
             )
-            tracking.set_display_name("MLflow run")
-            platform(tracking, "start-tracking")
-            parent_run = tracking.output
-            prep = data_prep(
-                **data_prep_fields,
-                mlflow_tracking_uri=mlflow_tracking_uri,
-                mlflow_parent_run_id=parent_run,
+            step(tracking, "MLflow run", "start-tracking")
+            # each step's MLflow run nests under the pipeline's
+            tracked = dict(
+                mlflow_tracking_uri=mlflow_tracking_uri, mlflow_parent_run_id=tracking.output
             )
-            prep.set_display_name("data prep")
-            platform(prep, "data-prep")
-            base = base_model(source=model_source, tiny_config=model_tiny_config)
-            base.set_display_name("base model")
-            platform(base, "base-model")
+            prep = step(data_prep(**data_prep_fields, **tracked), "data prep", "data-prep")
+            base = step(
+                base_model(source=model_source, tiny_config=model_tiny_config),
+                "base model",
+                "base-model",
+            )
             capacity = capacity_check(
                 base_model=base.outputs["model"],
-                hardware=hardware,
+                **run,
                 overrides=layout_overrides,
-                sft_config=sft_config,
-                grpo_config=grpo_config,
                 sft_execution=sft_execution,
                 grpo_execution=grpo_execution,
             )
-            capacity.set_display_name("capacity check")
-            platform(capacity, "capacity-check")
+            step(capacity, "capacity check", "capacity-check")
             tuned = sft(
                 train_data=prep.outputs["train_data"],
                 eval_data=prep.outputs["eval_data"],
@@ -137,12 +139,9 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 config=sft_config,
                 execution=sft_execution,
                 pipeline_run_id=run_id,
-                mlflow_tracking_uri=mlflow_tracking_uri,
-                mlflow_parent_run_id=parent_run,
+                **tracked,
             )
-            tuned.set_display_name("SFT + merge")
-            platform(tuned, "sft")
-            tuned.after(capacity)
+            step(tuned, "SFT + merge", "sft").after(capacity)
 
             def export_and_evaluate(policy_checkpoint, source_format: str) -> None:
                 """Both branches end in export_hf (a standard sharded HF directory with the
@@ -152,8 +151,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                     template_model=tuned.outputs["model"],
                     source_format=source_format,
                 )
-                exported.set_display_name("export to HF")
-                platform(exported, "export-hf")
+                step(exported, "export to HF", "export-hf")
                 evaluate_and_promote(exported.outputs["model"])
 
             def evaluate_and_promote(policy_model) -> None:
@@ -164,40 +162,28 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                     sft_model=tuned.outputs["model"],
                     grpo_model=policy_model,
                     config=eval_config,
-                    mlflow_tracking_uri=mlflow_tracking_uri,
-                    mlflow_parent_run_id=parent_run,
+                    **tracked,
                 )
-                evaluation.set_display_name("eval: base vs SFT vs GRPO")
-                platform(evaluation, "evaluate")
+                step(evaluation, "eval: base vs SFT vs GRPO", "evaluate")
+                results = evaluation.outputs["results"]
                 with dsl.If(export_uri != "", name="export-to-object-storage"):
                     published = publish(
                         grpo_model=policy_model,
-                        eval_results=evaluation.outputs["results"],
+                        eval_results=results,
                         eval_report=evaluation.outputs["report"],
                         export_uri=export_uri,
                         pipeline_run_id=run_id,
                     )
-                    published.set_display_name("publish to object storage")
-                    platform(published, "publish")
+                    step(published, "publish to object storage", "publish")
                 decision = gate(
-                    results=evaluation.outputs["results"],
-                    grpo_model=policy_model,
-                    config=gate_config,
-                    mlflow_tracking_uri=mlflow_tracking_uri,
-                    mlflow_parent_run_id=parent_run,
+                    results=results, grpo_model=policy_model, config=gate_config, **tracked
                 )
-                decision.set_display_name("promotion gate")
-                platform(decision, "gate")
+                step(decision, "promotion gate", "gate")
                 with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
                     registered = register(
-                        results=evaluation.outputs["results"],
-                        grpo_model=policy_model,
-                        config=gate_config,
-                        mlflow_tracking_uri=mlflow_tracking_uri,
-                        mlflow_parent_run_id=parent_run,
+                        results=results, grpo_model=policy_model, config=gate_config, **tracked
                     )
-                    registered.set_display_name("register champion")
-                    platform(registered, "register")
+                    step(registered, "register champion", "register")
 
             grpo_inputs = dict(  # the same GRPO inputs on both branches
                 train_data=prep.outputs["train_data"],
@@ -206,30 +192,25 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 config=grpo_config,
                 execution=grpo_execution,
                 pipeline_run_id=run_id,
-                mlflow_tracking_uri=mlflow_tracking_uri,
-                mlflow_parent_run_id=parent_run,
+                **tracked,
             )
             # named for what runs: GRPO on the HF weights (grpo.optim.backend: torch or
             # deepspeed), or on a Megatron checkpoint
             with dsl.If(backend != "megatron", name="grpo-on-hf-weights"):
-                hf_policy = grpo(**grpo_inputs)
-                hf_policy.set_display_name("GRPO")
-                platform(hf_policy, "grpo")
+                hf_policy = step(grpo(**grpo_inputs), "GRPO", "grpo")
                 export_and_evaluate(hf_policy.outputs["model"], "hf")
             with dsl.Else(name="grpo-on-megatron"):
                 converted = convert_megatron(
                     hf_model=tuned.outputs["model"], layout=megatron_layout
                 )
-                converted.set_display_name("convert to Megatron + precision check")
-                platform(converted, "convert-megatron")
+                step(converted, "convert to Megatron + precision check", "convert-megatron")
                 megatron_policy = grpo_megatron(
                     **grpo_inputs,
                     backend="megatron",
                     megatron_checkpoint=converted.outputs["megatron_model"],
                     megatron_layout=megatron_layout,
                 )
-                megatron_policy.set_display_name("GRPO (Megatron)")
-                platform(megatron_policy, "grpo")
+                step(megatron_policy, "GRPO (Megatron)", "grpo")
                 export_and_evaluate(megatron_policy.outputs["model"], "megatron")
 
     return lingo_pipeline

@@ -19,7 +19,7 @@ from kfp import kubernetes
 from kfp.dsl import PipelineTask
 from pydantic import ConfigDict, Field, model_validator
 
-from cluster.hardware import NODE_TYPES
+from cluster.nodes import NODE_TYPES
 from core.config_model import ConfigModel
 
 STEPS = (
@@ -294,7 +294,7 @@ GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoS
 def _aws_gpu_preset(
     instance_type: str, cpu: tuple[str, str], memory: tuple[str, str]
 ) -> ClusterSettings:
-    """The platform of a GPU node type (``cluster.hardware.NODE_TYPES``)."""
+    """The platform of a GPU node type (``cluster.nodes.NODE_TYPES``)."""
     node = NODE_TYPES[instance_type]
     gpu_product, gpus = node.gpu_product, node.gpus
     return ClusterSettings(

@@ -13,6 +13,9 @@ checked on this machine when ``lingo run --local`` starts and when the pipeline 
   share is within ``max_bad_fraction``);
 - ``model.source`` when it is a directory: config, tokenizer files and readable weights
   (``core.model_files``);
+- config values a step would otherwise refuse only when it starts (``config_value_problems``):
+  ``grpo.reward_weights``, each training step's processes and backend, the GRPO placement
+  plan, the capacity check's layouts with ``layout_overrides``, the Megatron branch's layout;
 - the local run's output directory and the compiled file: not a file where a directory goes
   (or the reverse), writable, not too long.
 
@@ -61,6 +64,7 @@ def check_run_inputs(preset: Preset, output_dir: Path | None = None, local: bool
     problems += _eval_questions(preset, local)
     problems += _data_sources(preset.data_prep, local)
     problems += _model_source(preset.model.source, local)
+    problems += config_value_problems(preset)
     if output_dir is not None:
         problems += output_dir_problems(output_dir)
     if problems:
@@ -68,6 +72,52 @@ def check_run_inputs(preset: Preset, output_dir: Path | None = None, local: bool
             f"{len(problems)} problem(s) with the run's inputs, found before any step ran: "
             + "; ".join(problems)
         )
+
+
+def config_value_problems(preset: Preset) -> list[str]:
+    """The config values a step would refuse when it starts, checked from the configs alone:
+    ``grpo.reward_weights`` (GRPO builds its reward from them), each training step's processes
+    and backend (its launch), the GRPO placement plan and the capacity check's layouts with
+    ``layout_overrides`` (the capacity-check step), the Megatron layout of the Megatron branch
+    (its conversion)."""
+    from capacity.layouts import LayoutError
+    from cluster.torchrun import processes_problem
+    from pipelines.presets import capacity_layout, grpo_plan, megatron_layout
+    from reward.scoring import RewardWeights
+    from trainer.capacity_check import grpo_layout, sft_layout
+    from trainer.megatron.layout import resolve_megatron_layout
+    from trainer.placement import PlacementError
+
+    problems = []
+    try:
+        RewardWeights(**preset.grpo.reward_weights)
+    except (TypeError, ValueError) as exc:
+        problems.append(f"grpo.reward_weights: {exc}")
+    for step, config in (("sft", preset.sft), ("grpo", preset.grpo)):
+        if (problem := processes_problem(config)) is not None:
+            problems.append(f"{step}: {problem}")
+    if preset.backend == "megatron":
+        try:
+            resolve_megatron_layout(megatron_layout(preset))
+        except LayoutError as exc:
+            problems.append(f"megatron_layout: {_one_line(exc)}")
+    try:
+        plan = grpo_plan(preset)
+    except PlacementError as exc:
+        return [*problems, f"grpo: the placement plan: {exc}"]
+    machines = capacity_layout(preset)
+    sft_cluster = preset.hardware.cluster("sft", preset.sft.nproc)
+    try:
+        sft_layout(machines, preset.sft, *sft_cluster, preset.layout_overrides)
+        grpo_layout(machines, preset.grpo, plan, preset.layout_overrides)
+    except LayoutError as exc:
+        problems.append(f"the capacity check's layout (layout_overrides): {_one_line(exc)}")
+    return problems
+
+
+def _one_line(error: Exception) -> str:
+    """``error``'s message on one line (pydantic's span several)."""
+    return " ".join(str(error).split())
 
 
 def _missing(field: str, path: str, local: bool) -> list[str]:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.config import ClusterConfig, ExecutionConfig
 from cluster.hardware import Hardware, Step
 from components.config_fields import config_arguments, config_dict
+from core.config_model import ConfigModel
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
@@ -83,16 +84,45 @@ class Preset(BaseModel):
                 f"{', '.join(restated)}: the machines are stated once, in hardware "
                 "(node_type, sft_nodes, grpo_nodes, storage_gib)"
             )
-        if not self.hardware.local:
-            for step, config in (("sft", self.sft), ("grpo", self.grpo)):
-                nodes, per_node = self.hardware.cluster(step, config.nproc)
-                if config.nproc != nodes * per_node:
-                    raise ValueError(
-                        f"{step}.nproc={config.nproc} but hardware gives {step} {nodes} "
-                        f"{self.hardware.node_type} node(s) × {per_node} GPUs; set "
-                        f"{step}.nproc={nodes * per_node} or hardware.{step}_nodes"
-                    )
+        for step in TRAINING_STEPS:
+            config = getattr(self, step)
+            processes = self.hardware.processes(step)
+            if processes is None or config.nproc == processes:
+                continue
+            if "nproc" in config.model_fields_set:
+                nodes = self.hardware.nodes(step)
+                raise ValueError(
+                    f"{step}.nproc={config.nproc} but hardware gives {step} {nodes} "
+                    f"{self.hardware.node_type} node(s) × {self.hardware.node.gpus} GPUs = "
+                    f"{processes} processes: leave {step}.nproc out (on a cluster it is derived "
+                    f"from hardware) or change hardware.{step}_nodes"
+                )
+            try:
+                setattr(self, step, _derived(config, nproc=processes))
+            except ValidationError as error:
+                problems = "; ".join(e["msg"] for e in error.errors())
+                raise ValueError(
+                    f"{step} with nproc={processes} (from hardware): {problems}"
+                ) from None
         return self
+
+
+TRAINING_STEPS: tuple[Step, ...] = ("sft", "grpo")
+"""The steps whose processes a cluster preset's ``hardware`` decides (their ``nproc``)."""
+
+
+def _derived(config: ConfigModel, **fields: object) -> ConfigModel:
+    """``config`` with ``fields`` derived from elsewhere (validated), still counted as not
+    stated (``model_fields_set``): a preset rebuilt from this one (``apply_overrides``)
+    derives them again from its own ``hardware``."""
+    validated = type(config).model_validate({**config.model_dump(), **fields})
+    return _unstated(validated, *fields)
+
+
+def _unstated(config: ConfigModel, *fields: str) -> ConfigModel:
+    """``config`` as it is, with ``fields`` counted as not stated."""
+    stated = config.model_fields_set - set(fields)
+    return type(config).model_construct(_fields_set=stated, **dict(config))
 
 
 MEGATRON_MACHINE_FIELDS = ("nodes", "gpus_per_node", "gpu_memory_gib")
@@ -188,7 +218,6 @@ GPT_OSS_20B = Preset(
         checkpoint_every=100,
         dtype="bfloat16",
         gradient_checkpointing=True,
-        nproc=8,
     ),
     grpo=GRPOConfig(
         # OpenRLHF's gpt-oss-20b recipe on 6x g5.12xlarge: vLLM TP=4 on dedicated GPUs
@@ -225,12 +254,12 @@ GPT_OSS_20B = Preset(
         checkpoint_every=10,
         dtype="bfloat16",
         gradient_checkpointing=True,
-        nproc=16,
     ),
 )
 
-GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
-    update={
+GPT_OSS_20B_VERL = Preset.model_validate(
+    {
+        **dict(GPT_OSS_20B),
         "name": "gpt-oss-20b-verl",
         "description": (
             "openai/gpt-oss-20b with verl's GRPO settings for gpt-oss: n=16, clip 0.2/0.28, "
@@ -256,7 +285,6 @@ GPT_OSS_20B_VERL = GPT_OSS_20B.model_copy(
                     }
                 ),
                 "prompts_per_step": 16,
-                "nproc": 8,
             }
         ),
     }
@@ -326,7 +354,28 @@ def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
             fields = ", ".join(node)
             raise ValueError(f"override {dotted!r}: no field {path[-1]!r} ({fields})")
         node[path[-1]] = _parse_value(value) if not isinstance(node[path[-1]], str) else value
-    return Preset.model_validate(data)
+    # a cluster step's processes come from the (new) hardware again, unless stated; given
+    # before the step configs are validated, which check their batch sizes against them
+    derived = [
+        step
+        for step in TRAINING_STEPS
+        if "nproc" not in getattr(preset, step).model_fields_set
+        and f"{step}.nproc" not in overrides
+    ]
+    try:
+        hardware = Hardware.model_validate(data["hardware"])
+    except ValidationError:
+        hardware = None  # Preset.model_validate says what is wrong with it
+    for step in derived:
+        processes = hardware.processes(step) if hardware is not None else None
+        if processes is None:
+            del data[step]["nproc"]  # local: the step's default
+        else:
+            data[step]["nproc"] = processes
+    result = Preset.model_validate(data)
+    for step in derived:
+        setattr(result, step, _unstated(getattr(result, step), "nproc"))
+    return result
 
 
 def step_execution(preset: Preset, step: Step) -> ExecutionConfig:

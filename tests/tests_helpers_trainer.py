@@ -17,6 +17,17 @@ from trainer.metrics import METRICS_FILE, read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 
 
+VERL_MEGATRON_OVERRIDES = {
+    # the gpt-oss-20b-verl preset with backend=megatron, as its description says: verl's TP 8 /
+    # EP 8 layout on its one node, HF rollouts
+    "grpo.optim.backend": "megatron",
+    "grpo.optim.offload_optimizer": "false",
+    "grpo.optim.megatron": '{"layout": {"preset": "verl-gpt-oss-8x8-h100", "nodes": 1, "pp": 1}}',
+    "grpo.gradient_checkpointing": "false",
+    "grpo.rollout.engine": "hf",
+}
+
+
 def small_grpo_config(**overrides) -> dict:
     """A GRPO config (as a dict for ``GRPOConfig.model_validate``) small enough for CPU tests:
     4 prompts × 4 samples a step, no held-out eval, a checkpoint every step, float32."""

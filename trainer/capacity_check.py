@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from capacity.layouts import Layout, LayoutError, resolve_layout
+from capacity.layouts import Layout, LayoutError, node_fields, resolve_layout
 
 if TYPE_CHECKING:
     from cluster.hardware import Hardware
@@ -41,19 +41,12 @@ HARDWARE_FIELDS = frozenset(
 def hardware_layout(hardware: Hardware) -> Layout:
     """The planner's description of ``hardware``'s machines (the run's own fields, such as
     processes, batch and lengths, come from the configs: ``sft_layout``, ``grpo_layout``)."""
-    node = hardware.node
     nodes = max(hardware.sft_nodes, hardware.grpo_nodes)
     return Layout(
         name=hardware.node_type,
-        device=node.device,
-        nodes=nodes,
-        gpus_per_node=node.gpus,
-        training_gpus=nodes * node.gpus,
-        **({"gpu_memory_gib": node.gpu_memory_gib} if node.gpu_memory_gib else {}),
-        host_memory_gib=node.host_memory_gib,
-        host_reserved_gib=node.host_reserved_gib,
+        **node_fields(hardware.node_type, nodes),
+        training_gpus=nodes * hardware.node.gpus,
         storage_gib=hardware.storage_gib,
-        attn_implementation="flash" if node.flash_attention else "eager",
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from cluster.hardware import rollout_nodes
+from cluster.nodes import rollout_nodes
 
 if TYPE_CHECKING:
     from trainer.grpo.config import GRPOConfig

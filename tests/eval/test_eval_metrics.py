@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eval.engines import Generation
 from eval.eval_metrics import (
     MISSING,
     Outcome,
@@ -18,6 +17,7 @@ from eval.eval_metrics import (
     t_interval,
     wilson_interval,
 )
+from eval.generation import Generation
 from eval.runner import Question, score_response
 from reward.adapters import default_scorer
 

@@ -1,7 +1,7 @@
 """GRPO updates through the Megatron training backend, with real megatron-core / megatron-bridge.
 
 The tiny GPT-OSS model is converted to a ``torch_dist`` checkpoint, the backend builds the
-actor (DDP) and the reference from it (``trainer.backends.megatron``), and the checks are:
+actor (DDP) and the reference from it (``trainer.megatron.backend``), and the checks are:
 
 - the response log-probs that come out of Megatron's pipeline schedule (rows left-aligned,
   vocabulary-parallel log-softmax, back to the loop's right-aligned layout) equal a plain
@@ -201,10 +201,10 @@ def _main_grads(module) -> dict[str, torch.Tensor]:
 def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optimizer: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.backends.megatron import _unwrap
     from trainer.checkpoint import load_checkpoint, save_checkpoint
     from trainer.grpo import layout, recipe
     from trainer.megatron import bridge
+    from trainer.megatron.backend import _unwrap
 
     tol = {"cpu": 1e-5, "cuda": 2e-3}[device]
     checkpoint = tmp_path / "megatron"

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
 
-from cluster.hardware import NODE_TYPES, Hardware
+from capacity.layouts import Layout
+from cluster.hardware import Hardware
+from cluster.nodes import NODE_TYPES
 from pipelines.platform import get_platform
 from pipelines.presets import (
     PRESETS,
@@ -43,9 +46,34 @@ def test_a_preset_cannot_restate_its_hardware(update, named):
         Preset.model_validate(data)
 
 
-def test_processes_that_do_not_fill_the_nodes_are_refused():
+def test_a_cluster_steps_processes_are_derived_from_its_hardware():
+    cluster = Hardware(node_type="g5.12xlarge", sft_nodes=3, grpo_nodes=2)
+    preset = Preset(name="x", description="", hardware=cluster)
+    assert (preset.sft.nproc, preset.grpo.nproc) == (3 * 4, 2 * 4)
+    with pytest.raises(ValidationError, match="grpo with nproc=12 .from hardware.: .*mini_batch"):
+        Preset(name="x", description="", hardware=cluster.model_copy(update={"grpo_nodes": 3}))
+    # the cluster presets state no nproc: a change of nodes changes the processes
+    assert "nproc" not in PRESETS["gpt-oss-20b"].grpo.model_fields_set
+    fewer = apply_overrides(PRESETS["gpt-oss-20b"], {"hardware.grpo_nodes": "2"})
+    assert (fewer.sft.nproc, fewer.grpo.nproc) == (8, 2 * 4)
+    assert fewer.hardware.job_nodes("grpo", fewer.grpo.rollout_processes) == 2 + 2
+    # a local run states its processes (nothing to derive them from) and keeps them
+    local = apply_overrides(
+        PRESETS["tiny-cpu"], {"sft.nproc": "2", "sft.optim.backend": "deepspeed"}
+    )
+    assert apply_overrides(local, {"grpo.max_steps": "3"}).sft.nproc == 2
+
+
+def test_processes_stated_against_the_hardware_are_refused():
     with pytest.raises(ValidationError, match="grpo.nproc=16 but hardware gives grpo 2"):
-        apply_overrides(PRESETS["gpt-oss-20b"], {"hardware.grpo_nodes": "2"})
+        apply_overrides(PRESETS["gpt-oss-20b"], {"hardware.grpo_nodes": "2", "grpo.nproc": "16"})
+    with pytest.raises(ValidationError, match="leave sft.nproc out"):
+        Preset(
+            name="x",
+            description="",
+            sft=PRESETS["gpt-oss-20b"].sft.model_copy(update={"nproc": 4}),
+            hardware=Hardware(node_type="g5.12xlarge", sft_nodes=2),
+        )
     with pytest.raises(ValidationError, match="unknown node_type"):
         Hardware(node_type="g6.xlarge")
     with pytest.raises(ValidationError, match="one machine"):
@@ -122,3 +150,45 @@ def test_the_gpt_oss_20b_grpo_job_holds_its_engines():
     assert execution.cluster(16, 8) == (4, 4)
     with pytest.raises(ValueError, match="no node for training"):
         execution.cluster(16, 40)
+
+
+# each planner layout preset: the node type and how many of its nodes it describes
+LAYOUT_MACHINES = {
+    "g5.12xlarge-x6-openrlhf": ("g5.12xlarge", 6),
+    "g5.12xlarge-x6-openrlhf-12train": ("g5.12xlarge", 6),
+    "g5.12xlarge-x6-openrlhf-hybrid": ("g5.12xlarge", 6),
+    "p5en.48xlarge-x2-megatron": ("p5en.48xlarge", 2),
+    "tiny-cpu": ("local", 1),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUT_MACHINES))
+def test_the_planners_layouts_take_their_machines_from_the_node_types(layout):
+    from capacity.layouts import LAYOUT_PRESETS, node_fields
+
+    node_type, nodes = LAYOUT_MACHINES[layout]
+    node, preset = NODE_TYPES[node_type], LAYOUT_PRESETS[layout]
+    assert (preset.nodes, preset.gpus_per_node) == (nodes, node.gpus)
+    assert (preset.host_memory_gib, preset.host_reserved_gib) == (
+        node.host_memory_gib,
+        node.host_reserved_gib,
+    )
+    assert preset.gpu_memory_gib == (node.gpu_memory_gib or Layout().gpu_memory_gib)
+    assert preset.attn_implementation == ("flash" if node.flash_attention else "eager")
+    # node_fields (which the capacity check uses for a preset's hardware) gives these fields
+    assert node_fields(node_type, nodes).items() <= preset.model_dump().items()
+
+
+def test_a_derived_nproc_is_given_before_the_step_configs_check_their_sizes():
+    # the GRPO config checks its Megatron layout's world (8) against nproc: it must see the
+    # node's 8 processes, not the default 1
+    megatron = apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_MEGATRON_OVERRIDES)
+    assert megatron.grpo.nproc == 8 and "nproc" not in megatron.grpo.model_fields_set
+    # and it stays derived: a later change of nodes changes it again
+    assert apply_overrides(megatron, {"hardware.sft_nodes": "2"}).sft.nproc == 16
+
+
+def test_every_planner_layout_preset_is_checked_against_its_node_type():
+    from capacity.layouts import LAYOUT_PRESETS
+
+    assert set(LAYOUT_MACHINES) == set(LAYOUT_PRESETS)

@@ -114,3 +114,58 @@ def test_a_local_run_with_bad_inputs_stops_before_any_step(tmp_path):
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 60
     assert not out.exists()  # nothing written: no step ran
+
+
+def test_compile_refuses_reward_weights_grpo_would_refuse(tmp_path):
+    # on main the pipeline compiled, and GRPO refused the weights when it started, after SFT
+    out = tmp_path / "p.yaml"
+    weights = '{"answer_language_neutral": 9}'
+    result = runner.invoke(
+        app, ["compile", "-o", str(out), "--set", f"grpo.reward_weights={weights}"]
+    )
+    error = _one_line_error(result)
+    assert "grpo.reward_weights: RewardWeights.answer_language_neutral=9.0 must lie" in error
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("preset", "update", "expected"),
+    [
+        # the GRPO step built its scorer from them when it started (after SFT)
+        ("tiny-cpu", {"grpo.reward_weights": '{"no_such": 1}'}, "unknown weight(s) ['no_such']"),
+        # the SFT step's launch refused several processes of the torch backend
+        ("tiny-cpu", {"sft.nproc": "2"}, "sft: nproc=2 needs optim.backend=deepspeed"),
+        # the capacity-check step and GRPO's start refused a plan that cannot exist
+        (
+            "gpt-oss-20b",
+            {"grpo.rollout.tensor_parallel_size": "8"},
+            "grpo: the placement plan: cannot place the run: rollout TP 8 does not divide "
+            "gpus_per_node 4",
+        ),
+    ],
+)
+def test_config_values_a_step_would_refuse_are_found_before_it(preset, update, expected):
+    from pipelines.preflight import config_value_problems
+
+    problems = config_value_problems(apply_overrides(get_preset(preset), update))
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_layout_overrides_and_the_megatron_layout_are_checked_before_their_steps():
+    from pipelines.preflight import config_value_problems
+
+    tiny = get_preset(DEFAULT_PRESET)
+    # the capacity-check step refused them after data prep and the base model's download
+    (problem,) = config_value_problems(
+        tiny.model_copy(update={"layout_overrides": {"zero_stage": "7"}})
+    )
+    assert "layout_overrides" in problem and "zero_stage" in problem and "\n" not in problem
+    # convert_megatron refused the layout after SFT
+    megatron = tiny.model_copy(
+        update={"backend": "megatron", "megatron_layout": {"preset": "tiny-cpu", "tp": 0}}
+    )
+    (problem,) = config_value_problems(megatron)
+    assert problem.startswith("megatron_layout: ") and "tp" in problem
+    assert config_value_problems(megatron.model_copy(update={"backend": "hf"})) == []
+    for preset in ("tiny-cpu", "gpt-oss-20b", "gpt-oss-20b-verl"):
+        assert config_value_problems(get_preset(preset)) == [], preset

@@ -32,7 +32,12 @@ from tests_helpers_trainer import fixed_grpo_batch
 
 from core.modeling import load_causal_lm
 from trainer.backends import DataParallel, OptimConfig, TorchBackend, lr_factor, make_backend
-from trainer.backends.megatron import (
+from trainer.distributed import DistInfo
+from trainer.grpo import algorithm as algo
+from trainer.grpo import layout as micro_layout
+from trainer.grpo import recipe
+from trainer.grpo.config import GRPOConfig
+from trainer.megatron.backend import (
     MegatronBackend,
     ParallelContext,
     VocabShard,
@@ -40,11 +45,6 @@ from trainer.backends.megatron import (
     padded_length,
     vocab_parallel_log_probs,
 )
-from trainer.distributed import DistInfo
-from trainer.grpo import algorithm as algo
-from trainer.grpo import layout as micro_layout
-from trainer.grpo import recipe
-from trainer.grpo.config import GRPOConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -489,7 +489,7 @@ _TWO_RANKS = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from trainer.backends import DataParallel
     from trainer.grpo import algorithm as algo
-    from trainer.backends.megatron import (
+    from trainer.megatron.backend import (
         MegatronBackend, ParallelContext, VocabShard, vocab_parallel_log_probs,
     )
 

@@ -12,6 +12,7 @@ from trainer.megatron.layout import (
     MEGATRON_LAYOUTS,
     LayoutError,
     MegatronLayout,
+    planner_layout,
     resolve_megatron_layout,
     validate_layout,
     verl_gpt_oss_layout,
@@ -261,3 +262,20 @@ def test_valid_exactly_when_no_rule_is_broken(tp, pp, ep, cp, sp, world):
     else:
         assert expected == 0
         assert checked.layout.dp * tp * pp * cp == world
+
+
+def test_planner_fields_are_typed_as_the_planners_layout():
+    verl = MEGATRON_LAYOUTS["verl-gpt-oss-8x8-h100"]
+    assert verl.planner.micro_train_batch_size == 1
+    assert verl.planner.attn_implementation == "flash"
+    assert verl.planner.model_fields_set >= {"adam_offload", "ref_offload"}
+    # a value the planner refuses is refused where the layout is read, naming the field
+    with pytest.raises(LayoutError, match="planner.micro_train_batch_size"):
+        resolve_megatron_layout({"planner": {"micro_train_batch_size": 0}})
+    with pytest.raises(LayoutError, match="planner.attn_implementation"):
+        resolve_megatron_layout({"planner": {"attn_implementation": "sdpa"}})
+    # only the fields given reach the planner; the others keep its defaults
+    layout = resolve_megatron_layout({"planner": {"prompt_max_len": 512}})
+    assert layout.planner.model_fields_set == {"prompt_max_len"}
+    planned = planner_layout(layout, world=1, gpu_memory_gib=80.0)
+    assert (planned.prompt_max_len, planned.generate_max_len) == (512, 1024)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
 
 from pipelines.presets import PRESETS, apply_overrides, grpo_plan
 from trainer.placement import (
@@ -70,17 +71,7 @@ def test_the_verl_plan_colocates_one_engine_per_tp_group():
     assert plan.engine_of(5).ranks == (4, 5, 6, 7)
     assert plan.processes[5].roles == ("train", "rollout")
     # backend=megatron, as the preset's description says: TP 8 / EP 8, HF rollouts
-    megatron = apply_overrides(
-        PRESETS["gpt-oss-20b-verl"],
-        {
-            "grpo.optim.backend": "megatron",
-            "grpo.optim.offload_optimizer": "false",
-            "grpo.optim.megatron": '{"layout": {"preset": "verl-gpt-oss-8x8-h100", '
-            '"nodes": 1, "pp": 1}}',
-            "grpo.gradient_checkpointing": "false",
-            "grpo.rollout.engine": "hf",
-        },
-    )
+    megatron = apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_MEGATRON_OVERRIDES)
     plan = grpo_plan(megatron)
     check_plan(plan)
     assert (plan.layout.tp, plan.layout.ep, plan.layout.dp) == (8, 8, 1)

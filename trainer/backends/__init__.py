@@ -5,8 +5,10 @@ picks one by ``OptimConfig.backend``.
 Modules: ``config`` (the typed settings presets and step configs import), ``schedule`` (LR
 schedule, optimizer), ``interface`` (``TrainingBackend``, ``ResponseBatch``, ``LossFn``,
 ``DataParallel``: how a loop drives a backend and why N processes match one), and one module
-per backend. The backends call ``ResponseBatch.hf_log_probs`` on the micro-batches they are
-given; they import nothing of the GRPO recipe.
+per backend: ``torch`` and ``deepspeed`` here, Megatron's in the Megatron package
+(``trainer.megatron.backend``, imported only when it is picked: it needs Megatron-Core). The
+backends call ``ResponseBatch.hf_log_probs`` on the micro-batches they are given; they import
+nothing of the GRPO recipe.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def make_backend(
                 "backend 'megatron' needs the Hugging Face model directory (hf_dir) for its "
                 "config and tokenizer; it runs in the GRPO step only"
             )
-        from trainer.backends.megatron import build_megatron_backend
+        from trainer.megatron.backend import build_megatron_backend
 
         return build_megatron_backend(
             cfg,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from capacity import (
     MODEL_PRESETS,
@@ -82,6 +82,44 @@ class LayoutError(PlannerLayoutError):
         super().__init__("\n".join([*lines, note] if note else lines))
 
 
+def _planner_fields_model() -> type[BaseModel]:
+    """``PlannerFields``: every ``capacity.Layout`` field but those the Megatron layout sets
+    itself, with the planner's types, bounds and defaults (stated once, in ``Layout``)."""
+
+    class _Base(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        @model_validator(mode="before")
+        @classmethod
+        def _named_fields(cls, value: Any) -> Any:
+            names = set(value) if isinstance(value, Mapping) else set()
+            unknown = sorted(names - set(Layout.model_fields))
+            derived = sorted(names & _DERIVED_PLANNER_FIELDS)
+            if unknown:
+                raise ValueError(f"unknown planner Layout field(s) {', '.join(unknown)}")
+            if derived:
+                raise ValueError(
+                    f"{', '.join(derived)} come from the Megatron layout itself; set "
+                    "tp/pp/ep/params_dtype/nodes/gpus_per_node/gpu_memory_gib/rollout_tp instead"
+                )
+            return value
+
+    fields = {
+        name: (field.annotation, field)
+        for name, field in Layout.model_fields.items()
+        if name not in _DERIVED_PLANNER_FIELDS
+    }
+    return create_model("PlannerFields", __base__=_Base, **fields)
+
+
+PlannerFields = _planner_fields_model()
+"""The further ``capacity.Layout`` fields of a Megatron layout's memory estimate
+(``micro_train_batch_size``, ``prompt_max_len``, ``generate_max_len``, ``adam_offload``, ``kl``,
+``ref_offload``, ``gradient_checkpointing`` ...): typed and bounded as the planner's, unknown
+names and the fields the Megatron layout decides itself refused. Only the fields given are
+passed to the planner (``model_fields_set``); the others keep the planner's defaults."""
+
+
 class MegatronLayout(ConfigModel):
     """How Megatron splits the model and where it runs.
 
@@ -122,21 +160,7 @@ class MegatronLayout(ConfigModel):
     gpus_per_node: int = Field(1, ge=1)
     gpu_memory_gib: float | None = Field(None, gt=0)
     rollout_tp: int = Field(1, ge=1)
-    planner: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("planner")
-    @classmethod
-    def _known_planner_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(value) - set(Layout.model_fields))
-        derived = sorted(set(value) & _DERIVED_PLANNER_FIELDS)
-        if unknown:
-            raise ValueError(f"planner: unknown planner Layout field(s) {', '.join(unknown)}")
-        if derived:
-            raise ValueError(
-                f"planner: {', '.join(derived)} come from the Megatron layout itself; "
-                "set tp/pp/ep/params_dtype/nodes/gpus_per_node/gpu_memory_gib/rollout_tp instead"
-            )
-        return value
+    planner: PlannerFields = Field(default_factory=lambda: PlannerFields())
 
     def megatron_kwargs(self) -> dict[str, Any]:
         """The layout under Megatron-Core's names (``ModelParallelConfig`` / bridge provider)."""
@@ -387,7 +411,7 @@ def planner_layout(layout: MegatronLayout, world: int, gpu_memory_gib: float) ->
     fields: dict[str, Any] = {
         "rollout_gpus": 0,
         "hybrid": False,
-        **layout.planner,
+        **layout.planner.model_dump(exclude_unset=True),
         "name": f"megatron:{layout.name}",
         "device": "cuda",
         "backend": "megatron",

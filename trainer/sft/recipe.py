@@ -18,7 +18,7 @@ from tqdm import tqdm
 from core.atomic import check_output_dir, check_writable
 from core.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 from core.tracking import log_artifact, mlflow_run
-from trainer.backends import TorchBackend, make_backend
+from trainer.backends import TorchBackend, TrainingBackend, make_backend
 from trainer.backends.loading import load_training_model
 from trainer.checkpoint import file_fingerprint, model_fingerprint, resume, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
@@ -56,6 +56,39 @@ class SFTResult:
     dropped_overlong: int
     truncated: int
     merge: dict
+
+
+@dataclass(frozen=True)
+class SFTState:
+    """Where an SFT run is: what a checkpoint's ``trainer_state.json`` keeps, and what a resume
+    gives back (``from_json``). On disk ``{"epoch": ..., "step": ...}``, as always.
+
+    Attributes:
+        epoch: the epoch the step was in (the data order of ``micro_batches``).
+        step: optimizer steps done.
+    """
+
+    epoch: int = 0
+    step: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> SFTState:
+        """The state ``trainer.checkpoint.resume`` returned; the start when it found none.
+
+        Raises:
+            ValueError: a trainer state without an integer ``step``.
+        """
+        if data is None:
+            return cls()
+        if not isinstance(data.get("step"), int):
+            raise ValueError(
+                f"SFT checkpoint's trainer_state.json has no integer 'step' ({data!r}): "
+                "move that checkpoint out of the work directory's checkpoints/ to start over"
+            )
+        return cls(epoch=int(data.get("epoch", 0)), step=data["step"])
 
 
 def _target_count(example: Example) -> int:
@@ -153,7 +186,7 @@ def run_sft(
         uniform_loss=math.log(vocab_size),
         max_loss_spike=cfg.optim.max_loss_spike,
     )
-    start_step = (resume(checkpoints, backend, info, run_config, guard) or {"step": 0})["step"]
+    start_step = SFTState.from_json(resume(checkpoints, backend, info, run_config, guard)).step
 
     with (
         mlflow_run("sft", cfg.model_dump(), info.is_main) as run,
@@ -170,21 +203,10 @@ def run_sft(
             run,
             progress,
         )
-        _train_loop(
-            cfg,
-            info,
-            backend,
-            train,
-            evals,
-            tokenizer.pad_token_id,
-            writer,
-            start_step,
-            max_steps,
-            steps_per_epoch,
-            checkpoints,
-            run_config,
-            guard,
+        sft_run = _SFTRun(
+            cfg, info, backend, train, evals, tokenizer.pad_token_id, checkpoints, run_config, guard
         )
+        _train_loop(sft_run, writer, start_step, max_steps, steps_per_epoch)
         final = _final_model(cfg, backend, base_model, dtype, info)  # every rank takes part
         if not info.is_main:
             return None
@@ -222,21 +244,29 @@ def run_sft(
         return result
 
 
+@dataclass
+class _SFTRun:
+    """What ``run_sft`` built for the loop: the config, the processes, the backend, the data
+    and where checkpoints go (with what they record)."""
+
+    cfg: SFTConfig
+    info: DistInfo
+    backend: TrainingBackend
+    train: list[Example]
+    evals: list[Example]
+    pad_id: int
+    checkpoints: Path
+    run_config: dict
+    """The step's config, model and data as a checkpoint records them (``resume`` compares)."""
+    guard: DivergenceGuard
+
+
 def _train_loop(
-    cfg,
-    info: DistInfo,
-    backend,
-    train,
-    evals,
-    pad_id,
-    writer,
-    start_step,
-    max_steps,
-    steps_per_epoch,
-    checkpoints,
-    run_config,
-    guard: DivergenceGuard,
+    run: _SFTRun, writer: MetricsWriter, start_step: int, max_steps: int, steps_per_epoch: int
 ) -> None:
+    cfg, info, backend, train, evals, pad_id = (
+        run.cfg, run.info, run.backend, run.train, run.evals, run.pad_id
+    )  # fmt: skip
     lengths = [len(e.input_ids) for e in train]
     targets = [_target_count(e) for e in train]
     gas = cfg.gradient_accumulation_steps
@@ -271,7 +301,7 @@ def _train_loop(
         step_loss = all_reduce_sum(step_loss, info)
         done = step + 1
         # before this step's state can reach a checkpoint, the merge or the export
-        guard.check(done, step_loss, grad_norm, backend.module)
+        run.guard.check(done, step_loss, grad_norm, backend.module)
         writer.log(
             done,
             data_passes=round(done / steps_per_epoch, 4),
@@ -287,14 +317,14 @@ def _train_loop(
             writer.log(done, eval_loss=eval_loss)  # merged onto this step's line
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < max_steps:
             save_checkpoint(
-                checkpoints,
+                run.checkpoints,
                 done,
                 backend,
-                {"epoch": epoch},
+                SFTState(epoch, done).to_json(),
                 info,
                 cfg.keep_checkpoints,
-                run_config,
-                guard.state_dict(),
+                run.run_config,
+                run.guard.state_dict(),
             )
     progress.close()
 

@@ -3,6 +3,7 @@ and the command line of a GRPO run in a process of its own."""
 
 import json
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -104,3 +105,26 @@ def fixed_grpo_batch(vocab: int = 1000) -> recipe._Batch:
     stats = algo.group_stats(rewards, groups)
     keep = (~stats.all_equal[stats.index]).float()
     return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
+
+
+class AliveBytes:
+    """A weight stream that records how many of its tensors' bytes are alive at once: each
+    tensor is a fresh copy, counted until the last reference to it goes (``weakref``), so
+    ``peak`` is the most the consumer (and whatever it hands them to) held at one time."""
+
+    def __init__(self) -> None:
+        self.alive = self.peak = self.largest = 0
+
+    def _free(self, nbytes: int) -> None:
+        self.alive -= nbytes
+
+    def stream(self, named_tensors):
+        for name, tensor in named_tensors:
+            fresh = tensor.detach().clone()
+            nbytes = fresh.numel() * fresh.element_size()
+            weakref.finalize(fresh, self._free, nbytes)
+            self.alive += nbytes
+            self.peak = max(self.peak, self.alive)
+            self.largest = max(self.largest, nbytes)
+            yield name, fresh
+            del fresh

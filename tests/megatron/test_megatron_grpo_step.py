@@ -356,3 +356,42 @@ def test_grpo_step_on_gpu(megatron_bridge, tiny_models, tmp_path, distributed_op
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     check_grpo_step(tiny_models["square"], tmp_path, "cuda", distributed_optimizer)
+
+
+def test_a_two_rank_tensor_parallel_step_exports_the_one_rank_weights(
+    megatron_on_cpu, tiny_models, tmp_path
+):
+    """The same GRPO step on 2 processes with TP 2 (torchrun, gloo) and on 1: the sharded
+    export (``export_hf_weights`` gathering each tensor over the TP group, every rank drawing
+    in step) gives the one-rank weights, before the update exactly and after it within what
+    summing each matmul over two shards moves."""
+    import os
+    import subprocess
+    import sys
+
+    from grpo_step_worker import grpo_step
+
+    from trainer.megatron import bridge
+
+    hf_dir = tiny_models["default"]  # 4 heads, 2 KV heads: TP 2 splits whole query groups
+    checkpoint = tmp_path / "megatron"
+    bridge.convert_hf_to_megatron(
+        str(hf_dir), str(checkpoint), MegatronLayout(name="tiny", params_dtype="fp32")
+    )
+    grpo_step(hf_dir, checkpoint, tmp_path / "one.pt", tp=1)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR")}
+    worker = Path(__file__).with_name("grpo_step_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(worker), str(hf_dir), str(checkpoint), str(tmp_path / "two.pt"), "--tp", "2"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert list(two["before"]) == list(one["before"])  # every HF name, in the same order
+    for name, tensor in one["before"].items():
+        assert torch.equal(two["before"][name], tensor), name
+    for key, value in one["stats"].items():
+        assert two["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    worst = max((two["after"][n] - t).abs().max().item() for n, t in one["after"].items())
+    moved = max((t - one["before"][n]).abs().max().item() for n, t in one["after"].items())
+    print(f"TP 2 vs TP 1 after the step: max |diff| {worst:.3g} (the step moved {moved:.3g})")
+    assert moved > 1e-4 and worst < 1e-5

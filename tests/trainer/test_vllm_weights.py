@@ -9,13 +9,16 @@ import functools
 import logging
 
 import torch
+from tests_helpers_trainer import AliveBytes
 from transformers import AutoModelForCausalLM
 
 from trainer.grpo.vllm_weights import (
+    SyncedWeights,
     VLLMWeights,
     _derived_state_layers,
     _DerivedStateFilter,
     load_sink,
+    weight_buckets,
 )
 
 
@@ -50,6 +53,27 @@ def test_vllm_weights_draw_one_tensor_at_a_time():
     assert drawn == []
     next(stream)
     assert drawn == [0]  # nothing is gathered ahead of the consumer
+
+
+def test_a_sync_holds_one_bucket_at_a_time_whatever_the_model_size(tiny_model_dir):
+    """The weight stream (HF names, as a training backend's ``hf_weights`` gives them) goes
+    into vLLM's reload in buckets: what is alive at once stays under the budget plus the one
+    tensor that opens the next bucket, never the model."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    params = dict(model.named_parameters())
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    budget = 16 << 10
+    recorder, synced, loaded = AliveBytes(), SyncedWeights(), {}
+    for bucket in weight_buckets(recorder.stream(params.items()), budget, synced):
+        assert sum(t.numel() * t.element_size() for _, t in bucket) <= max(budget, recorder.largest)
+        loaded.update((n, t.clone()) for n, t in VLLMWeights(bucket).checkpoint_format())
+        del bucket  # what the reload does once a bucket is loaded
+    assert synced.count == len(params) and synced.bytes == total
+    assert synced.buckets > 10 and synced.largest_bucket <= max(budget, recorder.largest)
+    assert recorder.peak <= budget + recorder.largest < total / 2  # the embeddings: 1/4
+    assert recorder.alive == 0
+    experts = params["model.layers.1.mlp.experts.down_proj"]
+    assert torch.equal(loaded["model.layers.1.mlp.experts.0.w2_weight"], experts[0])
 
 
 def _reload_wrapped(original):

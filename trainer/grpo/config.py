@@ -49,8 +49,9 @@ class RolloutConfig(ConfigModel):
     dedicated engines (``colocate: false``), which work while the trainer trains; see
     ``trainer.grpo.producer``."""
     sync_bucket_mb: int = Field(64, ge=1)
-    """Dedicated engines: the weight sync sends the policy to each engine's first process in
-    buckets of at most this many MiB (one bucket in flight at a time)."""
+    """vLLM engines: the weight sync loads the policy in buckets of at most this many MiB (one
+    bucket held at a time; a larger tensor is a bucket of its own); dedicated engines receive
+    them on each engine's first process."""
     start_timeout_s: int = Field(3600, ge=1)
     """Dedicated engines: how long the training and the rollout processes wait for each other
     to be ready (the engines built: vLLM at 20B loads, compiles and captures CUDA graphs; the

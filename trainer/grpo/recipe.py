@@ -702,6 +702,7 @@ def _rollout_engine(cfg: GRPOConfig, model, tokenizer, sft_model, plan: Placemen
             dtype=str(resolve_dtype(cfg.dtype, info.device)).removeprefix("torch."),
             sleep_mode=cfg.rollout.colocate and info.device.type == "cuda",
             record_routing=cfg.algorithm.router_replay == "rollout",
+            bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
         )
     lockstep = _zero3(cfg) and info.world_size > 1
     return HFRolloutEngine(model, tokenizer, cfg.rollout, lockstep=lockstep)

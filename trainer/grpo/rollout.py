@@ -512,8 +512,8 @@ class VLLMRolloutEngine:
     The engine's worker runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; under
     torchrun, vLLM's external launcher), so the new weights go in as tensors through vLLM's
     layerwise in-place reload (load, then the engine's post-load processing, with GPT-OSS's
-    rules: ``trainer.grpo.vllm_weights``), streamed one tensor at a time, never serialized
-    and never a full copy. Colocated
+    rules: ``trainer.grpo.vllm_weights``), streamed in buckets of at most ``bucket_bytes``
+    (``rollout.sync_bucket_mb``), never serialized and never a full copy. Colocated
     (hybrid) engines on a GPU sleep (level 1: weights offloaded to host, KV cache freed)
     while the policy updates (``sleep_mode``; vLLM has no sleep mode on CPU). Dedicated
     (non-hybrid) engines own their GPUs and stay awake. ``engine`` is this process's engine
@@ -536,6 +536,7 @@ class VLLMRolloutEngine:
         dtype: str = "bfloat16",
         sleep_mode: bool = False,
         record_routing: bool = False,
+        bucket_bytes: int = 64 << 20,
     ) -> None:
         if engine is None and cfg.tensor_parallel_size > 1:
             raise ValueError(
@@ -554,6 +555,7 @@ class VLLMRolloutEngine:
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer, load_generation_config(model_dir))
         self.sleep_mode = sleep_mode
+        self.bucket_bytes = bucket_bytes
         from vllm.platforms import current_platform
 
         cpu = current_platform.is_cpu()
@@ -614,20 +616,21 @@ class VLLMRolloutEngine:
         return [self.token_log_probs(prompt, response)]
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Reload the policy's weights in place, streamed, in the worker (in this process:
-        ``trainer.grpo.vllm_weights``); returns the bytes loaded."""
-        from trainer.grpo.vllm_weights import VLLMWeights, reload_in_worker
+        """Reload the policy's weights in place, in buckets of at most ``bucket_bytes``, in
+        the worker (in this process: ``trainer.grpo.vllm_weights``); returns the bytes loaded."""
+        from trainer.grpo.vllm_weights import SyncedWeights, reload_in_worker, weight_buckets
 
         refuse_quantized_reload(self.quantization, self.model_dir)
         self.wake_up()
-        weights = VLLMWeights(named_tensors)
+        synced = SyncedWeights()
+        buckets = weight_buckets(named_tensors, self.bucket_bytes, synced)
         # the worker runs in this thread: no autograd on its parameters (vLLM leaves
         # requires_grad on some, e.g. the sinks, which the reload writes in place)
         with torch.no_grad():
-            self.llm.collective_rpc(reload_in_worker, args=(weights,))
-        log.debug("synced %d tensors into vLLM", weights.count)
+            self.llm.collective_rpc(reload_in_worker, args=(buckets,))
+        log.debug("synced %d tensors into vLLM in %d buckets", synced.count, synced.buckets)
         self.llm.reset_prefix_cache()
-        return weights.bytes
+        return synced.bytes
 
     def sleep(self) -> None:
         """Free the GPU for the policy update (colocated engines on a GPU only)."""

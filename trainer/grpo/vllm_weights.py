@@ -186,18 +186,63 @@ class PolicyReload:
         repack_cpu_moe(self.model)
 
 
-def reload_in_worker(worker, weights: VLLMWeights) -> int:
+@dataclass
+class SyncedWeights:
+    """What one weight sync drew from the policy's stream."""
+
+    count: int = 0
+    """Tensors (by HF name)."""
+    bytes: int = 0
+    """Their bytes."""
+    buckets: int = 0
+    largest_bucket: int = 0
+    """Bytes of the largest bucket held at once."""
+
+
+def weight_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, synced: SyncedWeights
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a weight stream into buckets of at most ``bucket_bytes`` (a larger tensor is a
+    bucket of its own). The tensors are not copied (the engine's loaders copy them into its
+    parameters) and a bucket is let go before the next is filled, so a consumer that drops
+    each bucket once loaded holds at most ``bucket_bytes`` plus the one tensor drawn next
+    (which opens the next bucket), whatever the model's size. ``synced`` counts what was
+    drawn."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor_bytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            synced.buckets += 1
+            yield bucket
+            bucket, size = [], 0  # dropped before the next tensor is drawn
+        bucket.append((name, tensor))
+        size += nbytes
+        synced.count += 1
+        synced.bytes += nbytes
+        synced.largest_bucket = max(synced.largest_bucket, size)
+    if bucket:
+        synced.buckets += 1
+        yield bucket
+
+
+def reload_in_worker(worker, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
     """The whole policy into ``worker``'s model (``LLM.collective_rpc``, with the worker in
-    the calling process); returns the bytes loaded."""
+    the calling process), one reload loading ``buckets`` one after the other, as the
+    dedicated engines' workers do (``trainer.grpo.vllm_transfer``); returns the buckets."""
     runner = getattr(worker, "worker", worker).model_runner
     # get_model: the model itself, not the CUDA-graph wrapper a GPU runner may hold
     reload = PolicyReload(runner.get_model(), runner.vllm_config.model_config)
     reload.start()
+    loaded = 0
     try:
-        reload.load(weights)
+        for bucket in buckets:
+            reload.load(VLLMWeights(bucket))
+            loaded += 1
+            del bucket  # not held while the next one is drawn
     finally:
         reload.finish()
-    return weights.bytes
+    return loaded
 
 
 def repack_cpu_moe(model) -> int:

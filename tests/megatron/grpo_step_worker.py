@@ -1,0 +1,96 @@
+"""One rank of a Megatron GRPO step, started by ``torchrun`` from the tests (or called in the
+test's own process for one rank):
+
+    torchrun --nproc_per_node 2 tests/megatron/grpo_step_worker.py HF_DIR CHECKPOINT OUT \\
+        --tp 2
+
+Every rank builds the Megatron backend with the layout's tensor parallelism (the checkpoint,
+converted on one rank, is resharded as it loads), runs one GRPO update (``recipe._update``,
+two PPO epochs, KL) on the fixed batch, then draws the weights under HF names
+(``backend.hf_weights``: ``AutoBridge.export_hf_weights`` gathers each tensor over TP on
+every rank, which each rank must draw in step). Rank 0 writes the export before and after
+the update and the update's statistics to OUT (``torch.save``). Without CUDA it applies the
+test-only CPU patches, as the in-process tests do.
+
+``--wire FILE`` also records the updated weights as the dedicated engines receive them: the
+stream cut into buckets (``remote.buckets``) and each flattened to its spec and one byte
+tensor (``remote._flat``), what ``RemoteRolloutEngine.sync_weights`` broadcasts; the vLLM
+tests load that file into a vLLM engine (this env cannot hold vLLM, docs/megatron.md).
+``--convert`` first converts HF_DIR into CHECKPOINT (one rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]  # the repository root
+
+import cpu_patches  # noqa: E402
+
+
+def grpo_step(hf_dir: Path, checkpoint: Path, out: Path, tp: int, wire: Path | None = None) -> None:
+    """The step on this rank (world size = ``tp``, one data-parallel replica)."""
+    import os
+
+    import torch
+    from test_megatron_grpo_step import _config
+    from tests_helpers_trainer import fixed_grpo_batch
+    from transformers import AutoConfig
+
+    from trainer.backends import make_backend
+    from trainer.distributed import DistInfo
+    from trainer.grpo import recipe
+    from trainer.grpo.config import GRPOConfig
+
+    rank = int(os.environ.get("RANK", "0"))
+    base = _config(checkpoint, distributed_optimizer=False).model_dump()
+    base["optim"]["megatron"]["layout"] = {"preset": "tiny-cpu", "tp": tp, "gpus_per_node": tp}
+    cfg = GRPOConfig.model_validate({**base, "nproc": tp})
+    info = DistInfo(rank, tp, rank, torch.device("cpu"))
+    backend = make_backend(
+        None, cfg.optim, 6, info, 4, 1, with_reference=True, hf_dir=hf_dir, pad_id=0
+    )
+    try:
+        before = {n: t.detach().cpu().clone() for n, t in backend.hf_weights()}
+        batch = fixed_grpo_batch(AutoConfig.from_pretrained(hf_dir).vocab_size)
+        stats = recipe._update(cfg, backend, batch, 0, 0)
+        after = {n: t.detach().cpu().clone() for n, t in backend.hf_weights()}
+        if rank == 0:
+            torch.save({"before": before, "after": after, "stats": stats}, out)
+        if wire is not None:
+            from trainer.grpo.remote import _flat, buckets
+
+            sent = [_flat(b, torch.device("cpu")) for b in buckets(backend.hf_weights(), 16 << 10)]
+            if rank == 0:
+                torch.save(sent, wire)
+    finally:
+        backend.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("hf_dir", type=Path)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--wire", type=Path)
+    parser.add_argument("--convert", action="store_true")
+    args = parser.parse_args()
+    cpu_patches.import_megatron_bridge()
+    from test_megatron_grpo_step import training_cpu_patches
+
+    from trainer.megatron.bridge import convert_hf_to_megatron
+    from trainer.megatron.layout import MegatronLayout
+
+    with cpu_patches.cpu_patches(), training_cpu_patches():
+        if args.convert:
+            layout = MegatronLayout(name="tiny", params_dtype="fp32")
+            convert_hf_to_megatron(str(args.hf_dir), str(args.checkpoint), layout)
+        grpo_step(args.hf_dir, args.checkpoint, args.out, args.tp, args.wire)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,15 +2,18 @@
 test's own process for one rank):
 
     torchrun --nproc_per_node 2 tests/megatron/grpo_step_worker.py HF_DIR CHECKPOINT OUT \\
-        --tp 2
+        --pp 2
 
-Every rank builds the Megatron backend with the layout's tensor parallelism (the checkpoint,
-converted on one rank, is resharded as it loads), runs one GRPO update (``recipe._update``,
-two PPO epochs, KL) on the fixed batch, then draws the weights under HF names
-(``backend.hf_weights``: ``AutoBridge.export_hf_weights`` gathers each tensor over TP on
-every rank, which each rank must draw in step). Rank 0 writes the export before and after
-the update and the update's statistics to OUT (``torch.save``). Without CUDA it applies the
-test-only CPU patches, as the in-process tests do.
+Every rank builds the Megatron backend with the layout's TP / PP (the checkpoint, converted
+on one rank, is resharded as it loads), runs one GRPO update (``recipe._update``, two PPO
+epochs, KL) on the fixed batch, then draws the weights under HF names
+(``backend.hf_weights``: ``AutoBridge.export_hf_weights`` gathers each tensor over its TP
+and PP groups on every rank, which each rank must draw in step). ``--export-only`` skips
+the update (a TP > 1 update of a MoE model needs sequence parallelism, which needs
+Transformer Engine: not on a CPU) and records the reference's log-probs instead. Rank 0
+writes the export before and after the update and the update's statistics to OUT
+(``torch.save``). Without CUDA it applies the test-only CPU patches, as the in-process tests
+do.
 
 ``--wire FILE`` also records the updated weights as the dedicated engines receive them: the
 stream cut into buckets (``remote.buckets``) and each flattened to its spec and one byte
@@ -31,8 +34,17 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]  # the rep
 import cpu_patches  # noqa: E402
 
 
-def grpo_step(hf_dir: Path, checkpoint: Path, out: Path, tp: int, wire: Path | None = None) -> None:
-    """The step on this rank (world size = ``tp``, one data-parallel replica)."""
+def grpo_step(
+    hf_dir: Path,
+    checkpoint: Path,
+    out: Path,
+    tp: int = 1,
+    pp: int = 1,
+    wire: Path | None = None,
+    export_only: bool = False,
+) -> None:
+    """The step on this rank (world size = ``tp × pp``, one data-parallel replica);
+    ``export_only``: the export and the reference's log-probs, no update."""
     import os
 
     import torch
@@ -42,20 +54,31 @@ def grpo_step(hf_dir: Path, checkpoint: Path, out: Path, tp: int, wire: Path | N
 
     from trainer.backends import make_backend
     from trainer.distributed import DistInfo
-    from trainer.grpo import recipe
+    from trainer.grpo import layout, recipe
     from trainer.grpo.config import GRPOConfig
 
     rank = int(os.environ.get("RANK", "0"))
     base = _config(checkpoint, distributed_optimizer=False).model_dump()
-    base["optim"]["megatron"]["layout"] = {"preset": "tiny-cpu", "tp": tp, "gpus_per_node": tp}
-    cfg = GRPOConfig.model_validate({**base, "nproc": tp})
-    info = DistInfo(rank, tp, rank, torch.device("cpu"))
+    world = tp * pp
+    base["optim"]["megatron"]["layout"] = {"preset": "tiny-cpu", "tp": tp, "pp": pp}
+    base["optim"]["megatron"]["layout"]["gpus_per_node"] = world
+    cfg = GRPOConfig.model_validate({**base, "nproc": world})
+    info = DistInfo(rank, world, rank, torch.device("cpu"))
     backend = make_backend(
         None, cfg.optim, 6, info, 4, 1, with_reference=True, hf_dir=hf_dir, pad_id=0
     )
     try:
         before = {n: t.detach().cpu().clone() for n, t in backend.hf_weights()}
         batch = fixed_grpo_batch(AutoConfig.from_pretrained(hf_dir).vocab_size)
+        if export_only:  # the frozen reference's log-probs: a forward without training
+            micros = [
+                layout.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, info.device)
+                for s in range(0, 16, 4)
+            ]
+            scored = [t.cpu() for t in backend.log_probs(micros, reference=True)]
+            if rank == 0:
+                torch.save({"before": before, "reference_log_probs": scored}, out)
+            return
         stats = recipe._update(cfg, backend, batch, 0, 0)
         after = {n: t.detach().cpu().clone() for n, t in backend.hf_weights()}
         if rank == 0:
@@ -76,8 +99,10 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--wire", type=Path)
     parser.add_argument("--convert", action="store_true")
+    parser.add_argument("--export-only", action="store_true")
     args = parser.parse_args()
     cpu_patches.import_megatron_bridge()
     from test_megatron_grpo_step import training_cpu_patches
@@ -89,7 +114,9 @@ def main() -> None:
         if args.convert:
             layout = MegatronLayout(name="tiny", params_dtype="fp32")
             convert_hf_to_megatron(str(args.hf_dir), str(args.checkpoint), layout)
-        grpo_step(args.hf_dir, args.checkpoint, args.out, args.tp, args.wire)
+        grpo_step(
+            args.hf_dir, args.checkpoint, args.out, args.tp, args.pp, args.wire, args.export_only
+        )
 
 
 if __name__ == "__main__":

@@ -422,8 +422,9 @@ def test_a_two_rank_tensor_parallel_export_gathers_the_one_rank_weights(converte
     weights exactly, and the frozen reference's log-probs (vocabulary-parallel) are the
     one-rank ones. No update: Megatron-Core trains a MoE layer with TP > 1 only with sequence
     parallelism (``moe_layer.py:629`` raises otherwise; measured without that guard, the
-    experts' squared gradient norm alone exceeded the one-rank model's whole), which needs Transformer Engine's or
-    apex's LayerNorm (``torch_norm.py:50``), absent on a CPU; the GPU layouts set it."""
+    experts' squared gradient norm alone exceeded the one-rank model's whole), which needs
+    Transformer Engine's or apex's LayerNorm (``torch_norm.py:50``), absent on a CPU; the GPU
+    layouts set it."""
     from grpo_step_worker import grpo_step
 
     hf_dir, checkpoint = converted

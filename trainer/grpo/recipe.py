@@ -57,7 +57,7 @@ from trainer.distributed import (
 from trainer.divergence import DivergenceGuard
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.layout import Micro, sequences, with_routing
+from trainer.grpo.micro_batch import Micro, sequences, with_routing
 from trainer.grpo.mismatch import MismatchGate, MismatchMeter
 from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompts, step_prompts
@@ -952,7 +952,7 @@ def _laid_out(
     device,
     counts: RouterCounts | None = None,
 ) -> Micro:
-    """The rollouts ``rows`` as a micro-batch (``layout.sequences``), with the engine's
+    """The rollouts ``rows`` as a micro-batch (``micro_batch.sequences``), with the engine's
     expert routing when it is replayed (``algorithm.router_replay: rollout``) or, in the
     forward before the update (``counts``), compared with the trainer's own.
 
@@ -1090,7 +1090,7 @@ def _loss_fn(
 
 def _behaviour_block(batch: _Batch, micro: list[int], width: int) -> torch.Tensor:
     """The engine's log-probs of the samples ``micro`` as a [len(micro), width] block,
-    right-aligned as their layout (``layout.sequences``)."""
+    right-aligned as their layout (``micro_batch.sequences``)."""
     rows = []
     for i in micro:
         if batch.rollouts[i].log_probs is None:

@@ -34,8 +34,7 @@ from core.modeling import load_causal_lm
 from trainer.backends import DataParallel, OptimConfig, TorchBackend, lr_factor, make_backend
 from trainer.distributed import DistInfo
 from trainer.grpo import algorithm as algo
-from trainer.grpo import micro_batch
-from trainer.grpo import recipe
+from trainer.grpo import micro_batch, recipe
 from trainer.grpo.config import GRPOConfig
 from trainer.megatron.backend import (
     MegatronBackend,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
@@ -189,7 +189,7 @@ def keep_share(out: list[Rollout], group: Sequence[int], rank: int, per_rank: in
     ]
 
 
-def cut_at_stop(ids: list[int], stop_ids: set[int], pad_id: int) -> tuple[list[int], bool]:
+def cut_at_stop(ids: list[int], stop_ids: Collection[int], pad_id: int) -> tuple[list[int], bool]:
     """Response ids up to and including the first stop token; padding removed."""
     for i, token in enumerate(ids):
         if token in stop_ids:

@@ -9,11 +9,12 @@ import pytest
 
 from trainer.grpo.producer import RolloutProducer
 from trainer.grpo.recipe import RunState
-from trainer.grpo.rollout import Rollout
+from trainer.grpo.rollout import LocalRequests, Rollout
 
 
-class FakeEngine:
-    """An engine whose rollouts say which weights sampled them (``version`` as the token)."""
+class FakeEngine(LocalRequests):
+    """An engine in this process whose rollouts say which weights sampled them (``version`` as
+    the token); ``submit``/``collect`` are the in-process engines' own (``LocalRequests``)."""
 
     overlaps = False
 

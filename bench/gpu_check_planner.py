@@ -2,7 +2,7 @@
 
 A model with the layer shapes of a planner preset (gpt-oss-20b on the GPU, the tiny preset
 in the dry run) but fewer layers, random bf16 weights built on the device; HF rollouts
-(tokens/s); then GRPO updates (the recipe's ``_update`` on ``TorchBackend``) with the
+(tokens/s); then GRPO updates (``trainer.grpo.update.policy_update`` on ``TorchBackend``) with the
 settings of a one-GPU layout. The second update is measured (the first creates the Adam
 states): ``torch.cuda.max_memory_allocated`` on CUDA, torch's CPU allocator peak on CPU,
 against the planner's tensor terms for the same shapes, layers and layout.
@@ -99,8 +99,8 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     from trainer.backends import TorchBackend
     from trainer.grpo.config import GRPOConfig, RolloutConfig
     from trainer.grpo.prompts import Prompt
-    from trainer.grpo.recipe import _Batch, _update
     from trainer.grpo.rollout import HFRolloutEngine, Rollout
+    from trainer.grpo.update import Batch, policy_update
 
     config, model = _planner_model(sizes)
     layout = _planner_layout(sizes)
@@ -150,14 +150,14 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     )
     backend = TorchBackend(model, cfg.optim, total_steps=2)
 
-    def batch() -> _Batch:
+    def batch() -> Batch:
         ids = _random_ids(generator, 2 * m, sizes.prompt_len, vocab)
         prompts = [Prompt(ids=row, label="en", text="") for row in ids[:m]]
         rollouts = [Rollout(i, row[: sizes.generate_len], False) for i, row in enumerate(ids[m:])]
         advantages = torch.tensor([1.0 if i % 2 else -1.0 for i in range(m)])
-        return _Batch(prompts, rollouts, advantages.clone(), advantages, torch.ones(m), [])
+        return Batch(prompts, rollouts, advantages.clone(), advantages, torch.ones(m), [])
 
-    first = _update(cfg, backend, batch(), 0, 0)  # creates the Adam states: steady state next
+    first = policy_update(cfg, backend, batch(), 0, 0)  # creates the Adam states: steady state next
     measured_batch = batch()
     state = tensor_bytes(model.parameters()) + tensor_bytes(
         v for s in backend.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
@@ -166,7 +166,7 @@ def check_planner(sizes: Sizes, work: Path) -> dict:
     stats: dict = {}
 
     def update() -> None:
-        stats.update(_update(cfg, backend, measured_batch, 0, 1))
+        stats.update(policy_update(cfg, backend, measured_batch, 0, 1))
 
     if sizes.device == "cuda":
         torch.cuda.empty_cache()

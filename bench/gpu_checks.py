@@ -236,8 +236,8 @@ def check_bf16_numerics(sizes: Sizes, work: Path) -> dict:
     import torch
 
     from core.modeling import load_causal_lm, load_tokenizer
-    from trainer.grpo.layout import micro_log_probs as _log_probs
-    from trainer.grpo.layout import sequences as _sequences
+    from trainer.grpo.micro_batch import micro_log_probs as _log_probs
+    from trainer.grpo.micro_batch import sequences as _sequences
     from trainer.grpo.prompts import Prompt
     from trainer.grpo.rollout import Rollout
     from trainer.megatron.verify import (
@@ -418,11 +418,11 @@ def check_sync_noise(sizes: Sizes, work: Path) -> dict:
 
     from trainer.backends import OptimConfig, make_backend
     from trainer.distributed import DistInfo
-    from trainer.grpo import recipe
     from trainer.grpo.config import RolloutConfig
     from trainer.grpo.prompts import load_prompts
     from trainer.grpo.rollout import HFRolloutEngine
     from trainer.grpo.sync_check import SyncCheck, WeightSyncError, sync_probe
+    from trainer.grpo.weight_sync import sync_engine
 
     model, data = _fixtures(sizes, work)
     device = torch.device(sizes.device)
@@ -435,7 +435,7 @@ def check_sync_noise(sizes: Sizes, work: Path) -> dict:
     prompts = load_prompts(data / "eval.jsonl", tokenizer, 1024, "all")
     probe = sync_probe([p.ids for p in prompts], 256)
     check, pad = SyncCheck(torch.float32), tokenizer.pad_token_id
-    recipe._sync(engine, backend, probe, check, pad, info, 0)
+    sync_engine(engine, backend, probe, check, pad, info, 0)
     floor = check.floor
     generator = torch.Generator(device=device).manual_seed(0)
     worst = 0.0
@@ -443,7 +443,7 @@ def check_sync_noise(sizes: Sizes, work: Path) -> dict:
         with torch.no_grad():
             for param in backend.module.parameters():
                 param.add_(torch.randn(param.shape, generator=generator, device=device) * 0.02)
-        worst = max(worst, recipe._sync(engine, backend, probe, check, pad, info, step).gap.p95)
+        worst = max(worst, sync_engine(engine, backend, probe, check, pad, info, step).gap.p95)
     with torch.no_grad():
         for name, param in backend.module.named_parameters():
             if ".experts." in name:
@@ -451,7 +451,7 @@ def check_sync_noise(sizes: Sizes, work: Path) -> dict:
     full = backend.hf_weights
     backend.hf_weights = lambda: ((n, t) for n, t in full() if ".experts." not in n)
     try:
-        recipe._sync(engine, backend, probe, check, pad, info, 3)
+        sync_engine(engine, backend, probe, check, pad, info, 3)
     except WeightSyncError:
         pass
     else:

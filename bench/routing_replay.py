@@ -4,7 +4,7 @@ and with ``algorithm.router_replay: rollout``.
 The tiny GPT-OSS (``trainer.tiny_model.SMALLEST``) is the fp32 policy; the engine is an HF
 engine on a copy of it whose router weights carry Gaussian noise of ``sigma`` × their std,
 so its routing flips at near-ties as another kernel's would. It samples 4 prompts × 4
-responses (recording its log-probs and routing); one GRPO update (``recipe._update``) of the
+responses (recording its log-probs and routing); one GRPO update (``update.policy_update``) of the
 policy on them reports ``rollout_kl``, the |d| percentiles and ``router_mismatch_rate``,
 once without replay and once with.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.seeds import group_seeds  # noqa: E402
 from trainer.backends.torch import TorchBackend  # noqa: E402
 from trainer.grpo import algorithm as algo  # noqa: E402
-from trainer.grpo import recipe  # noqa: E402
+from trainer.grpo import update  # noqa: E402
 from trainer.grpo.config import GRPOConfig, RolloutConfig  # noqa: E402
 from trainer.grpo.prompts import Prompt  # noqa: E402
 from trainer.grpo.rollout import HFRolloutEngine  # noqa: E402
@@ -37,7 +37,7 @@ from trainer.grpo.routing import moe_routers  # noqa: E402
 FIGURES = ("rollout_kl", "rollout_logprob_diff_p50", "rollout_logprob_diff_p99")
 
 
-def perturbed_engine_batch(model, tokenizer, sigma: float, seed: int = 11) -> recipe._Batch:
+def perturbed_engine_batch(model, tokenizer, sigma: float, seed: int = 11) -> update.Batch:
     """4 prompts (random ids: 9 to 41 tokens) × 4 responses of up to 16 tokens sampled by an
     HF engine on a copy of ``model`` whose routers' weights carry noise, with the engine's
     log-probs and routing; rewards by position (a signal in every group)."""
@@ -56,7 +56,7 @@ def perturbed_engine_batch(model, tokenizer, sigma: float, seed: int = 11) -> re
     return sampled_batch(engine, prompts, 4, seed)
 
 
-def sampled_batch(engine, prompts: list[Prompt], samples: int, seed: int = 0) -> recipe._Batch:
+def sampled_batch(engine, prompts: list[Prompt], samples: int, seed: int = 0) -> update.Batch:
     """``samples`` responses to each of ``prompts`` from ``engine``, as the GRPO update takes
     them (rewards by position: a signal in every group)."""
     rollouts = engine.generate(
@@ -66,10 +66,10 @@ def sampled_batch(engine, prompts: list[Prompt], samples: int, seed: int = 0) ->
     groups = torch.tensor([r.prompt_index for r in rollouts])
     advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
     keep = torch.ones_like(rewards)
-    return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
+    return update.Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
 
 
-def update_stats(model, batch: recipe._Batch, replay: str, samples: int = 4) -> dict:
+def update_stats(model, batch: update.Batch, replay: str, samples: int = 4) -> dict:
     """The statistics of one update of a copy of ``model`` (on its device) on ``batch``, one
     mini-batch of all its rollouts."""
     rollouts = len(batch.rollouts)
@@ -85,7 +85,7 @@ def update_stats(model, batch: recipe._Batch, replay: str, samples: int = 4) -> 
         }
     )
     backend = TorchBackend(copy.deepcopy(model), cfg.optim, 10)
-    return recipe._update(cfg, backend, batch, 0, 0)
+    return update.policy_update(cfg, backend, batch, 0, 0)
 
 
 def main(argv: list[str] | None = None) -> None:

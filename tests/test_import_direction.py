@@ -1,7 +1,7 @@
 """The packages import one way (README "Layout"): pipelines → components → the steps
-(data_prep, trainer, eval, capacity, cluster); eval and trainer → reward; trainer →
-(capacity, cluster); capacity → cluster (the node types); all of them → core, which imports
-none of the project's packages. Every package of the repository is checked. And no two
+(data_prep, trainer, eval, capacity, cluster); eval and trainer → (reward, generation);
+trainer → (capacity, cluster); capacity → cluster (the node types); all of them → core,
+which imports none of the project's packages. Every package of the repository is checked. And no two
 modules import each other. Read from the source with ``ast``, lazy (function-level) imports
 included."""
 
@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (
     "core",
     "reward",
+    "generation",
     "data_prep",
     "trainer",
     "eval",
@@ -28,13 +29,14 @@ STEPS = {"data_prep", "trainer", "eval", "capacity", "cluster"}
 ALLOWED = {
     "core": set(),
     "reward": {"core"},
-    "eval": {"core", "reward"},
+    "generation": {"core"},
+    "eval": {"core", "reward", "generation"},
     "data_prep": {"core"},
     "cluster": {"core"},
     "capacity": {"core", "cluster"},
-    "trainer": {"core", "reward", "capacity", "cluster"},
-    "components": {"core", "reward"} | STEPS,
-    "pipelines": {"core", "reward", "components"} | STEPS,
+    "trainer": {"core", "reward", "generation", "capacity", "cluster"},
+    "components": {"core", "reward", "generation"} | STEPS,
+    "pipelines": {"core", "reward", "generation", "components"} | STEPS,
 }
 # The one exception: the tiny model's tokenizer is trained on the bundled sample as data
 # prep renders it and on the eval set's questions, so its corpus comes from data_prep and
@@ -150,34 +152,63 @@ def test_the_circle_check_sees_lazy_and_type_checking_imports(tmp_path):
     assert two_file_circles(files) == {("pkg.a", "pkg.b")}
 
 
-# bench/ measures the product through its public names; these two are the GRPO update's, which
-# the recipe keeps private until it moves to a module of its own (GRPO recipe rework)
-KNOWN_PRIVATE_IN_BENCH = {
-    ("bench/gpu_check_planner.py", "trainer.grpo.recipe._Batch"),
-    ("bench/gpu_check_planner.py", "trainer.grpo.recipe._update"),
-}
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
 
 
-def private_names_in_bench() -> set[tuple[str, str]]:
-    """``(bench file, module.name)`` of every private name a bench script imports from the
-    product or from another bench script."""
+def _product(module: str) -> bool:
+    return module.split(".")[0] in (*PACKAGES, "bench")
+
+
+def private_names_in_bench(paths=None) -> set[tuple[str, str]]:
+    """``(bench file, module.name)`` of every private name a bench script takes from the
+    product or from another bench script: imported (``from m import _x``) or reached through
+    an imported name (``from trainer.grpo import recipe`` then ``recipe._x``)."""
     found = set()
-    for path in sorted((ROOT / "bench").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for path in paths or sorted((ROOT / "bench").glob("*.py")):
+        where = path.relative_to(path.parents[1]).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        bound: dict[str, str] = {}  # a name the script binds -> what it is in the product
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found |= {
-                    (path.relative_to(ROOT).as_posix(), f"{node.module}.{alias.name}")
-                    for alias in node.names
-                    if alias.name.startswith("_") and not alias.name.startswith("__")
-                }
+                if not _product(node.module):
+                    continue
+                for alias in node.names:
+                    if _private(alias.name):
+                        found.add((where, f"{node.module}.{alias.name}"))
+                    bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if _product(alias.name) and alias.asname:
+                        bound[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and _private(node.attr)
+            ):
+                found.add((where, f"{bound[node.value.id]}.{node.attr}"))
     return found
 
 
+def test_the_private_name_check_sees_imports_and_attributes(tmp_path):
+    (tmp_path / "bench").mkdir()
+    script = tmp_path / "bench" / "probe.py"
+    script.write_text(
+        "import json\n"
+        "import trainer.grpo.update as upd\n"
+        "from trainer.grpo import recipe\n"
+        "from trainer.grpo.update import _right_aligned, Batch\n"
+        "recipe._sync(); upd._loss_fn(); Batch.__name__; json._default_encoder\n"
+    )
+    assert private_names_in_bench([script]) == {
+        ("bench/probe.py", "trainer.grpo.recipe._sync"),
+        ("bench/probe.py", "trainer.grpo.update._loss_fn"),
+        ("bench/probe.py", "trainer.grpo.update._right_aligned"),
+    }
+
+
 def test_bench_imports_only_public_names():
-    private = private_names_in_bench() - KNOWN_PRIVATE_IN_BENCH
-    assert not private, "private names imported by bench/: " + ", ".join(sorted(map(str, private)))
-
-
-@pytest.mark.parametrize("known", sorted(KNOWN_PRIVATE_IN_BENCH))
-def test_each_known_private_import_is_still_there(known):
-    assert known in private_names_in_bench(), f"{known} is gone: drop it"
+    private = private_names_in_bench()
+    assert not private, "private names used by bench/: " + ", ".join(sorted(map(str, private)))

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from trainer.grpo import algorithm as algo
-from trainer.grpo import recipe
+from trainer.grpo import update
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import Rollout
@@ -82,7 +82,7 @@ SMALL_CORPUS = [
 ] * 20
 
 
-def fixed_grpo_batch(vocab: int = 1000) -> recipe._Batch:
+def fixed_grpo_batch(vocab: int = 1000) -> update.Batch:
     """16 rollouts of 4 prompts (one longer than a 32-token sliding window), empty and unequal
     responses, one group without signal; token ids in ``[5, vocab)``, seeded (the Megatron
     backend's recorded numbers come from ``vocab=1000``)."""
@@ -104,7 +104,7 @@ def fixed_grpo_batch(vocab: int = 1000) -> recipe._Batch:
     advantages = algo.get_advantage_estimator("grpo")(rewards, groups)
     stats = algo.group_stats(rewards, groups)
     keep = (~stats.all_equal[stats.index]).float()
-    return recipe._Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
+    return update.Batch(prompts, rollouts, rewards, advantages, keep, [None] * len(rollouts))
 
 
 class AliveBytes:

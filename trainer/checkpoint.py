@@ -14,6 +14,9 @@ and the previous one is used. A changed config (or train/eval file: their conten
 part of it) is compared with the checkpoint's: the changes in ``ALLOWED_RESUME_CHANGES`` are
 applied and logged, any other refuses the resume with the list. A checkpoint saved with
 unhealthy weights (``trainer.divergence``) refuses the resume, naming the last good one.
+
+Policy snapshots (``save_policy_dir``: GRPO's best and final policies) and the step's output
+copied from one (``export_policy``) are written the same way: staged, then renamed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.atomic import discard_staging, publish_dir, staging_dir
 from core.errors import names_write_failures
 from trainer.backends.interface import TrainingBackend
 from trainer.distributed import DistInfo, barrier, broadcast_object
@@ -380,3 +384,34 @@ def resume(
             guard.load_state_dict(saved)
         return state
     return None
+
+
+@names_write_failures("directory")
+def save_policy_dir(
+    backend: TrainingBackend, tokenizer, directory: Path, dtype, base_model, info: DistInfo
+) -> None:
+    """The current policy (``TrainingBackend.save_policy``: a HF directory, or Megatron's
+    ``torch_dist`` checkpoint, which the pipeline's ``export_hf`` step turns into one), every
+    rank taking part (ZeRO-3 gathers; rank 0 writes), renamed into place when complete."""
+    tmp = directory.with_name(f".{directory.name}.partial")
+    if info.is_main:
+        tmp = staging_dir(directory)
+    barrier(info)
+    backend.save_policy(tmp, base_model, dtype)
+    if info.is_main:
+        tokenizer.save_pretrained(tmp)
+        publish_dir(tmp, directory)
+    barrier(info)
+
+
+@names_write_failures("model_output")
+def export_policy(source: Path, model_output: Path) -> None:
+    """A copy of the policy directory ``source`` as the step's ``--model-output``, put in
+    place when complete."""
+    tmp = staging_dir(model_output)
+    try:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+    except BaseException:
+        discard_staging(tmp)
+        raise
+    publish_dir(tmp, model_output, "--model-output")

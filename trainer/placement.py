@@ -14,17 +14,20 @@ process ``r`` on node ``r // gpus_per_node``, GPU ``r % gpus_per_node``.
   GPUs after the training processes (processes ``T``, ``T+1``, … that only roll out).
 
 Rules checked: training TP groups and rollout engines stay within a node (their collectives
-run every layer), no two engines share a GPU, and the counts add up.
+run every layer), no two engines share a GPU, and the counts add up. ``run_placement`` is the
+GRPO run's plan checked at start against torchrun's world and where this process is.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from cluster.nodes import rollout_nodes
 
 if TYPE_CHECKING:
+    from trainer.distributed import DistInfo
     from trainer.grpo.config import GRPOConfig
 
 Role = Literal["train", "rollout"]
@@ -321,3 +324,58 @@ def grpo_placement(cfg: GRPOConfig, nodes: int, gpus_per_node: int) -> Placement
     rollout_gpus = layout.rollout_engines * layout.rollout_tp
     extra = rollout_nodes(rollout_gpus, gpus_per_node)
     return plan_placement(nodes + extra, gpus_per_node, layout)
+
+
+def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:
+    """This run's placement plan, from torchrun's world (``LOCAL_WORLD_SIZE`` processes a
+    node), checked against where this process actually is.
+
+    Colocated: every process trains (and runs or shares an engine). Dedicated
+    (``rollout.colocate=false``): the last ``num_engines × tensor_parallel_size`` processes
+    of the job are rollout-only, the rest train.
+
+    Raises:
+        PlacementError: dedicated engines that this recipe cannot run yet (the Megatron
+            backend), a job whose processes are not ``nproc`` training processes plus the
+            engines', Megatron with multi-process vLLM, or a plan that puts this process on
+            another device than torchrun did.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    rollout = cfg.rollout
+    vllm = rollout.engine == "vllm"
+    if not rollout.colocate:
+        engine_processes = cfg.rollout_processes
+        training = info.world_size - engine_processes
+        problems = []
+        if cfg.optim.backend == "megatron":
+            problems.append(
+                "optim.backend=megatron with dedicated engines is not built yet (its "
+                "data-parallel ranks are not the training processes); use deepspeed or torch"
+            )
+        if training != cfg.nproc:
+            problems.append(
+                f"{info.world_size} processes for {engine_processes} rollout-only processes "
+                f"leave {training} training processes, not nproc={cfg.nproc}: start "
+                f"nproc + {engine_processes} processes (torchrun --nproc-per-node)"
+            )
+        if problems:
+            raise PlacementError("; ".join(problems))
+        return plan_placement(max(1, info.world_size // local), local, grpo_layout(cfg, training))
+    if vllm and info.world_size > 1 and cfg.optim.backend == "megatron":
+        raise PlacementError(
+            "rollout.engine=vllm with backend=megatron on several processes: the engines' "
+            "prompt shares follow data-parallel ranks, which Megatron numbers differently; "
+            "use rollout.engine=hf"
+        )
+    if info.world_size == 1:
+        # one process: vLLM starts its own tensor-parallel workers on the visible GPUs
+        return plan_placement(1, 1, ParallelLayout())
+    plan = grpo_placement(cfg, info.world_size // local, local)
+    mine = plan.processes[info.rank]
+    expected = (info.rank // local, info.local_rank)
+    if (mine.device.node, mine.device.local_gpu) != expected:
+        raise PlacementError(
+            f"rank {info.rank}: the plan puts it on {mine.device}, torchrun on node "
+            f"{expected[0]} gpu {expected[1]}"
+        )
+    return plan

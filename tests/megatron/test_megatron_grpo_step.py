@@ -10,7 +10,7 @@ actor (DDP) and the reference from it (``trainer.megatron.backend``), and the ch
   1/data-parallel) equal those of a plain backward of the summed losses, row by row;
 - against the Hugging Face model the log-probs differ by no more than the conversion's own
   logit difference allows (log-softmax moves by at most twice the largest logit change);
-- one GRPO step (``recipe._update``: old and reference log-probs, two PPO epochs, KL,
+- one GRPO step (``update.policy_update``: old and reference log-probs, two PPO epochs, KL,
   entropy), a checkpoint through ``trainer.checkpoint``, and a resumed backend that repeats
   the next step with the same statistics and weights;
 - the streamed HF weights carry exactly the HF parameter names, and ``save_hf_pretrained``
@@ -203,7 +203,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.checkpoint import load_checkpoint, save_checkpoint
-    from trainer.grpo import layout, recipe
+    from trainer.grpo import micro_batch, update
     from trainer.megatron import bridge
     from trainer.megatron.backend import _unwrap
 
@@ -223,7 +223,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
     vocab = AutoConfig.from_pretrained(hf_dir).vocab_size
     batch = fixed_grpo_batch(vocab)
     micros = [
-        layout.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, device)
+        micro_batch.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, device)
         for s in range(0, 16, 4)
     ]
     backend = build()
@@ -292,7 +292,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
 
     # 4. one GRPO step, a checkpoint, and a resumed backend repeating the next step
     initial = {n: t.detach().cpu().clone() for n, t in backend.hf_weights()}
-    first = recipe._update(cfg, backend, batch, 0, 0)
+    first = update.policy_update(cfg, backend, batch, 0, 0)
     assert all(torch.isfinite(torch.tensor(v)) for v in first.values()), first
     lr = [cfg.optim.learning_rate * lr_factor(s, 6, cfg.optim) for s in range(5)]
     assert first["learning_rate"] == pytest.approx(sum(lr[:4]) / 4)  # 2 epochs × 2 minis
@@ -301,13 +301,13 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
     assert any(not torch.equal(moved[n], initial[n]) for n in initial)
     root = tmp_path / "checkpoints"
     saved = save_checkpoint(root, 1, backend, {"marker": 1}, info, keep=2)
-    second = recipe._update(cfg, backend, batch, 0, 1)
+    second = update.policy_update(cfg, backend, batch, 0, 1)
     after = {n: t.detach().cpu().clone() for n, t in backend.hf_weights()}
     backend.close()
     resumed = build()
     assert load_checkpoint(saved, resumed, info)["marker"] == 1
     assert resumed.learning_rate() == pytest.approx(lr[4])
-    again = recipe._update(cfg, resumed, batch, 0, 1)
+    again = update.policy_update(cfg, resumed, batch, 0, 1)
     for key, value in second.items():
         assert again[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     for name, tensor in resumed.hf_weights():

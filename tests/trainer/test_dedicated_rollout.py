@@ -23,10 +23,9 @@ from tests_helpers_trainer import (
 from cluster.torchrun import torchrun_command
 from trainer.distributed import DistInfo
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.recipe import run_placement
 from trainer.grpo.remote import _flat, _unflat, buckets, engine_slots
 from trainer.metrics import METRICS_FILE
-from trainer.placement import PlacementError
+from trainer.placement import PlacementError, run_placement
 
 DEDICATED = {"rollout": {"n_samples": 4, "max_new_tokens": 16, "colocate": False, "num_engines": 1}}
 ASYNC = {"rollout": {**DEDICATED["rollout"], "async_steps": 1}}
@@ -160,10 +159,9 @@ SLOW_ENGINE = """
 import os, runpy, sys, time
 from datetime import timedelta
 
-import trainer.grpo.recipe as recipe
-from trainer.grpo import remote
+from trainer.grpo import engines, remote
 
-build = recipe._rollout_only_engine
+build = engines.rollout_only_engine
 
 
 def slow(*args, **kwargs):  # an engine that starts late (vLLM at 20B: minutes)
@@ -173,7 +171,7 @@ def slow(*args, **kwargs):  # an engine that starts late (vLLM at 20B: minutes)
     return build(*args, **kwargs)
 
 
-recipe._rollout_only_engine = slow
+engines.rollout_only_engine = slow
 sys.argv[0] = "trainer.grpo"
 runpy.run_module("trainer.grpo", run_name="__main__")
 """

@@ -143,9 +143,9 @@ def test_the_sync_check_learns_the_gpu_kernels_noise_and_catches_stale_experts(t
 
     from trainer.backends import OptimConfig, make_backend
     from trainer.distributed import DistInfo
-    from trainer.grpo import recipe
     from trainer.grpo.rollout import HFRolloutEngine
     from trainer.grpo.sync_check import SyncCheck, WeightSyncError, sync_probe
+    from trainer.grpo.weight_sync import sync_engine
 
     device = torch.device("cuda")
     info = DistInfo(0, 1, 0, device)
@@ -158,13 +158,13 @@ def test_the_sync_check_learns_the_gpu_kernels_noise_and_catches_stale_experts(t
     text = "<|start|>user<|message|>Quelle est la capitale de la France ? Réponds en français."
     probe = sync_probe([tokenizer(text)["input_ids"]], 64)
     check, pad = SyncCheck(torch.float32), tokenizer.pad_token_id
-    recipe._sync(engine, backend, probe, check, pad, info, 0)
+    sync_engine(engine, backend, probe, check, pad, info, 0)
     assert check.floor.max > 0  # kernel noise, learned
     for step in (1, 2):
         with torch.no_grad():
             for param in backend.module.parameters():
                 param.add_(torch.randn_like(param) * 0.02)
-        recipe._sync(engine, backend, probe, check, pad, info, step)
+        sync_engine(engine, backend, probe, check, pad, info, step)
     with torch.no_grad():
         for name, param in backend.module.named_parameters():
             if ".experts." in name:
@@ -172,7 +172,7 @@ def test_the_sync_check_learns_the_gpu_kernels_noise_and_catches_stale_experts(t
     full = backend.hf_weights
     backend.hf_weights = lambda: ((n, t) for n, t in full() if ".experts." not in n)
     with pytest.raises(WeightSyncError, match="did not take the weights"):
-        recipe._sync(engine, backend, probe, check, pad, info, 3)
+        sync_engine(engine, backend, probe, check, pad, info, 3)
 
 
 def test_vllm_sleep_frees_gpu_memory_and_wakes_with_its_weights(tmp_path):

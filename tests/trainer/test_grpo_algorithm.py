@@ -11,13 +11,17 @@ from trainer.grpo.algorithm import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     ROLLOUT_CORRECTIONS,
+    PolicyLossInputs,
+    PolicyLossSettings,
     aggregate_loss,
     decoupled_policy_loss,
     entropy_from_logits,
     get_advantage_estimator,
     get_kl_estimator,
     get_loss_agg_mode,
+    get_policy_loss,
     group_advantages,
     group_stats,
     kl_loss,
@@ -718,3 +722,31 @@ def test_registries_return_entries_and_list_valid_names():
         get_kl_estimator("kl")
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm, token-mean"):
         get_loss_agg_mode("mean")
+
+
+def test_both_policy_losses_are_registered_under_one_signature():
+    """``POLICY_LOSSES`` entries, called as the update calls them, give the functions'
+    values (the hand-checked case: ``_decoupled_case``), clipping and correction from the
+    settings."""
+    assert set(POLICY_LOSSES) == {"ppo", "decoupled"}
+    log_probs, old, behaviour, advantages, mask = _decoupled_case()
+    clipping = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.3, "clip_ratio_c": 3.0}
+    clipping |= {"loss_agg_mode": "seq-mean-token-sum-norm", "norm_length": 6}
+    clipping |= {"global_normalizer": 2.5}
+    settings = PolicyLossSettings(**clipping, correction="seq_tis", tis_cap=1.5)
+    inputs = PolicyLossInputs(log_probs, old, behaviour, advantages, mask)
+    got, got_stats = get_policy_loss("ppo")(inputs, settings)
+    want, want_stats = policy_loss(log_probs, old, advantages, mask, **clipping)
+    assert got.item() == want.item() and got_stats.keys() == want_stats.keys()
+    got, got_stats = get_policy_loss("decoupled")(inputs, settings)
+    want, want_stats = decoupled_policy_loss(
+        log_probs, old, behaviour, advantages, mask, correction="seq_tis", tis_cap=1.5, **clipping
+    )
+    assert got.item() == want.item()
+    assert {k: v.item() for k, v in got_stats.items()} == {
+        k: v.item() for k, v in want_stats.items()
+    }
+    with pytest.raises(ValueError, match="behaviour policy's log-probs"):
+        get_policy_loss("decoupled")(inputs._replace(behaviour_log_probs=None), settings)
+    with pytest.raises(ValueError, match="policy loss 'grpo'; valid names: decoupled, ppo"):
+        get_policy_loss("grpo")

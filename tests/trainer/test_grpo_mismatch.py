@@ -13,9 +13,9 @@ from tests_helpers_trainer import fixed_grpo_batch
 from transformers import AutoModelForCausalLM
 
 from trainer.backends.torch import TorchBackend
-from trainer.grpo import recipe
+from trainer.grpo import update
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.layout import sequences
+from trainer.grpo.micro_batch import sequences
 from trainer.grpo.mismatch import MismatchGate, MismatchMeter, RolloutMismatchError
 from trainer.grpo.recipe import run_grpo
 from trainer.grpo.rollout import HFRolloutEngine
@@ -121,7 +121,7 @@ def test_update_measures_the_injected_mismatch_on_every_token(tiny_model_dir, ep
     batch = fixed_grpo_batch(int(model.config.vocab_size))
     rows = _own_rows(model, batch, cfg)
     backend = TorchBackend(copy.deepcopy(model), cfg.optim, 10)
-    exact = recipe._update(cfg, backend, _with_behaviour(batch, rows), 0, 0)
+    exact = update.policy_update(cfg, backend, _with_behaviour(batch, rows), 0, 0)
     assert exact["rollout_kl"] < 1e-9 and exact["rollout_logprob_diff_p99"] < 1e-4
     assert exact["rollout_seq_beyond_mask_fraction"] == 0
     assert exact["importance_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -132,7 +132,7 @@ def test_update_measures_the_injected_mismatch_on_every_token(tiny_model_dir, ep
         for row, shift in zip(rows, shifts, strict=True)
     ]
     backend = TorchBackend(copy.deepcopy(model), cfg.optim, 10)
-    shifted = recipe._update(cfg, backend, _with_behaviour(batch, engine), 0, 0)
+    shifted = update.policy_update(cfg, backend, _with_behaviour(batch, engine), 0, 0)
     d = [s for shift in shifts for s in shift]  # trainer − engine = the shift
     assert shifted["rollout_kl"] == pytest.approx(sum(map(_k3, d)) / len(d), rel=1e-3)
     assert shifted["rollout_logprob_diff_max"] == pytest.approx(max(map(abs, d)), rel=1e-3)
@@ -208,7 +208,7 @@ def test_an_on_policy_update_applies_the_configured_correction(tiny_model_dir, c
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     batch = fixed_grpo_batch(int(model.config.vocab_size))
     rows = _own_rows(model, batch, cfg, 0.3)
-    stats = recipe._update(
+    stats = update.policy_update(
         cfg, TorchBackend(model, cfg.optim, 10), _with_behaviour(batch, rows), 0, 0
     )
     assert stats["rollout_seq_beyond_mask_fraction"] == 1.0
@@ -232,7 +232,7 @@ def test_recorded_log_probs_leave_the_on_policy_update_as_it_was(tiny_model_dir)
     results = []
     for rollouts_batch in (batch, _with_behaviour(batch, rows)):
         policy = copy.deepcopy(model)
-        stats = recipe._update(cfg, TorchBackend(policy, cfg.optim, 10), rollouts_batch, 0, 0)
+        stats = update.policy_update(cfg, TorchBackend(policy, cfg.optim, 10), rollouts_batch, 0, 0)
         results.append((stats, policy.state_dict()))
     (plain, before), (measured, after) = results
     assert "rollout_kl" not in plain and measured["rollout_kl"] > 0

@@ -34,8 +34,7 @@ from core.modeling import load_causal_lm
 from trainer.backends import DataParallel, OptimConfig, TorchBackend, lr_factor, make_backend
 from trainer.distributed import DistInfo
 from trainer.grpo import algorithm as algo
-from trainer.grpo import layout as micro_layout
-from trainer.grpo import recipe
+from trainer.grpo import micro_batch, update
 from trainer.grpo.config import GRPOConfig
 from trainer.megatron.backend import (
     MegatronBackend,
@@ -132,7 +131,7 @@ def test_megatron_backend_names_the_extra_and_python_when_missing():
 # --- fixed rollouts ----------------------------------------------------------------------------
 
 
-def _fixed_batch() -> recipe._Batch:
+def _fixed_batch() -> update.Batch:
     return fixed_grpo_batch(1000)
 
 
@@ -242,7 +241,7 @@ def test_torch_backend_forward_backward_gives_the_numbers_of_the_loop_before(
         with_reference=cfg.algorithm.kl_loss_coef > 0,
     )
     batch = _fixed_batch()
-    got = [recipe._update(cfg, backend, batch, 0, step) for step in range(3)]
+    got = [update.policy_update(cfg, backend, batch, 0, step) for step in range(3)]
     expected, weight_sum = BEFORE_REFACTOR[case]
     for step, (stats, before) in enumerate(zip(got, expected, strict=True)):
         for key, value in zip(STAT_KEYS, before, strict=True):
@@ -350,7 +349,7 @@ def _megatron_stand_in(model_dir, cfg: GRPOConfig, data_parallel_size: int = 1):
 
 
 def test_megatron_plumbing_updates_like_the_torch_backend(tiny_model_dir, one_thread):
-    """Through ``recipe._update`` (old log-probs, reference log-probs, PPO epochs, entropy),
+    """Through ``update.policy_update`` (old log-probs, reference log-probs, PPO epochs, entropy),
     right-padded rows run as whole sequences give the statistics of the torch backend's
     left-padded shared-prefix rows."""
     cfg = _config("epochs2_kl_entropy")
@@ -359,8 +358,8 @@ def test_megatron_plumbing_updates_like_the_torch_backend(tiny_model_dir, one_th
     torch_policy = _policy(tiny_model_dir, cfg)
     plain = TorchBackend(torch_policy, cfg.optim, _total_steps(cfg), with_reference=True)
     for step in range(2):
-        want = recipe._update(cfg, plain, batch, 0, step)
-        got = recipe._update(cfg, megatron, batch, 0, step)
+        want = update.policy_update(cfg, plain, batch, 0, step)
+        got = update.policy_update(cfg, megatron, batch, 0, step)
         for key in STAT_KEYS:
             assert got[key] == pytest.approx(want[key], rel=2e-4, abs=1e-6), (step, key)
     # old log-probs (4 micro-batches), then per mini-batch: reference, then the update
@@ -379,7 +378,7 @@ def test_megatron_loss_scaling_leaves_the_plain_sum_of_gradients(
     cfg = _config("on_policy_shared_prefix")
     batch = _fixed_batch()
     micros = [
-        micro_layout.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, "cpu")
+        micro_batch.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, "cpu")
         for s in range(0, 16, 4)
     ]
     weights = torch.linspace(-1.0, 1.0, 16).reshape(4, 4)
@@ -426,7 +425,7 @@ def test_megatron_learning_rate_follows_the_shared_schedule():
 
 def test_megatron_batches_are_left_aligned_and_padded_to_one_length():
     batch = _fixed_batch()
-    micro = micro_layout.sequences(batch.prompts, batch.rollouts[:4], 0, "cpu")
+    micro = micro_batch.sequences(batch.prompts, batch.rollouts[:4], 0, "cpu")
     assert padded_length([micro]) == 57  # prompt 41 + response 16
     assert padded_length([micro], multiple=8) == 64  # sequence parallel over TP 8
     mb = megatron_batch(micro, 64, 0, "cpu")
@@ -436,7 +435,7 @@ def test_megatron_batches_are_left_aligned_and_padded_to_one_length():
         assert not mb.input_ids[i, len(row) :].any()
         assert int(mb.response_lengths[i]) == len(rollout.response_ids)
     assert mb.position_ids[3].tolist() == list(range(64))
-    other = micro_layout.sequences(batch.prompts, batch.rollouts[4:7], 0, "cpu")
+    other = micro_batch.sequences(batch.prompts, batch.rollouts[4:7], 0, "cpu")
     backend, *_ = _megatron_stand_in_for_shapes()
     with pytest.raises(ValueError, match=r"\[3, 4\] rows"):
         backend.log_probs([micro, other])

@@ -144,7 +144,7 @@ def test_the_recipe_builds_an_engine_only_where_the_plan_says(monkeypatch):
     import torch
 
     from trainer.distributed import DistInfo
-    from trainer.grpo.recipe import run_placement
+    from trainer.placement import run_placement
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     plan = run_placement(_grpo(), DistInfo(13, 16, 5, torch.device("cpu")))

@@ -11,10 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.vllm_scheduling import vllm_scheduling_kwargs
+from generation.vllm import vllm_scheduling_kwargs
 from trainer.backends import OptimConfig, make_backend
 from trainer.distributed import DistInfo
-from trainer.grpo import recipe
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import HFRolloutEngine, vllm_engine_kwargs
 from trainer.grpo.sync_check import (
@@ -29,6 +28,7 @@ from trainer.grpo.sync_check import (
     sync_tolerance,
     worst,
 )
+from trainer.grpo.weight_sync import sync_engine
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -158,10 +158,10 @@ def _without_experts(backend) -> None:
 def test_sync_check_passes_a_faithful_sync(policy_and_copy):
     backend, engine, probe, pad = policy_and_copy()
     check = SyncCheck(torch.float32)
-    first = recipe._sync(engine, backend, probe, check, pad, ONE, 0)
+    first = sync_engine(engine, backend, probe, check, pad, ONE, 0)
     assert check.floor == first.floor and check.floor.mean == 0.0  # fp32 copies: no noise
     _train(backend)
-    report = recipe._sync(engine, backend, probe, check, pad, ONE, 1)
+    report = sync_engine(engine, backend, probe, check, pad, ONE, 1)
     assert report.gap.max < 1e-5 and report.gap.tokens == probe.tokens
     assert report.bytes == sum(p.numel() * 4 for p in backend.module.parameters())
     assert report.seconds > 0
@@ -170,11 +170,11 @@ def test_sync_check_passes_a_faithful_sync(policy_and_copy):
 def test_sync_check_stops_a_sync_that_leaves_the_experts_stale(policy_and_copy):
     backend, engine, probe, pad = policy_and_copy()
     check = SyncCheck(torch.float32)
-    recipe._sync(engine, backend, probe, check, pad, ONE, 0)
+    sync_engine(engine, backend, probe, check, pad, ONE, 0)
     _train(backend, 0.05)
     _without_experts(backend)
     with pytest.raises(WeightSyncError, match="step 3"):
-        recipe._sync(engine, backend, probe, check, pad, ONE, 3)
+        sync_engine(engine, backend, probe, check, pad, ONE, 3)
 
 
 def test_a_bf16_engine_beside_an_fp32_policy_learns_its_noise_and_still_catches_stale_experts(
@@ -186,17 +186,17 @@ def test_a_bf16_engine_beside_an_fp32_policy_learns_its_noise_and_still_catches_
     floor, lets faithful syncs through, and still stops the stale experts."""
     backend, engine, probe, pad = policy_and_copy(torch.bfloat16)
     check = SyncCheck(torch.float32)
-    first = recipe._sync(engine, backend, probe, check, pad, ONE, 0)
+    first = sync_engine(engine, backend, probe, check, pad, ONE, 0)
     assert first.gap.max > 0.01  # far above an fp32 bound: bf16 noise, not a wrong sync
     assert 0 < check.floor.mean < check.floor.p95 < check.floor.max
     for step in (1, 2):
         _train(backend, seed=step)
-        report = recipe._sync(engine, backend, probe, check, pad, ONE, step)
+        report = sync_engine(engine, backend, probe, check, pad, ONE, step)
         assert report.gap.mean <= check.limits()[0] and report.gap.p95 <= check.limits()[1]
     _train(backend, 0.05, seed=3, only=".experts.")
     _without_experts(backend)
     with pytest.raises(WeightSyncError, match="step 3.*did not take the weights"):
-        recipe._sync(engine, backend, probe, check, pad, ONE, 3)
+        sync_engine(engine, backend, probe, check, pad, ONE, 3)
 
 
 def test_a_resumed_run_keeps_the_floor_of_its_first_sync(policy_and_copy):
@@ -205,16 +205,16 @@ def test_a_resumed_run_keeps_the_floor_of_its_first_sync(policy_and_copy):
     one takes the difference after the sync (then only the ceiling holds that sync)."""
     backend, engine, probe, pad = policy_and_copy(torch.bfloat16)
     learned = SyncCheck(torch.float32)
-    recipe._sync(engine, backend, probe, learned, pad, ONE, 0)
+    sync_engine(engine, backend, probe, learned, pad, ONE, 0)
     _train(backend, 0.05)  # the checkpoint's policy: the engine still holds the SFT weights
     restored = SyncGap.from_json(json.loads(json.dumps(learned.floor.to_json())))
     resumed = SyncCheck(torch.float32, floor=restored)
-    report = recipe._sync(engine, backend, probe, resumed, pad, ONE, 4)
+    report = sync_engine(engine, backend, probe, resumed, pad, ONE, 4)
     assert resumed.floor == learned.floor and report.floor == learned.floor
     backend2, engine2, _, _ = policy_and_copy(torch.bfloat16)
     _train(backend2, 0.05)
     old = SyncCheck(torch.float32)
-    report = recipe._sync(engine2, backend2, probe, old, pad, ONE, 4)
+    report = sync_engine(engine2, backend2, probe, old, pad, ONE, 4)
     assert old.floor == report.gap  # learned after the sync, not from the stale engine
 
 
@@ -224,11 +224,11 @@ def test_an_engine_that_loaded_another_model_stops_before_the_first_sync(policy_
         for param in engine.model.parameters():
             param.add_(0.05)
     with pytest.raises(WeightSyncError, match="loads the model differently"):
-        recipe._sync(engine, backend, probe, SyncCheck(torch.float32), pad, ONE, 0)
+        sync_engine(engine, backend, probe, SyncCheck(torch.float32), pad, ONE, 0)
 
 
 def test_no_check_when_the_engine_is_the_policy(policy_and_copy, tiny_model_dir):
     backend, _, probe, pad = policy_and_copy()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     shared = HFRolloutEngine(backend.unwrapped(), tokenizer, RolloutConfig())
-    assert recipe._sync(shared, backend, probe, SyncCheck(torch.float32), pad, ONE, 0) is None
+    assert sync_engine(shared, backend, probe, SyncCheck(torch.float32), pad, ONE, 0) is None

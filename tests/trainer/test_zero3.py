@@ -73,6 +73,7 @@ SCRIPT = textwrap.dedent(
 
     # rank 0's rows stop at their first token, rank 1's never: rank 0 must keep stepping
     tokenizer = load_tokenizer(model_dir)
+    report["forward_is_collective"] = backend.forward_is_collective  # what sets lockstep
     engine = HFRolloutEngine(
         backend.unwrapped(), tokenizer, RolloutConfig(max_new_tokens=6), lockstep=True
     )
@@ -81,7 +82,7 @@ SCRIPT = textwrap.dedent(
     report["lengths"] = [len(r.response_ids) for r in rollouts]
     barrier(info)
 
-    backend.save_hf_pretrained(out / "saved", model_dir, torch.float32)
+    backend.save_policy(out / "saved", model_dir, torch.float32)  # the recipe's call
     barrier(info)
     if info.rank == 0:
         reloaded = AutoModelForCausalLM.from_pretrained(out / "saved").state_dict()
@@ -132,6 +133,9 @@ def test_weights_stream_one_gathered_parameter_at_a_time(reports):
 
 
 def test_lockstep_decoding_when_one_rank_stops_early(reports):
+    # the backend says its module's forward is collective: the recipe's HF engine steps in
+    # lockstep (trainer.grpo.engines)
+    assert [r["forward_is_collective"] for r in reports] == [True, True]
     assert reports[0]["lengths"] == [1, 1, 1, 1]  # stopped at the first token
     assert reports[1]["lengths"] == [6, 6, 6, 6]  # stepped to the limit, rank 0 along
 

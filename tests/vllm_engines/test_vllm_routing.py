@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bench.routing_replay import sampled_batch, update_stats
-from trainer.grpo import recipe
+from trainer.grpo import update
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import VLLMRolloutEngine
@@ -31,7 +31,7 @@ QUESTIONS = [
 ]
 
 
-def _batch(engine, tokenizer) -> recipe._Batch:
+def _batch(engine, tokenizer) -> update.Batch:
     prompts = [Prompt(tokenizer(q)["input_ids"], "fr", q) for q in QUESTIONS]
     return sampled_batch(engine, prompts, 4)
 

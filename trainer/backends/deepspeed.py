@@ -51,6 +51,7 @@ class DeepSpeedBackend(HFModuleBackend):
         self.world_size = dist_info.world_size
         self.gas = gradient_accumulation_steps
         self.data_parallel = DataParallel(dist_info.rank, dist_info.world_size, dist_info.device)
+        self.forward_is_collective = cfg.zero_stage == 3 and dist_info.world_size > 1
         if ds_config is None:
             ds_config = deepspeed_config(
                 cfg, dist_info.device, micro_batch_size, gradient_accumulation_steps, bf16

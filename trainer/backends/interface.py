@@ -65,7 +65,7 @@ class DataParallel:
 
 class ResponseBatch(Protocol):
     """A micro-batch of prompt + response rows as the GRPO loop lays it out
-    (``trainer.grpo.layout.Micro``): rows right-aligned, so every response ends in the last
+    (``trainer.grpo.micro_batch.Micro``): rows right-aligned, so every response ends in the last
     column, and per-token values come back as ``[B, width]`` aligned with ``mask``."""
 
     ids: torch.Tensor
@@ -95,6 +95,10 @@ class TrainingBackend(Protocol):
     """Call it for forward passes (it may be a wrapper, e.g. a DeepSpeed engine); Megatron's
     is its list of model chunks, driven only through ``forward_backward`` / ``log_probs``."""
     data_parallel: DataParallel
+    forward_is_collective: bool
+    """Whether a forward of ``unwrapped()`` needs every rank (ZeRO-3 over several processes
+    gathers each layer's parameters from all of them): an engine sampling with it must step
+    in lockstep (``HFRolloutEngine(lockstep=True)``)."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
@@ -141,6 +145,12 @@ class TrainingBackend(Protocol):
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
         """Write the policy's weights and config as a Hugging Face directory into
         ``directory`` (global rank 0 writes; collective)."""
+        ...
+
+    def save_policy(self, directory: Path, base_model: str | Path, dtype) -> None:
+        """Write the trained policy as the step's model output into ``directory``: a Hugging
+        Face directory (``save_hf_pretrained``) or, Megatron, its own ``torch_dist``
+        checkpoint, which the pipeline's ``export_hf`` step turns into one. Collective."""
         ...
 
     def unwrapped(self) -> torch.nn.Module: ...

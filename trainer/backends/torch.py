@@ -40,6 +40,10 @@ class HFModuleBackend:
         module = self.reference if reference else self.module
         return [micro.hf_log_probs(module, False)[0] for micro in micro_batches]
 
+    def save_policy(self, directory: Path, base_model: str | Path, dtype) -> None:
+        """The policy as a Hugging Face directory (``save_hf_pretrained``)."""
+        self.save_hf_pretrained(directory, base_model, dtype)
+
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The reference model: the starting policy, frozen (taken before any partitioning)."""
@@ -48,6 +52,8 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 class TorchBackend(HFModuleBackend):
     """Single process (CPU or one GPU), plain PyTorch AdamW."""
+
+    forward_is_collective = False
 
     def __init__(
         self,

@@ -12,6 +12,8 @@ Registries (validate config names once with the ``get_*`` functions):
   ``seq-mean-token-sum-norm``.
 - ``ROLLOUT_CORRECTIONS``: ``none``, ``token_tis``, ``seq_tis``, ``seq_mask`` (how the gap
   between the engine that sampled and the trainer is corrected).
+- ``POLICY_LOSSES``: ``ppo`` (``policy_loss``), ``decoupled`` (``decoupled_policy_loss``),
+  each called as ``loss(PolicyLossInputs, PolicyLossSettings)``.
 """
 
 from __future__ import annotations
@@ -595,6 +597,80 @@ def decoupled_policy_loss(
     return loss, stats
 
 
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The knobs of the policy losses in ``POLICY_LOSSES`` (each takes the ones it uses)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    norm_length: int | None = None
+    global_normalizer: float | Tensor | None = None
+    correction: str = "none"
+    tis_cap: float = 2.0
+    seq_mask_low: float = CorrectionBounds.seq_mask_low
+    seq_mask_high: float = CorrectionBounds.seq_mask_high
+
+    def clipping(self) -> dict:
+        """The keyword arguments ``policy_loss`` and ``decoupled_policy_loss`` share."""
+        return {
+            "clip_ratio_low": self.clip_ratio_low,
+            "clip_ratio_high": self.clip_ratio_high,
+            "clip_ratio_c": self.clip_ratio_c,
+            "loss_agg_mode": self.loss_agg_mode,
+            "norm_length": self.norm_length,
+            "global_normalizer": self.global_normalizer,
+        }
+
+
+class PolicyLossInputs(NamedTuple):
+    """The tensors a policy loss is computed from, in ``decoupled_policy_loss``'s order
+    (``[B, T]``; ``advantages`` ``[B]`` or ``[B, T]``)."""
+
+    log_probs: Tensor
+    old_log_probs: Tensor
+    behaviour_log_probs: Tensor | None
+    """The sampling policy's log-probs (the engine's), for the decoupled loss; None: the
+    proximal policy sampled."""
+    advantages: Tensor
+    response_mask: Tensor
+
+
+PolicyLoss = Callable[[PolicyLossInputs, PolicyLossSettings], tuple[Tensor, dict[str, Tensor]]]
+"""``loss(inputs, settings) -> (loss, stats)``: every entry of ``POLICY_LOSSES``."""
+
+
+def ppo_loss(x: PolicyLossInputs, settings: PolicyLossSettings) -> tuple[Tensor, dict]:
+    """``policy_loss`` (the clipped surrogate against ``old_log_probs``) with ``settings``'
+    clipping; ``behaviour_log_probs`` is not used (the proximal policy sampled)."""
+    return policy_loss(
+        x.log_probs, x.old_log_probs, x.advantages, x.response_mask, **settings.clipping()
+    )
+
+
+def decoupled_loss(x: PolicyLossInputs, settings: PolicyLossSettings) -> tuple[Tensor, dict]:
+    """``decoupled_policy_loss`` with ``settings``' correction, bounds and clipping.
+
+    Raises:
+        ValueError: no ``behaviour_log_probs`` (the engine must record them), or as
+            ``decoupled_policy_loss``.
+    """
+    if x.behaviour_log_probs is None:
+        raise ValueError(
+            "the decoupled policy loss needs the behaviour policy's log-probs: the rollout "
+            "engine must record them"
+        )
+    return decoupled_policy_loss(
+        *x,
+        correction=settings.correction,
+        tis_cap=settings.tis_cap,
+        seq_mask_low=settings.seq_mask_low,
+        seq_mask_high=settings.seq_mask_high,
+        **settings.clipping(),
+    )
+
+
 def correction_stats(corrected: RolloutWeights, response_mask: Tensor) -> dict[str, Tensor]:
     """Token means over ``response_mask`` of a correction's ratio and flags, and the largest
     ratio (all 0 when the mask is empty): ``importance_ratio_mean``, ``importance_ratio_max``,
@@ -843,6 +919,12 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, Tensor | int], Tensor]] = {
 }
 
 
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo": ppo_loss,
+    "decoupled": decoupled_loss,
+}
+
+
 _Entry = TypeVar("_Entry")
 
 
@@ -872,3 +954,8 @@ def get_rollout_correction(
 ) -> Callable[[Tensor, Tensor, CorrectionBounds], RolloutWeights]:
     """The rollout correction called ``name``; ValueError listing the valid names."""
     return _lookup(ROLLOUT_CORRECTIONS, name, "rollout correction")
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss called ``name``; ValueError listing the valid names."""
+    return _lookup(POLICY_LOSSES, name, "policy loss")

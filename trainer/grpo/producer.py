@@ -56,6 +56,25 @@ class StepRollouts:
     def staleness(self) -> int:
         return self.step - self.version
 
+    def timing_metrics(self, tokens: float, train_time: float, step_time: float) -> dict:
+        """Where the step's time went, on each side. ``rollout_time_s``: the engine
+        generating this step's batch; ``rollout_wait_s``: the trainer blocked waiting for it
+        (the whole generation when on-policy, what the overlap did not hide when async);
+        ``rollout_idle_s``: the engine waiting for work before it (engines in other
+        processes); ``tokens_per_s``: ``tokens`` (the step's response tokens, every rank's)
+        over the step's time."""
+        out = {
+            "staleness": self.staleness,
+            "rollout_time_s": self.generate_s,
+            "rollout_wait_s": self.wait_s,
+            "train_time_s": train_time,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens / max(1e-9, step_time),
+        }
+        if self.engine_idle_s is not None:
+            out["rollout_idle_s"] = self.engine_idle_s
+        return out
+
     def to_json(self) -> dict:
         return {**asdict(self), "rollouts": [r.to_json() for r in self.rollouts]}
 
@@ -69,8 +88,8 @@ class RolloutProducer:
     """Each step's rollouts for the GRPO loop, on-policy or ``async_steps`` = 1 ahead.
 
     Args:
-        engine: the rollout engine (``generate``, ``sync_weights``; ``submit``/``collect``
-            when it runs elsewhere and can overlap).
+        engine: the rollout engine (``submit``/``collect``: the request runs elsewhere and
+            overlaps, or in ``collect``, here).
         requests: step → this process's prompts and seeds for that step.
         select: turns what the engine returned into this process's rollouts (e.g. the share
             of a data-parallel rank when several ranks drive one engine); identity if None.
@@ -105,15 +124,8 @@ class RolloutProducer:
         self.policy_version = version
         self._in_flight: tuple[int, int] | None = None
         """(step, version) of the request the engine is working on."""
-        self._later: tuple[list, list] | None = None
-        """The request an engine without ``submit`` runs when it is collected."""
         self._ready: dict[int, StepRollouts] = {}
         self._sync_reports: list[SyncReport] = []
-
-    @property
-    def overlaps(self) -> bool:
-        """Whether a submitted request runs while this process does something else."""
-        return self.engine.overlaps
 
     def take(self, step: int) -> StepRollouts:
         """Step ``step``'s rollouts: the ones drained or in flight, else generated now with
@@ -149,17 +161,16 @@ class RolloutProducer:
             batch = self._collect()
             self._ready[batch.step] = batch
 
-    def pending(self) -> list[dict]:
-        """The drained batches not yet taken, as JSON (for the checkpoint); call ``drain``
-        first."""
+    def pending(self) -> list[StepRollouts]:
+        """The drained batches not yet taken (for the checkpoint: ``RunState.in_flight``);
+        call ``drain`` first."""
         if self._in_flight is not None:
             raise RuntimeError("a request is in flight: drain() before saving what is pending")
-        return [self._ready[step].to_json() for step in sorted(self._ready)]
+        return [self._ready[step] for step in sorted(self._ready)]
 
-    def restore(self, pending: Sequence[dict]) -> None:
+    def restore(self, pending: Sequence[StepRollouts]) -> None:
         """Put back what ``pending`` saved (on resume)."""
-        for data in pending:
-            batch = StepRollouts.from_json(data)
+        for batch in pending:
             self._ready[batch.step] = batch
 
     def sync_reports(self) -> list[SyncReport]:
@@ -176,23 +187,14 @@ class RolloutProducer:
 
     def _submit(self, step: int) -> None:
         self._bring_up_to_date()
-        prompts, seeds = self.requests(step)
-        if self.overlaps:
-            self.engine.submit(prompts, seeds)
-        else:
-            self._later = (prompts, seeds)
+        self.engine.submit(*self.requests(step))
         self._in_flight = (step, self.engine_version)
 
     def _collect(self) -> StepRollouts:
         step, version = self._in_flight
         waiting = time.monotonic()
-        if self.overlaps:
-            rollouts = self.engine.collect()
-            busy, idle = self.engine.last_busy_s, self.engine.last_idle_s
-        else:
-            rollouts = self.engine.generate(*self._later)
-            busy, idle = time.monotonic() - waiting, None
-            self._later = None
+        rollouts = self.engine.collect()
+        busy, idle = self.engine.last_busy_s, self.engine.last_idle_s
         self._in_flight = None
         wait = time.monotonic() - waiting
         return StepRollouts(step, version, self.select(rollouts), busy, wait, idle)

@@ -8,10 +8,13 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from core.languages import UnknownLanguageError
 from reward.labels import parse_labels
+
+if TYPE_CHECKING:
+    from trainer.grpo.config import GRPOConfig
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +116,23 @@ def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> 
     rng = random.Random(f"{seed}:weighted:{step}")
     keys = [rng.random() ** (1.0 / p.weight) for p in prompts]
     return sorted(range(n), key=keys.__getitem__, reverse=True)[:per_step]
+
+
+def load_prompt_sets(
+    cfg: GRPOConfig, tokenizer, train_path: str | Path, eval_path: str | Path
+) -> tuple[list[Prompt], list[Prompt]]:
+    """A GRPO run's training prompts and its first ``eval_prompts`` held-out prompts
+    (``load_prompts`` with the config's token limit and filter).
+
+    Raises:
+        ValueError: fewer unique training prompts than ``prompts_per_step``.
+    """
+    limit, kept = cfg.rollout.max_prompt_tokens, cfg.prompt_filter
+    train_prompts = load_prompts(train_path, tokenizer, limit, kept)
+    eval_prompts = load_prompts(eval_path, tokenizer, limit, kept)[: cfg.eval_prompts]
+    if len(train_prompts) < cfg.prompts_per_step:
+        raise ValueError(
+            f"{train_path}: {len(train_prompts)} unique prompts, fewer than prompts_per_step "
+            f"{cfg.prompts_per_step}"
+        )
+    return train_prompts, eval_prompts

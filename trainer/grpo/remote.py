@@ -46,7 +46,13 @@ import torch
 import torch.distributed as dist
 
 from trainer.distributed import DistInfo, broadcast_object
-from trainer.grpo.rollout import Rollout, RolloutEngine, group_size, tensor_bytes
+from trainer.grpo.rollout import (
+    LocalRequests,
+    Rollout,
+    RolloutEngine,
+    group_size,
+    tensor_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +378,9 @@ class RemoteRolloutEngine:
                 raise RuntimeError(f"rollout engine {engine} failed to score: {answer!r}")
         return answers
 
+    def sleep(self) -> None:
+        """Nothing to free here: the engines own their devices."""
+
     def close(self) -> None:
         """Tell the engines to stop (once); a request still in flight is collected first."""
         if not self.closed:
@@ -384,7 +393,7 @@ class RemoteRolloutEngine:
                 self.weights.close()
 
 
-class EngineFollower:
+class EngineFollower(LocalRequests):
     """A rollout process of a multi-process engine that another process of it runs (a vLLM
     engine of tensor parallel ``k`` is ``k`` processes of the plan; its first one starts
     vLLM's workers on the engine's GPUs): it takes part in every message, answers nothing
@@ -395,6 +404,9 @@ class EngineFollower:
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
         return []
+
+    def sleep(self) -> None:
+        """Nothing to free."""
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         return 0
@@ -537,6 +549,9 @@ class SharedRemote:
         if self.remote is not None:
             scores = self.remote.token_log_probs_per_engine(prompt, response)
         return self._from_coordinator(scores)
+
+    def sleep(self) -> None:
+        """Nothing to free here: the engines own their devices."""
 
     def close(self) -> None:
         if self.remote is not None:

@@ -314,6 +314,9 @@ class MegatronBackend:
     also runs with stand-ins (a schedule that follows Megatron's contract, a plain module).
     """
 
+    forward_is_collective = False
+    """The HF policy an in-process engine samples with is a whole copy (not this model)."""
+
     def __init__(
         self,
         *,
@@ -525,10 +528,13 @@ class MegatronBackend:
                 state[name] = tensor.clone()
         return state if main else None
 
-    def save_policy(self, directory: Path) -> None:
+    def save_policy(
+        self, directory: Path, base_model: str | Path | None = None, dtype=None
+    ) -> None:
         """The actor's weights as a Megatron ``torch_dist`` checkpoint laid out like
         ``convert_megatron``'s (the GRPO step's ``model`` output on this backend; the
-        pipeline's ``export_hf`` turns it into a HF directory). Collective."""
+        pipeline's ``export_hf`` turns it into a HF directory; ``base_model`` and ``dtype``
+        are not needed). Collective."""
         from trainer.megatron.bridge import save_megatron_model
 
         save_megatron_model([_unwrap(chunk) for chunk in self.model], directory)

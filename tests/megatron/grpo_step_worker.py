@@ -5,7 +5,7 @@ test's own process for one rank):
         --pp 2
 
 Every rank builds the Megatron backend with the layout's TP / PP (the checkpoint, converted
-on one rank, is resharded as it loads), runs one GRPO update (``recipe._update``, two PPO
+on one rank, is resharded as it loads), runs one GRPO update (``update.policy_update``, two PPO
 epochs, KL) on the fixed batch, then draws the weights under HF names
 (``backend.hf_weights``: ``AutoBridge.export_hf_weights`` gathers each tensor over its TP
 and PP groups on every rank, which each rank must draw in step). ``--export-only`` skips
@@ -54,7 +54,7 @@ def grpo_step(
 
     from trainer.backends import make_backend
     from trainer.distributed import DistInfo
-    from trainer.grpo import layout, recipe
+    from trainer.grpo import micro_batch, update
     from trainer.grpo.config import GRPOConfig
 
     rank = int(os.environ.get("RANK", "0"))
@@ -72,14 +72,14 @@ def grpo_step(
         batch = fixed_grpo_batch(AutoConfig.from_pretrained(hf_dir).vocab_size)
         if export_only:  # the frozen reference's log-probs: a forward without training
             micros = [
-                layout.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, info.device)
+                micro_batch.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, info.device)
                 for s in range(0, 16, 4)
             ]
             scored = [t.cpu() for t in backend.log_probs(micros, reference=True)]
             if rank == 0:
                 torch.save({"before": before, "reference_log_probs": scored}, out)
             return
-        stats = recipe._update(cfg, backend, batch, 0, 0)
+        stats = update.policy_update(cfg, backend, batch, 0, 0)
         after = {n: t.detach().cpu().clone() for n, t in backend.hf_weights()}
         if rank == 0:
             torch.save({"before": before, "after": after, "stats": stats}, out)

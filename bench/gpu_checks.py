@@ -236,8 +236,8 @@ def check_bf16_numerics(sizes: Sizes, work: Path) -> dict:
     import torch
 
     from core.modeling import load_causal_lm, load_tokenizer
-    from trainer.grpo.layout import micro_log_probs as _log_probs
-    from trainer.grpo.layout import sequences as _sequences
+    from trainer.grpo.micro_batch import micro_log_probs as _log_probs
+    from trainer.grpo.micro_batch import sequences as _sequences
     from trainer.grpo.prompts import Prompt
     from trainer.grpo.rollout import Rollout
     from trainer.megatron.verify import (

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.languages import SUPPORTED_LANGUAGES  # noqa: E402
 from data_prep.config import DataPrepConfig  # noqa: E402
 from data_prep.prepare import prepare_dataset  # noqa: E402
-from eval.generation import Generation  # noqa: E402
 from eval.runner import BUNDLED_QUESTIONS  # noqa: E402
+from generation.requests import Generation  # noqa: E402
 from reward.degeneracy import LoopDetector, known_word_share, loop_words, window_extremes  # noqa: E402
 from reward.scoring import ComplianceScorer, Verdict  # noqa: E402
 

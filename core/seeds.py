@@ -4,7 +4,7 @@ Every response the eval or a GRPO rollout samples has its own random stream, der
 where it sits in the run, not from the batch it happens to be in. Two samples never share a
 stream (the same prompt twice in a step, sample ``k`` of two prompts), and a rerun with the
 same run seed draws the same streams. vLLM and OpenAI-compatible endpoints take the seed per
-request; the Hugging Face engines seed one ``torch.Generator`` per row (``core.sampling``).
+request; the Hugging Face engines seed one ``torch.Generator`` per row (``generation.sampling``).
 """
 
 from __future__ import annotations

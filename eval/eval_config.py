@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from core.config_model import ConfigModel
+from generation.endpoint import EndpointSettings
+from generation.requests import SamplingParams
 
 DEFAULT_PERSONA = "You are a helpful assistant who solves word problems."
 """The fixed persona line after ``reasoning language: <Name>`` in the developer instructions."""
@@ -37,46 +39,10 @@ class SamplingSettings(ConfigModel):
     seed: int = 0
     n: int = Field(1, ge=1)
 
-
-class EndpointSettings(ConfigModel):
-    """Client settings for OpenAI-compatible chat endpoints (vLLM, KServe).
-
-    Every wait is bounded: an attempt by ``connect_timeout_s`` (connecting) and ``timeout_s``
-    (each wait for data), a request (its attempts, the waits between them and the reading of
-    its answer) by ``request_timeout_s``, and a model's whole run by ``run_timeout_s``: a
-    request not answered by then fails with an error that names the bound (the responses
-    already in are kept; the eval then fails past ``EvalConfig.max_failure_fraction``).
-
-    Attributes:
-        timeout_s: Read timeout of one attempt: the longest wait for the next bytes of the
-            answer (``lingo eval --timeout``).
-        connect_timeout_s: Connect timeout of one attempt (``--connect-timeout``).
-        request_timeout_s: Bound on one request, all its attempts and backoff waits included
-            (``--request-timeout``).
-        run_timeout_s: Bound on all of a model's requests (``--run-timeout``); ``None``: no
-            bound beyond the requests' own.
-        max_retries: Retries after the first attempt (timeouts, connection errors, 429, 5xx).
-        backoff_s: First retry delay; doubles each retry (exponential backoff).
-        max_backoff_s: Cap on one delay (also on a server's ``Retry-After``).
-        concurrency: Requests in flight at once.
-        api_key_env: Environment variable holding the API key (sent as a Bearer token when
-            set and non-empty).
-        reasoning_effort: Sent as ``reasoning_effort`` when set (vLLM gpt-oss reads it);
-            ``None`` leaves the server's default.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    timeout_s: float = Field(120.0, gt=0)
-    connect_timeout_s: float = Field(10.0, gt=0)
-    request_timeout_s: float = Field(300.0, gt=0)
-    run_timeout_s: float | None = Field(3600.0, gt=0)
-    max_retries: int = Field(3, ge=0)
-    backoff_s: float = Field(1.0, ge=0)
-    max_backoff_s: float = Field(30.0, ge=0)
-    concurrency: int = Field(8, ge=1)
-    api_key_env: str = "OPENAI_API_KEY"
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    @property
+    def params(self) -> SamplingParams:
+        """What every engine samples with (the seed and ``n`` make the requests)."""
+        return SamplingParams(self.temperature, self.top_p, self.max_tokens)
 
 
 class EvalConfig(ConfigModel):
@@ -99,7 +65,7 @@ class EvalConfig(ConfigModel):
         vllm_gpu_memory_utilization: vLLM's share of GPU memory.
         vllm_max_num_batched_tokens: vLLM's cap on the tokens of one scheduler step
             (``None``: vLLM's default; on vLLM's CPU build at least the model's length, as
-            prompts are never split there: ``core.vllm_scheduling.vllm_scheduling_kwargs``).
+            prompts are never split there: ``generation.vllm.vllm_scheduling_kwargs``).
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -1,4 +1,5 @@
-"""Eval metrics over scored responses: rates, means, 95% intervals, confusion matrices, deltas.
+"""Eval metrics over scored responses (``reward.outcome.Outcome``, which GRPO's held-out
+result is computed from too): rates, means, 95% intervals, confusion matrices, deltas.
 
 Intervals (95%):
 
@@ -22,13 +23,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from core.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
+from reward.outcome import LOOP, MISSING, Outcome
 
 Z_95 = 1.959963984540054
-MISSING = "missing"
-"""Detected language of a part that is absent (no analysis or no final channel)."""
-LOOP = "loop"
-"""Detected language of a part with the scorer's LOOP verdict: identified as a language, but a
-repetition loop or not made of that language's words (scored as the wrong language)."""
 DETECTED_COLUMNS: tuple[str, ...] = (*SUPPORTED_LANGUAGES, OTHER, UNDETERMINED, MISSING, LOOP)
 
 PROPORTIONS: tuple[str, ...] = (
@@ -133,47 +130,13 @@ def t_interval(values: Sequence[float]) -> Estimate:
     return Estimate(mean, mean - half, mean + half, n, "t")
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What the metrics need from one scored response.
-
-    Attributes:
-        language: The requested language (question, reasoning and answer).
-        failed: The engine gave no response (error); left out of the metrics.
-        reasoning_ok: The reasoning is in the requested language.
-        answer_ok: The final answer is in the requested language.
-        brief_ok: The final answer exists and is brief.
-        reward: The compliance reward.
-        correct: The numeric answer is right (``None``: not judged).
-        reasoning_detected: Detected language of the reasoning (a code, ``other``, ``und``,
-            ``missing`` or ``loop``).
-        answer_detected: Same for the final answer.
-        real_word_share: See ``reward.degeneracy`` (NaN: no words).
-        repeated_ngram_rate: See ``reward.degeneracy`` (NaN: too short).
-    """
-
-    language: str
-    failed: bool = False
-    reasoning_ok: bool = False
-    answer_ok: bool = False
-    brief_ok: bool = False
-    reward: float = math.nan
-    correct: bool | None = None
-    reasoning_detected: str = MISSING
-    answer_detected: str = MISSING
-    real_word_share: float = math.nan
-    repeated_ngram_rate: float = math.nan
-
-
 def _estimates(outcomes: Sequence[Outcome]) -> dict[str, Estimate]:
     n = len(outcomes)
     judged = [o for o in outcomes if o.correct is not None]
     return {
         "reasoning_language_accuracy": wilson_interval(sum(o.reasoning_ok for o in outcomes), n),
         "answer_language_accuracy": wilson_interval(sum(o.answer_ok for o in outcomes), n),
-        "both_language_accuracy": wilson_interval(
-            sum(o.reasoning_ok and o.answer_ok for o in outcomes), n
-        ),
+        "both_language_accuracy": wilson_interval(sum(o.both_ok for o in outcomes), n),
         "brevity": wilson_interval(sum(o.brief_ok for o in outcomes), n),
         "answer_correct": wilson_interval(sum(bool(o.correct) for o in judged), len(judged)),
         "loop_rate": wilson_interval(

@@ -31,20 +31,15 @@ from core.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
 from core.model_files import nonfinite_weights
 from core.redact import redact
 from core.seeds import sample_seed
-from eval.engines import (
-    Engine,
-    Generation,
-    GenerationRequest,
-    ModelNotFoundError,
-    is_endpoint,
-    make_engine,
-    require_model_dir,
-)
+from eval.engines import make_engine
 from eval.eval_config import EvalConfig
-from eval.eval_metrics import LOOP, MISSING, Outcome, Summary, deltas, summarize
+from eval.eval_metrics import Summary, deltas, summarize
 from eval.report import ReportPaths, log_eval_run, write_reports
+from generation.engines import Engine, ModelNotFoundError, is_endpoint, require_model_dir
+from generation.requests import Generation, GenerationRequest
 from reward.degeneracy import measure_degeneracy
-from reward.scoring import ComplianceResult, ComplianceScorer, Verdict
+from reward.outcome import Outcome
+from reward.scoring import ComplianceResult, ComplianceScorer
 
 log = logging.getLogger(__name__)
 
@@ -224,25 +219,7 @@ def score_response(
             "repeated_ngram_rate": degeneracy.repeated_ngram_rate,
         },
     )
-    outcome = Outcome(
-        language=question.language,
-        reasoning_ok=result.reasoning_language_ok,
-        answer_ok=result.answer_language_ok,
-        brief_ok=result.brief_ok,
-        reward=result.reward,
-        correct=result.correct,
-        reasoning_detected=_detected(result.reasoning_verdict, result.reasoning_language),
-        answer_detected=_detected(result.answer_verdict, result.answer_language),
-        real_word_share=degeneracy.real_word_share,
-        repeated_ngram_rate=degeneracy.repeated_ngram_rate,
-    )
-    return outcome, record
-
-
-def _detected(verdict: Verdict, language: str | None) -> str:
-    """A part's column in the confusion matrix: ``loop`` for the LOOP verdict (the identifier
-    placed it, the loop check did not), else the identified language or ``missing``."""
-    return LOOP if verdict is Verdict.LOOP else language or MISSING
+    return Outcome.scored(question.language, result, degeneracy), record
 
 
 @dataclass
@@ -291,7 +268,7 @@ def evaluate_model(
     log.info("eval %s: %s loaded in %.1f s", spec.label, engine.description, loaded - began)
     try:
         planned = build_requests(questions, config)
-        generations = engine.generate([r for _, _, r in planned], config.sampling)
+        generations = engine.generate([r for _, _, r in planned], config.sampling.params)
     finally:
         engine.close()
     if len(generations) != len(planned):

@@ -24,6 +24,7 @@ PACKAGES = {
     "cluster": "machines, torchrun, TrainJobs and PyTorchJobs",
     "eval": "the eval, the gate, reports",
     "reward": "the reward scorer, its terms, adapters",
+    "generation": "the engines of the eval and of GRPO: HF, vLLM, endpoints",
     "core": "what every step shares: languages, harmony, configs, tracking, S3",
 }
 

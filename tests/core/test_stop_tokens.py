@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from core.harmony import STOP_TOKENS, stop_token_ids
 from core.modeling import load_generation_config
-from eval.engines import HFEngine
+from generation.engines import HFEngine
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import HFRolloutEngine
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from chat_server import silent_server
 
-from eval.endpoint import ChatEndpointEngine
 from eval.eval_config import EndpointSettings, EvalConfig, SamplingSettings
 from eval.runner import TooManyFailuresError, build_requests, load_questions, run_eval
+from generation.endpoint import ChatEndpointEngine
 
 LINGO = str(Path(sys.executable).with_name("lingo"))
 

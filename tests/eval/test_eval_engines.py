@@ -16,17 +16,13 @@ from core.harmony import render_prompt
 from core.modeling import load_causal_lm, load_tokenizer
 from core.parsing import parse_response
 from core.seeds import sample_seed
-from eval.endpoint import ChatEndpointEngine, EndpointError, api_base
-from eval.engines import (
-    GenerationRequest,
-    HFEngine,
-    ModelNotFoundError,
-    make_engine,
-    vllm_request_params,
-)
+from eval.engines import make_engine
 from eval.eval_config import DEFAULT_PERSONA, EndpointSettings, EvalConfig, SamplingSettings
 from eval.report import load_results
 from eval.runner import build_requests, load_questions, question_prompt, run_eval
+from generation.endpoint import ChatEndpointEngine, EndpointError, api_base
+from generation.engines import HFEngine, ModelNotFoundError, vllm_request_params
+from generation.requests import GenerationRequest
 from trainer.tiny_model import SMALLEST, build_tiny_model
 
 SMALL = SMALLEST

@@ -17,8 +17,8 @@ from eval.eval_metrics import (
     t_interval,
     wilson_interval,
 )
-from eval.generation import Generation
 from eval.runner import Question, score_response
+from generation.requests import Generation
 from reward.adapters import default_scorer
 
 

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 import pytest
 
 from core.seeds import sample_seed
-from eval.engines import ModelNotFoundError
 from eval.eval_config import EvalConfig, SamplingSettings
-from eval.generation import Generation, GenerationRequest
 from eval.report import kfp_metrics, language_chart_png, load_results, render_markdown
 from eval.runner import ModelSpec, TooManyFailuresError, load_questions, run_eval
+from generation.engines import ModelNotFoundError
+from generation.requests import Generation, GenerationRequest
 
 GOOD = {
     "en": ("I multiply the number of students by the share that walks.", "They are 168."),

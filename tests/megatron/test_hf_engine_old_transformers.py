@@ -12,7 +12,7 @@ def test_rollout_and_shared_prefix_under_the_pinned_transformers(megatron_bridge
 
     from core.modeling import cache_keyword
     from trainer.grpo.config import RolloutConfig
-    from trainer.grpo.layout import sequences as _sequences
+    from trainer.grpo.micro_batch import sequences as _sequences
     from trainer.grpo.prompts import Prompt
     from trainer.grpo.rollout import HFRolloutEngine, Rollout
 

@@ -202,7 +202,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.checkpoint import load_checkpoint, save_checkpoint
-    from trainer.grpo import layout, update
+    from trainer.grpo import micro_batch, update
     from trainer.megatron import bridge
     from trainer.megatron.backend import _unwrap
 
@@ -222,7 +222,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
     vocab = AutoConfig.from_pretrained(hf_dir).vocab_size
     batch = fixed_grpo_batch(vocab)
     micros = [
-        layout.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, device)
+        micro_batch.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, device)
         for s in range(0, 16, 4)
     ]
     backend = build()

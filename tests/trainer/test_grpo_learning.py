@@ -36,12 +36,12 @@ def test_grpo_improves_held_out_reward_over_the_sft_model(tmp_path):
         tmp_path / "policy",
         tmp_path / "grpo_work",
     )
-    gain = result.exported["mean_reward"] - result.baseline["mean_reward"]
+    gain = result.exported.mean_reward - result.baseline.mean_reward
     before, after = result.baseline, result.exported
     print(
-        f"held-out mean reward {before['mean_reward']:.2f} -> {after['mean_reward']:.2f} "
-        f"(step {result.exported_step}); real-word share {before['real_word_share']:.3f} -> "
-        f"{after['real_word_share']:.3f}"
+        f"held-out mean reward {before.mean_reward:.2f} -> {after.mean_reward:.2f} "
+        f"(step {result.exported_step}); real-word share {before.real_word_share:.3f} -> "
+        f"{after.real_word_share:.3f}"
     )
     assert gain >= 1.0
-    assert result.exported["real_word_share"] >= 0.9 * result.baseline["real_word_share"]
+    assert result.exported.real_word_share >= 0.9 * result.baseline.real_word_share

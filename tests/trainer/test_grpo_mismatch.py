@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from trainer.backends.torch import TorchBackend
 from trainer.grpo import update
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.layout import sequences
+from trainer.grpo.micro_batch import sequences
 from trainer.grpo.mismatch import MismatchGate, MismatchMeter, RolloutMismatchError
 from trainer.grpo.recipe import run_grpo
 from trainer.grpo.rollout import HFRolloutEngine

@@ -202,7 +202,7 @@ def test_update_layout_log_probs_equal_unpadded_forwards(tiny_model_dir):
     """Rows right-aligned with left padding, and only the last logits kept, give the same
     response log-probs as a plain forward of each row alone."""
     from trainer.grpo import algorithm as algo
-    from trainer.grpo.layout import micro_log_probs, sequences
+    from trainer.grpo.micro_batch import micro_log_probs, sequences
     from trainer.grpo.prompts import Prompt
     from trainer.grpo.rollout import Rollout
 
@@ -226,7 +226,7 @@ def test_shared_prefix_update_equals_full_rows_in_value_and_gradient(tiny_model_
     are longer than the tiny model's sliding window (32), so the windowed layers' cache crop
     is exercised; one response is empty and lengths differ."""
     from trainer.grpo import algorithm as algo
-    from trainer.grpo.layout import micro_log_probs, sequences
+    from trainer.grpo.micro_batch import micro_log_probs, sequences
     from trainer.grpo.prompts import Prompt
     from trainer.grpo.rollout import Rollout
 

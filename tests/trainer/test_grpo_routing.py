@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.routing_replay import perturbed_engine_batch, update_stats
 from core.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
-from trainer.grpo.layout import micro_log_probs, sequences, with_routing
+from trainer.grpo.micro_batch import micro_log_probs, sequences, with_routing
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import HFRolloutEngine, Rollout
 from trainer.grpo.routing import RouterCounts, RoutingRecorder, moe_routers

@@ -34,8 +34,7 @@ from core.modeling import load_causal_lm
 from trainer.backends import DataParallel, OptimConfig, TorchBackend, lr_factor, make_backend
 from trainer.distributed import DistInfo
 from trainer.grpo import algorithm as algo
-from trainer.grpo import layout as micro_layout
-from trainer.grpo import update
+from trainer.grpo import micro_batch, update
 from trainer.grpo.config import GRPOConfig
 from trainer.megatron.backend import (
     MegatronBackend,
@@ -379,7 +378,7 @@ def test_megatron_loss_scaling_leaves_the_plain_sum_of_gradients(
     cfg = _config("on_policy_shared_prefix")
     batch = _fixed_batch()
     micros = [
-        micro_layout.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, "cpu")
+        micro_batch.sequences(batch.prompts, batch.rollouts[s : s + 4], 0, "cpu")
         for s in range(0, 16, 4)
     ]
     weights = torch.linspace(-1.0, 1.0, 16).reshape(4, 4)
@@ -416,7 +415,7 @@ def test_megatron_learning_rate_follows_the_shared_schedule():
 
 def test_megatron_batches_are_left_aligned_and_padded_to_one_length():
     batch = _fixed_batch()
-    micro = micro_layout.sequences(batch.prompts, batch.rollouts[:4], 0, "cpu")
+    micro = micro_batch.sequences(batch.prompts, batch.rollouts[:4], 0, "cpu")
     assert padded_length([micro]) == 57  # prompt 41 + response 16
     assert padded_length([micro], multiple=8) == 64  # sequence parallel over TP 8
     mb = megatron_batch(micro, 64, 0, "cpu")
@@ -426,7 +425,7 @@ def test_megatron_batches_are_left_aligned_and_padded_to_one_length():
         assert not mb.input_ids[i, len(row) :].any()
         assert int(mb.response_lengths[i]) == len(rollout.response_ids)
     assert mb.position_ids[3].tolist() == list(range(64))
-    other = micro_layout.sequences(batch.prompts, batch.rollouts[4:7], 0, "cpu")
+    other = micro_batch.sequences(batch.prompts, batch.rollouts[4:7], 0, "cpu")
     backend, _ = _megatron_on_a_linear_model()
     with pytest.raises(ValueError, match=r"\[3, 4\] rows"):
         backend.log_probs([micro, other])

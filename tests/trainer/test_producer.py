@@ -8,6 +8,7 @@ import json
 import pytest
 
 from trainer.grpo.producer import RolloutProducer
+from trainer.grpo.recipe import RunState
 from trainer.grpo.rollout import LocalRequests, Rollout
 
 
@@ -120,11 +121,12 @@ def test_what_is_in_flight_at_a_checkpoint_survives_a_resume():
     producer = _producer(engine, 1)
     first = _run(producer, 0, 2)  # step 2 is in flight when the checkpoint is taken
     producer.drain()
-    saved = json.loads(json.dumps(producer.pending()))  # through the checkpoint's JSON
-    assert [batch["step"] for batch in saved] == [2]
+    state = RunState(step=2, in_flight=producer.pending())
+    saved = RunState.from_json(json.loads(json.dumps(state.to_json())))  # the checkpoint's JSON
+    assert [batch.step for batch in saved.in_flight] == [2]
 
     resumed = _producer(FakeRemote(), 1, version=2)
-    resumed.restore(saved)
+    resumed.restore(saved.in_flight)
     assert first + _run(resumed, 2, 4) == whole
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.vllm_scheduling import vllm_scheduling_kwargs
+from generation.vllm import vllm_scheduling_kwargs
 from trainer.backends import OptimConfig, make_backend
 from trainer.distributed import DistInfo
 from trainer.grpo.config import RolloutConfig

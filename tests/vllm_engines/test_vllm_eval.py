@@ -16,7 +16,7 @@ def test_the_fifty_question_eval_runs_on_vllm(tmp_path, vllm_model_dir):
         dtype="float32",
         sampling=SamplingSettings(max_tokens=16, n=2, seed=3),
         # 100 seeded requests of ~120 prompt tokens, more than one step's budget: on the CPU
-        # build a split prompt would crash the engine (core.vllm_scheduling.vllm_scheduling_kwargs)
+        # build a split prompt would crash the engine (generation.vllm.vllm_scheduling_kwargs)
         vllm_max_num_batched_tokens=2048,
     )
     run_eval([f"tiny={vllm_model_dir}"], config, tmp_path)

@@ -65,7 +65,7 @@ class DataParallel:
 
 class ResponseBatch(Protocol):
     """A micro-batch of prompt + response rows as the GRPO loop lays it out
-    (``trainer.grpo.layout.Micro``): rows right-aligned, so every response ends in the last
+    (``trainer.grpo.micro_batch.Micro``): rows right-aligned, so every response ends in the last
     column, and per-token values come back as ``[B, width]`` aligned with ``mask``."""
 
     ids: torch.Tensor

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from core.config_model import ConfigModel
+from generation.requests import SamplingParams
 from trainer.backends.config import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import (
     get_advantage_estimator,
@@ -60,7 +61,7 @@ class RolloutConfig(ConfigModel):
     max_num_batched_tokens: int | None = Field(None, ge=16)
     """vLLM's cap on the tokens of one scheduler step (None: vLLM's default; on vLLM's CPU build
     at least ``max_prompt_tokens + max_new_tokens``, as prompts are never split there:
-    ``core.vllm_scheduling.vllm_scheduling_kwargs``)."""
+    ``generation.vllm.vllm_scheduling_kwargs``)."""
     sync_check_tokens: int = Field(256, ge=32)
     """Tokens of the probe (the first held-out prompts' last tokens) scored by the engine and
     by the policy after every weight sync (``trainer.grpo.sync_check``): enough for a mean
@@ -82,6 +83,11 @@ class RolloutConfig(ConfigModel):
     (plus ``max_mismatch_kl``)."""
     mismatch_action: Literal["warn", "stop"] = "warn"
     """Past the gate: log a warning and go on, or stop the run."""
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """What the rollout engines sample with (``generation.requests.SamplingParams``)."""
+        return SamplingParams(self.temperature, self.top_p, self.max_new_tokens)
 
     @field_validator("n_samples")
     @classmethod

@@ -161,17 +161,16 @@ class RolloutProducer:
             batch = self._collect()
             self._ready[batch.step] = batch
 
-    def pending(self) -> list[dict]:
-        """The drained batches not yet taken, as JSON (for the checkpoint); call ``drain``
-        first."""
+    def pending(self) -> list[StepRollouts]:
+        """The drained batches not yet taken (for the checkpoint: ``RunState.in_flight``);
+        call ``drain`` first."""
         if self._in_flight is not None:
             raise RuntimeError("a request is in flight: drain() before saving what is pending")
-        return [self._ready[step].to_json() for step in sorted(self._ready)]
+        return [self._ready[step] for step in sorted(self._ready)]
 
-    def restore(self, pending: Sequence[dict]) -> None:
+    def restore(self, pending: Sequence[StepRollouts]) -> None:
         """Put back what ``pending`` saved (on resume)."""
-        for data in pending:
-            batch = StepRollouts.from_json(data)
+        for batch in pending:
             self._ready[batch.step] = batch
 
     def sync_reports(self) -> list[SyncReport]:

@@ -15,14 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -32,7 +30,8 @@ from core.seeds import group_seeds
 from core.tracking import log_artifact, mlflow_run
 from reward.adapters import LanguageComplianceReward
 from reward.degeneracy import measure_degeneracy
-from reward.scoring import ComplianceScorer, RewardWeights, Verdict
+from reward.outcome import HeldOutResult, Outcome
+from reward.scoring import ComplianceScorer, RewardWeights
 from trainer.backends import DataParallel, TrainingBackend, build_backend
 from trainer.checkpoint import (
     export_policy,
@@ -53,13 +52,12 @@ from trainer.divergence import DivergenceGuard
 from trainer.grpo import engines
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.mismatch import MismatchGate
-from trainer.grpo.producer import RolloutProducer
+from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompt_sets, step_prompts
 from trainer.grpo.rollout import RolloutEngine, keep_share, share_request
 from trainer.grpo.sync_check import SyncCheck, SyncGap, sync_metrics, sync_probe
 from trainer.grpo.update import (
     backend_request,
-    both_languages_match,
     decode,
     policy_update,
     reward_metrics,
@@ -84,16 +82,28 @@ class GRPOResult:
     metrics_file: str
     plot: str | None
     steps: int
-    baseline: dict
-    final: dict
-    exported: dict
+    baseline: HeldOutResult
+    final: HeldOutResult
+    exported: HeldOutResult
     """The held-out metrics of the exported policy (best under the guard, or the last)."""
     exported_step: int
+
+    def to_json(self) -> dict:
+        """The summary file's form (the held-out results flat, as ``HeldOutResult.to_json``)."""
+        held_out = {"baseline": self.baseline, "final": self.final, "exported": self.exported}
+        return asdict(self) | {k: v.to_json() for k, v in held_out.items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> GRPOResult:
+        held_out = ("baseline", "final", "exported")
+        return cls(
+            **{k: HeldOutResult.from_json(v) if k in held_out else v for k, v in data.items()}
+        )
 
 
 def evaluate_policy(
     engine, tokenizer, prompts: list[Prompt], scorer, samples: int, seed: int
-) -> dict:
+) -> HeldOutResult:
     """Held-out metrics: mean reward, language accuracies, and text degeneracy.
 
     Every evaluation draws the same seeds (common random numbers: policies are compared on
@@ -103,39 +113,13 @@ def evaluate_policy(
     rollouts = engine.generate([p.ids for p in prompts], seeds)
     texts = [decode(tokenizer, r.response_ids) for r in rollouts]
     results = scorer.score_batch(texts, [prompts[r.prompt_index].label for r in rollouts])
-    shares, repeats = [], []
-    for result in results:
+    outcomes = []
+    for result in results:  # per language of the prompt: its reasoning label
         language = result.labels.answer if result.labels else "en"
         measured = measure_degeneracy(result.parsed.reasoning, result.parsed.final, language)
-        if not math.isnan(measured.real_word_share):
-            shares.append(measured.real_word_share)
-        if not math.isnan(measured.repeated_ngram_rate):
-            repeats.append(measured.repeated_ngram_rate)
-    out = {
-        "mean_reward": float(np.mean([r.reward for r in results])),
-        "answer_language_accuracy": float(
-            np.mean([r.answer_verdict == Verdict.MATCH for r in results])
-        ),
-        "reasoning_language_accuracy": float(
-            np.mean([r.reasoning_verdict == Verdict.MATCH for r in results])
-        ),
-        "both_language_accuracy": float(np.mean([both_languages_match(r) for r in results])),
-        "real_word_share": float(np.mean(shares)) if shares else 0.0,
-        "repeated_ngram_rate": float(np.mean(repeats)) if repeats else 0.0,
-        "finished_fraction": float(np.mean([r.finished for r in rollouts])),
-    }
-    # per language of the prompt (its reasoning label): where the policy gains or loses
-    by_language: dict[str, list] = {}
-    for result in results:
-        if result.labels is not None:
-            by_language.setdefault(result.labels.reasoning, []).append(result)
-    for language in sorted(by_language):
-        group = by_language[language]
-        out[f"mean_reward_{language}"] = float(np.mean([r.reward for r in group]))
-        out[f"both_language_accuracy_{language}"] = float(
-            np.mean([both_languages_match(r) for r in group])
-        )
-    return out
+        reasoning = result.labels.reasoning if result.labels else None
+        outcomes.append(Outcome.scored(reasoning, result, measured))
+    return HeldOutResult.from_outcomes(outcomes, [r.finished for r in rollouts])
 
 
 def run_grpo(
@@ -202,12 +186,12 @@ class RunState:
     """What the loop carries from step to step; a checkpoint keeps it (as JSON)."""
 
     step: int = 0
-    baseline: dict | None = None
+    baseline: HeldOutResult | None = None
     """Held-out metrics of the SFT model."""
-    best: dict | None = None
+    best: HeldOutResult | None = None
     """The best held-out result under the guard so far (with its ``step``)."""
-    last_eval: dict | None = None
-    in_flight: list[dict] = field(default_factory=list)
+    last_eval: HeldOutResult | None = None
+    in_flight: list[StepRollouts] = field(default_factory=list)
     """Rollouts made ahead of their step (``rollout.async_steps``), kept so that a resumed
     run trains on the same ones (``RolloutProducer.pending``)."""
     sync_floor: dict | None = None
@@ -218,11 +202,25 @@ class RunState:
     (``trainer.grpo.mismatch.MismatchGate``), kept for a resumed run."""
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The checkpoint's form: the held-out results and the batches as their JSON."""
+        held_out = {"baseline": self.baseline, "best": self.best, "last_eval": self.last_eval}
+        return (
+            vars(self)
+            | {k: v.to_json() if v is not None else None for k, v in held_out.items()}
+            | {"in_flight": [batch.to_json() for batch in self.in_flight]}
+        )
 
     @classmethod
     def from_json(cls, data: dict | None) -> RunState:
-        return cls(**data) if data else cls()
+        """A state from ``to_json``'s form (checkpoints of earlier versions have it too)."""
+        if not data:
+            return cls()
+        data = dict(data)
+        for key in ("baseline", "best", "last_eval"):
+            if data.get(key) is not None:
+                data[key] = HeldOutResult.from_json(data[key])
+        data["in_flight"] = [StepRollouts.from_json(d) for d in data.get("in_flight", [])]
+        return cls(**data)
 
 
 @dataclass
@@ -339,8 +337,10 @@ def _train(
         state.sync_floor = check.floor.to_json() if check.floor else None
         if state.baseline is None:
             state.baseline = _evaluate(run, engine)
-            state.best = {"step": 0, **state.baseline}
-            writer.log(0, **{f"eval_{k}": v for k, v in state.baseline.items()}, **first_sync)
+            state.best = state.baseline.at_step(0)
+            writer.log(
+                0, **{f"eval_{k}": v for k, v in state.baseline.metrics().items()}, **first_sync
+            )
             save_policy_dir(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
         progress = tqdm(
             total=cfg.max_steps,
@@ -386,13 +386,13 @@ def _train(
                 # merged onto this step's line: the last line always carries the train loss
                 writer.log(
                     done,
-                    **{f"eval_{k}": v for k, v in held_out.items()},
+                    **{f"eval_{k}": v for k, v in held_out.metrics().items()},
                     **sync_metrics(producer.sync_reports()),
                 )
-                state.last_eval = {"step": done, **held_out}
+                state.last_eval = held_out.at_step(done)
                 # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
                 if broadcast_object(_better(cfg, held_out, state.baseline, state.best), info):
-                    state.best = {"step": done, **held_out}
+                    state.best = held_out.at_step(done)
                     save_policy_dir(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 producer.drain()  # what is in flight is saved with the step, not lost
@@ -443,7 +443,7 @@ def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
     return producer
 
 
-def _evaluate(run: _Run, engine) -> dict:
+def _evaluate(run: _Run, engine) -> HeldOutResult:
     cfg = run.cfg
     return evaluate_policy(
         engine, run.tokenizer, run.eval_prompts, run.scorer, cfg.eval_samples, cfg.seed
@@ -477,20 +477,22 @@ def _finish(
         baseline=state.baseline,
         final=last,
         exported=exported,
-        exported_step=exported.get("step", 0),
+        exported_step=exported.step or 0,
     )
-    (work_dir / SUMMARY_FILE).write_text(json.dumps(asdict(result), indent=2))
+    (work_dir / SUMMARY_FILE).write_text(json.dumps(result.to_json(), indent=2))
     if tracking is not None and plot:
         log_artifact(plot)
     return result
 
 
-def _better(cfg: GRPOConfig, held_out: dict, baseline: dict, best: dict) -> bool:
+def _better(
+    cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult, best: HeldOutResult
+) -> bool:
     """A held-out result beats the best so far without its text degenerating (the guard)."""
-    floor = (1.0 - cfg.guard.max_real_word_drop) * baseline["real_word_share"]
-    return held_out["real_word_share"] >= floor and held_out["mean_reward"] > best["mean_reward"]
+    floor = (1.0 - cfg.guard.max_real_word_drop) * baseline.real_word_share
+    return held_out.real_word_share >= floor and held_out.mean_reward > best.mean_reward
 
 
 def read_summary(work_dir: str | Path) -> GRPOResult:
     """The result a (possibly torchrun) GRPO run left in ``work_dir``."""
-    return GRPOResult(**json.loads((Path(work_dir) / SUMMARY_FILE).read_text()))
+    return GRPOResult.from_json(json.loads((Path(work_dir) / SUMMARY_FILE).read_text()))

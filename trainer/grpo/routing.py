@@ -91,7 +91,7 @@ class Routing:
             (``NOT_RECORDED`` where there is none).
         replay: route by the record (``algorithm.router_replay: rollout``), or only compare.
         counts: where the comparison is added (None: not measured in this forward).
-        shared: the same record for the shared-prefix forward (``layout.SharedPrefix``): the
+        shared: the same record for the shared-prefix forward (``micro_batch.SharedPrefix``): the
             distinct prompts ``[U, prompt width, layers, k]``, then the responses run on their
             cache ``[B, width − 1, layers, k]``.
     """
@@ -120,7 +120,7 @@ def full_routes(
     records: Sequence[np.ndarray], lengths: Sequence[int], width: int, layers: int, k: int
 ) -> torch.Tensor:
     """``[B, width, layers, k]`` int64 routes, each row's record right-aligned as its tokens
-    (``layout.sequences``): row ``b``'s ``lengths[b]`` tokens end in the last column and its
+    (``micro_batch.sequences``): row ``b``'s ``lengths[b]`` tokens end in the last column and its
     record covers all of them but the last; ``NOT_RECORDED`` elsewhere.
 
     Raises:

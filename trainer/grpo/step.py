@@ -34,23 +34,21 @@ def run_grpo_step(
 def grpo_metrics(result: GRPOResult) -> dict[str, float]:
     """Scalars for KFP ``Metrics`` / MLflow: held-out metrics before and of the exported policy."""
     out: dict[str, float] = {"steps": result.steps, "exported_step": result.exported_step}
-    for key, value in result.baseline.items():
+    for key, value in result.baseline.metrics().items():
         out[f"sft_{key}"] = value
-    for key, value in result.exported.items():
-        if key != "step":
-            out[f"policy_{key}"] = value
-    out["mean_reward_gain"] = result.exported["mean_reward"] - result.baseline["mean_reward"]
+    for key, value in result.exported.metrics().items():
+        out[f"policy_{key}"] = value
+    out["mean_reward_gain"] = result.exported.mean_reward - result.baseline.mean_reward
     return out
 
 
 def render_grpo_html(result: GRPOResult) -> str:
     """A small HTML page for the KFP UI: the reward/loss plots and the held-out comparison."""
-    keys = sorted(set(result.baseline) | set(result.exported) - {"step"})
+    baseline, exported = result.baseline.metrics(), result.exported.metrics()
     rows = "".join(
-        f"<tr><td>{html.escape(k)}</td><td>{result.baseline.get(k, float('nan')):.3f}</td>"
-        f"<td>{result.exported.get(k, float('nan')):.3f}</td></tr>"
-        for k in keys
-        if k != "step"
+        f"<tr><td>{html.escape(k)}</td><td>{baseline.get(k, float('nan')):.3f}</td>"
+        f"<td>{exported.get(k, float('nan')):.3f}</td></tr>"
+        for k in sorted(set(baseline) | set(exported))
     )
     image = ""
     if result.plot and Path(result.plot).exists():

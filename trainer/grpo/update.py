@@ -22,7 +22,7 @@ from trainer.backends import BackendRequest, DataParallel, LossFn, TrainingBacke
 from trainer.distributed import DistInfo
 from trainer.grpo import algorithm as algo
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.layout import Micro, sequences, with_routing
+from trainer.grpo.micro_batch import Micro, sequences, with_routing
 from trainer.grpo.mismatch import MismatchMeter
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import Rollout
@@ -240,7 +240,7 @@ def _laid_out(
     device,
     counts: RouterCounts | None = None,
 ) -> Micro:
-    """The rollouts ``rows`` as a micro-batch (``layout.sequences``), with the engine's
+    """The rollouts ``rows`` as a micro-batch (``micro_batch.sequences``), with the engine's
     expert routing when it is replayed (``algorithm.router_replay: rollout``) or, in the
     forward before the update (``counts``), compared with the trainer's own.
 
@@ -372,7 +372,7 @@ def _loss_fn(
 
 def _behaviour_block(batch: Batch, micro: list[int], width: int) -> torch.Tensor:
     """The engine's log-probs of the samples ``micro`` as a [len(micro), width] block,
-    right-aligned as their layout (``layout.sequences``)."""
+    right-aligned as their layout (``micro_batch.sequences``)."""
     rows = []
     for i in micro:
         if batch.rollouts[i].log_probs is None:

@@ -29,8 +29,7 @@ from datetime import timedelta
 
 import torch
 
-from core.harmony import stop_token_ids
-from core.modeling import load_generation_config
+from generation.vllm import VLLMGenerator
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.remote import _flat, buckets
 from trainer.grpo.rollout import (
@@ -85,8 +84,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         if engine is not None and current_platform.is_cuda_alike():
             os.environ["CUDA_VISIBLE_DEVICES"] = engine.cuda_visible_devices
         self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.stop_ids = stop_token_ids(tokenizer, load_generation_config(model_dir))
+        self.sampling = cfg.sampling
         self.sleep_mode = self.asleep = False  # dedicated engines own their devices
         self.bucket_bytes = bucket_bytes
         if record_routing:
@@ -105,9 +103,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         self.workers = int(kwargs["tensor_parallel_size"])
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
         kwargs["worker_extension_cls"] = vllm_transfer.WORKER_EXTENSION
-        self.llm = LLM(**kwargs)
-        self.model_dir = str(model_dir)
-        self.quantization = self.llm.llm_engine.model_config.quantization
+        VLLMGenerator.__init__(self, LLM(**kwargs), model_dir, tokenizer)
         self.group = self._connect()
 
     def _connect(self):

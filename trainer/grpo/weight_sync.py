@@ -9,7 +9,7 @@ import time
 
 from trainer.backends import TrainingBackend
 from trainer.distributed import DistInfo, all_reduce_max
-from trainer.grpo.layout import sequences
+from trainer.grpo.micro_batch import sequences
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import HFRolloutEngine, Rollout, RolloutEngine
 from trainer.grpo.sync_check import SyncCheck, SyncGap, SyncProbe, SyncReport, sync_gap, worst

@@ -1,12 +1,29 @@
 """What a generation engine takes and returns: a ``GenerationRequest`` (the harmony prompt
-text for local models, the chat messages for endpoints) and one ``Generation`` per request.
-Shared by the engines of ``eval.engines`` and the endpoint engine of ``eval.endpoint``."""
+text for local models, the chat messages for endpoints), the ``SamplingParams`` every engine
+samples with (the eval's and GRPO's), and one ``Generation`` per request
+(``generation.engines``, ``generation.endpoint``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from core.parsing import ParsedResponse, ResponseFormat, parse_response
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples a response: what the eval's ``SamplingSettings`` and GRPO's
+    ``RolloutConfig`` give every engine.
+
+    Attributes:
+        temperature: Softmax temperature; 0 is greedy (the eval's engines).
+        top_p: Nucleus mass: keep the smallest prefix of tokens whose probability reaches it.
+        max_tokens: New tokens at most per response.
+    """
+
+    temperature: float
+    top_p: float
+    max_tokens: int
 
 
 @dataclass(frozen=True)

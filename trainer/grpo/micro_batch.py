@@ -1,4 +1,4 @@
-"""How a micro-batch of rollouts is laid out for the policy's forward, and its log-probs.
+"""A micro-batch of rollouts as tensor rows for the policy's forward, and its log-probs.
 
 Rows are right-aligned (every response ends in the last column) so the LM head runs on the
 last ``width + 1`` positions only; rows that share a prompt can run it once

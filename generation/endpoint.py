@@ -1,4 +1,4 @@
-"""Eval engine for any OpenAI-compatible chat endpoint (a vLLM or KServe server).
+"""The engine of any OpenAI-compatible chat endpoint (a vLLM or KServe server).
 
 ``POST {base}/v1/chat/completions`` with ``messages = [system(instructions), user(question)]``;
 gpt-oss servers give the reasoning back as ``reasoning_content`` (older vLLM) or
@@ -24,15 +24,58 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import requests
+from pydantic import ConfigDict, Field
 
-from eval.eval_config import EndpointSettings, SamplingSettings
-from eval.generation import Generation, GenerationRequest
+from core.config_model import ConfigModel
+from generation.requests import Generation, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+class EndpointSettings(ConfigModel):
+    """Client settings for OpenAI-compatible chat endpoints (vLLM, KServe).
+
+    Every wait is bounded: an attempt by ``connect_timeout_s`` (connecting) and ``timeout_s``
+    (each wait for data), a request (its attempts, the waits between them and the reading of
+    its answer) by ``request_timeout_s``, and a model's whole run by ``run_timeout_s``: a
+    request not answered by then fails with an error that names the bound (the responses
+    already in are kept; the eval then fails past ``EvalConfig.max_failure_fraction``).
+
+    Attributes:
+        timeout_s: Read timeout of one attempt: the longest wait for the next bytes of the
+            answer (``lingo eval --timeout``).
+        connect_timeout_s: Connect timeout of one attempt (``--connect-timeout``).
+        request_timeout_s: Bound on one request, all its attempts and backoff waits included
+            (``--request-timeout``).
+        run_timeout_s: Bound on all of a model's requests (``--run-timeout``); ``None``: no
+            bound beyond the requests' own.
+        max_retries: Retries after the first attempt (timeouts, connection errors, 429, 5xx).
+        backoff_s: First retry delay; doubles each retry (exponential backoff).
+        max_backoff_s: Cap on one delay (also on a server's ``Retry-After``).
+        concurrency: Requests in flight at once.
+        api_key_env: Environment variable holding the API key (sent as a Bearer token when
+            set and non-empty).
+        reasoning_effort: Sent as ``reasoning_effort`` when set (vLLM gpt-oss reads it);
+            ``None`` leaves the server's default.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float = Field(120.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+    run_timeout_s: float | None = Field(3600.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    backoff_s: float = Field(1.0, ge=0)
+    max_backoff_s: float = Field(30.0, ge=0)
+    concurrency: int = Field(8, ge=1)
+    api_key_env: str = "OPENAI_API_KEY"
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class EndpointError(RuntimeError):
@@ -111,7 +154,7 @@ class ChatEndpointEngine:
         return names[0]
 
     def generate(
-        self, requests_: Sequence[GenerationRequest], sampling: SamplingSettings
+        self, requests_: Sequence[GenerationRequest], sampling: SamplingParams
     ) -> list[Generation]:
         """Send every request (``concurrency`` at a time); results come back in order. All of
         them end within ``run_timeout_s`` (those not answered by then come back failed)."""
@@ -122,7 +165,7 @@ class ChatEndpointEngine:
         ) as pool:
             return list(pool.map(lambda r: self._complete(r, sampling), requests_))
 
-    def _body(self, request: GenerationRequest, sampling: SamplingSettings) -> dict:
+    def _body(self, request: GenerationRequest, sampling: SamplingParams) -> dict:
         body: dict[str, object] = {
             "model": self.model,
             "messages": list(request.messages),
@@ -136,7 +179,7 @@ class ChatEndpointEngine:
             body["reasoning_effort"] = self.settings.reasoning_effort
         return body
 
-    def _complete(self, request: GenerationRequest, sampling: SamplingSettings) -> Generation:
+    def _complete(self, request: GenerationRequest, sampling: SamplingParams) -> Generation:
         body = self._body(request, sampling)
         began = time.perf_counter()
         request_deadline = time.monotonic() + self.settings.request_timeout_s

@@ -12,12 +12,12 @@ from capacity.layouts import Layout, resolve_layout
 from capacity.model_spec import ModelSpec, ParameterCount, count_parameters, load_model_spec
 from capacity.quantities import (
     GIB,
-    ZERO,
-    Bounds,
     Resource,
     Term,
     Verdict,
     advice_for,
+    find_keyed,
+    sum_terms,
     verdict_for,
 )
 from capacity.rollout_memory import VLLM_CONTEXT_GIB, KvCapacity, rollout_gpu_terms
@@ -69,23 +69,13 @@ class Estimate:
         Raises:
             KeyError: the layout has no such resource.
         """
-        for resource in self.resources:
-            if resource.key == key:
-                return resource
-        raise KeyError(f"no resource {key!r}; resources: {[r.key for r in self.resources]}")
-
-
-def _sum(terms: list[Term]) -> Bounds:
-    total = ZERO
-    for term in terms:
-        total = total + term.bytes
-    return total
+        return find_keyed(self.resources, key, "resource")
 
 
 def _resource(
     key: str, label: str, capacity: float, terms: list[Term], detail: str = ""
 ) -> Resource:
-    verdict = verdict_for(_sum(terms), capacity)
+    verdict = verdict_for(sum_terms(terms), capacity)
     advice = advice_for(terms, verdict)
     return Resource(key, label, capacity, tuple(terms), verdict, advice, detail)
 
@@ -119,12 +109,12 @@ def _rollout_resource(
 ) -> tuple[Resource, KvCapacity]:
     runtime = CUDA_RUNTIME_GIB * GIB
     if layout.hybrid and not layout.deepspeed_enable_sleep:
-        resident = _sum(gpu_resident_state(spec, counts, layout)) + runtime
+        resident = sum_terms(gpu_resident_state(spec, counts, layout)) + runtime
     else:
         resident = runtime
     terms, kv = rollout_gpu_terms(spec, counts, layout, resident)
     capacity = layout.gpu_memory_gib * GIB
-    verdict = verdict_for(_sum(terms), capacity)
+    verdict = verdict_for(sum_terms(terms), capacity)
     if kv.sequences < 1:
         verdict = Verdict.DOES_NOT_FIT
     elif kv.sequences < kv.wanted and verdict is Verdict.FITS:
@@ -149,7 +139,7 @@ def _rollout_resource(
 
 
 def _host_resources(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> list[Resource]:
-    resident = _sum(gpu_resident_state(spec, counts, layout))
+    resident = sum_terms(gpu_resident_state(spec, counts, layout))
     capacity = (layout.host_memory_gib - layout.host_reserved_gib) * GIB
     seen: set[tuple[int, int, bool]] = set()
     resources = []

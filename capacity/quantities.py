@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol, TypeVar
 
 MIB = 1024**2
 GIB = 1024**3
@@ -116,6 +118,34 @@ def verdict_for(total: Bounds, capacity: float) -> Verdict:
     return Verdict.FITS
 
 
+def sum_terms(terms: Iterable[Term]) -> Bounds:
+    """The sum of ``terms``' bytes (``ZERO`` for none)."""
+    total = ZERO
+    for term in terms:
+        total = total + term.bytes
+    return total
+
+
+class _HasKey(Protocol):
+    key: str
+
+
+Keyed = TypeVar("Keyed", bound=_HasKey)
+
+
+def find_keyed(items: Sequence[Keyed], key: str, what: str, owner: str = "") -> Keyed:
+    """The item of ``items`` (terms, resources) whose ``key`` is ``key``.
+
+    Raises:
+        KeyError: none is; the message names ``owner`` (when given), ``what`` and the keys.
+    """
+    for item in items:
+        if item.key == key:
+            return item
+    prefix = f"{owner} has " if owner else ""
+    raise KeyError(f"{prefix}no {what} {key!r}; {what}s: {[i.key for i in items]}")
+
+
 @dataclass(frozen=True)
 class Resource:
     """A resource (a GPU, a node's RAM, the volume) with its terms and verdict.
@@ -141,10 +171,7 @@ class Resource:
     @property
     def total(self) -> Bounds:
         """The sum of the terms."""
-        total = ZERO
-        for term in self.terms:
-            total = total + term.bytes
-        return total
+        return sum_terms(self.terms)
 
     def term(self, key: str) -> Term:
         """Return the term named ``key``.
@@ -152,10 +179,7 @@ class Resource:
         Raises:
             KeyError: no such term in this resource.
         """
-        for term in self.terms:
-            if term.key == key:
-                return term
-        raise KeyError(f"{self.key} has no term {key!r}; terms: {[t.key for t in self.terms]}")
+        return find_keyed(self.terms, key, "term", self.key)
 
 
 def advice_for(

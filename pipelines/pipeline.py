@@ -132,14 +132,20 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 grpo_execution=grpo_execution,
             )
             step(capacity, "capacity check", "capacity-check")
+
+            def training_inputs(config, execution) -> dict:
+                """What both training steps take besides their input model."""
+                return dict(
+                    train_data=prep.outputs["train_data"],
+                    eval_data=prep.outputs["eval_data"],
+                    config=config,
+                    execution=execution,
+                    pipeline_run_id=run_id,
+                    **tracked,
+                )
+
             tuned = sft(
-                train_data=prep.outputs["train_data"],
-                eval_data=prep.outputs["eval_data"],
-                base_model=base.outputs["model"],
-                config=sft_config,
-                execution=sft_execution,
-                pipeline_run_id=run_id,
-                **tracked,
+                base_model=base.outputs["model"], **training_inputs(sft_config, sft_execution)
             )
             step(tuned, "SFT + merge", "sft").after(capacity)
 
@@ -186,13 +192,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                     step(registered, "register champion", "register")
 
             grpo_inputs = dict(  # the same GRPO inputs on both branches
-                train_data=prep.outputs["train_data"],
-                eval_data=prep.outputs["eval_data"],
-                sft_model=tuned.outputs["model"],
-                config=grpo_config,
-                execution=grpo_execution,
-                pipeline_run_id=run_id,
-                **tracked,
+                sft_model=tuned.outputs["model"], **training_inputs(grpo_config, grpo_execution)
             )
             # named for what runs: GRPO on the HF weights (grpo.optim.backend: torch or
             # deepspeed), or on a Megatron checkpoint

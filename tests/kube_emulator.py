@@ -14,7 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import kmock
+import pytest
 from kubernetes import client as k8s
+
+from cluster.jobs import PYTORCHJOB, TRAINJOB
 
 JOB_RESOURCES = {
     "trainjob": {
@@ -28,6 +31,13 @@ JOB_RESOURCES = {
 ClusterTrainingRuntimes and runs on the JobSet operator; Training Operator v1 serves
 PyTorchJobs."""
 VERBS = {"create", "get", "list", "watch", "update", "patch", "delete"}
+SERVED_JOB_APIS = pytest.mark.parametrize(
+    ("served", "kind"),
+    [(("trainjob", "pytorchjob"), TRAINJOB), (("pytorchjob",), PYTORCHJOB)],
+    ids=["trainer-served", "training-operator-only"],
+)
+"""``(served, kind)``: the job APIs a server serves, and the kind ``job_api: auto`` picks
+there (a TrainJob where Kubeflow Trainer is served, else a PyTorchJob)."""
 
 
 @contextmanager

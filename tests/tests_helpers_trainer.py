@@ -14,6 +14,7 @@ from trainer.grpo.config import GRPOConfig
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import Rollout
 from trainer.metrics import METRICS_FILE, read_metrics
+from trainer.tiny_model import SMALLEST
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +49,12 @@ def small_grpo_config(**overrides) -> dict:
     }
 
 
+def recipe_paths(model: Path, data: Path, out: Path) -> tuple[Path, Path, Path, Path, Path]:
+    """A recipe's (``run_sft``, ``run_grpo``) arguments after its config: ``model``, the
+    prepared ``data``'s train and eval files, and the model output and work dir under ``out``."""
+    return model, data / "train.jsonl", data / "eval.jsonl", out / "model", out / "work"
+
+
 def grpo_cli_args(run_dir: Path, name: str, cfg: dict, model: Path, data: Path) -> list[str]:
     """``python -m trainer.grpo``'s arguments for a run named ``name``: ``cfg`` validated and
     written to ``run_dir/<name>.json``, the prepared data's train and eval files, the model
@@ -80,6 +87,13 @@ SMALL_CORPUS = [
     "Pienso en la pregunta y respondo en español de forma breve.",
     "Penso alla domanda e rispondo in italiano in modo chiaro.",
 ] * 20
+
+
+SMALL_CORPUS_MODEL = SMALLEST.model_copy(
+    update={"vocab_size": 400, "hidden_size": 32, "intermediate_size": 32, "head_dim": 16}
+)
+"""``SMALLEST`` (the ``tiny_model_dir`` fixture's) at half the width and a 400-token
+vocabulary: small enough to build from ``SMALL_CORPUS`` in a test, and of another shape."""
 
 
 def fixed_grpo_batch(vocab: int = 1000) -> update.Batch:

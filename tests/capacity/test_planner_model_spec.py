@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests_helpers_capacity import HAND_CONFIG
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from capacity.model_presets import MODEL_PRESETS
@@ -20,23 +21,6 @@ from capacity.model_spec import (
 )
 from capacity.quantities import GIB
 from capacity.rollout_memory import rollout_weight_bytes
-
-# A config small enough to count by hand: V=10, H=4, I=6, L=2, nh=2, kv=1, d=2, E=3, k=2.
-HAND_CONFIG = {
-    "model_type": "gpt_oss",
-    "vocab_size": 10,
-    "hidden_size": 4,
-    "intermediate_size": 6,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 2,
-    "num_local_experts": 3,
-    "num_experts_per_tok": 2,
-    "sliding_window": 4,
-    "attention_bias": True,
-    "tie_word_embeddings": False,
-}
 
 
 def _torch_count(config: dict) -> int:

@@ -7,6 +7,7 @@ d=2, E=3, k=2; 782 parameters (per layer 349, of which experts 264).
 from __future__ import annotations
 
 import pytest
+from tests_helpers_capacity import HAND_CONFIG
 
 from capacity.activations import (
     activation_bytes,
@@ -31,21 +32,7 @@ from capacity.storage import (
 )
 from capacity.training_memory import rank_share, training_rank_terms
 
-HAND = ModelSpec.from_config(
-    {
-        "model_type": "gpt_oss",
-        "vocab_size": 10,
-        "hidden_size": 4,
-        "intermediate_size": 6,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 2,
-        "num_local_experts": 3,
-        "num_experts_per_tok": 2,
-        "sliding_window": 4,
-    }
-)
+HAND = ModelSpec.from_config(HAND_CONFIG)
 COUNTS = count_parameters(HAND)
 
 

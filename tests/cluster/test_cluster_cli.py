@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kube_emulator import kube_emulator
+from kube_emulator import SERVED_JOB_APIS, kube_emulator
 from kubernetes import client as k8s
 from typer.testing import CliRunner
 
@@ -75,11 +75,7 @@ def _fail_when_created(api_client: k8s.ApiClient, kind: JobKind, name: str) -> t
     return thread
 
 
-@pytest.mark.parametrize(
-    ("served", "kind"),
-    [(("trainjob", "pytorchjob"), TRAINJOB), (("pytorchjob",), PYTORCHJOB)],
-    ids=["trainer-served", "training-operator-only"],
-)
+@SERVED_JOB_APIS
 def test_a_compiled_preset_creates_trainjobs_where_served_else_pytorchjobs(
     served, kind, cluster_api, tmp_path, tiny_model_dir, prepared_data
 ):

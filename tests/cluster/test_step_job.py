@@ -23,7 +23,7 @@ import threading
 import time
 
 import pytest
-from kube_emulator import kube_emulator, trainer_jobset
+from kube_emulator import SERVED_JOB_APIS, kube_emulator, trainer_jobset
 from kubernetes import client as k8s
 
 import cluster.launcher
@@ -171,11 +171,7 @@ def test_a_local_step_still_fills_its_job_manifest_artifact(tmp_path):
         JobLaunch.for_step({"mode": "slurm"}, RUN_ID, str(manifest), "img:1")
 
 
-@pytest.mark.parametrize(
-    ("served", "kind"),
-    [(("trainjob", "pytorchjob"), TRAINJOB), (("pytorchjob",), PYTORCHJOB)],
-    ids=["both-served-trainjob", "pytorchjob-only"],
-)
+@SERVED_JOB_APIS
 def test_sft_runs_as_a_job_of_the_served_api_and_its_results_come_back(
     served, kind, tmp_path, tiny_model_dir, prepared_data, monkeypatch
 ):

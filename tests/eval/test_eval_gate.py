@@ -287,35 +287,23 @@ def test_components_end_to_end(tracking, tmp_path):
     artifacts = {a.path for a in MlflowClient().list_artifacts(runs[0].info.run_id, "eval")}
     assert artifacts == {"eval/results.json", "eval/report.md", "eval/report.html"}
 
-    gate_config = {"registered_model": "e2e", "margin": 0.0}
-    decision = gate.python_func(
-        results=results,
-        grpo_model=dsl.Model(uri=str(tiny)),
-        config=gate_config,
-        report=dsl.Markdown(uri=str(out / "gate")),
-        mlflow_tracking_uri=tracking,
-    )
+    def decide(component, config: dict, report: str) -> str:
+        """The gate or register component on the eval's results and the tiny model."""
+        return component.python_func(
+            results=results,
+            grpo_model=dsl.Model(uri=str(tiny)),
+            config=config,
+            report=dsl.Markdown(uri=str(out / report)),
+            mlflow_tracking_uri=tracking,
+        )
+
+    decision = decide(gate, {"registered_model": "e2e", "margin": 0.0}, "gate")
     assert decision == "keep"  # the GRPO model is the SFT model: no gain
     assert "does not beat sft" in (out / "gate").read_text()
 
     first = {"registered_model": "e2e", "baseline": "none-in-results"}  # nothing to beat
-    assert (
-        gate.python_func(
-            results=results,
-            grpo_model=dsl.Model(uri=str(tiny)),
-            config=first,
-            report=dsl.Markdown(uri=str(out / "gate2")),
-            mlflow_tracking_uri=tracking,
-        )
-        == "promote"
-    )
-    version = register.python_func(
-        results=results,
-        grpo_model=dsl.Model(uri=str(tiny)),
-        config=first,
-        report=dsl.Markdown(uri=str(out / "register")),
-        mlflow_tracking_uri=tracking,
-    )
+    assert decide(gate, first, "gate2") == "promote"
+    version = decide(register, first, "register")
     assert version == "1"
     assert _alias("e2e") == "1"
     assert "**promote**" in (out / "register").read_text()

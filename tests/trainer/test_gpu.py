@@ -6,6 +6,7 @@ with ``pytest -m gpu``.
 
 import pytest
 import torch
+from tests_helpers_trainer import recipe_paths, small_grpo_config
 
 from core.seeds import group_seeds
 from trainer.grpo.config import GRPOConfig, RolloutConfig
@@ -30,41 +31,18 @@ def test_sft_on_gpu_in_bf16(tmp_path, tiny_model_dir, prepared_data):
         device="cuda",
         merge_check_prompts=2,
     )
-    result = run_sft(
-        cfg,
-        tiny_model_dir,
-        prepared_data / "train.jsonl",
-        prepared_data / "eval.jsonl",
-        tmp_path / "model",
-        tmp_path / "work",
-    )
+    result = run_sft(cfg, *recipe_paths(tiny_model_dir, prepared_data, tmp_path))
     assert result.merge["dtype"] == "bfloat16"
     assert len([m for m in read_metrics(result.metrics_file) if "loss" in m]) == 3
 
 
 def test_grpo_on_gpu_with_hf_rollouts(tmp_path, tiny_model_dir, prepared_data):
     cfg = GRPOConfig.model_validate(
-        {
-            "rollout": {"n_samples": 4, "max_new_tokens": 16},
-            "prompts_per_step": 4,
-            "mini_batch_size": 16,
-            "micro_batch_size": 8,
-            "max_steps": 2,
-            "eval_every": 2,
-            "eval_prompts": 4,
-            "eval_samples": 1,
-            "dtype": "bfloat16",
-            "device": "cuda",
-        }
+        small_grpo_config(
+            max_steps=2, eval_every=2, checkpoint_every=0, dtype="bfloat16", device="cuda"
+        )
     )
-    result = run_grpo(
-        cfg,
-        tiny_model_dir,
-        prepared_data / "train.jsonl",
-        prepared_data / "eval.jsonl",
-        tmp_path / "model",
-        tmp_path / "work",
-    )
+    result = run_grpo(cfg, *recipe_paths(tiny_model_dir, prepared_data, tmp_path))
     assert [m["step"] for m in read_metrics(result.metrics_file) if "loss" in m] == [1, 2]
 
 

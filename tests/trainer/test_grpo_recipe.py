@@ -9,7 +9,12 @@ import time
 import pytest
 import torch
 from pydantic import ValidationError
-from tests_helpers_trainer import grpo_cli_args, grpo_step_lines
+from tests_helpers_trainer import (
+    grpo_cli_args,
+    grpo_step_lines,
+    recipe_paths,
+    small_grpo_config,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.torchrun import torchrun_command
@@ -20,18 +25,12 @@ from trainer.grpo.recipe import run_grpo
 from trainer.grpo.rollout import HFRolloutEngine, cut_at_stop
 from trainer.metrics import read_metrics
 
-SMALL = {
-    "rollout": {"n_samples": 4, "max_new_tokens": 16},
-    "prompts_per_step": 4,
-    "mini_batch_size": 16,
-    "micro_batch_size": 8,
-    "max_steps": 3,
-    "eval_every": 3,
-    "eval_prompts": 4,
-    "eval_samples": 1,
-    "optim": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
-    "dtype": "float32",
-}
+SMALL = small_grpo_config(
+    max_steps=3,
+    eval_every=3,
+    checkpoint_every=0,
+    optim={"learning_rate": 1e-3, "lr_scheduler": "constant"},
+)
 REQUIRED = {
     "step",
     "max_steps",
@@ -55,9 +54,7 @@ REQUIRED = {
 
 def _run(tmp_path, model, data, **overrides):
     cfg = GRPOConfig.model_validate({**SMALL, **overrides})
-    return run_grpo(
-        cfg, model, data / "train.jsonl", data / "eval.jsonl", tmp_path / "model", tmp_path / "work"
-    )
+    return run_grpo(cfg, *recipe_paths(model, data, tmp_path))
 
 
 def test_grpo_steps_write_every_metric_and_export_a_loadable_policy(

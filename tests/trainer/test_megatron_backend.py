@@ -400,19 +400,9 @@ def test_megatron_loss_scaling_leaves_the_plain_sum_of_gradients(
 
 def test_megatron_learning_rate_follows_the_shared_schedule():
     cfg = OptimConfig(learning_rate=1e-3, lr_scheduler="cosine", warmup_steps=2, min_lr_ratio=0.1)
-    model = torch.nn.Linear(3, 3)
-    optimizer = _AdamWBehindMegatronApi(model, cfg)
+    backend, model = _megatron_on_a_linear_model(cfg, total_steps=6)
+    optimizer = backend.optimizer
     optimizer.param_groups[0]["lr_mult"] = 0.5
-    backend = MegatronBackend(
-        model=[model],
-        optimizer=optimizer,
-        cfg=cfg,
-        total_steps=6,
-        parallel=ParallelContext(DataParallel(0, 1, torch.device("cpu"))),
-        vocab=VocabShard(),
-        pad_id=0,
-        schedule=_MegatronSchedule(),
-    )
     for step in range(6):
         want = 1e-3 * lr_factor(step, 6, cfg)
         assert backend.learning_rate() == pytest.approx(want)
@@ -436,19 +426,21 @@ def test_megatron_batches_are_left_aligned_and_padded_to_one_length():
         assert int(mb.response_lengths[i]) == len(rollout.response_ids)
     assert mb.position_ids[3].tolist() == list(range(64))
     other = micro_batch.sequences(batch.prompts, batch.rollouts[4:7], 0, "cpu")
-    backend, *_ = _megatron_stand_in_for_shapes()
+    backend, _ = _megatron_on_a_linear_model()
     with pytest.raises(ValueError, match=r"\[3, 4\] rows"):
         backend.log_probs([micro, other])
 
 
-def _megatron_stand_in_for_shapes():
+def _megatron_on_a_linear_model(cfg: OptimConfig | None = None, total_steps: int = 1):
+    """``(backend, model)``: a MegatronBackend on one CPU rank over a plain 2×2 linear model,
+    with the AdamW and schedule stand-ins."""
     model = torch.nn.Linear(2, 2)
-    cfg = OptimConfig()
+    cfg = cfg or OptimConfig()
     backend = MegatronBackend(
         model=[model],
         optimizer=_AdamWBehindMegatronApi(model, cfg),
         cfg=cfg,
-        total_steps=1,
+        total_steps=total_steps,
         parallel=ParallelContext(DataParallel(0, 1, torch.device("cpu"))),
         vocab=VocabShard(),
         pad_id=0,

@@ -43,25 +43,28 @@ def bf16_model_dir(tiny_model_dir, tmp_path_factory):
     return out
 
 
-def _convert(bridge, hf_dir, out_dir, layout: MegatronLayout) -> None:
-    checked = validate_layout(hf_dir, layout, world_size=1)
-    bridge.convert_hf_to_megatron(str(hf_dir), str(out_dir), checked.layout)
-    write_manifest(out_dir, build_manifest(hf_dir, checked.layout, checked.world_size))
-    check_manifest(out_dir, layout=checked.layout, hf_dir=hf_dir)
-
-
-def test_fp32_round_trip_hf_megatron_hf_is_exact(bridge, tiny_model_dir, tmp_path):
-    layout = MegatronLayout(name="tiny-gpu-fp32", params_dtype="fp32")
+def _convert_and_verify(bridge, hf_dir, tmp_path, dtype: str):
+    """``hf_dir`` converted to ``tmp_path/megatron`` in ``dtype`` (layout checked, manifest
+    written and checked), then its precision checked on CUDA: ``(megatron_dir, report)``."""
+    layout = MegatronLayout(name=f"tiny-gpu-{dtype}", params_dtype=dtype)
     megatron_dir = tmp_path / "megatron"
-    _convert(bridge, tiny_model_dir, megatron_dir, layout)
+    checked = validate_layout(hf_dir, layout, world_size=1)
+    bridge.convert_hf_to_megatron(str(hf_dir), str(megatron_dir), checked.layout)
+    write_manifest(megatron_dir, build_manifest(hf_dir, checked.layout, checked.world_size))
+    check_manifest(megatron_dir, layout=checked.layout, hf_dir=hf_dir)
     report = verify_conversion(
-        tiny_model_dir,
+        hf_dir,
         megatron_dir,
-        dtype="fp32",
+        dtype=dtype,
         report_path=tmp_path / "report.md",
         json_path=tmp_path / "report.json",
         device="cuda",
     )
+    return megatron_dir, report
+
+
+def test_fp32_round_trip_hf_megatron_hf_is_exact(bridge, tiny_model_dir, tmp_path):
+    megatron_dir, report = _convert_and_verify(bridge, tiny_model_dir, tmp_path, "fp32")
     assert report.passed and report.top1_agreement == 1.0
 
     out = tmp_path / "hf"
@@ -74,16 +77,7 @@ def test_fp32_round_trip_hf_megatron_hf_is_exact(bridge, tiny_model_dir, tmp_pat
 
 
 def test_bf16_conversion_is_within_the_bf16_tolerance(bridge, bf16_model_dir, tmp_path):
-    layout = MegatronLayout(name="tiny-gpu-bf16", params_dtype="bf16")
-    megatron_dir = tmp_path / "megatron"
-    _convert(bridge, bf16_model_dir, megatron_dir, layout)
-    report = verify_conversion(
-        bf16_model_dir,
-        megatron_dir,
-        dtype="bf16",
-        report_path=tmp_path / "report.md",
-        device="cuda",
-    )
+    megatron_dir, report = _convert_and_verify(bridge, bf16_model_dir, tmp_path, "bf16")
     assert report.passed
     out = tmp_path / "hf"
     export_megatron(megatron_dir, bf16_model_dir, out)

@@ -180,14 +180,20 @@ def _install_fake_bridge(monkeypatch, noise: float = 0.0, calls: list | None = N
     return fake
 
 
+def _converted_dir(tmp_path) -> Path:
+    """A Megatron directory as the fake bridge's conversion leaves it."""
+    megatron_dir = tmp_path / "megatron"
+    megatron_dir.mkdir()
+    (megatron_dir / "converted.json").write_text("{}")
+    return megatron_dir
+
+
 def test_verify_conversion_passes_and_writes_markdown_and_json(
     tiny_model_dir, tmp_path, monkeypatch
 ):
     calls = []
     _install_fake_bridge(monkeypatch, noise=1e-5, calls=calls)
-    megatron_dir = tmp_path / "megatron"
-    megatron_dir.mkdir()
-    (megatron_dir / "converted.json").write_text("{}")
+    megatron_dir = _converted_dir(tmp_path)
     report = verify_conversion(
         tiny_model_dir,
         megatron_dir,
@@ -209,9 +215,7 @@ def test_verify_conversion_past_tolerance_raises_after_writing_the_report(
     tiny_model_dir, tmp_path, monkeypatch
 ):
     _install_fake_bridge(monkeypatch, noise=0.05)
-    megatron_dir = tmp_path / "megatron"
-    megatron_dir.mkdir()
-    (megatron_dir / "converted.json").write_text("{}")
+    megatron_dir = _converted_dir(tmp_path)
     with pytest.raises(PrecisionCheckFailed, match="max abs logit diff") as caught:
         verify_conversion(
             tiny_model_dir, megatron_dir, dtype="fp32", report_path=tmp_path / "r.md", device="cpu"
@@ -234,6 +238,7 @@ def test_verify_conversion_past_tolerance_raises_after_writing_the_report(
 
 
 def _artifacts(tmp_path):
+    (tmp_path / "out").mkdir()
     return (
         Model(uri=str(tmp_path / "out" / "megatron_model")),
         Markdown(uri=str(tmp_path / "out" / "verification_report")),
@@ -241,22 +246,28 @@ def _artifacts(tmp_path):
     )
 
 
-def test_convert_component_validates_converts_writes_manifest_and_verifies(
-    tiny_model_dir, tmp_path, monkeypatch
-):
+def _convert_component(model_dir, layout: dict, artifacts) -> None:
+    """The convert_megatron component on ``model_dir`` with ``layout``, into ``artifacts``."""
     from components.megatron import convert_megatron
 
-    calls = []
-    _install_fake_bridge(monkeypatch, calls=calls)
-    (tmp_path / "out").mkdir()
-    megatron_model, report, manifest = _artifacts(tmp_path)
+    megatron_model, report, manifest = artifacts
     convert_megatron.python_func(
-        hf_model=Model(uri=str(tiny_model_dir)),
-        layout={"preset": "tiny-cpu"},
+        hf_model=Model(uri=str(model_dir)),
+        layout=layout,
         megatron_model=megatron_model,
         verification_report=report,
         manifest=manifest,
     )
+
+
+def test_convert_component_validates_converts_writes_manifest_and_verifies(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    calls = []
+    _install_fake_bridge(monkeypatch, calls=calls)
+    artifacts = _artifacts(tmp_path)
+    _convert_component(tiny_model_dir, {"preset": "tiny-cpu"}, artifacts)
+    megatron_model, report, manifest = artifacts
     out = Path(megatron_model.path)
     assert [c[0] for c in calls] == ["convert", "logits"]
     assert calls[0][1].params_dtype == "fp32"
@@ -274,18 +285,10 @@ def test_convert_component_validates_converts_writes_manifest_and_verifies(
 def test_convert_component_rejects_a_bad_layout_before_converting(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    from components.megatron import convert_megatron
-
     calls = []
     _install_fake_bridge(monkeypatch, calls=calls)
-    (tmp_path / "out").mkdir()
-    megatron_model, report, manifest = _artifacts(tmp_path)
+    artifacts = _artifacts(tmp_path)
+    megatron_model = artifacts[0]
     with pytest.raises(LayoutError, match="tp=3"):
-        convert_megatron.python_func(
-            hf_model=Model(uri=str(tiny_model_dir)),
-            layout={"tp": 3, "gpus_per_node": 3},
-            megatron_model=megatron_model,
-            verification_report=report,
-            manifest=manifest,
-        )
+        _convert_component(tiny_model_dir, {"tp": 3, "gpus_per_node": 3}, artifacts)
     assert calls == [] and not Path(megatron_model.path).exists()

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from tests_helpers_trainer import recipe_paths
 from transformers import AutoModelForCausalLM
 
 from core.modeling import ModelLoadError, NotACausalLMError, check_model_dir
@@ -20,14 +21,7 @@ FAST = dict(
 
 def _run(tmp_path, tiny_model_dir, prepared_data, **cfg):
     config = SFTConfig(**{**FAST, **cfg})
-    return run_sft(
-        config,
-        tiny_model_dir,
-        prepared_data / "train.jsonl",
-        prepared_data / "eval.jsonl",
-        tmp_path / "model",
-        tmp_path / "work",
-    )
+    return run_sft(config, *recipe_paths(tiny_model_dir, prepared_data, tmp_path))
 
 
 def test_full_fine_tuning_learns_and_writes_metrics(tmp_path, tiny_model_dir, prepared_data):
@@ -117,22 +111,11 @@ def test_corrupt_weights_name_the_model_directory_and_file(tmp_path, tiny_model_
 
 def test_adapter_for_another_base_is_rejected(tmp_path, tiny_model_dir):
     from peft import LoraConfig, get_peft_model
-    from tests_helpers_trainer import SMALL_CORPUS
+    from tests_helpers_trainer import SMALL_CORPUS, SMALL_CORPUS_MODEL
 
-    from trainer.tiny_model import TinyModelConfig, build_tiny_model
+    from trainer.tiny_model import build_tiny_model
 
-    other = build_tiny_model(
-        tmp_path / "other",
-        TinyModelConfig(
-            vocab_size=400,
-            hidden_size=32,
-            intermediate_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-        ),
-        SMALL_CORPUS,
-    )
+    other = build_tiny_model(tmp_path / "other", SMALL_CORPUS_MODEL, SMALL_CORPUS)
     peft = get_peft_model(
         AutoModelForCausalLM.from_pretrained(other), LoraConfig(r=2, target_modules=["q_proj"])
     )

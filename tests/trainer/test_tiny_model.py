@@ -1,7 +1,7 @@
 import json
 
 import torch
-from tests_helpers_trainer import SMALL_CORPUS
+from tests_helpers_trainer import SMALL_CORPUS, SMALL_CORPUS_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.harmony import HARMONY_SPECIAL_TOKENS
@@ -30,17 +30,7 @@ def test_model_and_tokenizer_round_trip_through_from_pretrained(tiny_model_dir, 
 
 
 def test_same_seed_and_corpus_give_identical_files(tmp_path):
-    from trainer.tiny_model import TinyModelConfig
-
-    cfg = TinyModelConfig(
-        vocab_size=400,
-        hidden_size=32,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        seed=3,
-    )
+    cfg = SMALL_CORPUS_MODEL.model_copy(update={"seed": 3})
     a = build_tiny_model(tmp_path / "a", cfg, SMALL_CORPUS)
     b = build_tiny_model(tmp_path / "b", cfg, SMALL_CORPUS)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):

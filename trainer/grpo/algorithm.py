@@ -291,6 +291,7 @@ def policy_loss(
     loss_agg_mode: str = "token-mean",
     norm_length: int | None = None,
     global_normalizer: float | Tensor | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric ("clip-higher") and dual clipping.
 
@@ -300,8 +301,9 @@ def policy_loss(
         l = max(-A·r, -A·clip(r))            if A >= 0
         l = min(max(-A·r, -A·clip(r)), -A·c)  if A < 0   (dual clip, c = clip_ratio_c)
 
-    then ``l`` is reduced with ``aggregate_loss(l, response_mask, loss_agg_mode, ...)``.
-    The gradient is zero wherever a clipped branch or the dual bound is active.
+    then ``w·l`` is reduced with ``aggregate_loss(w·l, response_mask, loss_agg_mode, ...)``
+    (``w = token_weights``, 1 when None). The gradient is zero wherever a clipped branch or
+    the dual bound is active.
 
     Args:
         log_probs: ``[B, T]`` current-policy log-probs of the sampled tokens (with grad).
@@ -314,6 +316,8 @@ def policy_loss(
         loss_agg_mode: a name in ``LOSS_AGG_MODES``.
         norm_length: passed to ``aggregate_loss``.
         global_normalizer: passed to ``aggregate_loss`` (gradient accumulation).
+        token_weights: ``[B, T]`` detached per-token weights ``w`` (a rollout correction's,
+            ``decoupled_policy_loss``), or None.
 
     Returns:
         ``(loss, stats)``; ``stats`` holds detached scalars over masked tokens:
@@ -334,6 +338,8 @@ def policy_loss(
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
     )
+    if token_weights is not None:
+        loss_mat = token_weights.to(loss_mat.dtype) * loss_mat
     loss = aggregate_loss(
         loss_mat,
         response_mask,
@@ -574,7 +580,10 @@ def decoupled_policy_loss(
             f"as log_probs {tuple(log_probs.shape)}"
         )
     bounds = CorrectionBounds(tis_cap, seq_mask_low, seq_mask_high)
-    loss_mat, stats = _clipped_surrogate(
+    corrected = rollout_weights(
+        old_log_probs, behaviour_log_probs, response_mask, correction, bounds
+    )
+    loss, stats = policy_loss(
         log_probs,
         old_log_probs,
         advantages,
@@ -582,19 +591,12 @@ def decoupled_policy_loss(
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
-    )
-    corrected = rollout_weights(
-        old_log_probs, behaviour_log_probs, response_mask, correction, bounds
-    )
-    loss = aggregate_loss(
-        corrected.weights.to(loss_mat.dtype) * loss_mat,
-        response_mask,
-        loss_agg_mode,
+        loss_agg_mode=loss_agg_mode,
         norm_length=norm_length,
         global_normalizer=global_normalizer,
+        token_weights=corrected.weights,
     )
-    stats |= correction_stats(corrected, response_mask)
-    return loss, stats
+    return loss, stats | correction_stats(corrected, response_mask)
 
 
 @dataclass(frozen=True)

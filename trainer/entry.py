@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -66,6 +67,13 @@ def end_process() -> None:
     them destroyed while still joinable aborts the process ("terminate called without an
     active exception", exit -6), which torchrun reports as a failed job after the work is
     done (seen: 1 in 5 suite runs of the kill-and-resume test with dedicated engines)."""
+    # Finalization would also stop this process's multiprocessing children; without it they
+    # outlive the run holding its stdout and stderr (a caller reading them waits forever).
+    # Megatron-Core's torch_dist save starts one: a Manager server for its write results
+    # (dist_checkpointing/strategies/filesystem_async.py:65 `ctx.Manager().Queue()`).
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=10)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -335,8 +335,7 @@ def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:
     of the job are rollout-only, the rest train.
 
     Raises:
-        PlacementError: dedicated engines that this recipe cannot run yet (the Megatron
-            backend), a job whose processes are not ``nproc`` training processes plus the
+        PlacementError: a job whose processes are not ``nproc`` training processes plus the
             engines', Megatron with multi-process vLLM, or a plan that puts this process on
             another device than torchrun did.
     """
@@ -347,11 +346,6 @@ def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:
         engine_processes = cfg.rollout_processes
         training = info.world_size - engine_processes
         problems = []
-        if cfg.optim.backend == "megatron":
-            problems.append(
-                "optim.backend=megatron with dedicated engines is not built yet (its "
-                "data-parallel ranks are not the training processes); use deepspeed or torch"
-            )
         if training != cfg.nproc:
             problems.append(
                 f"{info.world_size} processes for {engine_processes} rollout-only processes "

@@ -85,10 +85,13 @@ def test_dedicated_placement_and_what_is_refused(monkeypatch):
     vllm |= {"nproc": 2, "micro_batch_size": 4, "optim": {"backend": "deepspeed"}}
     plan = run_placement(GRPOConfig.model_validate(vllm), _info(4))
     assert [e.ranks for e in plan.engines] == [(2, 3)]
+    # Megatron trains on the first processes: its parallel state is built over the training
+    # processes' default group (tests/megatron/test_megatron_dedicated_rollout.py runs it)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     megatron = {"backend": "megatron", "megatron": {"layout": "tiny-cpu"}}
     mc = small_grpo_config(**DEDICATED, optim=megatron)
-    with pytest.raises(PlacementError, match="optim.backend=megatron with dedicated"):
-        run_placement(GRPOConfig.model_validate(mc), _info(2))
+    plan = run_placement(GRPOConfig.model_validate(mc), _info(2))
+    assert plan.training_ranks == (0,) and plan.rollout_only_ranks == (1,)
 
 
 def _launch(tmp_path, name, cfg, model, data, nproc) -> subprocess.Popen:
@@ -262,6 +265,29 @@ def test_a_killed_process_ends_the_job_non_zero(
     killed = time.monotonic()
     assert job.wait(timeout=120) != 0  # torchrun ends the other side too
     assert time.monotonic() - killed < 120
+
+
+def test_a_trainer_failing_before_the_engines_are_ready_ends_the_job(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    """The trainer fails while the engine process still waits in the store for it (here: a
+    train file that is not JSON). The job ends at once, non-zero, with the trainer's error;
+    it used to wait forever: the trainer's way out told the engines to stop with a
+    collective on the channel, which the engine process, not yet in one, never joined."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("not json\n")
+    (data / "eval.jsonl").write_text((prepared_data / "eval.jsonl").read_text())
+    cfg = small_grpo_config(max_steps=2, checkpoint_every=0, **ASYNC)
+    job = _launch(tmp_path, "bad", cfg, tiny_model_dir, data, 2)
+    try:
+        out, _ = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        pytest.fail("the job still runs 120 s after its trainer failed")
+    assert job.returncode != 0
+    assert "train.jsonl" in out, out[-3000:]
 
 
 def test_one_step_off_policy_overlaps_and_corrects_the_stale_batches(

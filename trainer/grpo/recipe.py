@@ -166,19 +166,25 @@ def run_grpo(
         dedicated.announce_ready(store, job.rank)
         dedicated.wait_until_ready(store, plan.rollout_only_ranks, start, "rollout processes")
 
-    with contextlib.closing(remote):
-        return _train(
-            cfg,
-            sft_model,
-            train_path,
-            eval_path,
-            model_output,
-            work_dir,
-            info,
-            plan,
-            remote,
-            engines_ready,
-        )
+    result = _train(
+        cfg,
+        sft_model,
+        train_path,
+        eval_path,
+        model_output,
+        work_dir,
+        info,
+        plan,
+        remote,
+        engines_ready,
+    )
+    # Only a run that ended well tells the engines to stop: stopping is a collective on the
+    # channel, and after a failure the rollout processes may not be in one (still waiting in
+    # the store for a coordinator that never said it was ready), so the trainer would wait
+    # there forever with its error unreported. A failed trainer exits non-zero instead, and
+    # torchrun ends the rollout processes.
+    remote.close()
+    return result
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +111,20 @@ def vllm_warnings():
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)
+
+
+@pytest.fixture(scope="session")
+def megatron_python() -> Path:
+    """The Megatron env's Python (``MEGATRON_VENV``, default ``.venv-megatron``), for the tests
+    that join the Megatron branch's trainer side to a vLLM engine here (no env holds both:
+    docs/megatron.md). Without it they skip, saying so, unless ``LINGO_REQUIRE_MEGATRON_ENV=1``
+    (CI, which builds it first with ``make test-megatron``) makes that a failure."""
+    root = Path(__file__).resolve().parents[2]
+    venv = Path(os.environ.get("MEGATRON_VENV", root / ".venv-megatron"))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        message = f"no Megatron env at {venv}: bash tools/megatron_env.sh (make test-megatron)"
+        if os.environ.get("LINGO_REQUIRE_MEGATRON_ENV") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python

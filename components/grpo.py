@@ -25,14 +25,17 @@ def grpo(
     backend: str = "",
     megatron_checkpoint: Input[Model] = None,
     megatron_layout: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
+    megatron_optim: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
 ):
     """GRPO with the language-compliance reward. Trains in this pod, or as a TrainJob or a
     PyTorchJob (``execution.mode = job``; YAML in ``job_manifest``).
 
     ``backend`` overrides ``config.optim.backend``. With ``megatron``, the actor starts from
     ``megatron_checkpoint`` (``convert_megatron``'s output) with ``megatron_layout`` (unless
-    the config names one) and ``model`` is the policy's Megatron checkpoint, for
-    ``export_hf``; otherwise ``model`` is the policy as a HF directory.
+    the config names one), ``megatron_optim`` (when given) is the optimizer block in place of
+    the config's DeepSpeed one (``trainer.grpo.config.megatron_branch_config``), and ``model``
+    is the policy's Megatron checkpoint, for ``export_hf``; otherwise ``model`` is the policy
+    as a HF directory.
     """
     from pathlib import Path
 
@@ -40,7 +43,7 @@ def grpo(
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
     from core.processes import start_step_process
     from core.tracking import configure_tracking
-    from trainer.grpo.config import GRPOConfig
+    from trainer.grpo.config import GRPOConfig, megatron_branch_config
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
 
     start_step_process()  # dies with its parent; every log line redacted
@@ -51,10 +54,8 @@ def grpo(
     if config["optim"].get("backend") == "megatron":
         if megatron_checkpoint is None:
             raise ValueError("backend 'megatron' needs megatron_checkpoint (convert_megatron's)")
-        megatron = dict(config["optim"].get("megatron") or {})
-        megatron.setdefault("layout", megatron_layout or "tiny-cpu")
-        megatron["checkpoint"] = megatron_checkpoint.path
-        config["optim"]["megatron"] = megatron
+        layout = megatron_layout or "tiny-cpu"
+        config = megatron_branch_config(config, megatron_optim, layout, megatron_checkpoint.path)
     cfg = GRPOConfig.model_validate(config)
     image = MEGATRON_IMAGE if cfg.optim.backend == "megatron" else GPU_IMAGE
     launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image)

@@ -79,6 +79,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
         layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
         backend: str = _BACKEND_DEFAULT,
         megatron_layout: dict = _MEGATRON_LAYOUT_DEFAULT,
+        megatron_optim: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
         sft_execution: dict = _LOCAL_EXECUTION,
         grpo_execution: dict = _LOCAL_EXECUTION,
         mlflow_tracking_uri: str = "",
@@ -209,6 +210,7 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                     backend="megatron",
                     megatron_checkpoint=converted.outputs["megatron_model"],
                     megatron_layout=megatron_layout,
+                    megatron_optim=megatron_optim,
                 )
                 step(megatron_policy, "GRPO (Megatron)", "grpo")
                 export_and_evaluate(megatron_policy.outputs["model"], "megatron")

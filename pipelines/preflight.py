@@ -31,6 +31,8 @@ import logging
 import os
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from core.model_files import model_dir_problems
 from data_prep.config import BUNDLED_SOURCE, DataPrepConfig
 from data_prep.sources import SourceError, describe_source, looks_like_path
@@ -82,7 +84,12 @@ def config_value_problems(preset: Preset) -> list[str]:
     (its conversion)."""
     from capacity.layouts import LayoutError
     from cluster.torchrun import processes_problem
-    from pipelines.presets import capacity_layout, grpo_plan, megatron_layout
+    from pipelines.presets import (
+        capacity_layout,
+        grpo_plan,
+        megatron_grpo_config,
+        megatron_layout,
+    )
     from reward.scoring import RewardWeights
     from trainer.capacity_check import grpo_layout, sft_layout
     from trainer.megatron.layout import resolve_megatron_layout
@@ -96,11 +103,16 @@ def config_value_problems(preset: Preset) -> list[str]:
     for step, config in (("sft", preset.sft), ("grpo", preset.grpo)):
         if (problem := processes_problem(config)) is not None:
             problems.append(f"{step}: {problem}")
-    if preset.backend == "megatron":
+    if preset.backend == "megatron" or preset.megatron_optim:
         try:
             resolve_megatron_layout(megatron_layout(preset))
         except LayoutError as exc:
             problems.append(f"megatron_layout: {_one_line(exc)}")
+        else:
+            try:  # what the Megatron branch's GRPO step will validate at run time
+                megatron_grpo_config(preset)
+            except ValidationError as exc:
+                problems.append(f"the Megatron branch's grpo config: {_one_line(exc)}")
     try:
         plan = grpo_plan(preset)
     except PlacementError as exc:

@@ -72,6 +72,12 @@ class Preset(BaseModel):
     megatron_layout: dict[str, Any] = Field(default_factory=lambda: {"preset": "tiny-cpu"})
     """``trainer.megatron.layout`` parallel layout of the Megatron branch (a preset name +
     overrides: ``tp``, ``pp``, ``ep`` ...); its machine fields come from ``hardware``."""
+    megatron_optim: dict[str, Any] = Field(default_factory=dict)
+    """The Megatron branch's GRPO ``optim`` block (learning rate, schedule, and
+    ``megatron``: recompute, optimizer offload) in place of ``grpo.optim``, whose ZeRO and
+    offload flags are DeepSpeed's; its ``gradient_checkpointing`` is then off (recompute
+    stands for it). Empty: ``grpo.optim`` with ``backend: megatron``
+    (``trainer.grpo.config.megatron_branch_config``)."""
 
     @model_validator(mode="after")
     def _hardware_stated_once(self) -> Preset:
@@ -267,27 +273,36 @@ GPT_OSS_20B_VERL = Preset.model_validate(
         "name": "gpt-oss-20b-verl",
         "description": (
             "openai/gpt-oss-20b with verl's GRPO settings for gpt-oss: n=16, clip 0.2/0.28, "
-            "dual clip 10, low_var_kl 0.001, token-mean, vLLM colocated (hybrid, sleep/wake) "
-            "on 8 GPUs a node; DeepSpeed by default, backend=megatron for verl's TP 8 / EP 8 "
-            "layout on one p5en node (then grpo.rollout.engine=hf: the Megatron image has no "
-            "vLLM)"
+            "dual clip 10, low_var_kl 0.001, token-mean, one step off-policy: training on one "
+            "p5en node (8 H200), 2 dedicated vLLM engines (TP 4) on a second; DeepSpeed "
+            "ZeRO-3 by default, backend=megatron for verl's TP 8 / EP 8 Megatron layout (its "
+            "trainers in the Megatron image, the engines in the GPU image, one job)"
         ),
+        # training on one node; the job's second node holds the 2 engines (hardware adds it)
         "hardware": Hardware(
             node_type="p5en.48xlarge", sft_nodes=1, grpo_nodes=1, storage_gib=8000
         ),
         # verl's gpt-oss Megatron layout (TP 8, EP 8, PP = nodes) on the one 8x H200 node
         "megatron_layout": {"preset": "verl-gpt-oss-8x8-h100", "pp": 1},
+        # the Megatron branch's optimizer, as verl's recipe runs it: full recompute of every
+        # layer, the optimizer state and update on the host (the DeepSpeed branch's ZeRO-3 +
+        # Adam offload and gradient checkpointing, in Megatron-Core's terms)
+        "megatron_optim": {
+            "learning_rate": 5e-7,
+            "lr_scheduler": "constant",
+            "warmup_steps": 5,
+            "megatron": {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+                "optimizer_offload_fraction": 1.0,
+            },
+        },
         "grpo": GPT_OSS_20B.grpo.model_copy(
             update={
-                "rollout": GPT_OSS_20B.grpo.rollout.model_copy(
-                    update={
-                        "n_samples": 16,
-                        "colocate": True,
-                        "num_engines": 0,
-                        "async_steps": 0,  # colocated: nothing to overlap with
-                        "gpu_memory_utilization": 0.5,
-                    }
-                ),
+                # gpt-oss-20b's dedicated engines, one step off-policy (verl's decoupled
+                # recipe: the engines sample step k+1 while step k trains)
+                "rollout": GPT_OSS_20B.grpo.rollout.model_copy(update={"n_samples": 16}),
                 "prompts_per_step": 16,
             }
         ),
@@ -306,6 +321,7 @@ STEPS = (
     "hardware",
     "cluster",
     "megatron_layout",
+    "megatron_optim",
 )
 
 
@@ -421,6 +437,22 @@ def megatron_layout(preset: Preset) -> dict[str, Any]:
     return {**preset.megatron_layout, **preset.hardware.megatron_fields(preset.grpo.nproc)}
 
 
+def megatron_grpo_config(preset: Preset):
+    """The GRPO config the pipeline's Megatron branch runs for ``preset`` (``-p
+    backend=megatron``): ``grpo`` with ``megatron_optim`` and ``megatron_layout``, as the
+    ``grpo`` component builds it (the checkpoint is ``convert_megatron``'s, known at run time).
+
+    Raises:
+        pydantic.ValidationError: the branch's config does not hold.
+    """
+    from trainer.grpo.config import GRPOConfig, megatron_branch_config
+
+    config = megatron_branch_config(
+        config_dict(preset.grpo), preset.megatron_optim, megatron_layout(preset), None
+    )
+    return GRPOConfig.model_validate(config)
+
+
 def pipeline_arguments(preset: Preset) -> dict[str, object]:
     """The pipeline's parameter values for ``preset``.
 
@@ -438,6 +470,7 @@ def pipeline_arguments(preset: Preset) -> dict[str, object]:
     args["layout_overrides"] = dict(preset.layout_overrides)
     args["backend"] = preset.backend
     args["megatron_layout"] = megatron_layout(preset)
+    args["megatron_optim"] = dict(preset.megatron_optim)
     args["sft_execution"] = config_dict(step_execution(preset, "sft"))
     args["grpo_execution"] = config_dict(step_execution(preset, "grpo"))
     # per run, not per preset (lingo run --local reads MLFLOW_TRACKING_URI and

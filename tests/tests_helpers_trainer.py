@@ -20,13 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 VERL_MEGATRON_OVERRIDES = {
-    # the gpt-oss-20b-verl preset with backend=megatron, as its description says: verl's TP 8 /
-    # EP 8 layout on its one node, HF rollouts
+    # the gpt-oss-20b-verl preset's GRPO config as its Megatron branch runs it
+    # (pipelines.presets.megatron_grpo_config): verl's TP 8 / EP 8 layout on its one training
+    # node, the dedicated vLLM engines on the next
     "grpo.optim.backend": "megatron",
     "grpo.optim.offload_optimizer": "false",
     "grpo.optim.megatron": '{"layout": {"preset": "verl-gpt-oss-8x8-h100", "nodes": 1, "pp": 1}}',
     "grpo.gradient_checkpointing": "false",
-    "grpo.rollout.engine": "hf",
+}
+
+VERL_COLOCATED_OVERRIDES = {
+    # the gpt-oss-20b-verl preset with verl's hybrid engine: one vLLM engine per 4 training
+    # GPUs, sleeping while they train
+    "grpo.rollout.colocate": "true",
+    "grpo.rollout.num_engines": "0",
+    "grpo.rollout.async_steps": "0",  # colocated: nothing to overlap with
+    "grpo.rollout.gpu_memory_utilization": "0.5",
 }
 
 

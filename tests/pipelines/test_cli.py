@@ -84,8 +84,8 @@ def test_estimate_prints_the_table():
 def test_estimate_of_a_preset_prints_its_placement_plan_and_the_run_as_configured():
     result = runner.invoke(app, ["estimate", "--preset", "gpt-oss-20b-verl"])
     assert result.exit_code == 0, result.output
-    assert "2 vllm rollout engine(s) of TP 4, colocated" in result.output
-    assert "engine 1: ranks 4-7 on node 0 gpus 4,5,6,7" in result.output
+    assert "2 vllm rollout engine(s) of TP 4, dedicated GPUs" in result.output
+    assert "engine 1: ranks 12-15 on node 1 gpus 4,5,6,7" in result.output
     assert "\nSFT\n" in result.output and "\nGRPO\n" in result.output
     assert "micro-batch 1 × 1280 tokens" in result.output  # 1,024 prompt + 256 new tokens
     result = runner.invoke(

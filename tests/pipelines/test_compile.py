@@ -150,12 +150,12 @@ def test_cluster_presets_compile_with_a_strict_platform_spec(tmp_path):
 
 def test_every_preset_validates_as_written():
     """A preset built with ``model_copy(update=...)`` skips validation: re-validated, each
-    holds (the verl preset colocates, so it must not inherit gpt-oss-20b's async_steps)."""
+    holds."""
     for preset in PRESETS.values():
         again = Preset.model_validate(preset.model_dump())
         assert again == preset, preset.name
     assert PRESETS["gpt-oss-20b"].grpo.rollout.async_steps == 1  # dedicated, one step off
-    assert PRESETS["gpt-oss-20b-verl"].grpo.rollout.colocate
+    assert not PRESETS["gpt-oss-20b-verl"].grpo.rollout.colocate
 
 
 def test_the_compiled_defaults_add_no_synthetic_rows_to_a_users_source(tmp_path):
@@ -185,3 +185,54 @@ def test_the_compiled_defaults_add_no_synthetic_rows_to_a_users_source(tmp_path)
     # the demo's own data keeps its augmentation (the README's figures)
     bundled = data_prep(**{**defaults, "workers": 1})
     assert bundled.outputs["train_data"].metadata["synthetic_rows"] > 0
+
+
+def _tasks(spec: dict) -> dict[str, dict]:
+    """Every task of the compiled spec by name, whichever DAG (branch) holds it."""
+    return {
+        name: task
+        for component in spec["components"].values()
+        for name, task in component.get("dag", {}).get("tasks", {}).items()
+    }
+
+
+def test_the_verl_presets_megatron_branch_rolls_out_on_dedicated_vllm_engines(tmp_path):
+    """``lingo compile --preset gpt-oss-20b-verl``, then a run with ``-p backend=megatron``:
+    the Megatron branch's GRPO step builds its config from the compiled defaults as the
+    component does (``megatron_branch_config``), and that config rolls out on 2 dedicated
+    vLLM engines one step off-policy, on the job's second node."""
+    from cluster.config import ExecutionConfig
+    from trainer.grpo.config import GRPOConfig, megatron_branch_config
+    from trainer.placement import grpo_placement
+
+    spec = _load(compile_pipeline(tmp_path / "verl.yaml", get_preset("gpt-oss-20b-verl")))
+    defaults = {
+        name: parameter.get("defaultValue")
+        for name, parameter in spec["root"]["inputDefinitions"]["parameters"].items()
+    }
+    inputs = _tasks(spec)["grpo-2"]["inputs"]["parameters"]  # the Megatron branch's GRPO
+    assert inputs["backend"]["runtimeValue"]["constant"] == "megatron"
+    for name in ("config", "megatron_optim", "megatron_layout", "execution"):
+        assert inputs[name]["componentInputParameter"].startswith("pipelinechannel--")
+    config = megatron_branch_config(
+        defaults["grpo_config"],
+        defaults["megatron_optim"],
+        defaults["megatron_layout"],
+        "/mnt/shared/ckpt",
+    )
+    cfg = GRPOConfig.model_validate(config)  # the YAML's numbers are floats: 1.0 layers
+    rollout = cfg.rollout
+    assert (rollout.engine, rollout.colocate, rollout.num_engines) == ("vllm", False, 2)
+    assert (rollout.tensor_parallel_size, rollout.async_steps) == (4, 1)
+    assert cfg.optim.backend == "megatron" and not cfg.gradient_checkpointing
+    megatron = cfg.optim.megatron
+    assert (megatron.recompute_granularity, megatron.optimizer_offload_fraction) == ("full", 1.0)
+    layout = megatron.resolved_layout()
+    assert (layout.tp, layout.ep, layout.pp, cfg.nproc) == (8, 8, 1, 8)
+    # the job: the 8 trainers on its first node, the engines' 8 processes on its second
+    execution = ExecutionConfig.model_validate(defaults["grpo_execution"])
+    nodes, per_node = execution.cluster(cfg.nproc, cfg.rollout_processes)
+    assert (nodes, per_node, cfg.rollout_processes) == (1, 8, 8)
+    plan = grpo_placement(cfg, nodes, per_node)
+    assert plan.training_ranks == tuple(range(8))
+    assert [(e.node, e.ranks) for e in plan.engines] == [(1, (8, 9, 10, 11)), (1, (12, 13, 14, 15))]

@@ -169,3 +169,16 @@ def test_layout_overrides_and_the_megatron_layout_are_checked_before_their_steps
     assert config_value_problems(megatron.model_copy(update={"backend": "hf"})) == []
     for preset in ("tiny-cpu", "gpt-oss-20b", "gpt-oss-20b-verl"):
         assert config_value_problems(get_preset(preset)) == [], preset
+    # a Megatron branch that -p backend=megatron would start and its GRPO step refuse: found
+    # at compile time, though the preset's default branch is hf
+    verl = get_preset("gpt-oss-20b-verl")
+    offloading = {**verl.megatron_optim, "offload_optimizer": True}  # DeepSpeed's flag
+    (problem,) = config_value_problems(verl.model_copy(update={"megatron_optim": offloading}))
+    assert problem.startswith("the Megatron branch's grpo config: ") and "offload" in problem
+    assert "\n" not in problem
+    # without its optim block the branch keeps grpo.optim, whose ZeRO-3 offload and gradient
+    # checkpointing Megatron refuses: the preset needs it
+    (problem,) = config_value_problems(
+        verl.model_copy(update={"megatron_optim": {}, "backend": "megatron"})
+    )
+    assert "offload" in problem

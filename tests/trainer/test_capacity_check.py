@@ -4,6 +4,7 @@ placement plan decide processes, lengths, batch and engines; the preset's hardwa
 from __future__ import annotations
 
 import pytest
+from tests_helpers_trainer import VERL_COLOCATED_OVERRIDES
 
 from capacity import LayoutDoesNotFit, LayoutError, Verdict
 from pipelines.presets import (
@@ -40,13 +41,18 @@ def test_gpt_oss_20b_checks_the_grpo_it_runs():
     assert layout.vllm_gpu_memory_utilization == 0.85 and layout.gpu_memory_gib == 22.49
 
 
-def test_verl_checks_one_node_with_colocated_engines_not_the_two_node_ep16_layout():
+def test_verl_checks_one_training_node_and_one_engine_node_not_the_two_node_ep16_layout():
     preset = PRESETS["gpt-oss-20b-verl"]
     layout = grpo_layout(capacity_layout(preset), preset.grpo, grpo_plan(preset))
-    assert (layout.nodes, layout.gpus_per_node, layout.training_gpus) == (1, 8, 8)
-    assert (layout.backend, layout.expert_parallel, layout.hybrid) == ("deepspeed", 1, True)
+    assert (layout.nodes, layout.gpus_per_node, layout.training_gpus) == (2, 8, 8)
+    assert (layout.backend, layout.expert_parallel, layout.hybrid) == ("deepspeed", 1, False)
     assert (layout.rollout_gpus, layout.vllm_tensor_parallel_size) == (8, 4)
     assert layout.n_samples_per_prompt == 16
+    # colocated (verl's hybrid engine): the engines share the one node's training GPUs
+    hybrid = apply_overrides(preset, VERL_COLOCATED_OVERRIDES)
+    layout = grpo_layout(capacity_layout(hybrid), hybrid.grpo, grpo_plan(hybrid))
+    assert (layout.nodes, layout.training_gpus, layout.hybrid) == (1, 8, True)
+    assert (layout.rollout_gpus, layout.vllm_tensor_parallel_size) == (8, 4)
 
 
 def test_changing_max_new_tokens_or_the_layout_changes_the_estimate():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
+from tests_helpers_trainer import VERL_COLOCATED_OVERRIDES, VERL_MEGATRON_OVERRIDES
 
 from pipelines.presets import PRESETS, apply_overrides, grpo_plan
 from trainer.placement import (
@@ -65,18 +65,23 @@ def test_the_gpt_oss_20b_plan_is_the_openrlhf_split():
     assert all(plan.engine_of(r) is None for r in plan.training_ranks)
 
 
-def test_the_verl_plan_colocates_one_engine_per_tp_group():
+def test_the_verl_plan_trains_on_one_node_and_samples_on_the_next():
     plan = grpo_plan(PRESETS["gpt-oss-20b-verl"])
-    assert (plan.nodes, plan.gpus_per_node, len(plan.engines)) == (1, 8, 2)
-    assert plan.engine_of(5).ranks == (4, 5, 6, 7)
-    assert plan.processes[5].roles == ("train", "rollout")
-    # backend=megatron, as the preset's description says: TP 8 / EP 8, HF rollouts
+    assert (plan.nodes, plan.gpus_per_node, len(plan.engines)) == (2, 8, 2)
+    assert plan.training_ranks == tuple(range(8))
+    assert [(e.node, e.ranks) for e in plan.engines] == [(1, (8, 9, 10, 11)), (1, (12, 13, 14, 15))]
+    # backend=megatron: TP 8 / EP 8 over the training node, the same engines after it
     megatron = apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_MEGATRON_OVERRIDES)
     plan = grpo_plan(megatron)
     check_plan(plan)
     assert (plan.layout.tp, plan.layout.ep, plan.layout.dp) == (8, 8, 1)
     assert plan.train_tp_groups == (tuple(range(8)),)
-    assert len(plan.engines) == 8  # an HF engine in each process
+    assert [e.ranks for e in plan.engines] == [(8, 9, 10, 11), (12, 13, 14, 15)]
+    # verl's hybrid engine: one engine per 4 training GPUs of the one node
+    plan = grpo_plan(apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_COLOCATED_OVERRIDES))
+    assert (plan.nodes, plan.gpus_per_node, len(plan.engines)) == (1, 8, 2)
+    assert plan.engine_of(5).ranks == (4, 5, 6, 7)
+    assert plan.processes[5].roles == ("train", "rollout")
 
 
 @pytest.mark.parametrize(

@@ -294,3 +294,35 @@ def _megatron_data_parallel(cfg: GRPOConfig) -> int:
     if problems:
         raise ValueError("optim.backend=megatron: " + "; ".join(problems))
     return world // model_parallel
+
+
+def megatron_branch_config(
+    config: dict, optim: dict, layout: dict | str, checkpoint: str | None
+) -> dict:
+    """The GRPO config of the pipeline's Megatron branch, from the one the run was given
+    (``config``, as a dict) and the branch's ``optim`` block (``megatron_optim``).
+
+    The pipeline takes one ``grpo_config`` for both branches, and the settings that differ are
+    the optimizer's: DeepSpeed's ZeRO stage and offload flags, and the Hugging Face model's
+    ``gradient_checkpointing``, mean nothing to Megatron-Core, whose equivalents live in
+    ``optim.megatron`` (``optimizer_offload_fraction``, ``recompute_granularity``). With
+    ``optim`` given it replaces ``config["optim"]`` and ``gradient_checkpointing`` is off
+    (the branch's recompute settings stand for it); without it, ``config["optim"]`` is kept
+    with ``backend: megatron`` (and the config's checks say what does not fit Megatron).
+    Either way the ``megatron`` block takes ``layout`` unless it names one, and
+    ``checkpoint`` (the converted ``torch_dist`` checkpoint). Rollout, algorithm and batch
+    settings are the run's, unchanged.
+    """
+    branch = {**config}
+    if optim:
+        branch["optim"] = {**optim}
+        branch["gradient_checkpointing"] = False
+    else:
+        branch["optim"] = {**(config.get("optim") or {})}
+    branch["optim"]["backend"] = "megatron"
+    megatron = {**(branch["optim"].get("megatron") or {})}
+    megatron.setdefault("layout", layout)
+    if checkpoint is not None:
+        megatron["checkpoint"] = checkpoint
+    branch["optim"]["megatron"] = megatron
+    return branch

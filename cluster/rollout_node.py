@@ -25,6 +25,7 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -36,52 +37,56 @@ class RolloutNodeError(ValueError):
     """The rollout pod's arguments or environment cannot place it in the job."""
 
 
-def rollout_node_command(
-    training_nodes: int,
-    rollout_nodes: int,
-    nproc_per_node: int,
-    master_addr: str,
-    master_port: int,
-    entry: list[str],
-) -> list[str]:
-    """The rollout container's command: this module with the job's layout, then ``--`` and
-    torchrun's entry (``-m module args…``)."""
-    return [
-        "python", "-m", "cluster.rollout_node",
-        "--training-nodes", str(training_nodes), "--rollout-nodes", str(rollout_nodes),
-        "--nproc-per-node", str(nproc_per_node),
-        "--master-addr", master_addr, "--master-port", str(master_port),
-        "--", *entry,
-    ]  # fmt: skip
+@dataclass(frozen=True)
+class RolloutLayout:
+    """Where a two-image job's rollout pods join its rendezvous.
 
-
-def torchrun_argv(
-    index: int,
-    training_nodes: int,
-    rollout_nodes: int,
-    nproc_per_node: int,
-    master_addr: str,
-    master_port: int,
-    entry: list[str],
-) -> list[str]:
-    """torchrun's command line for the rollout pod of completion index ``index``: node rank
-    ``training_nodes + index`` of ``training_nodes + rollout_nodes``.
-
-    Raises:
-        RolloutNodeError: ``index`` is not one of the ``rollout_nodes`` pods' indexes.
+    Attributes:
+        training_nodes: the job's first nodes, which train (``T``).
+        rollout_nodes: the rollout-only nodes after them (``R``), one pod each.
+        nproc_per_node: processes per node, the same on every node.
+        master_addr: the first training pod's address (node rank 0 hosts the store).
+        master_port: its rendezvous port.
     """
-    if not 0 <= index < rollout_nodes:
-        raise RolloutNodeError(
-            f"{COMPLETION_INDEX_ENV}={index} is outside 0..{rollout_nodes - 1}: the rollout "
-            f"replicated job must run --rollout-nodes ({rollout_nodes}) pods"
-        )
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={training_nodes + rollout_nodes}", f"--node_rank={training_nodes + index}",
-        f"--nproc_per_node={nproc_per_node}",
-        f"--master_addr={master_addr}", f"--master_port={master_port}",
-        *entry,
-    ]  # fmt: skip
+
+    training_nodes: int
+    rollout_nodes: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+
+    def command(self, entry: list[str]) -> list[str]:
+        """The rollout container's command: this module with the layout, then ``--`` and
+        torchrun's entry (``-m module args…``)."""
+        return [
+            "python", "-m", "cluster.rollout_node",
+            "--training-nodes", str(self.training_nodes),
+            "--rollout-nodes", str(self.rollout_nodes),
+            "--nproc-per-node", str(self.nproc_per_node),
+            "--master-addr", self.master_addr, "--master-port", str(self.master_port),
+            "--", *entry,
+        ]  # fmt: skip
+
+    def torchrun_argv(self, index: int, entry: list[str]) -> list[str]:
+        """torchrun's command line for the rollout pod of completion index ``index``: node
+        rank ``training_nodes + index`` of ``training_nodes + rollout_nodes``.
+
+        Raises:
+            RolloutNodeError: ``index`` is not one of the rollout pods' indexes.
+        """
+        if not 0 <= index < self.rollout_nodes:
+            raise RolloutNodeError(
+                f"{COMPLETION_INDEX_ENV}={index} is outside 0..{self.rollout_nodes - 1}: the "
+                f"rollout replicated job must run --rollout-nodes ({self.rollout_nodes}) pods"
+            )
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.training_nodes + self.rollout_nodes}",
+            f"--node_rank={self.training_nodes + index}",
+            f"--nproc_per_node={self.nproc_per_node}",
+            f"--master_addr={self.master_addr}", f"--master_port={self.master_port}",
+            *entry,
+        ]  # fmt: skip
 
 
 def completion_index(environ: dict[str, str]) -> int:
@@ -106,8 +111,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The layout arguments and torchrun's entry (what follows ``--``).
+def parse(argv: list[str]) -> tuple[RolloutLayout, list[str]]:
+    """The layout and torchrun's entry (what follows ``--``).
 
     Raises:
         RolloutNodeError: no ``--`` or nothing after it.
@@ -123,18 +128,20 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--nproc-per-node", type=_positive, required=True)
     parser.add_argument("--master-addr", required=True)
     parser.add_argument("--master-port", type=int, required=True)
-    return parser.parse_args(argv[:split]), argv[split + 1 :]
+    args = parser.parse_args(argv[:split])
+    layout = RolloutLayout(
+        args.training_nodes, args.rollout_nodes, args.nproc_per_node, args.master_addr,
+        args.master_port,
+    )  # fmt: skip
+    return layout, argv[split + 1 :]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Replace this process with torchrun at the pod's node rank."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        args, entry = parse(sys.argv[1:] if argv is None else argv)
-        command = torchrun_argv(
-            completion_index(dict(os.environ)), args.training_nodes, args.rollout_nodes,
-            args.nproc_per_node, args.master_addr, args.master_port, entry,
-        )  # fmt: skip
+        layout, entry = parse(sys.argv[1:] if argv is None else argv)
+        command = layout.torchrun_argv(completion_index(dict(os.environ)), entry)
     except RolloutNodeError as error:
         raise SystemExit(f"cluster.rollout_node: {error}") from None
     log.info("rollout node: %s", " ".join(command))

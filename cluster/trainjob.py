@@ -37,7 +37,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed extr
 
 from cluster.config import GPU_RESOURCE, PROGRESS_PORT_ENV, ClusterJobConfig
 from cluster.jobs import JOB_RUNTIME_KIND, RUNTIME_OF_LABEL, TRAINJOB
-from cluster.rollout_node import rollout_node_command
+from cluster.rollout_node import RolloutLayout
 from cluster.torchrun import entry_point_command
 
 NODE = "node"
@@ -283,14 +283,14 @@ def _rollout_job(
     Job, the rollout image, the training nodes' resources, env, volumes and placement, each
     pod joining the training pods' rendezvous (``cluster.rollout_node``)."""
     requests, limits = _resources(cluster)
-    command = rollout_node_command(
+    layout = RolloutLayout(
         cluster.training_nodes, cluster.rollout_nodes, cluster.procs_per_node,
-        master_addr(name), TORCH_MASTER_PORT, ["-m", module, *args],
+        master_addr(name), TORCH_MASTER_PORT,
     )  # fmt: skip
     container = kt.IoK8sApiCoreV1Container(
         name=ROLLOUT,
         image=cluster.rollout_image,
-        command=command,
+        command=layout.command(["-m", module, *args]),
         env=_env(cluster) or None,
         resources=kt.IoK8sApiCoreV1ResourceRequirements(
             requests=_quantities(requests), limits=_quantities(limits)

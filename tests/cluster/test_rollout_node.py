@@ -16,13 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ClusterJobConfig
-from cluster.rollout_node import (
-    RolloutNodeError,
-    completion_index,
-    parse,
-    rollout_node_command,
-    torchrun_argv,
-)
+from cluster.rollout_node import RolloutLayout, RolloutNodeError, completion_index, parse
 from cluster.trainjob import ROLLOUT, build_job_runtime, build_trainjob, master_addr
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +27,7 @@ ENTRY = ["-m", "trainer.grpo", "--config", "/mnt/shared/j/grpo_config.json"]
 def test_each_rollout_pod_is_a_node_rank_after_the_training_nodes(index):
     """4 training nodes + 2 rollout-only nodes of 4 processes (gpt-oss-20b's GRPO job)."""
     addr = "lingo-grpo-run-node-0-0.lingo-grpo-run"
-    assert torchrun_argv(index, 4, 2, 4, addr, 29500, ENTRY) == [
+    assert RolloutLayout(4, 2, 4, addr, 29500).torchrun_argv(index, ENTRY) == [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes=6", f"--node_rank={4 + index}", "--nproc_per_node=4",
         f"--master_addr={addr}", "--master_port=29500",
@@ -42,16 +36,15 @@ def test_each_rollout_pod_is_a_node_rank_after_the_training_nodes(index):
 
 
 def test_the_container_command_parses_back_into_the_same_layout():
-    command = rollout_node_command(4, 2, 4, "addr", 29500, ENTRY)
+    layout = RolloutLayout(4, 2, 4, "addr", 29500)
+    command = layout.command(ENTRY)
     assert command[:3] == ["python", "-m", "cluster.rollout_node"]
-    args, entry = parse(command[3:])
-    layout = (args.training_nodes, args.rollout_nodes, args.nproc_per_node)
-    assert (layout, args.master_addr, args.master_port, entry) == ((4, 2, 4), "addr", 29500, ENTRY)
+    assert parse(command[3:]) == (layout, ENTRY)
 
 
 def test_what_cannot_place_the_pod_is_refused_with_the_fix():
     with pytest.raises(RolloutNodeError, match=r"JOB_COMPLETION_INDEX=2 is outside 0\.\.1"):
-        torchrun_argv(2, 4, 2, 4, "addr", 29500, ENTRY)
+        RolloutLayout(4, 2, 4, "addr", 29500).torchrun_argv(2, ENTRY)
     with pytest.raises(RolloutNodeError, match="JOB_COMPLETION_INDEX=None: .*Indexed Job"):
         completion_index({})
     with pytest.raises(RolloutNodeError, match="JOB_COMPLETION_INDEX='-1'"):
@@ -65,7 +58,7 @@ def test_what_cannot_place_the_pod_is_refused_with_the_fix():
 
 
 def test_the_module_exits_with_one_line_outside_an_indexed_job():
-    command = rollout_node_command(1, 1, 1, "127.0.0.1", 29500, ["-m", "x"])
+    command = RolloutLayout(1, 1, 1, "127.0.0.1", 29500).command(["-m", "x"])
     env = {k: v for k, v in os.environ.items() if k != "JOB_COMPLETION_INDEX"}
     done = subprocess.run(
         [sys.executable, *command[1:]], env=env, capture_output=True, text=True, cwd=ROOT

@@ -19,7 +19,7 @@ from torch.distributed.run import get_args_parser
 from cluster.config import ClusterJobConfig, ExecutionConfig, JobLaunch
 from cluster.jobs import JOB_RUNTIME_PLURAL, PYTORCHJOB, RUNTIME_OF_LABEL, TRAINJOB
 from cluster.launcher import JobFailed, JobLauncher
-from cluster.rollout_node import rollout_node_command, torchrun_argv
+from cluster.rollout_node import RolloutLayout
 from cluster.step_job import (
     RUN_LABEL,
     StepJob,
@@ -123,9 +123,8 @@ def test_a_two_image_trainjob_and_its_runtime_are_accepted():
     assert (rollout["replicas"], spec["completionMode"], spec["completions"]) == (1, "Indexed", 2)
     (container,) = _pod(rollout)["containers"]
     assert container["image"] == GPU_IMAGE
-    assert container["command"] == rollout_node_command(
-        4, 2, 4, f"{NAME}-node-0-0.{NAME}", 29500, ["-m", "trainer.grpo", *ARGS]
-    )
+    layout = RolloutLayout(4, 2, 4, f"{NAME}-node-0-0.{NAME}", 29500)
+    assert container["command"] == layout.command(["-m", "trainer.grpo", *ARGS])
     # the rollout pods take what the job patches into the trainers' pods
     assert container["resources"] == trainer["resourcesPerNode"]
     assert container["env"] == trainer["env"]
@@ -165,7 +164,8 @@ def test_every_pod_of_the_jobset_gets_its_own_node_rank():
     command = _pod(rollout)["containers"][0]["command"]
     entry = command[command.index("--") + 1 :]
     for index in range(rollout["template"]["spec"]["parallelism"]):
-        argv = torchrun_argv(index, 4, 2, 4, master_addr(NAME), TORCH_MASTER_PORT, entry)
+        layout = RolloutLayout(4, 2, 4, master_addr(NAME), TORCH_MASTER_PORT)
+        argv = layout.torchrun_argv(index, entry)
         nodes.append(get_args_parser().parse_args(argv[3:]))
     assert [int(n.node_rank) for n in nodes] == list(range(6))
     assert {(n.nnodes, n.nproc_per_node, n.master_addr, int(n.master_port)) for n in nodes} == {

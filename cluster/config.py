@@ -136,7 +136,14 @@ class ClusterJobConfig(ClusterConfig):
     """The training image (a pipeline parameter); it must contain this package."""
     nodes: int = Field(1, ge=1)
     """Pods, one per node (a PyTorchJob's Master and ``nodes - 1`` Workers, a TrainJob's
-    ``numNodes``)."""
+    ``numNodes``), the rollout-only nodes included."""
+    rollout_nodes: int = Field(0, ge=0)
+    """The job's last nodes, whose processes only roll out (GRPO's dedicated engines,
+    ``trainer.placement``); set from the step's config when the job is built."""
+    rollout_image: str | None = None
+    """The image of the rollout-only nodes; ``None``: ``image``. A Megatron GRPO job rolls out
+    with vLLM, which the Megatron image cannot hold: its engines run the GPU image
+    (``two_images``)."""
     gpus_per_node: int = Field(0, ge=0)
     nproc_per_node: int | None = Field(None, ge=1)
     """Processes per pod (``torchrun --nproc_per_node``); default one per GPU (1 on CPU)."""
@@ -188,6 +195,25 @@ class ClusterJobConfig(ClusterConfig):
                 f"({self.elastic.min_nodes}..{self.elastic.max_nodes})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _training_node_left(self) -> ClusterJobConfig:
+        if self.rollout_nodes >= self.nodes:
+            raise ValueError(
+                f"rollout_nodes={self.rollout_nodes} leaves none of the job's {self.nodes} "
+                "node(s) for training: raise nodes"
+            )
+        return self
+
+    @property
+    def training_nodes(self) -> int:
+        """Nodes whose processes train (the first ones): ``nodes - rollout_nodes``."""
+        return self.nodes - self.rollout_nodes
+
+    @property
+    def two_images(self) -> bool:
+        """True when the rollout-only nodes run another image than the training nodes."""
+        return bool(self.rollout_nodes) and self.rollout_image not in (None, self.image)
 
     @property
     def procs_per_node(self) -> int:
@@ -306,11 +332,16 @@ class ExecutionConfig(ConfigModel):
         self.cluster_job(default_image="validate", default_namespace="validate")
         return self
 
-    def cluster_job(self, default_image: str, default_namespace: str) -> ClusterJobConfig:
-        """The job's ``ClusterJobConfig``: the reference layout, then ``job``, then defaults."""
+    def cluster_job(
+        self, default_image: str, default_namespace: str, default_rollout_image: str | None = None
+    ) -> ClusterJobConfig:
+        """The job's ``ClusterJobConfig``: the reference layout, then ``job``, then defaults
+        (``default_rollout_image`` for the rollout-only nodes, when ``job`` names none)."""
         fields = {**REFERENCE_LAYOUTS.get(self.reference or "", {}), **self.job}
         fields.setdefault("image", default_image)
         fields.setdefault("namespace", default_namespace)
+        if default_rollout_image is not None:
+            fields.setdefault("rollout_image", default_rollout_image)
         return ClusterJobConfig.model_validate(fields)
 
     def shared_dir(self, cluster: ClusterJobConfig) -> str:
@@ -327,19 +358,30 @@ class JobLaunch:
         run_id: the pipeline run's id (job name and labels).
         manifest_path: where the job's YAML is written (an output artifact).
         image: the default training image (the step's own).
+        rollout_image: the default image of the job's rollout-only nodes (GRPO's dedicated
+            engines); ``None``: ``image``.
     """
 
     execution: ExecutionConfig
     run_id: str
     manifest_path: str
     image: str
+    rollout_image: str | None = None
 
     @classmethod
-    def for_step(cls, execution: dict, run_id: str, manifest_path: str, image: str) -> JobLaunch:
+    def for_step(
+        cls,
+        execution: dict,
+        run_id: str,
+        manifest_path: str,
+        image: str,
+        rollout_image: str | None = None,
+    ) -> JobLaunch:
         """A pipeline step's launch from its ``execution`` parameter. The job-manifest
         artifact always gets a file: the job's YAML later, or (in ``local`` mode) a line
         saying that the step trained in its own pod."""
-        launch = cls(ExecutionConfig.model_validate(execution), run_id, manifest_path, image)
+        execution_config = ExecutionConfig.model_validate(execution)
+        launch = cls(execution_config, run_id, manifest_path, image, rollout_image)
         if not launch.as_job:
             Path(manifest_path).write_text("# trained in the pipeline step's own pod\n")
         return launch

@@ -80,6 +80,14 @@ PYTORCHJOB = JobKind(
     job_label="training.kubeflow.org/job-name",
     primary_labels=(("training.kubeflow.org/replica-type", "master"),),
 )
+JOB_RUNTIME_KIND = "TrainingRuntime"
+JOB_RUNTIME_PLURAL = "trainingruntimes"
+"""A two-image TrainJob's own runtime: namespaced, named after the job
+(``cluster.trainjob.build_job_runtime``; a TrainJob may reference a TrainingRuntime of its
+namespace: kubeflow/trainer v2.3.0 ``pkg/runtime/core/trainingruntime.go``, lines 97 and 306)."""
+RUNTIME_OF_LABEL = "lingo-rl/runtime-of"
+"""On a job's own TrainingRuntime: the TrainJob it was made for; ``JobLauncher.delete`` deletes
+only a runtime that carries it (never one it did not create)."""
 JOB_KINDS: dict[str, JobKind] = {TRAINJOB.api: TRAINJOB, PYTORCHJOB.api: PYTORCHJOB}
 """By preference: ``auto`` takes the first one the API server serves."""
 

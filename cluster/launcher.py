@@ -19,7 +19,16 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from cluster.config import QUEUE_LABEL
-from cluster.jobs import PYTORCHJOB, JobKind, job_conditions, job_state, resolve_job_api
+from cluster.jobs import (
+    JOB_RUNTIME_PLURAL,
+    PYTORCHJOB,
+    RUNTIME_OF_LABEL,
+    TRAINJOB,
+    JobKind,
+    job_conditions,
+    job_state,
+    resolve_job_api,
+)
 
 log = logging.getLogger(__name__)
 
@@ -237,16 +246,67 @@ class JobLauncher:
         return "\n".join(lines)
 
     def delete(self, name: str) -> bool:
-        """Delete the job and its pods; True if it existed. Safe to call twice (exit handlers)."""
+        """Delete the job and its pods, and a TrainJob's own TrainingRuntime
+        (``delete_runtime``); True if the job existed. Safe to call twice (exit handlers)."""
         try:
             self.jobs.delete_namespaced_custom_object(
                 *self._path(), name, propagation_policy="Foreground"
             )
         except k8s.ApiException as error:
+            if error.status != 404:
+                raise
+            existed = False
+        else:
+            log.info("deleted %s %s/%s", self.kind.kind, self.namespace, name)
+            existed = True
+        if self.kind is TRAINJOB:
+            self.delete_runtime(name)
+        return existed
+
+    def _runtime_path(self) -> tuple[str, str, str, str]:
+        return TRAINJOB.group, TRAINJOB.version, self.namespace, JOB_RUNTIME_PLURAL
+
+    def create_runtime(self, runtime: dict) -> None:
+        """Create a TrainJob's own TrainingRuntime ``runtime`` (``build_job_runtime``); one of
+        the same name that the job's earlier run left (labelled for the same job) is
+        updated to it.
+
+        Raises:
+            kubernetes.client.ApiException: the server refused it, or a runtime of that name
+                exists that is not the job's (409).
+        """
+        name = runtime["metadata"]["name"]
+        try:
+            self.jobs.create_namespaced_custom_object(*self._runtime_path(), runtime)
+        except k8s.ApiException as error:
+            if error.status != 409 or not self._own_runtime(name):
+                raise
+            # a JSON merge patch: the same job's runtime differs at most in images and values
+            self.jobs.patch_namespaced_custom_object(*self._runtime_path(), name, runtime)
+        log.info("created TrainingRuntime %s/%s", self.namespace, name)
+
+    def _own_runtime(self, name: str) -> bool:
+        """True when TrainingRuntime ``name`` exists and was made for job ``name``."""
+        try:
+            runtime = self.jobs.get_namespaced_custom_object(*self._runtime_path(), name)
+        except k8s.ApiException as error:
+            if error.status in (403, 404):  # none, or not ours to read: not ours to delete
+                return False
+            raise
+        return (runtime["metadata"].get("labels") or {}).get(RUNTIME_OF_LABEL) == name
+
+    def delete_runtime(self, name: str) -> bool:
+        """Delete TrainJob ``name``'s own TrainingRuntime, if there is one (a runtime of that
+        name without the job's ``lingo-rl/runtime-of`` label is left alone); True if deleted."""
+        if not self._own_runtime(name):
+            return False
+        try:
+            self.jobs.delete_namespaced_custom_object(*self._runtime_path(), name)
+        except k8s.ApiException as error:
             if error.status == 404:
                 return False
             raise
-        log.info("deleted %s %s/%s", self.kind.kind, self.namespace, name)
+        log.info("deleted TrainingRuntime %s/%s", self.namespace, name)
         return True
 
     def run(
@@ -256,10 +316,13 @@ class JobLauncher:
         poll_s: float = 10.0,
         progress: Progress | None = None,
         stream_logs: bool = True,
+        runtime: dict | None = None,
     ) -> dict:
-        """Create the job, stream its primary pod's log to this log, and wait until it ends.
+        """Create the job (after ``runtime``, the job's own TrainingRuntime, when given),
+        stream its primary pod's log to this log, and wait until it ends.
 
-        The job is left in place (for inspection); call ``delete`` from the exit handler.
+        The job (and its runtime) is left in place (for inspection); call ``delete`` from the
+        exit handler. A job the server refuses takes its runtime with it.
 
         Returns:
             The finished job object.
@@ -267,7 +330,14 @@ class JobLauncher:
         Raises:
             JobFailed, TimeoutError: see ``wait``.
         """
-        name = self.create(manifest)
+        if runtime is not None:
+            self.create_runtime(runtime)
+        try:
+            name = self.create(manifest)
+        except k8s.ApiException:
+            if runtime is not None:
+                self.delete_runtime(runtime["metadata"]["name"])
+            raise
         stop = threading.Event()
         if stream_logs:
             threading.Thread(

@@ -112,9 +112,33 @@ def _pod_template(cluster: ClusterJobConfig, command: list[str]) -> k8s.V1PodTem
     )
 
 
+def _refuse_two_images(cluster: ClusterJobConfig) -> None:
+    """A PyTorchJob has two pod templates, the Master's (node rank 0) and the Workers' (node
+    ranks 1..n-1, in Worker index order; training-operator v1.9.0
+    ``pkg/controller.v1/pytorch/envvar.go`` lines 80-95: ``PET_NODE_RANK`` = the Worker's index
+    + 1; lines 117-121: ``PET_NNODES`` = all replicas; ``master.go`` line 42: ``PET_MASTER_ADDR``
+    = the Master pod). So two images fit only when training fills the Master: Master the
+    training image, Workers the rollout image. Elastic rendezvous gives node ranks in arrival
+    order, which would mix them."""
+    if cluster.training_nodes > 1:
+        raise ValueError(
+            f"a PyTorchJob has one pod template for the Master and one for the Workers, so its "
+            f"{cluster.training_nodes} training nodes ({cluster.image}) and {cluster.rollout_nodes}"
+            f" rollout-only nodes ({cluster.rollout_image}) cannot run two images: set "
+            "cluster.job_api=trainjob, or train on one node (hardware.grpo_nodes=1)"
+        )
+    if cluster.elastic:
+        raise ValueError(
+            "elastic: a PyTorchJob with two images needs fixed node ranks (elastic rendezvous "
+            "orders nodes as they join); unset elastic or set cluster.job_api=trainjob"
+        )
+
+
 def build_pytorchjob(name: str, cluster: ClusterJobConfig, module: str, args: list[str]) -> dict:
     """The PyTorchJob manifest that runs ``python -m module args…`` on the cluster layout
-    (labelled for Kueue when ``cluster.queue`` is set).
+    (labelled for Kueue when ``cluster.queue`` is set). With two images
+    (``cluster.two_images``: GRPO's rollout-only nodes in ``cluster.rollout_image``) the Master
+    runs the training image and the Workers the rollout image (``_refuse_two_images``).
 
     Args:
         name: the job's name (a DNS label; the pods are named after it).
@@ -124,15 +148,23 @@ def build_pytorchjob(name: str, cluster: ClusterJobConfig, module: str, args: li
 
     Returns:
         The manifest as a JSON-ready dict (see ``manifest_yaml``).
+
+    Raises:
+        ValueError: two images on more than one training node, or with ``elastic``.
     """
-    template = _pod_template(cluster, entry_point_command(module, args))
+    command = entry_point_command(module, args)
+    template = worker_template = _pod_template(cluster, command)
+    if cluster.two_images:
+        _refuse_two_images(cluster)
+        rollout = cluster.model_copy(update={"image": cluster.rollout_image})
+        worker_template = _pod_template(rollout, command)
     restart = "OnFailure" if cluster.backoff_limit else "Never"
     replicas = {
         "Master": kf.KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy=restart, template=template)
     }
     if cluster.nodes > 1:
         replicas["Worker"] = kf.KubeflowOrgV1ReplicaSpec(
-            replicas=cluster.nodes - 1, restart_policy=restart, template=template
+            replicas=cluster.nodes - 1, restart_policy=restart, template=worker_template
         )
     elastic = None
     if cluster.elastic:

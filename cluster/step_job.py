@@ -28,7 +28,7 @@ from cluster.config import QUEUE_LABEL, ClusterJobConfig, ExecutionConfig
 from cluster.jobs import JOB_KINDS, TRAINJOB, JobKind, job_state
 from cluster.launcher import JobLauncher, metrics_progress
 from cluster.pytorchjob import build_pytorchjob, manifest_yaml
-from cluster.trainjob import RUNTIME_PLURAL, build_trainjob
+from cluster.trainjob import RUNTIME_PLURAL, build_job_runtime, build_trainjob
 from core.tracking import tracking_env
 
 log = logging.getLogger(__name__)
@@ -140,16 +140,55 @@ def _copy(source: Path, target: Path) -> None:
 
 
 def step_cluster(
-    execution: ExecutionConfig, default_image: str, default_namespace: str
+    execution: ExecutionConfig,
+    default_image: str,
+    default_namespace: str,
+    rollout_image: str | None = None,
 ) -> ClusterJobConfig:
-    """The step's job config: the execution's, with the MLflow settings this step runs with
+    """The step's job config: the execution's (``rollout_image``: the default image of GRPO's
+    rollout-only nodes), with the MLflow settings this step runs with
     (``core.tracking.tracking_env``) as plain env, so the job's rank 0 logs into the
     pipeline's MLflow run. A variable the job also takes from a Secret (``secret_env``, e.g.
     ``MLFLOW_TRACKING_URI`` from ``lingo-mlflow``) keeps the Secret (``job_env``)."""
-    cluster = execution.cluster_job(
-        default_image=default_image, default_namespace=default_namespace
-    )
+    cluster = execution.cluster_job(default_image, default_namespace, rollout_image)
     return cluster.model_copy(update={"env": {**tracking_env(), **cluster.env}})
+
+
+def job_layout(job: StepJob, cluster: ClusterJobConfig, kind: JobKind) -> ClusterJobConfig:
+    """``cluster`` with its rollout-only nodes (``rollout_nodes``): the nodes GRPO's
+    rollout-only processes (dedicated engines, the job's last ranks) fill.
+
+    Raises:
+        ValueError: the config's processes (``nproc``, plus the rollout-only ones) differ from
+            the job's world size, or two images (``two_images``) would share a node.
+    """
+    nproc = getattr(job.config, "nproc", 1)
+    engines = getattr(job.config, "rollout_processes", 0)
+    if nproc + engines != cluster.world_size:
+        with_engines = f" + {engines} rollout-only processes" if engines else ""
+        raise ValueError(
+            f"{job.step}: config nproc={nproc}{with_engines} but the {kind.kind} runs "
+            f"{cluster.world_size} processes ({cluster.nodes} nodes x "
+            f"{cluster.procs_per_node}); set {job.step}.nproc"
+            f"{' or rollout.num_engines' if engines else ''} or the execution's job.nodes / "
+            "job.nproc_per_node so they agree"
+        )
+    per_node = cluster.procs_per_node
+    layout = cluster.model_copy(update={"rollout_nodes": engines // per_node})
+    if layout.rollout_image not in (None, layout.image) and engines % per_node:
+        raise ValueError(
+            f"{job.step}: {engines} rollout-only processes leave a node shared with training "
+            f"({per_node} processes a node), which cannot run two images ({layout.image}, "
+            f"{layout.rollout_image}): set rollout.num_engines / tensor_parallel_size so the "
+            "engines fill whole nodes"
+        )
+    return layout
+
+
+def _labelled(manifest: dict, job: StepJob, run_id: str) -> dict:
+    labels = manifest["metadata"].setdefault("labels", {})
+    labels.update({RUN_LABEL: label_value(run_id), STEP_LABEL: job.step})
+    return manifest
 
 
 def build_step_manifest(
@@ -163,25 +202,29 @@ def build_step_manifest(
 
     Raises:
         ValueError: the config's processes (``nproc``, plus GRPO's rollout-only processes of
-            dedicated engines) differ from the job's world size, or a TrainJob is asked for
-            what only a PyTorchJob carries.
+            dedicated engines) differ from the job's world size, a TrainJob is asked for
+            what only a PyTorchJob carries, or a PyTorchJob for two images it cannot hold.
     """
-    nproc = getattr(job.config, "nproc", 1)
-    engines = getattr(job.config, "rollout_processes", 0)
-    if nproc + engines != cluster.world_size:
-        with_engines = f" + {engines} rollout-only processes" if engines else ""
-        raise ValueError(
-            f"{job.step}: config nproc={nproc}{with_engines} but the {kind.kind} runs "
-            f"{cluster.world_size} processes ({cluster.nodes} nodes x "
-            f"{cluster.procs_per_node}); set {job.step}.nproc"
-            f"{' or rollout.num_engines' if engines else ''} or the execution's job.nodes / "
-            "job.nproc_per_node so they agree"
-        )
     build = build_trainjob if kind is TRAINJOB else build_pytorchjob
-    manifest = build(job_name(job.step, run_id), cluster, job.module, args)
-    labels = manifest["metadata"].setdefault("labels", {})
-    labels.update({RUN_LABEL: label_value(run_id), STEP_LABEL: job.step})
-    return manifest
+    layout = job_layout(job, cluster, kind)
+    return _labelled(build(job_name(job.step, run_id), layout, job.module, args), job, run_id)
+
+
+def build_step_runtime(
+    job: StepJob,
+    cluster: ClusterJobConfig,
+    run_id: str,
+    args: list[str],
+    kind: JobKind,
+) -> dict | None:
+    """The job's own TrainingRuntime, labelled like the job: for a TrainJob whose
+    rollout-only nodes run another image (``build_job_runtime``); else ``None`` (the job
+    references the ClusterTrainingRuntime, or is a PyTorchJob)."""
+    layout = job_layout(job, cluster, kind)
+    if kind is not TRAINJOB or not layout.two_images:
+        return None
+    runtime = build_job_runtime(job_name(job.step, run_id), layout, job.module, args)
+    return _labelled(runtime, job, run_id)
 
 
 def require_runtime(launcher: JobLauncher, runtime: str) -> None:
@@ -235,6 +278,7 @@ def run_step_job(
     manifest_path: str | Path,
     default_image: str,
     launcher: JobLauncher | None = None,
+    rollout_image: str | None = None,
 ) -> Path:
     """Run ``job`` as a TrainJob or PyTorchJob and copy its results into ``model_output`` and
     ``work_dir``.
@@ -242,6 +286,9 @@ def run_step_job(
     The job API is ``launcher``'s, else the execution's ``job.job_api`` (``auto``: asked of
     the API server). A job of the same name that is still running or queued (the step was
     retried meanwhile) is followed rather than started again; a finished one is replaced.
+    GRPO's rollout-only nodes run ``rollout_image`` (default: the training image); a TrainJob
+    with two images gets its own TrainingRuntime, created before it and deleted with it
+    (``JobLauncher.run``, ``JobLauncher.delete``).
 
     Returns:
         ``work_dir``, holding the job's work directory (summary, metrics, plots).
@@ -251,12 +298,13 @@ def run_step_job(
         JobApiNotServed, RuntimeNotInstalled: the cluster lacks what the job needs.
         ValueError: the layout and the config disagree.
     """
-    cluster = step_cluster(execution, default_image, current_namespace())
+    cluster = step_cluster(execution, default_image, current_namespace(), rollout_image)
     name = job_name(job.step, run_id)
     shared = Path(execution.shared_dir(cluster)) / name
     launcher = launcher or JobLauncher.connect(cluster.namespace, cluster.job_api)
     log.info("%s: runs as a %s", job.step, launcher.kind.kind)
     existing = _existing(launcher, name)
+    runtime = None
     if existing is not None and job_state(launcher.kind, existing) not in FINISHED:
         log.info("%s %s is still active: following it", launcher.kind.kind, name)
         manifest = existing
@@ -264,17 +312,19 @@ def run_step_job(
         if existing is not None:
             launcher.delete(name)
             _wait_gone(launcher, name, execution.poll_s)
-        if launcher.kind is TRAINJOB:
+        if launcher.kind is TRAINJOB and not job_layout(job, cluster, launcher.kind).two_images:
             require_runtime(launcher, cluster.runtime)
         args = stage_inputs(job, shared)
         manifest = build_step_manifest(job, cluster, run_id, args, launcher.kind)
-    Path(manifest_path).write_text(manifest_yaml(manifest))
+        runtime = build_step_runtime(job, cluster, run_id, args, launcher.kind)
+    documents = [manifest] if runtime is None else [runtime, manifest]
+    Path(manifest_path).write_text("---\n".join(manifest_yaml(d) for d in documents))
     progress = metrics_progress(shared / "work" / job.metrics_file) if job.metrics_file else None
     with delete_on_sigterm(launcher, name):
         if manifest is existing:
             launcher.wait(name, execution.timeout_s, execution.poll_s, progress)
         else:
-            launcher.run(manifest, execution.timeout_s, execution.poll_s, progress)
+            launcher.run(manifest, execution.timeout_s, execution.poll_s, progress, runtime=runtime)
     _copy_back(shared, Path(model_output), Path(work_dir))
     if execution.delete_on_success:
         launcher.delete(name)

@@ -20,11 +20,16 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     return [*torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
 
 
-def entry_point_command(module: str, args: list[str]) -> list[str]:
+def entry_point_command(module: str, args: list[str], nnodes: int | None = None) -> list[str]:
     """A job container's command: torchrun on ``module``, its rendezvous settings from the
     ``PET_*`` variables the Training Operator (PyTorchJob) or the Trainer controller
-    (TrainJob) sets; the image's ``python``."""
-    return ["python", "-m", "torch.distributed.run", "-m", module, *args]
+    (TrainJob) sets; the image's ``python``. ``nnodes`` overrides ``PET_NNODES`` (a
+    two-image TrainJob's training pods: the Trainer counts only them; torchrun takes ``PET_*``
+    as the default of its arguments, ``torch/distributed/argparse_util.py``, ``env``)."""
+    torchrun = ["python", "-m", "torch.distributed.run"]
+    if nnodes is not None:
+        torchrun.append(f"--nnodes={nnodes}")
+    return [*torchrun, "-m", module, *args]
 
 
 def processes_problem(cfg) -> str | None:

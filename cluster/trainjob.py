@@ -18,6 +18,12 @@ webhook refuses env in a patch of the ``node`` container); and, as a runtime pat
 claim, ``/dev/shm``'s size, node selector, tolerations and service account. Built with the
 ``kubeflow-trainer-api`` models (its own top-level package, ``kubeflow_trainer_api``: it does
 not share ``kubeflow/`` with ``kubeflow-training``) and serialized to a plain dict.
+
+A GRPO job whose rollout-only nodes run another image (``ClusterJobConfig.two_images``: a
+Megatron trainer beside vLLM engines) cannot use the shared runtime: a runtime patch cannot set
+a container's image or command. It gets its own namespaced TrainingRuntime
+(``build_job_runtime``): the same ``node`` job for the trainers plus a ``rollout`` job of the
+rollout image, whose pods join the trainers' rendezvous (``cluster.rollout_node``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ except ImportError as error:  # pragma: no cover - depends on the installed extr
     ) from error
 
 from cluster.config import GPU_RESOURCE, PROGRESS_PORT_ENV, ClusterJobConfig
-from cluster.jobs import TRAINJOB
+from cluster.jobs import JOB_RUNTIME_KIND, RUNTIME_OF_LABEL, TRAINJOB
+from cluster.rollout_node import RolloutLayout
 from cluster.torchrun import entry_point_command
 
 NODE = "node"
@@ -39,6 +46,15 @@ into the container of this name in the replicated job labelled as the trainer.""
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
 RUNTIME_KIND = "ClusterTrainingRuntime"
 RUNTIME_PLURAL = "clustertrainingruntimes"
+ROLLOUT = "rollout"
+"""A two-image job's replicated job and container of the rollout-only nodes. It has no trainer
+ancestor label, so the Trainer keeps the runtime's image, command and pod count for it
+(v2.3.0 ``plugins/jobset/builder.go`` ``Trainer``: image, command and env only where the
+ancestor is ``trainer``; ``pkg/runtime/core/trainingruntime.go`` line 189: its pod count is the
+job's ``parallelism``)."""
+TORCH_MASTER_PORT = 29500
+"""The torch plugin's ``PET_MASTER_PORT`` (v2.3.0 ``pkg/constants/constants.go`` line 72,
+``ContainerTrainerPort``)."""
 PATCH_MANAGER = "lingo-rl/step-job"
 """The owner of our runtime patch (the webhook wants a domain-prefixed path)."""
 SHARED_VOLUME, SHM_VOLUME = "shared", "dshm"
@@ -105,6 +121,10 @@ def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list
     ClusterTrainingRuntime ``cluster.runtime``, labelled for Kueue when ``cluster.queue`` is
     set and annotated for OpenShift AI's progress polling when ``cluster.progress_tracking``.
 
+    With two images (``cluster.two_images``) the job references its own TrainingRuntime,
+    ``name`` (``build_job_runtime``, created first): ``numNodes`` is the training nodes, whose
+    torchrun takes ``--nnodes`` of the whole job; the rollout-only nodes are the runtime's.
+
     Args:
         name: the job's name (an RFC 1035 label of at most 63 characters; the JobSet and its
             pods are named after it).
@@ -119,10 +139,7 @@ def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list
         ValueError: ``cluster`` sets something only a PyTorchJob carries.
     """
     _refuse_pytorchjob_only(cluster)
-    requests = {"cpu": cluster.cpu, "memory": cluster.memory}
-    limits = dict(requests)
-    if cluster.gpus_per_node:
-        limits[GPU_RESOURCE] = str(cluster.gpus_per_node)
+    requests, limits = _resources(cluster)
     pod = kt.TrainerV1alpha1PodSpecPatch(
         containers=[kt.TrainerV1alpha1ContainerPatch(name=NODE, volume_mounts=_mounts(cluster))],
         volumes=_volumes(cluster, cluster.shm_size),
@@ -131,6 +148,7 @@ def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list
         or None,
         service_account_name=cluster.service_account,
     )
+    own_runtime = cluster.two_images
     patch = kt.TrainerV1alpha1RuntimePatch(
         manager=PATCH_MANAGER,
         training_runtime_spec=kt.TrainerV1alpha1TrainingRuntimeSpecPatch(
@@ -161,12 +179,16 @@ def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list
         ),
         spec=kt.TrainerV1alpha1TrainJobSpec(
             runtime_ref=kt.TrainerV1alpha1RuntimeRef(
-                name=cluster.runtime, kind=RUNTIME_KIND, api_group=TRAINJOB.group
+                name=name if own_runtime else cluster.runtime,
+                kind=JOB_RUNTIME_KIND if own_runtime else RUNTIME_KIND,
+                api_group=TRAINJOB.group,
             ),
             trainer=kt.TrainerV1alpha1Trainer(
                 image=cluster.image,
-                command=entry_point_command(module, args),
-                num_nodes=cluster.nodes,
+                command=entry_point_command(
+                    module, args, nnodes=cluster.nodes if own_runtime else None
+                ),
+                num_nodes=cluster.training_nodes if own_runtime else cluster.nodes,
                 num_proc_per_node=cluster.procs_per_node,
                 resources_per_node=kt.IoK8sApiCoreV1ResourceRequirements(
                     requests=_quantities(requests), limits=_quantities(limits)
@@ -180,11 +202,18 @@ def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list
     return job.to_dict()
 
 
-def build_training_runtime(cluster: ClusterJobConfig) -> dict:
-    """The ClusterTrainingRuntime ``cluster.runtime``: torch policy, one replicated job
-    ``node`` of ``cluster.image`` with the shared PVC ``cluster.shared_pvc`` at
-    ``cluster.shared_mount`` and a memory-backed ``/dev/shm`` (each TrainJob patches the
-    claim and the size); no Secrets (each TrainJob names its own, key by key)."""
+def _resources(cluster: ClusterJobConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """A node's requests and limits: CPU and memory as both, GPUs as a limit."""
+    requests = {"cpu": cluster.cpu, "memory": cluster.memory}
+    limits = dict(requests)
+    if cluster.gpus_per_node:
+        limits[GPU_RESOURCE] = str(cluster.gpus_per_node)
+    return requests, limits
+
+
+def _node_job(cluster: ClusterJobConfig) -> kt.JobsetV1alpha2ReplicatedJob:
+    """The trainers' replicated job ``node``: labelled as the trainer ancestor, so the Trainer
+    gives it the TrainJob's image, command, env, resources, ``numNodes`` and ``PET_*``."""
     container = kt.IoK8sApiCoreV1Container(
         name=NODE,
         image=cluster.image,
@@ -199,7 +228,7 @@ def build_training_runtime(cluster: ClusterJobConfig) -> dict:
             containers=[container], volumes=_volumes(cluster, None), restart_policy="Never"
         ),
     )
-    replicated = kt.JobsetV1alpha2ReplicatedJob(
+    return kt.JobsetV1alpha2ReplicatedJob(
         name=NODE,
         template=kt.IoK8sApiBatchV1JobTemplateSpec(
             metadata=kt.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
@@ -208,19 +237,121 @@ def build_training_runtime(cluster: ClusterJobConfig) -> dict:
             spec=kt.IoK8sApiBatchV1JobSpec(backoff_limit=0, template=pod),
         ),
     )
+
+
+def _runtime_spec(
+    jobs: list[kt.JobsetV1alpha2ReplicatedJob],
+) -> kt.TrainerV1alpha1TrainingRuntimeSpec:
+    return kt.TrainerV1alpha1TrainingRuntimeSpec(
+        ml_policy=kt.TrainerV1alpha1MLPolicy(
+            num_nodes=1, torch=kt.TrainerV1alpha1TorchMLPolicySource()
+        ),
+        template=kt.TrainerV1alpha1JobSetTemplateSpec(
+            spec=kt.JobsetV1alpha2JobSetSpec(replicated_jobs=jobs)
+        ),
+    )
+
+
+def build_training_runtime(cluster: ClusterJobConfig) -> dict:
+    """The ClusterTrainingRuntime ``cluster.runtime``: torch policy, one replicated job
+    ``node`` of ``cluster.image`` with the shared PVC ``cluster.shared_pvc`` at
+    ``cluster.shared_mount`` and a memory-backed ``/dev/shm`` (each TrainJob patches the
+    claim and the size); no Secrets (each TrainJob names its own, key by key)."""
     runtime = kt.TrainerV1alpha1ClusterTrainingRuntime(
         api_version=TRAINJOB.api_version,
         kind=RUNTIME_KIND,
         metadata=kt.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
             name=cluster.runtime, labels={"trainer.kubeflow.org/framework": "torch"}
         ),
-        spec=kt.TrainerV1alpha1TrainingRuntimeSpec(
-            ml_policy=kt.TrainerV1alpha1MLPolicy(
-                num_nodes=1, torch=kt.TrainerV1alpha1TorchMLPolicySource()
-            ),
-            template=kt.TrainerV1alpha1JobSetTemplateSpec(
-                spec=kt.JobsetV1alpha2JobSetSpec(replicated_jobs=[replicated])
+        spec=_runtime_spec([_node_job(cluster)]),
+    )
+    return runtime.to_dict()
+
+
+def master_addr(name: str) -> str:
+    """The DNS name of TrainJob ``name``'s first training pod, as the torch plugin gives it in
+    ``PET_MASTER_ADDR`` (v2.3.0 ``plugins/torch/torch.go`` line 162: ``<job>-node-0-0.<job>``;
+    the JobSet's pods are ``<job>-<replicated job>-<job index>-<pod index>`` under the
+    subdomain ``<job>``, ``plugins/jobset/jobset.go`` lines 281 and 291)."""
+    return f"{name}-{NODE}-0-0.{name}"
+
+
+def _rollout_job(
+    name: str, cluster: ClusterJobConfig, module: str, args: list[str]
+) -> kt.JobsetV1alpha2ReplicatedJob:
+    """The rollout-only nodes' replicated job: ``cluster.rollout_nodes`` pods of an Indexed
+    Job, the rollout image, the training nodes' resources, env, volumes and placement, each
+    pod joining the training pods' rendezvous (``cluster.rollout_node``)."""
+    requests, limits = _resources(cluster)
+    layout = RolloutLayout(
+        cluster.training_nodes, cluster.rollout_nodes, cluster.procs_per_node,
+        master_addr(name), TORCH_MASTER_PORT,
+    )  # fmt: skip
+    container = kt.IoK8sApiCoreV1Container(
+        name=ROLLOUT,
+        image=cluster.rollout_image,
+        command=layout.command(["-m", module, *args]),
+        env=_env(cluster) or None,
+        resources=kt.IoK8sApiCoreV1ResourceRequirements(
+            requests=_quantities(requests), limits=_quantities(limits)
+        ),
+        volume_mounts=_mounts(cluster),
+    )
+    pod = kt.IoK8sApiCoreV1PodTemplateSpec(
+        metadata=kt.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+            annotations={ISTIO_INJECT_ANNOTATION: "false"}
+        ),
+        spec=kt.IoK8sApiCoreV1PodSpec(
+            containers=[container],
+            volumes=_volumes(cluster, cluster.shm_size),
+            restart_policy="Never",
+            node_selector=cluster.node_selector or None,
+            tolerations=[kt.IoK8sApiCoreV1Toleration(**t.model_dump()) for t in cluster.tolerations]
+            or None,
+            service_account_name=cluster.service_account,
+        ),
+    )
+    nodes = cluster.rollout_nodes
+    return kt.JobsetV1alpha2ReplicatedJob(
+        name=ROLLOUT,
+        replicas=1,
+        template=kt.IoK8sApiBatchV1JobTemplateSpec(
+            spec=kt.IoK8sApiBatchV1JobSpec(
+                backoff_limit=0,
+                completion_mode="Indexed",
+                completions=nodes,
+                parallelism=nodes,
+                template=pod,
             ),
         ),
+    )
+
+
+def build_job_runtime(name: str, cluster: ClusterJobConfig, module: str, args: list[str]) -> dict:
+    """The TrainingRuntime of a two-image TrainJob ``name`` (same name, its namespace): the
+    trainers' ``node`` job as in the shipped runtime (the TrainJob patches it as usual) and the
+    ``rollout`` job of ``cluster.rollout_image`` (``_rollout_job``). A TrainJob cannot give a
+    replicated job its own image or command (a runtime patch's container takes only env,
+    name, securityContext and volumeMounts: the TrainJob CRD's ``ContainerPatch``), so the
+    rollout pods' image and command live here, one runtime per job.
+
+    Raises:
+        ValueError: ``cluster`` has no second image (``two_images``).
+    """
+    if not cluster.two_images:
+        raise ValueError(
+            f"{name}: a job's own runtime is for two images; rollout_image is "
+            f"{cluster.rollout_image!r} beside image {cluster.image!r} on "
+            f"{cluster.rollout_nodes} rollout-only node(s)"
+        )
+    runtime = kt.TrainerV1alpha1TrainingRuntime(
+        api_version=TRAINJOB.api_version,
+        kind=JOB_RUNTIME_KIND,
+        metadata=kt.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+            name=name,
+            namespace=cluster.namespace,
+            labels={"trainer.kubeflow.org/framework": "torch", RUNTIME_OF_LABEL: name},
+        ),
+        spec=_runtime_spec([_node_job(cluster), _rollout_job(name, cluster, module, args)]),
     )
     return runtime.to_dict()

@@ -58,7 +58,8 @@ def grpo(
         config = megatron_branch_config(config, megatron_optim, layout, megatron_checkpoint.path)
     cfg = GRPOConfig.model_validate(config)
     image = MEGATRON_IMAGE if cfg.optim.backend == "megatron" else GPU_IMAGE
-    launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image)
+    # dedicated engines run vLLM, which only the GPU image holds (docs/megatron.md)
+    launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image, GPU_IMAGE)
     result = run_grpo_step(
         cfg, sft_model.path, train_data.path, eval_data.path, model.path, training_log.path,
         launch,

@@ -34,6 +34,7 @@ CRD_FILES = {
     "PyTorchJob": "v1.9.0_kubeflow.org_pytorchjobs.yaml",
     "TrainJob": "v2.3.0_trainer.kubeflow.org_trainjobs.yaml",
     "ClusterTrainingRuntime": "v2.3.0_trainer.kubeflow.org_clustertrainingruntimes.yaml",
+    "TrainingRuntime": "v2.3.0_trainer.kubeflow.org_trainingruntimes.yaml",
 }
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
@@ -230,13 +231,30 @@ def trainer_webhook_errors(trainjob: dict, runtime: dict) -> list[str]:
       "must not have replicated job that doesn't exist in the runtime job template", "must not
       have container that doesn't exist in the runtime job", and "must not have envs for the
       dataset-initializer, model-initializer, node containers";
-    - ``pkg/runtime/core/trainingruntime.go``: the referenced runtime must exist (here: the
-      TrainJob names ``runtime``).
+    - ``pkg/runtime/core/trainingruntime.go`` (line 306) and ``clustertrainingruntime.go``:
+      the referenced runtime must exist (here: the TrainJob names ``runtime``, of its kind; a
+      TrainingRuntime in the TrainJob's namespace);
+    - ``pkg/webhooks/trainingruntime_webhook.go`` ``validateReplicatedJobs`` (both runtime
+      kinds): a replicated job labelled as the ``trainer`` ancestor has ``replicas`` 1 (the
+      default) and a ``node`` container.
     """
     spec = trainjob["spec"]
     errors = []
-    if spec["runtimeRef"]["name"] != runtime["metadata"]["name"]:
-        errors.append(f"spec.runtimeRef: {spec['runtimeRef']['name']!r} is not the runtime")
+    ref = spec["runtimeRef"]
+    if ref["name"] != runtime["metadata"]["name"] or ref.get("kind") != runtime["kind"]:
+        errors.append(f"spec.runtimeRef: {ref['kind']} {ref['name']!r} is not the runtime")
+    namespace = runtime["metadata"].get("namespace")
+    if runtime["kind"] == "TrainingRuntime" and namespace != trainjob["metadata"]["namespace"]:
+        errors.append(f"spec.runtimeRef: TrainingRuntime in namespace {namespace!r}")
+    for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
+        labels = (job["template"].get("metadata") or {}).get("labels") or {}
+        if labels.get("trainer.kubeflow.org/trainjob-ancestor-step") != "trainer":
+            continue
+        if job.get("replicas", 1) != 1:
+            errors.append(f"runtime: replicated job {job['name']!r}: replicas must be 1")
+        containers = job["template"]["spec"]["template"]["spec"]["containers"]
+        if "node" not in {c["name"] for c in containers}:
+            errors.append(f"runtime: replicated job {job['name']!r} has no 'node' container")
     reserved = sorted({e["name"] for e in spec["trainer"].get("env") or []} & TORCHRUN_RESERVED_ENV)
     if reserved:
         errors.append(f"spec.trainer.env: must not have reserved envs {reserved}")

@@ -23,13 +23,14 @@ JOB_RESOURCES = {
     "trainjob": {
         "trainer.kubeflow.org/v1alpha1/trainjobs": ("TrainJob", True),
         "trainer.kubeflow.org/v1alpha1/clustertrainingruntimes": ("ClusterTrainingRuntime", False),
+        "trainer.kubeflow.org/v1alpha1/trainingruntimes": ("TrainingRuntime", True),
         "jobset.x-k8s.io/v1alpha2/jobsets": ("JobSet", True),
     },
     "pytorchjob": {"kubeflow.org/v1/pytorchjobs": ("PyTorchJob", True)},
 }
-"""The resources each job API brings: Kubeflow Trainer v2 serves TrainJobs and (cluster-scoped)
-ClusterTrainingRuntimes and runs on the JobSet operator; Training Operator v1 serves
-PyTorchJobs."""
+"""The resources each job API brings: Kubeflow Trainer v2 serves TrainJobs, (cluster-scoped)
+ClusterTrainingRuntimes and (namespaced) TrainingRuntimes and runs on the JobSet operator;
+Training Operator v1 serves PyTorchJobs."""
 VERBS = {"create", "get", "list", "watch", "update", "patch", "delete"}
 SERVED_JOB_APIS = pytest.mark.parametrize(
     ("served", "kind"),

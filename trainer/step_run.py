@@ -70,7 +70,7 @@ def run_training_step(
         )  # fmt: skip
         run_step_job(
             job, launch.execution, launch.run_id, paths.model_output, work_dir,
-            launch.manifest_path, launch.image,
+            launch.manifest_path, launch.image, rollout_image=launch.rollout_image,
         )  # fmt: skip
         return step.read_result(work_dir)
     if cfg.nproc == 1 and not getattr(cfg, "rollout_processes", 0):

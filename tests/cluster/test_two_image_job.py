@@ -217,6 +217,38 @@ def test_the_presets_two_image_jobs(preset_name):
         build_step_manifest(job, cluster, RUN_ID, ARGS, PYTORCHJOB)
 
 
+@KINDS
+def test_the_verl_presets_megatron_branch_is_a_two_image_job_of_either_api(kind):
+    """``gpt-oss-20b-verl`` with ``-p backend=megatron``: the branch's GRPO config
+    (``megatron_grpo_config``, as the component builds it), its 8 Megatron trainers on the
+    job's first node in the Megatron image, its 2 vLLM engines (TP 4) on the second in the GPU
+    image; one training node, so a PyTorchJob carries it too."""
+    from pipelines.presets import megatron_grpo_config
+
+    preset = PRESETS["gpt-oss-20b-verl"]
+    cfg = megatron_grpo_config(preset)
+    assert cfg.optim.backend == "megatron" and cfg.rollout.engine == "vllm"
+    cluster = step_cluster(step_execution(preset, "grpo"), MEGATRON_IMAGE, "team", GPU_IMAGE)
+    assert cluster.nodes == 2  # rollout_nodes follow from the config: build_step_manifest
+    job = StepJob("grpo", "trainer.grpo", cfg, "sft-model", "m", "t", "e")
+    manifest = build_step_manifest(job, cluster, RUN_ID, ARGS, kind)
+    assert api_server_errors(manifest) == []
+    if kind is PYTORCHJOB:
+        replicas = manifest["spec"]["pytorchReplicaSpecs"]
+        images = {r: s["template"]["spec"]["containers"][0]["image"] for r, s in replicas.items()}
+        assert images == {"Master": MEGATRON_IMAGE, "Worker": GPU_IMAGE}
+        return
+    runtime = build_step_runtime(job, cluster, RUN_ID, ARGS, kind)
+    assert api_server_errors(runtime) == [] and trainer_webhook_errors(manifest, runtime) == []
+    trainer = manifest["spec"]["trainer"]
+    assert (trainer["image"], trainer["numNodes"], trainer["numProcPerNode"]) == (
+        MEGATRON_IMAGE, 1, 8,
+    )  # fmt: skip
+    _, rollout = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert _pod(rollout)["containers"][0]["image"] == GPU_IMAGE
+    assert rollout["template"]["spec"]["completions"] == 1
+
+
 def test_what_two_images_cannot_do_is_refused_with_the_fix():
     message = (
         "a PyTorchJob has one pod template for the Master and one for the Workers, so its 4 "

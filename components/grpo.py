@@ -40,21 +40,16 @@ def grpo(
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
     from core.processes import start_step_process
     from core.tracking import configure_tracking
-    from trainer.grpo.config import GRPOConfig
+    from trainer.grpo.config import GRPOConfig, branch_config
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
 
     start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
-    config = {**config, "optim": dict(config.get("optim") or {})}
-    if backend:
-        config["optim"]["backend"] = backend
+    config = branch_config(config, backend, megatron_layout)
     if config["optim"].get("backend") == "megatron":
         if megatron_checkpoint is None:
             raise ValueError("backend 'megatron' needs megatron_checkpoint (convert_megatron's)")
-        megatron = dict(config["optim"].get("megatron") or {})
-        megatron.setdefault("layout", megatron_layout or "tiny-cpu")
-        megatron["checkpoint"] = megatron_checkpoint.path
-        config["optim"]["megatron"] = megatron
+        config["optim"]["megatron"]["checkpoint"] = megatron_checkpoint.path
     cfg = GRPOConfig.model_validate(config)
     image = MEGATRON_IMAGE if cfg.optim.backend == "megatron" else GPU_IMAGE
     launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image)

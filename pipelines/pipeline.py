@@ -130,6 +130,8 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 overrides=layout_overrides,
                 sft_execution=sft_execution,
                 grpo_execution=grpo_execution,
+                backend=backend,
+                megatron_layout=megatron_layout,
             )
             step(capacity, "capacity check", "capacity-check")
 

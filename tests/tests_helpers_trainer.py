@@ -28,6 +28,15 @@ VERL_MEGATRON_OVERRIDES = {
     "grpo.gradient_checkpointing": "false",
     "grpo.rollout.engine": "hf",
 }
+VERL_MEGATRON_DEDICATED_OVERRIDES = {
+    # the same Megatron layout on its node, and verl's decoupled rollouts: 2 vLLM engines of
+    # TP 4 on a second node, one step off-policy
+    **VERL_MEGATRON_OVERRIDES,
+    "grpo.rollout.engine": "vllm",
+    "grpo.rollout.colocate": "false",
+    "grpo.rollout.num_engines": "2",
+    "grpo.rollout.async_steps": "1",
+}
 
 
 def small_grpo_config(**overrides) -> dict:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -294,3 +295,30 @@ def _megatron_data_parallel(cfg: GRPOConfig) -> int:
     if problems:
         raise ValueError("optim.backend=megatron: " + "; ".join(problems))
     return world // model_parallel
+
+
+def branch_config(
+    config: Mapping[str, Any],
+    backend: str = "",
+    megatron_layout: Mapping[str, Any] | str | None = None,
+    megatron_checkpoint: str | None = None,
+) -> dict[str, Any]:
+    """The GRPO config (as the pipeline passes it, a dict) that a pipeline branch runs.
+
+    ``backend``: the pipeline's ``backend`` parameter; ``megatron`` sets ``optim.backend``
+    (any other optimizer backend's name too), ``""`` or ``hf`` (the branch that trains the HF
+    weights) keep the config's own. On ``megatron`` the actor's layout is ``megatron_layout``
+    unless the config names one (``tiny-cpu`` when neither does) and ``megatron_checkpoint``
+    (``convert_megatron``'s output, when known) is where it starts. The GRPO step and the
+    capacity check derive the Megatron branch's run the same way here.
+    """
+    config = {**config, "optim": dict(config.get("optim") or {})}
+    if backend and backend != "hf":
+        config["optim"]["backend"] = backend
+    if config["optim"].get("backend") == "megatron":
+        megatron = dict(config["optim"].get("megatron") or {})
+        megatron.setdefault("layout", megatron_layout or "tiny-cpu")
+        if megatron_checkpoint is not None:
+            megatron["checkpoint"] = megatron_checkpoint
+        config["optim"]["megatron"] = megatron
+    return config

@@ -33,7 +33,7 @@ def grpo(
     ``backend`` overrides ``config.optim.backend``. With ``megatron``, the actor starts from
     ``megatron_checkpoint`` (``convert_megatron``'s output) with ``megatron_layout`` (unless
     the config names one), ``megatron_optim`` (when given) is the optimizer block in place of
-    the config's DeepSpeed one (``trainer.grpo.config.megatron_branch_config``), and ``model``
+    the config's DeepSpeed one (``trainer.grpo.config.branch_config``), and ``model``
     is the policy's Megatron checkpoint, for ``export_hf``; otherwise ``model`` is the policy
     as a HF directory.
     """
@@ -43,19 +43,16 @@ def grpo(
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
     from core.processes import start_step_process
     from core.tracking import configure_tracking
-    from trainer.grpo.config import GRPOConfig, megatron_branch_config
+    from trainer.grpo.config import GRPOConfig, branch_config
     from trainer.grpo.step import grpo_metrics, render_grpo_html, run_grpo_step
 
     start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
-    config = {**config, "optim": dict(config.get("optim") or {})}
-    if backend:
-        config["optim"]["backend"] = backend
+    config = branch_config(config, backend, megatron_layout, megatron_optim=megatron_optim)
     if config["optim"].get("backend") == "megatron":
         if megatron_checkpoint is None:
             raise ValueError("backend 'megatron' needs megatron_checkpoint (convert_megatron's)")
-        layout = megatron_layout or "tiny-cpu"
-        config = megatron_branch_config(config, megatron_optim, layout, megatron_checkpoint.path)
+        config["optim"]["megatron"]["checkpoint"] = megatron_checkpoint.path
     cfg = GRPOConfig.model_validate(config)
     image = MEGATRON_IMAGE if cfg.optim.backend == "megatron" else GPU_IMAGE
     # dedicated engines run vLLM, which only the GPU image holds (docs/megatron.md)

@@ -71,10 +71,15 @@ def capacity_check(
     sft_execution: dict,
     grpo_execution: dict,
     report: Output[Markdown],
+    backend: str = "",
+    megatron_layout: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
+    megatron_optim: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
 ):
     """Fail fast, before any heavy step, when the run cannot fit: SFT and GRPO as configured
     (processes, placement plan, batch, lengths) on ``hardware`` (a ``Hardware``) (the tables and the
-    GRPO placement plan are in the report, the tables in the error)."""
+    GRPO placement plan are in the report, the tables in the error); GRPO as the pipeline's
+    ``backend`` branch runs it (``megatron``: Megatron-Core with ``megatron_layout`` and
+    ``megatron_optim``)."""
     from pathlib import Path
 
     from capacity import LayoutDoesNotFit
@@ -84,7 +89,7 @@ def capacity_check(
     start_step_process()  # dies with its parent; every log line redacted
     text, failing = check_run(
         base_model.path, hardware, sft_config, grpo_config, sft_execution, grpo_execution,
-        {k: str(v) for k, v in overrides.items()},
+        {k: str(v) for k, v in overrides.items()}, backend, megatron_layout, megatron_optim,
     )  # fmt: skip
     Path(report.path).write_text(text)
     if failing is not None:

@@ -131,6 +131,9 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                 overrides=layout_overrides,
                 sft_execution=sft_execution,
                 grpo_execution=grpo_execution,
+                backend=backend,
+                megatron_layout=megatron_layout,
+                megatron_optim=megatron_optim,
             )
             step(capacity, "capacity check", "capacity-check")
 

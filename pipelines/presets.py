@@ -77,7 +77,7 @@ class Preset(BaseModel):
     ``megatron``: recompute, optimizer offload) in place of ``grpo.optim``, whose ZeRO and
     offload flags are DeepSpeed's; its ``gradient_checkpointing`` is then off (recompute
     stands for it). Empty: ``grpo.optim`` with ``backend: megatron``
-    (``trainer.grpo.config.megatron_branch_config``)."""
+    (``trainer.grpo.config.branch_config``)."""
 
     @model_validator(mode="after")
     def _hardware_stated_once(self) -> Preset:
@@ -437,20 +437,29 @@ def megatron_layout(preset: Preset) -> dict[str, Any]:
     return {**preset.megatron_layout, **preset.hardware.megatron_fields(preset.grpo.nproc)}
 
 
-def megatron_grpo_config(preset: Preset):
-    """The GRPO config the pipeline's Megatron branch runs for ``preset`` (``-p
-    backend=megatron``): ``grpo`` with ``megatron_optim`` and ``megatron_layout``, as the
-    ``grpo`` component builds it (the checkpoint is ``convert_megatron``'s, known at run time).
+def grpo_branch_config(preset: Preset, backend: str | None = None):
+    """The GRPO config the pipeline's ``backend`` branch (default: the preset's) runs for
+    ``preset``, as the ``grpo`` component builds it (``trainer.grpo.config.branch_config``):
+    on ``megatron``, ``grpo`` with ``megatron_optim`` and ``megatron_layout`` (the checkpoint
+    is ``convert_megatron``'s, known at run time).
 
     Raises:
         pydantic.ValidationError: the branch's config does not hold.
     """
-    from trainer.grpo.config import GRPOConfig, megatron_branch_config
+    from trainer.grpo.config import GRPOConfig, branch_config
 
-    config = megatron_branch_config(
-        config_dict(preset.grpo), preset.megatron_optim, megatron_layout(preset), None
+    config = branch_config(
+        config_dict(preset.grpo),
+        preset.backend if backend is None else backend,
+        megatron_layout(preset),
+        megatron_optim=preset.megatron_optim,
     )
     return GRPOConfig.model_validate(config)
+
+
+def megatron_grpo_config(preset: Preset):
+    """The GRPO config of ``preset``'s Megatron branch (``-p backend=megatron``)."""
+    return grpo_branch_config(preset, "megatron")
 
 
 def pipeline_arguments(preset: Preset) -> dict[str, object]:
@@ -502,12 +511,13 @@ def run_estimates(preset: Preset, model: str, layout: str | None = None, overrid
     estimates it (``overrides``: planner layout fields, after the preset's own)."""
     from trainer.capacity_check import run_estimates as estimates
 
+    grpo = grpo_branch_config(preset)  # the preset's backend branch, as the pipeline runs it
     return estimates(
         model,
         capacity_layout(preset, layout),
         preset.sft,
-        preset.grpo,
+        grpo,
         preset.hardware.cluster("sft", preset.sft.nproc),
-        preset.hardware.cluster("grpo", preset.grpo.nproc),
+        preset.hardware.cluster("grpo", grpo.nproc),
         {**preset.layout_overrides, **(overrides or {})},
     )

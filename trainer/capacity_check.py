@@ -223,10 +223,18 @@ def check_run(
     sft_execution: dict,
     grpo_execution: dict,
     overrides: dict[str, str] | None = None,
+    backend: str = "",
+    megatron_layout: dict | None = None,
+    megatron_optim: dict | None = None,
 ):
     """The pipeline's capacity check: ``(Markdown report, first estimate that does not fit
     or None)`` for the configs as the pipeline passes them (dicts: ``hardware`` a
     ``Hardware``, the others step configs and executions), validated here.
+
+    ``backend``, ``megatron_layout`` and ``megatron_optim`` are the pipeline's parameters: on
+    its Megatron branch (``backend="megatron"``) GRPO is estimated as that branch runs it
+    (Megatron-Core with the layout and the branch's optimizer block,
+    ``trainer.grpo.config.branch_config``), not with the config's own backend.
 
     Raises:
         LayoutError, PlacementError, ModelSpecError: the run cannot be described at all.
@@ -235,11 +243,12 @@ def check_run(
     from capacity.report import format_table
     from cluster.config import ExecutionConfig
     from cluster.hardware import Hardware
-    from trainer.grpo.config import GRPOConfig
+    from trainer.grpo.config import GRPOConfig, branch_config
     from trainer.sft.config import SFTConfig
 
     sft = SFTConfig.model_validate(sft_config)
-    grpo = GRPOConfig.model_validate(grpo_config)
+    branch = branch_config(grpo_config, backend, megatron_layout, megatron_optim=megatron_optim)
+    grpo = GRPOConfig.model_validate(branch)
     sft_cluster = ExecutionConfig.model_validate(sft_execution).cluster(sft.nproc)
     grpo_execution_config = ExecutionConfig.model_validate(grpo_execution)
     grpo_cluster = grpo_execution_config.cluster(grpo.nproc, grpo.rollout_processes)

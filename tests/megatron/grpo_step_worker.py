@@ -10,7 +10,9 @@ epochs, KL) on the fixed batch, then draws the weights under HF names
 (``backend.hf_weights``: ``AutoBridge.export_hf_weights`` gathers each tensor over its TP
 and PP groups on every rank, which each rank must draw in step). ``--export-only`` skips
 the update (a TP > 1 update of a MoE model needs sequence parallelism, which needs
-Transformer Engine: not on a CPU) and records the reference's log-probs instead. Rank 0
+Transformer Engine: not on a CPU; ``validate_layout(training=True)`` refuses such a layout
+for the GRPO step) and records the reference's log-probs instead, building the backend as one
+that does not train. Rank 0
 writes the export before and after the update and the update's statistics to OUT
 (``torch.save``). Without CUDA it applies the test-only CPU patches, as the in-process tests
 do.
@@ -64,9 +66,14 @@ def grpo_step(
     base["optim"]["megatron"]["layout"]["gpus_per_node"] = world
     cfg = GRPOConfig.model_validate({**base, "nproc": world})
     info = DistInfo(rank, world, rank, torch.device("cpu"))
-    backend = make_backend(
-        None, cfg.optim, 6, info, 4, 1, with_reference=True, hf_dir=hf_dir, pad_id=0
-    )
+    if export_only:  # no update: the layout is checked as one that does not train
+        from trainer.megatron.backend import build_megatron_backend
+
+        backend = build_megatron_backend(cfg.optim, 6, info, hf_dir, True, training=False)
+    else:
+        backend = make_backend(
+            None, cfg.optim, 6, info, 4, 1, with_reference=True, hf_dir=hf_dir, pad_id=0
+        )
     try:
         before = {n: t.detach().cpu().clone() for n, t in backend.hf_weights()}
         batch = fixed_grpo_batch(AutoConfig.from_pretrained(hf_dir).vocab_size)

@@ -199,10 +199,10 @@ def _tasks(spec: dict) -> dict[str, dict]:
 def test_the_verl_presets_megatron_branch_rolls_out_on_dedicated_vllm_engines(tmp_path):
     """``lingo compile --preset gpt-oss-20b-verl``, then a run with ``-p backend=megatron``:
     the Megatron branch's GRPO step builds its config from the compiled defaults as the
-    component does (``megatron_branch_config``), and that config rolls out on 2 dedicated
+    component does (``branch_config``), and that config rolls out on 2 dedicated
     vLLM engines one step off-policy, on the job's second node."""
     from cluster.config import ExecutionConfig
-    from trainer.grpo.config import GRPOConfig, megatron_branch_config
+    from trainer.grpo.config import GRPOConfig, branch_config
     from trainer.placement import grpo_placement
 
     spec = _load(compile_pipeline(tmp_path / "verl.yaml", get_preset("gpt-oss-20b-verl")))
@@ -214,11 +214,12 @@ def test_the_verl_presets_megatron_branch_rolls_out_on_dedicated_vllm_engines(tm
     assert inputs["backend"]["runtimeValue"]["constant"] == "megatron"
     for name in ("config", "megatron_optim", "megatron_layout", "execution"):
         assert inputs[name]["componentInputParameter"].startswith("pipelinechannel--")
-    config = megatron_branch_config(
+    config = branch_config(
         defaults["grpo_config"],
-        defaults["megatron_optim"],
+        "megatron",
         defaults["megatron_layout"],
         "/mnt/shared/ckpt",
+        defaults["megatron_optim"],
     )
     cfg = GRPOConfig.model_validate(config)  # the YAML's numbers are floats: 1.0 layers
     rollout = cfg.rollout

@@ -55,6 +55,110 @@ def test_verl_checks_one_training_node_and_one_engine_node_not_the_two_node_ep16
     assert (layout.rollout_gpus, layout.vllm_tensor_parallel_size) == (8, 4)
 
 
+def test_verl_megatron_with_dedicated_engines_is_checked_as_it_runs():
+    """Megatron TP 8 / EP 8 on one node of 8 H200 and two vLLM engines of TP 4 on a second:
+    the capacity check (as the pipeline runs it, from the step configs and executions)
+    estimates 8 Megatron training ranks and 8 rollout GPUs on a 2-node job, and it fits."""
+    from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
+
+    preset = apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_MEGATRON_OVERRIDES)
+    plan = grpo_plan(preset)
+    layout = grpo_layout(capacity_layout(preset), preset.grpo, plan)
+    assert (layout.backend, layout.tensor_parallel, layout.expert_parallel) == ("megatron", 8, 8)
+    assert (layout.nodes, layout.gpus_per_node, layout.training_gpus) == (2, 8, 8)
+    assert (layout.rollout_gpus, layout.vllm_tensor_parallel_size, layout.hybrid) == (8, 4, False)
+    args = _check_args(preset)
+    assert args[-1]["job"]["nodes"] == 2  # the training node, then the engines' node
+    text, failing = check_run("gpt-oss-20b", *args)
+    assert failing is None, text
+    assert "8 training processes (TP 8 × PP 1 × DP 1, EP 8)" in text
+    assert "engine 1: ranks 12-15 on node 1 gpus 4,5,6,7" in text
+    assert "Megatron TP=8 PP=1 EP=8" in text and "2 vLLM engines TP=4" in text
+
+
+def _check_args(preset) -> tuple:
+    return (
+        config_dict(preset.hardware),
+        config_dict(preset.sft),
+        config_dict(preset.grpo),
+        config_dict(step_execution(preset, "sft")),
+        config_dict(step_execution(preset, "grpo")),
+    )
+
+
+def test_the_megatron_branch_is_checked_as_that_branch_runs():
+    """The pipeline's ``backend`` parameter picks the GRPO branch; its capacity check
+    estimated the config's own backend (DeepSpeed ZeRO-3 for gpt-oss-20b-verl) whichever
+    branch ran. With ``backend="megatron"`` and the branch's layout it estimates Megatron-Core
+    (TP 8 / EP 8), and a config the Megatron branch cannot run stops here, before SFT."""
+    from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
+
+    from pipelines.presets import megatron_layout
+
+    verl = PRESETS["gpt-oss-20b-verl"]
+    hardware, sft, grpo, sft_execution, grpo_execution = _check_args(verl)
+    text, failing = check_run("gpt-oss-20b", hardware, sft, grpo, sft_execution, grpo_execution)
+    assert failing is None and "DeepSpeed ZeRO-3" in text  # the hf branch: the config's own
+    # the config as the Megatron branch runs it: DeepSpeed's optimizer offload has no meaning
+    # there; refused where the pipeline starts, not in the GRPO step after SFT
+    with pytest.raises(ValueError, match="optim.offload_optimizer"):
+        check_run(
+            "gpt-oss-20b", hardware, sft, grpo, sft_execution, grpo_execution, None,
+            "megatron", megatron_layout(verl),
+        )  # fmt: skip
+    # with the preset's own optim block for that branch (the pipeline's megatron_optim) it fits
+    text, failing = check_run(
+        "gpt-oss-20b", hardware, sft, grpo, sft_execution, grpo_execution, None,
+        "megatron", megatron_layout(verl), verl.megatron_optim,
+    )  # fmt: skip
+    assert failing is None and "Megatron TP=8 PP=1 EP=8" in text
+    # a Megatron-ready config (no DeepSpeed fields) whose optim.backend is still DeepSpeed's
+    ready = apply_overrides(verl, VERL_MEGATRON_OVERRIDES)
+    grpo = config_dict(ready.grpo)
+    grpo["optim"] = {"backend": "deepspeed", "learning_rate": 5e-7}
+    grpo_execution = config_dict(step_execution(ready, "grpo"))
+    args = ("gpt-oss-20b", hardware, sft, grpo, sft_execution, grpo_execution, None)
+    text, failing = check_run(*args, "hf")
+    assert failing is None and "Megatron" not in text
+    text, failing = check_run(*args, "megatron", megatron_layout(ready))
+    assert failing is None
+    assert "Megatron TP=8 PP=1 EP=8" in text and "2 vLLM engines TP=4" in text
+
+
+def test_branch_config_sets_the_backend_layout_and_checkpoint():
+    from trainer.grpo.config import branch_config
+
+    config = {"optim": {"backend": "deepspeed", "learning_rate": 1e-6}, "nproc": 8}
+    assert branch_config(config) == config and branch_config(config, "hf") == config
+    layout = {"preset": "tiny-cpu", "nodes": 1}
+    megatron = branch_config(config, "megatron", layout, "/ckpt")
+    assert megatron["optim"] == {
+        "backend": "megatron",
+        "learning_rate": 1e-6,
+        "megatron": {"layout": layout, "checkpoint": "/ckpt"},
+    }
+    assert config["optim"]["backend"] == "deepspeed"  # the input is not changed
+    # a layout the config names wins over the pipeline's
+    named = {"optim": {"backend": "megatron", "megatron": {"layout": "verl-gpt-oss-8x8-h100"}}}
+    assert branch_config(named, "megatron", layout)["optim"]["megatron"] == {
+        "layout": "verl-gpt-oss-8x8-h100"
+    }
+    assert branch_config({}, "megatron")["optim"]["megatron"] == {"layout": "tiny-cpu"}
+    # the branch's own optim block replaces the config's DeepSpeed one, and recompute stands
+    # for the HF model's gradient checkpointing
+    optim = {"learning_rate": 5e-7, "megatron": {"recompute_granularity": "full"}}
+    deepspeed = {**config, "gradient_checkpointing": True}
+    branch = branch_config(deepspeed, "megatron", layout, "/ckpt", optim)
+    assert branch["optim"] == {
+        "learning_rate": 5e-7,
+        "backend": "megatron",
+        "megatron": {"recompute_granularity": "full", "layout": layout, "checkpoint": "/ckpt"},
+    }
+    assert branch["gradient_checkpointing"] is False and branch["nproc"] == 8
+    assert branch_config(deepspeed, "hf", layout, None, optim) == deepspeed  # the hf branch
+    assert optim == {"learning_rate": 5e-7, "megatron": {"recompute_granularity": "full"}}
+
+
 def test_changing_max_new_tokens_or_the_layout_changes_the_estimate():
     preset = PRESETS["gpt-oss-20b"]
     _, base = _estimates(preset)

@@ -107,6 +107,28 @@ def test_expert_grid_counts_etp_for_models_that_allow_it():
     assert checked.expert_data_parallel == 1 and checked.layout.dp == 2
 
 
+def test_training_a_moe_model_with_tp_needs_sequence_parallel():
+    """Megatron-Core 0.19.2 trains a MoE layer split over TP only with sequence parallelism
+    (moe_layer.py:629 raises in training mode); converting or exporting does not train."""
+    layout = MegatronLayout(tp=2, gpus_per_node=2)  # EP 1: the EP rule does not fire
+    assert validate_layout(GPT_OSS_20B, layout).layout.tp == 2  # convert / export: valid
+    (problem,) = _problems(layout.model_dump(), training=True)
+    assert "tp=2 on a MoE model needs sequence_parallel=true to train" in problem
+    assert "moe_layer.py:629" in problem
+    # with sequence parallelism, or on one TP rank, or on a dense model, it trains
+    assert validate_layout(GPT_OSS_20B, layout.model_copy(update={"sequence_parallel": True}),
+                           training=True).layout.sequence_parallel  # fmt: skip
+    assert validate_layout(GPT_OSS_20B, MegatronLayout(), training=True).layout.tp == 1
+    dense = {k: v for k, v in GPT_OSS_20B.items() if k != "num_local_experts"}
+    dense["model_type"] = "llama"
+    assert validate_layout(dense, layout, training=True).layout.tp == 2
+    # EP > 1 with TP > 1: one problem, the grid rule's, not two saying the same
+    (problem,) = _problems({"tp": 2, "ep": 2, "gpus_per_node": 2}, training=True)
+    assert "ep=2 with tp=2" in problem
+    # the verl layouts set sequence parallelism: they train
+    assert validate_layout(GPT_OSS_20B, "verl-gpt-oss-8x8-h100", training=True).world_size == 64
+
+
 def test_expert_parallel_on_a_dense_model_is_rejected():
     dense = {k: v for k, v in GPT_OSS_20B.items() if k != "num_local_experts"}
     dense["model_type"] = "llama"

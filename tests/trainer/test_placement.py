@@ -84,6 +84,47 @@ def test_the_verl_plan_trains_on_one_node_and_samples_on_the_next():
     assert plan.processes[5].roles == ("train", "rollout")
 
 
+def test_the_verl_megatron_plan_with_dedicated_engines_trains_first_then_rolls_out(monkeypatch):
+    """verl's decoupled gpt-oss-20b run: Megatron TP 8 / EP 8 on one node of 8 H200, two vLLM
+    engines of TP 4 on a second node. The Megatron ranks come first (one TP group, node 0),
+    the engines after (node 1); the Megatron layout's world is the 8 training processes, not
+    the job's 16, and torchrun's ranks get the same plan at start (``run_placement``)."""
+    import torch
+
+    from trainer.distributed import DistInfo
+    from trainer.megatron.layout import validate_layout
+    from trainer.placement import run_placement
+
+    preset = apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_MEGATRON_OVERRIDES)
+    cfg = preset.grpo
+    assert (cfg.nproc, cfg.rollout_processes) == (8, 8)
+    plan = grpo_plan(preset)
+    check_plan(plan)
+    assert (plan.nodes, plan.gpus_per_node, plan.gpus_used) == (2, 8, 16)
+    assert plan.training_ranks == tuple(range(8)) and plan.train_tp_groups == (tuple(range(8)),)
+    assert all(plan.processes[r].device.node == 0 for r in plan.training_ranks)
+    lay = plan.layout
+    assert (lay.tp, lay.pp, lay.ep, lay.dp, lay.colocate) == (8, 1, 8, 1, False)
+    assert [(e.node, e.cuda_visible_devices, e.ranks) for e in plan.engines] == [
+        (1, "0,1,2,3", (8, 9, 10, 11)),
+        (1, "4,5,6,7", (12, 13, 14, 15)),
+    ]
+    # the layout the Megatron backend validates at start: world = the training processes
+    # (its default group holds only them); a training layout, so sequence parallelism is on
+    layout = cfg.optim.megatron.resolved_layout()
+    checked = validate_layout(
+        "gpt-oss-20b", layout, world_size=len(plan.training_ranks), training=True
+    )
+    assert (checked.world_size, checked.layout.dp, checked.expert_data_parallel) == (8, 1, 1)
+    # under torchrun (2 nodes × 8): rank 3 trains, rank 13 serves engine 1, as planned
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for rank in (3, 13):
+        job = run_placement(cfg, DistInfo(rank, 16, rank % 8, torch.device("cpu")))
+        assert job == plan
+    assert job.engine_of(13).index == 1 and job.engine_of(3) is None
+    assert "rollout" not in job.processes[3].roles and job.processes[13].roles == ("rollout",)
+
+
 @pytest.mark.parametrize(
     ("nodes", "gpus", "layout"),
     [

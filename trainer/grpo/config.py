@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -296,33 +297,44 @@ def _megatron_data_parallel(cfg: GRPOConfig) -> int:
     return world // model_parallel
 
 
-def megatron_branch_config(
-    config: dict, optim: dict, layout: dict | str, checkpoint: str | None
-) -> dict:
-    """The GRPO config of the pipeline's Megatron branch, from the one the run was given
-    (``config``, as a dict) and the branch's ``optim`` block (``megatron_optim``).
+def branch_config(
+    config: Mapping[str, Any],
+    backend: str = "",
+    megatron_layout: Mapping[str, Any] | str | None = None,
+    megatron_checkpoint: str | None = None,
+    megatron_optim: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The GRPO config (as the pipeline passes it, a dict) that a pipeline branch runs; the
+    GRPO step, the capacity check and the compile-time checks derive it here alike.
 
-    The pipeline takes one ``grpo_config`` for both branches, and the settings that differ are
-    the optimizer's: DeepSpeed's ZeRO stage and offload flags, and the Hugging Face model's
-    ``gradient_checkpointing``, mean nothing to Megatron-Core, whose equivalents live in
-    ``optim.megatron`` (``optimizer_offload_fraction``, ``recompute_granularity``). With
-    ``optim`` given it replaces ``config["optim"]`` and ``gradient_checkpointing`` is off
-    (the branch's recompute settings stand for it); without it, ``config["optim"]`` is kept
-    with ``backend: megatron`` (and the config's checks say what does not fit Megatron).
-    Either way the ``megatron`` block takes ``layout`` unless it names one, and
-    ``checkpoint`` (the converted ``torch_dist`` checkpoint). Rollout, algorithm and batch
-    settings are the run's, unchanged.
+    ``backend``: the pipeline's ``backend`` parameter; ``megatron`` sets ``optim.backend``
+    (any other optimizer backend's name too), ``""`` or ``hf`` (the branch that trains the HF
+    weights) keep the config's own. On ``megatron``:
+
+    - ``megatron_optim`` (the pipeline's parameter), when given, replaces the config's
+      ``optim``, and ``gradient_checkpointing`` is off: the pipeline takes one ``grpo_config``
+      for both branches, and what differs is the optimizer's settings (DeepSpeed's ZeRO stage
+      and offload flags, the Hugging Face model's ``gradient_checkpointing``), whose
+      Megatron-Core equivalents live in ``optim.megatron`` (``optimizer_offload_fraction``,
+      ``recompute_granularity``). Without it the config's ``optim`` is kept (and the config's
+      checks say what does not fit Megatron).
+    - the actor's layout is ``megatron_layout`` unless the optim block names one (``tiny-cpu``
+      when neither does), and ``megatron_checkpoint`` (``convert_megatron``'s output, when
+      known) is where it starts.
+
+    Rollout, algorithm and batch settings are the run's, unchanged.
     """
-    branch = {**config}
-    if optim:
-        branch["optim"] = {**optim}
-        branch["gradient_checkpointing"] = False
-    else:
-        branch["optim"] = {**(config.get("optim") or {})}
-    branch["optim"]["backend"] = "megatron"
-    megatron = {**(branch["optim"].get("megatron") or {})}
-    megatron.setdefault("layout", layout)
-    if checkpoint is not None:
-        megatron["checkpoint"] = checkpoint
-    branch["optim"]["megatron"] = megatron
-    return branch
+    config = {**config, "optim": dict(config.get("optim") or {})}
+    if backend and backend != "hf":
+        config["optim"]["backend"] = backend
+    if config["optim"].get("backend") != "megatron":
+        return config
+    if megatron_optim:
+        config["optim"] = {**megatron_optim, "backend": "megatron"}
+        config["gradient_checkpointing"] = False
+    megatron = dict(config["optim"].get("megatron") or {})
+    megatron.setdefault("layout", megatron_layout or "tiny-cpu")
+    if megatron_checkpoint is not None:
+        megatron["checkpoint"] = megatron_checkpoint
+    config["optim"]["megatron"] = megatron
+    return config

@@ -337,7 +337,10 @@ def _train(
             progress,
         )
         engine = producer.ready_engine()  # the engine takes the (resumed) policy's weights
-        first_sync = sync_metrics(producer.sync_reports())
+        # a fresh run logs this first sync's check on the baseline's line (step 0); a resumed
+        # run on its first step's line, which shows that the engine (a new process, loaded
+        # from the SFT model) took the checkpoint's weights
+        first_sync = sync_metrics(producer.sync_reports()) if state.baseline is None else {}
         if first_sync:
             log.info("weight sync check at step %d: %s", state.step, first_sync)
         state.sync_floor = check.floor.to_json() if check.floor else None

@@ -639,10 +639,15 @@ def build_megatron_backend(
     with_reference: bool,
     seed: int = 0,
     pad_id: int = 0,
+    training: bool = True,
 ) -> MegatronBackend:
     """The Megatron backend for ``cfg.megatron``: layout checked against ``hf_dir``'s config
     and the world size, parallel state set up, actor (DDP) and reference loaded from
     ``cfg.megatron.checkpoint``, distributed optimizer built.
+
+    ``training=False`` checks the layout as one that only scores and exports (no
+    ``forward_backward``): a MoE model with TP > 1 may then lack sequence parallelism
+    (``validate_layout``'s ``training`` rules).
 
     Raises:
         ImportError: megatron-core / megatron-bridge missing, or Python < 3.12.
@@ -666,7 +671,9 @@ def build_megatron_backend(
             "optim.megatron.checkpoint: set it to the Megatron checkpoint convert_megatron "
             f"wrote from {hf_dir}"
         )
-    layout = validate_layout(hf_dir, settings.layout, world_size=dist_info.world_size).layout
+    layout = validate_layout(
+        hf_dir, settings.layout, world_size=dist_info.world_size, training=training
+    ).layout
     dtype = layout.torch_dtype
     checkpoint = mb.checkpoint_iteration_dir(settings.checkpoint)
     saved = mb.checkpoint_dtype(settings.checkpoint)

@@ -18,7 +18,10 @@ every rule that fails is reported, all at once, in one ``LayoutError``:
 - ``ETP × EP × PP`` divides the world size (Megatron-Core raises "world_size is not divisible
   by expert_tensor_model_pipeline_parallel size" otherwise);
 - sequence parallelism needs TP > 1, and EP > 1 with TP > 1 needs sequence parallelism
-  (Megatron-Core's ``ModelParallelConfig`` raises otherwise);
+  (Megatron-Core's ``ModelParallelConfig`` raises otherwise); for a layout that trains
+  (``training=True``), TP > 1 on a MoE model needs sequence parallelism at any EP
+  (megatron-core 0.19.2 ``transformer/moe/moe_layer.py:629``, ``MoELayer.forward``, raises in
+  training mode; conversion, export and forward-only use run without it);
 - the rollout engine's TP divides the attention heads and the world size;
 - one training rank fits its GPU, as the capacity planner (``capacity``) estimates it.
 """
@@ -402,6 +405,28 @@ def _grid_problems(layout: MegatronLayout, world: int) -> tuple[list[str], int |
     return problems, dp
 
 
+def _training_problems(config: Mapping[str, Any], layout: MegatronLayout) -> list[str]:
+    """Rules only a layout that trains must meet.
+
+    Megatron-Core 0.19.2 refuses to train a MoE layer split over TP without sequence
+    parallelism: ``MoELayer.forward`` (``megatron/core/transformer/moe/moe_layer.py:629``)
+    raises ``ValueError`` when ``self.training`` and the attention TP group has more than one
+    rank and ``config.sequence_parallel`` is off. Eval-mode forwards (conversion's precision
+    check, the reference's log-probs, the export) are not refused, so conversion with TP > 1
+    and no sequence parallelism stays valid. With EP > 1 the grid rule already says it.
+    """
+    if expert_count(config) is None or layout.tp == 1 or layout.sequence_parallel:
+        return []
+    if layout.ep > 1:
+        return []  # "ep > 1 with tp > 1 needs sequence_parallel" (``_grid_problems``)
+    return [
+        f"tp={layout.tp} on a MoE model needs sequence_parallel=true to train (Megatron-Core "
+        "refuses a training forward of a MoE layer split over TP without it, "
+        "moe_layer.py:629); set sequence_parallel=true (needs Transformer Engine or apex "
+        "LayerNorm) or train with tp=1"
+    ]
+
+
 def planner_layout(layout: MegatronLayout, world: int, gpu_memory_gib: float) -> Layout:
     """The capacity planner's view of a Megatron layout (training ranks only, no rollout GPUs).
 
@@ -466,6 +491,7 @@ def validate_layout(
     layout: str | Mapping[str, Any] | MegatronLayout,
     world_size: int | None = None,
     gpu_memory_gib: float | None = None,
+    training: bool = False,
 ) -> ValidatedLayout:
     """Check a Megatron layout against a model before any weight is loaded.
 
@@ -477,6 +503,8 @@ def validate_layout(
         world_size: processes in the job; default ``nodes × gpus_per_node``.
         gpu_memory_gib: memory of one GPU; default the layout's. ``None`` in both skips the
             memory check.
+        training: the layout will train (the GRPO step's Megatron backend), not only convert
+            or export: the rules of ``_training_problems`` apply too.
 
     Returns:
         The layout with its data-parallel size, and the memory estimate when checked.
@@ -496,6 +524,8 @@ def validate_layout(
     problems = _shape_problems(config, layout)
     grid, dp = _grid_problems(layout, world)
     problems += grid
+    if training:
+        problems += _training_problems(config, layout)
     warnings = []
     if layout.tp > layout.gpus_per_node:
         warnings.append(

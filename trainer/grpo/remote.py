@@ -30,13 +30,21 @@ side waits only its group's timeout. So each side says in the job's store when i
 (``announce_ready``: a rollout process once its engine is built, a training process before
 the first collective that needs the engines) and waits there for the other
 (``wait_until_ready``, bounded by ``rollout.start_timeout_s``) before it enters one.
+
+Two images, two torch builds: in the Megatron branch the trainers run NGC's torch and the
+engines the GPU image's, in one job. Before a channel's first collective its members say
+which torch and Python they run (``check_torch_releases``); the coordinator logs the set once,
+and warns when the torch releases differ, with what was measured of that pair
+(``MEASURED_RELEASE_PAIRS``; ``bench/channel_compat.py`` measures a pair).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
+import platform
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -85,6 +93,18 @@ def job_store(timeout: timedelta = CHANNEL_TIMEOUT) -> dist.Store:
     return dist.PrefixStore(f"lingo-rl/{attempt}", store)
 
 
+CHANNEL_PICKLE_PROTOCOL = 4
+"""The channels' pickle protocol, stated rather than Python's default: the two ends may run
+two images (docs/megatron.md, "Two torch releases in one job"), and a numpy 2 array pickled
+with protocol 5 (Python 3.14's default) names ``numpy._core``, which numpy 1.x cannot load;
+with protocol 4 numpy 2 writes the names both read."""
+
+
+def channel_pickle(obj) -> bytes:
+    """``obj`` as the channels send it (``CHANNEL_PICKLE_PROTOCOL``)."""
+    return pickle.dumps(obj, protocol=CHANNEL_PICKLE_PROTOCOL)
+
+
 class Channel:
     """A gloo process group of ``members`` (global ranks; member 0 leads) outside every
     default group: the coordinator and the rollout processes. Objects go as pickled byte
@@ -123,7 +143,7 @@ class Channel:
 
     def broadcast_object(self, obj=None):
         """The leader's ``obj`` on every member (others pass nothing)."""
-        data = pickle.dumps(obj) if self.index == 0 else b""
+        data = channel_pickle(obj) if self.index == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         self.broadcast_tensor(size)
         buffer = (
@@ -136,7 +156,7 @@ class Channel:
 
     def gather_objects(self, obj) -> list | None:
         """Every member's ``obj`` on the leader, by member index (None elsewhere)."""
-        data = pickle.dumps(obj)
+        data = channel_pickle(obj)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.members]
         self.group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
         width = max(int(s) for s in sizes)
@@ -159,6 +179,94 @@ class Channel:
             self.group.shutdown()
 
 
+_BIT_EXACT = (
+    "measured in one job: the store, this handshake and every channel message bit-exact, a "
+    "64 MiB weight bucket included, whichever side hosts the store"
+)
+MEASURED_RELEASE_PAIRS: dict[frozenset[str], str] = {
+    frozenset({"2.9", "2.13"}): f"torch 2.9.0 (for NGC 25.10's 2.9.0a0) and 2.13.0 {_BIT_EXACT}",
+    frozenset({"2.9", "2.14"}): f"torch 2.9.0 (for NGC 25.10's 2.9.0a0) and 2.14.0 {_BIT_EXACT}",
+}
+"""Pairs of torch releases (major.minor) whose processes were run as one job's two sides
+with ``bench/channel_compat.py`` (the job's TCPStore and gloo channels, both orders), and
+what it found (docs/megatron.md, "Two torch releases in one job")."""
+
+
+def torch_release(version: str) -> str:
+    """The release (``major.minor``) of a torch version string (``2.9.0a0+145a3a7bda.nv25.10``:
+    ``2.9``), by which the handshake compares the members' builds."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def runtime_versions() -> dict[str, str]:
+    """This process's torch and Python versions, as the channel members compare them."""
+    return {"torch": torch.__version__, "python": platform.python_version()}
+
+
+def _numeric(release: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in release.split(".") if part.isdigit())
+
+
+def _versions_key(rank: int) -> str:
+    return f"versions/{rank}"
+
+
+def check_torch_releases(
+    store: dist.Store, members: Sequence[int], rank: int, timeout: timedelta
+) -> dict[int, dict[str, str]] | None:
+    """The channels' handshake, in the store, before their first collective: process
+    ``rank`` publishes its torch and Python versions; the coordinator (rank 0) waits for
+    every member's, logs them once, and warns when their torch releases differ (the
+    trainers' image and the engines' carry two torch builds), saying what was measured of
+    that pair. Returns the members' versions by rank on the coordinator (None elsewhere).
+
+    Raises:
+        TimeoutError: on the coordinator, a member has not published after ``timeout``.
+    """
+    store.set(_versions_key(rank), json.dumps(runtime_versions()))
+    if rank != 0:
+        return None
+    keys = [_versions_key(r) for r in members]
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as exc:  # torch's DistStoreError on a timeout
+        late = [r for r, key in zip(members, keys, strict=True) if not store.check([key])]
+        raise TimeoutError(
+            f"rollout channel members {late} did not start within "
+            f"{timeout.total_seconds():.0f} s (collective_timeout_s): look for their errors "
+            "in the job's logs"
+        ) from exc
+    versions = {r: json.loads(store.get(key)) for r, key in zip(members, keys, strict=True)}
+    by_build: dict[tuple[str, str], list[int]] = {}
+    for r, v in versions.items():
+        by_build.setdefault((v["torch"], v["python"]), []).append(r)
+    sides = "; ".join(f"torch {t} (Python {py}) on ranks {rs}" for (t, py), rs in by_build.items())
+    log.info("rollout channel members: %s", sides)
+    releases = sorted({torch_release(v["torch"]) for v in versions.values()}, key=_numeric)
+    if len(releases) > 1:
+        pairs = [frozenset({a, b}) for i, a in enumerate(releases) for b in releases[i + 1 :]]
+        found = [MEASURED_RELEASE_PAIRS[pair] for pair in pairs if pair in MEASURED_RELEASE_PAIRS]
+        unmeasured = [
+            " and ".join(sorted(pair, key=_numeric))
+            for pair in pairs
+            if pair not in MEASURED_RELEASE_PAIRS
+        ]
+        if unmeasured:
+            found.append(
+                f"torch {', '.join(unmeasured)} not measured together: run "
+                "bench/channel_compat.py with both images' Python before relying on it, or "
+                "give both images one torch release"
+            )
+        log.warning(
+            'two torch releases in one job (%s): %s; %s (docs/megatron.md, "Two torch '
+            'releases in one job")',
+            " and ".join(releases),
+            sides,
+            "; ".join(found),
+        )
+    return versions
+
+
 def open_channels(
     store: dist.Store,
     rollout_ranks: Sequence[int],
@@ -168,10 +276,12 @@ def open_channels(
 ) -> tuple[Channel | None, Channel | None]:
     """This process's channels: the messages' (the coordinator, rank 0, and every rollout
     process) and the weights' (the coordinator and each engine's first process, the one that
-    loads them); None where it is not a member. With one process per engine they are one."""
+    loads them); None where it is not a member. With one process per engine they are one.
+    Each member first says which torch it runs (``check_torch_releases``)."""
     rollout_ranks, engine_leads = list(rollout_ranks), list(engine_leads)
     messages = weights = None
     if rank == 0 or rank in rollout_ranks:
+        check_torch_releases(store, (0, *rollout_ranks), rank, timeout)
         messages = Channel(store, (0, *rollout_ranks), rank, timeout=timeout)
     if engine_leads == rollout_ranks:
         return messages, messages

@@ -215,6 +215,15 @@ class ClusterJobConfig(ClusterConfig):
         """True when the rollout-only nodes run another image than the training nodes."""
         return bool(self.rollout_nodes) and self.rollout_image not in (None, self.image)
 
+    def resources(self) -> tuple[dict[str, str], dict[str, str]]:
+        """A node's container ``(requests, limits)``: CPU and memory as both, the node's GPUs
+        as a limit."""
+        requests = {"cpu": self.cpu, "memory": self.memory}
+        limits = dict(requests)
+        if self.gpus_per_node:
+            limits[GPU_RESOURCE] = str(self.gpus_per_node)
+        return requests, limits
+
     @property
     def procs_per_node(self) -> int:
         """Processes per pod: ``nproc_per_node``, else one per GPU, else 1."""

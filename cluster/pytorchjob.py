@@ -28,7 +28,6 @@ CONTAINER_NAME = "pytorch"
 ISTIO_INJECT_ANNOTATION = "sidecar.istio.io/inject"
 
 from cluster.config import (  # noqa: E402 (after the SDK check) - re-exported
-    GPU_RESOURCE,
     GPU_TOLERATION,
     REFERENCE_LAYOUTS,
     ClusterJobConfig,
@@ -53,10 +52,7 @@ __all__ = [
 
 
 def _container(cluster: ClusterJobConfig, command: list[str]) -> k8s.V1Container:
-    resources = {"cpu": cluster.cpu, "memory": cluster.memory}
-    limits = dict(resources)
-    if cluster.gpus_per_node:
-        limits[GPU_RESOURCE] = str(cluster.gpus_per_node)
+    resources, limits = cluster.resources()
     env = [
         k8s.V1EnvVar(name=name, value=value)
         if isinstance(value, str)

@@ -35,7 +35,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed extr
         "TrainJobs need the Kubeflow Trainer API models: pip install 'lingo-rl[cluster]'"
     ) from error
 
-from cluster.config import GPU_RESOURCE, PROGRESS_PORT_ENV, ClusterJobConfig
+from cluster.config import PROGRESS_PORT_ENV, ClusterJobConfig
 from cluster.jobs import JOB_RUNTIME_KIND, RUNTIME_OF_LABEL, TRAINJOB
 from cluster.rollout_node import RolloutLayout
 from cluster.torchrun import entry_point_command
@@ -139,13 +139,11 @@ def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list
         ValueError: ``cluster`` sets something only a PyTorchJob carries.
     """
     _refuse_pytorchjob_only(cluster)
-    requests, limits = _resources(cluster)
     pod = kt.TrainerV1alpha1PodSpecPatch(
         containers=[kt.TrainerV1alpha1ContainerPatch(name=NODE, volume_mounts=_mounts(cluster))],
         volumes=_volumes(cluster, cluster.shm_size),
         node_selector=cluster.node_selector or None,
-        tolerations=[kt.IoK8sApiCoreV1Toleration(**t.model_dump()) for t in cluster.tolerations]
-        or None,
+        tolerations=_tolerations(cluster),
         service_account_name=cluster.service_account,
     )
     own_runtime = cluster.two_images
@@ -190,9 +188,7 @@ def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list
                 ),
                 num_nodes=cluster.training_nodes if own_runtime else cluster.nodes,
                 num_proc_per_node=cluster.procs_per_node,
-                resources_per_node=kt.IoK8sApiCoreV1ResourceRequirements(
-                    requests=_quantities(requests), limits=_quantities(limits)
-                ),
+                resources_per_node=_resources(cluster),
                 env=_env(cluster) or None,
             ),
             runtime_patches=[patch],
@@ -202,13 +198,16 @@ def build_trainjob(name: str, cluster: ClusterJobConfig, module: str, args: list
     return job.to_dict()
 
 
-def _resources(cluster: ClusterJobConfig) -> tuple[dict[str, str], dict[str, str]]:
-    """A node's requests and limits: CPU and memory as both, GPUs as a limit."""
-    requests = {"cpu": cluster.cpu, "memory": cluster.memory}
-    limits = dict(requests)
-    if cluster.gpus_per_node:
-        limits[GPU_RESOURCE] = str(cluster.gpus_per_node)
-    return requests, limits
+def _resources(cluster: ClusterJobConfig) -> kt.IoK8sApiCoreV1ResourceRequirements:
+    """A node's requests and limits (``ClusterJobConfig.resources``)."""
+    requests, limits = cluster.resources()
+    return kt.IoK8sApiCoreV1ResourceRequirements(
+        requests=_quantities(requests), limits=_quantities(limits)
+    )
+
+
+def _tolerations(cluster: ClusterJobConfig) -> list[kt.IoK8sApiCoreV1Toleration] | None:
+    return [kt.IoK8sApiCoreV1Toleration(**t.model_dump()) for t in cluster.tolerations] or None
 
 
 def _node_job(cluster: ClusterJobConfig) -> kt.JobsetV1alpha2ReplicatedJob:
@@ -282,7 +281,6 @@ def _rollout_job(
     """The rollout-only nodes' replicated job: ``cluster.rollout_nodes`` pods of an Indexed
     Job, the rollout image, the training nodes' resources, env, volumes and placement, each
     pod joining the training pods' rendezvous (``cluster.rollout_node``)."""
-    requests, limits = _resources(cluster)
     layout = RolloutLayout(
         cluster.training_nodes, cluster.rollout_nodes, cluster.procs_per_node,
         master_addr(name), TORCH_MASTER_PORT,
@@ -292,9 +290,7 @@ def _rollout_job(
         image=cluster.rollout_image,
         command=layout.command(["-m", module, *args]),
         env=_env(cluster) or None,
-        resources=kt.IoK8sApiCoreV1ResourceRequirements(
-            requests=_quantities(requests), limits=_quantities(limits)
-        ),
+        resources=_resources(cluster),
         volume_mounts=_mounts(cluster),
     )
     pod = kt.IoK8sApiCoreV1PodTemplateSpec(
@@ -306,8 +302,7 @@ def _rollout_job(
             volumes=_volumes(cluster, cluster.shm_size),
             restart_policy="Never",
             node_selector=cluster.node_selector or None,
-            tolerations=[kt.IoK8sApiCoreV1Toleration(**t.model_dump()) for t in cluster.tolerations]
-            or None,
+            tolerations=_tolerations(cluster),
             service_account_name=cluster.service_account,
         ),
     )

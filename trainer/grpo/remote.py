@@ -46,7 +46,7 @@ import os
 import pickle
 import platform
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -207,6 +207,18 @@ def _numeric(release: str) -> tuple[int, ...]:
     return tuple(int(part) for part in release.split(".") if part.isdigit())
 
 
+def _late_ranks(
+    store: dist.Store, ranks: Sequence[int], key: Callable[[int], str], timeout: timedelta
+) -> list[int]:
+    """Wait until every rank's ``key(rank)`` is in the store; the ranks whose key is still
+    missing after ``timeout`` (none: all arrived)."""
+    try:
+        store.wait([key(rank) for rank in ranks], timeout)
+    except RuntimeError:  # torch's DistStoreError on a timeout
+        return [rank for rank in ranks if not store.check([key(rank)])]
+    return []
+
+
 def _versions_key(rank: int) -> str:
     return f"versions/{rank}"
 
@@ -226,17 +238,14 @@ def check_torch_releases(
     store.set(_versions_key(rank), json.dumps(runtime_versions()))
     if rank != 0:
         return None
-    keys = [_versions_key(r) for r in members]
-    try:
-        store.wait(keys, timeout)
-    except RuntimeError as exc:  # torch's DistStoreError on a timeout
-        late = [r for r, key in zip(members, keys, strict=True) if not store.check([key])]
+    late = _late_ranks(store, members, _versions_key, timeout)
+    if late:
         raise TimeoutError(
             f"rollout channel members {late} did not start within "
             f"{timeout.total_seconds():.0f} s (collective_timeout_s): look for their errors "
             "in the job's logs"
-        ) from exc
-    versions = {r: json.loads(store.get(key)) for r, key in zip(members, keys, strict=True)}
+        )
+    versions = {r: json.loads(store.get(_versions_key(r))) for r in members}
     by_build: dict[tuple[str, str], list[int]] = {}
     for r, v in versions.items():
         by_build.setdefault((v["torch"], v["python"]), []).append(r)
@@ -313,15 +322,13 @@ def wait_until_ready(
     if not waiting:
         return
     started = time.monotonic()
-    try:
-        store.wait([_ready_key(rank) for rank in waiting], timeout)
-    except RuntimeError as exc:  # torch's DistStoreError on a timeout
-        late = [rank for rank in waiting if not store.check([_ready_key(rank)])]
+    late = _late_ranks(store, waiting, _ready_key, timeout)
+    if late:
         raise TimeoutError(
             f"{what} {late} not ready after {timeout.total_seconds():.0f} s "
             "(rollout.start_timeout_s): look for their errors in the job's logs, or give "
             "them longer"
-        ) from exc
+        )
     log.info("waited %.1f s for %s %s", time.monotonic() - started, what, waiting)
 
 

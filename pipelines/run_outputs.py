@@ -138,9 +138,7 @@ def find_task(run: dict[str, Any], component: str) -> TaskState:
     ran = [t for t in tasks if t.state not in ("SKIPPED", "RUNTIME_STATE_UNSPECIFIED")]
     if not ran:
         names = ", ".join(sorted({t.name for t in task_states(run)})) or "none listed"
-        raise RunOutputError(
-            f"run {run.get('run_id')}: no task {component!r} ran (tasks: {names})"
-        )
+        raise RunOutputError(f"run {run.get('run_id')}: no task {component!r} ran (tasks: {names})")
     return ran[-1]
 
 

@@ -20,6 +20,7 @@ module before the project's dependencies are known to be there.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import logging
@@ -143,7 +144,9 @@ def install_missing_requirements(
     for text, version in check.out_of_range:
         name = requirement(text).name
         if name in NEVER_INSTALLED:
-            logger.warning("keeping the workbench's %s %s (the project asks %s)", name, version, text)
+            logger.warning(
+                "keeping the workbench's %s %s (the project asks %s)", name, version, text
+            )
             continue
         imported = _imported(name)
         if imported:
@@ -158,10 +161,8 @@ def install_missing_requirements(
         constraints = Path(tmp) / "constraints.txt"
         pinned = []
         for name in sorted(NEVER_INSTALLED):
-            try:
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
                 pinned.append(f"{name}=={importlib.metadata.version(name)}\n")
-            except importlib.metadata.PackageNotFoundError:
-                pass
         constraints.write_text("".join(pinned))
         command = [sys.executable, "-m", "pip", "install", "--quiet", "-c", str(constraints)]
         result = run([*command, *install], capture_output=True, text=True)

@@ -42,7 +42,7 @@ def spec_tasks(spec: dict) -> list[str]:
                 walk(component["dag"], name.startswith("condition-branches-"))
 
     walk(spec["root"]["dag"])
-    for name, task in ((spec["root"]["dag"].get("tasks") or {}).items()):
+    for name, task in (spec["root"]["dag"].get("tasks") or {}).items():
         if task.get("triggerPolicy", {}).get("strategy") == "ALL_UPSTREAM_TASKS_COMPLETED":
             names.remove(name)
             names.append(name)  # the exit task runs last
@@ -57,6 +57,8 @@ class RunOutputsEmulator(KfpEmulator):
         bucket: the pipeline root's bucket (created here if missing).
         outputs: ``{(task, output): local path}``; what the run's tasks "wrote".
         run_states: as ``KfpEmulator``'s.
+        failed_task: the task shown FAILED (with ``failed_message``) when a run FAILS; the
+            tasks after it do not start.
     """
 
     def __init__(
@@ -65,8 +67,11 @@ class RunOutputsEmulator(KfpEmulator):
         bucket: str,
         outputs: dict[tuple[str, str], Path],
         run_states: list[dict] | tuple[dict, ...],
+        failed_task: str | None = None,
+        failed_message: str = "",
     ) -> None:
         super().__init__(run_states)
+        self.failed_task, self.failed_message = failed_task, failed_message
         self.s3, self.bucket, self.outputs = s3, bucket, outputs
         self.artifacts: dict[str, dict] = {}
         self._task_polls: dict[str, int] = {}
@@ -93,8 +98,13 @@ class RunOutputsEmulator(KfpEmulator):
         if run["state"] == "SUCCEEDED" and run_id not in self._task_artifacts:
             self._task_artifacts[run_id] = self._store_outputs(run_id, spec, names)
         details = []
+        failed_at = names.index(self.failed_task) if self.failed_task else len(names)
         for index, name in enumerate(names):
-            if run["state"] == "SUCCEEDED" or index < polls:
+            if run["state"] == "FAILED" and index >= failed_at:
+                if index > failed_at:
+                    continue
+                state = "FAILED"
+            elif run["state"] in ("SUCCEEDED", "FAILED") or index < polls:
                 state = "SUCCEEDED"
             elif index == polls and run["state"] not in TERMINAL_STATES:
                 state = "RUNNING"
@@ -109,8 +119,10 @@ class RunOutputsEmulator(KfpEmulator):
                 "state": state,
                 "pod_name": f"{name}-{index:04d}",
             }
-            if state == "SUCCEEDED":
+            if state in TERMINAL_STATES:
                 task["end_time"] = now()
+            if state == "FAILED":
+                task["error"] = {"code": 2, "message": self.failed_message}
             outputs = self._task_artifacts.get(run_id, {}).get(name)
             if outputs:
                 task["outputs"] = {k: {"artifact_ids": v} for k, v in outputs.items()}

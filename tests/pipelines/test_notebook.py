@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import nbformat
@@ -152,8 +151,12 @@ def test_the_notebook_runs_top_to_bottom_against_an_emulated_pipeline_server(tmp
         {"grpo.max_steps": "100", "grpo.rollout.n_samples": "8", "data_prep.eval_fraction": "0.1"},
     )
     plan, estimates = run_estimates(preset, "gpt-oss-20b")
-    expected = plan.render() + "\n" + "".join(
-        f"\n{step.upper()}\n{format_table(result)}\n" for step, result in estimates.items()
+    expected = (
+        plan.render()
+        + "\n"
+        + "".join(
+            f"\n{step.upper()}\n{format_table(result)}\n" for step, result in estimates.items()
+        )
     )
     assert _text(capacity) == expected
 
@@ -164,9 +167,7 @@ def test_the_notebook_runs_top_to_bottom_against_an_emulated_pipeline_server(tmp
     )
     assert {c["auth"] for c in kfp.calls} == {f"Bearer {TOKEN}"}
     run = kfp.runs[run_id]
-    assert run["runtime_config"]["parameters"] == json.loads(
-        json.dumps(pipeline_arguments(preset))
-    )
+    assert run["runtime_config"]["parameters"] == json.loads(json.dumps(pipeline_arguments(preset)))
 
     followed = _text(follow).splitlines()
     tasks = spec_tasks(kfp.specs[run["pipeline_version_reference"]["pipeline_version_id"]])
@@ -199,7 +200,11 @@ def test_the_notebook_runs_top_to_bottom_against_an_emulated_pipeline_server(tmp
 def test_the_notebook_does_not_replace_torch_or_need_a_restart():
     """The setup cell installs no torch and no editable package (the issue's two failures)."""
     sources = [
-        "".join(c.source) for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"
+        "".join(c.source)
+        for c in nbformat.read(NOTEBOOK, as_version=4).cells
+        if c.cell_type == "code"
     ]
-    assert not any(line.lstrip().startswith(("%pip", "!pip")) for s in sources for line in s.splitlines())
+    assert not any(
+        line.lstrip().startswith(("%pip", "!pip")) for s in sources for line in s.splitlines()
+    )
     assert "sys.path.insert(0, str(CHECKOUT))" in sources[1]

@@ -89,6 +89,15 @@ PREDICATE_VALUES = {
     "string_values": "stringValues",
 }
 
+INT64_FIELDS = {
+    ("V2beta1RecurringRun", "max_concurrency"),
+    ("V2beta1PeriodicSchedule", "interval_second"),
+    ("V2beta1Predicate", "long_value"),
+    ("PredicateLongValues", "values"),
+}
+"""The int64 fields of the v2beta1 protos: the generated models type them ``str`` (protojson
+writes an int64 as a decimal string) but the server reads a JSON number as well."""
+
 PARAMETER_TYPES: dict[str, Callable[[Any], bool]] = {
     "STRING": lambda v: isinstance(v, str),
     "NUMBER_INTEGER": lambda v: (
@@ -145,8 +154,11 @@ def check_model(body: Any, model: str, where: str = "") -> dict:
         if key not in attr_of:
             raise ApiError(INVALID_ARGUMENT, f'{where}: unknown field "{key}" ({model})')
         name, attr = attr_of[key]
+        kind = cls.openapi_types[attr]
+        if (model, attr) in INT64_FIELDS:
+            kind = kind.replace("str", "int64")
         if value is not None:
-            out[name] = _check_type(value, cls.openapi_types[attr], f"{where}.{name}")
+            out[name] = _check_type(value, kind, f"{where}.{name}")
     return out
 
 
@@ -168,12 +180,12 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
         if not isinstance(value, bool):
             raise ApiError(INVALID_ARGUMENT, f"{where}: expected true or false, got {value!r}")
         return value
-    if kind == "int":  # int32 is a JSON number; int64 a number or a decimal string
+    if kind in ("int", "int64"):  # a JSON number or a decimal string; int64 written as a string
         if isinstance(value, bool) or not (
             isinstance(value, int) or (isinstance(value, str) and value.lstrip("-").isdigit())
         ):
             raise ApiError(INVALID_ARGUMENT, f"{where}: expected an integer, got {value!r}")
-        return str(value) if isinstance(value, str) else value
+        return str(value) if kind == "int64" else int(value)
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ApiError(INVALID_ARGUMENT, f"{where}: expected a number, got {value!r}")
@@ -673,7 +685,6 @@ class KfpEmulator:
             status="DISABLED" if recurring.get("mode") == "DISABLE" else "ENABLED",
         )
         recurring.setdefault("max_concurrency", "1")
-        recurring["max_concurrency"] = str(recurring["max_concurrency"])  # int64: a string
         self.recurring_runs[recurring["recurring_run_id"]] = recurring
         return recurring
 

@@ -142,24 +142,72 @@ def find_task(run: dict[str, Any], component: str) -> TaskState:
     return ran[-1]
 
 
-def output_uri(conn: KfpConnection, run: dict[str, Any], component: str, output: str) -> str:
+def output_uri(
+    conn: KfpConnection,
+    run: dict[str, Any],
+    component: str,
+    output: str,
+    pipeline_root: str | None = None,
+    client=None,
+) -> str:
     """The object-storage URI of output ``output`` of the task of ``component`` in ``run``.
 
+    The task's listed artifact ids first (``GET /artifacts/{id}`` gives the ``uri``). A server
+    may list none (KFP 2.x keeps artifacts in ML Metadata and can leave ``outputs`` empty);
+    then, given ``pipeline_root`` (e.g. ``s3://<bucket>``, the pipeline server's), the output
+    is looked up where the KFP launcher writes it: under
+    ``<pipeline root>/<pipeline name>/<run id>/``, the first key with the task's name and,
+    after it, the output's name as path parts.
+
     Raises:
-        RunOutputError: the task ran but the server lists no such output for it.
+        RunOutputError: the output is neither listed nor (with ``pipeline_root``) stored.
     """
     task = find_task(run, component)
     ids = task.outputs.get(output) or []
-    if not ids:
-        raise RunOutputError(
-            f"run {run.get('run_id')}: task {task.name!r} ({task.state}) lists no output "
-            f"{output!r} (outputs: {', '.join(sorted(task.outputs)) or 'none'})"
+    run_id = run.get("run_id", "")
+    if ids:
+        artifact = conn.request("GET", f"/artifacts/{quote(ids[-1], safe='')}")
+        uri = artifact.get("uri")
+        if not uri:
+            raise RunOutputError(f"artifact {ids[-1]} ({task.name}.{output}) has no uri")
+        return uri
+    listed = (
+        f"task {task.name!r} ({task.state}) lists no output {output!r} (outputs: "
+        + (", ".join(sorted(task.outputs)) or "none")
+        + ")"
+    )
+    if not pipeline_root:
+        raise RunOutputError(f"run {run_id}: {listed}; give pipeline_root to look it up there")
+    from core.storage import list_objects
+
+    prefix = f"{_s3_uri(pipeline_root).rstrip('/')}/{_pipeline_name(conn, run)}/{run_id}/"
+    for key in list_objects(prefix, client=client):
+        parts = PurePosixPath(key.split(f"/{run_id}/", 1)[1]).parts
+        if task.name in parts:
+            after = parts.index(task.name) + 1
+            if output in parts[after:]:
+                return prefix + "/".join(parts[: after + parts[after:].index(output) + 1])
+    raise RunOutputError(
+        f"run {run_id}: {listed}, and nothing under {prefix} is {task.name}/{output}"
+    )
+
+
+def _pipeline_name(conn: KfpConnection, run: dict[str, Any]) -> str:
+    """The name in the run's pipeline spec (``pipelineInfo.name``), as the launcher uses it."""
+    spec = run.get("pipeline_spec")
+    if not spec:
+        ref = run.get("pipeline_version_reference") or {}
+        version = conn.request(
+            "GET",
+            f"/pipelines/{quote(ref.get('pipeline_id', ''), safe='')}/versions/"
+            f"{quote(ref.get('pipeline_version_id', ''), safe='')}",
         )
-    artifact = conn.request("GET", f"/artifacts/{quote(ids[-1], safe='')}")
-    uri = artifact.get("uri")
-    if not uri:
-        raise RunOutputError(f"artifact {ids[-1]} ({task.name}.{output}) has no uri")
-    return uri
+        spec = version.get("pipeline_spec") or {}
+    spec = spec.get("pipeline_spec", spec)  # a {pipeline_spec, platform_spec} document
+    name = (spec.get("pipelineInfo") or {}).get("name")
+    if not name:
+        raise RunOutputError(f"run {run.get('run_id')}: its pipeline spec has no pipelineInfo.name")
+    return name
 
 
 def _s3_uri(uri: str) -> str:

@@ -59,6 +59,8 @@ class RunOutputsEmulator(KfpEmulator):
         run_states: as ``KfpEmulator``'s.
         failed_task: the task shown FAILED (with ``failed_message``) when a run FAILS; the
             tasks after it do not start.
+        list_outputs: whether tasks list their output artifact ids (a KFP 2.x server may
+            leave ``outputs`` empty; the objects are stored either way).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class RunOutputsEmulator(KfpEmulator):
         run_states: list[dict] | tuple[dict, ...],
         failed_task: str | None = None,
         failed_message: str = "",
+        list_outputs: bool = True,
     ) -> None:
         super().__init__(run_states)
+        self.list_outputs = list_outputs
         self.failed_task, self.failed_message = failed_task, failed_message
         self.s3, self.bucket, self.outputs = s3, bucket, outputs
         self.artifacts: dict[str, dict] = {}
@@ -124,7 +128,7 @@ class RunOutputsEmulator(KfpEmulator):
             if state == "FAILED":
                 task["error"] = {"code": 2, "message": self.failed_message}
             outputs = self._task_artifacts.get(run_id, {}).get(name)
-            if outputs:
+            if outputs and self.list_outputs:
                 task["outputs"] = {k: {"artifact_ids": v} for k, v in outputs.items()}
             details.append(task)
         run["run_details"] = check_model({"task_details": details}, "V2beta1RunDetails")

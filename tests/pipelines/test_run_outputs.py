@@ -156,3 +156,28 @@ def test_the_wait_is_bounded(s3, package, tmp_path):
         assert get_run_detail(conn, run_id)["state"] == "RUNNING"  # the run goes on
     finally:
         kfp.stop()
+
+
+def test_unlisted_outputs_are_found_where_the_launcher_writes_them(s3, package, tmp_path):
+    """A server that lists no output artifacts for its tasks (KFP 2.x may leave them in ML
+    Metadata only): the output is looked up under the pipeline root."""
+    states = [{"state": "SUCCEEDED"}]
+    kfp = RunOutputsEmulator(s3, BUCKET, _outputs(tmp_path), states, list_outputs=False)
+    conn, run_id = _start(kfp, package)
+    try:
+        run = follow_run(conn, run_id, timeout_s=30, poll_s=0, echo=lambda _: None)
+        assert find_task(run, "train").outputs == {}
+        with pytest.raises(RunOutputError, match="lists no output 'training_log'.*pipeline_root"):
+            output_uri(conn, run, "train", "training_log")
+
+        uri = output_uri(conn, run, "train", "training_log", pipeline_root=f"s3://{BUCKET}")
+        assert uri == f"s3://{BUCKET}/two-branches/{run_id}/train/training_log"
+        report = output_uri(conn, run, "evaluate", "report", pipeline_root=f"minio://{BUCKET}/")
+        assert fetch_artifact(report, tmp_path / "r.md").read_text() == "# report\n"
+        with pytest.raises(
+            RunOutputError, match=r"nothing under s3://root/two-branches/.*train/model"
+        ):
+            output_uri(conn, run, "train", "model", pipeline_root=f"s3://{BUCKET}")
+        assert not [c for c in kfp.calls if "/artifacts/" in c["path"]]
+    finally:
+        kfp.stop()

@@ -75,6 +75,54 @@ def task_states(run: dict[str, Any]) -> list[TaskState]:
     return tasks
 
 
+class JobLogs:
+    """The log lines of a pipeline run's training jobs that were not shown yet.
+
+    SFT and GRPO train as TrainJobs or PyTorchJobs labelled with the KFP run id
+    (``cluster.step_job.RUN_LABEL``); this reads the primary pod's log of each through the
+    Kubernetes API. A job API that is not served, or that the service account may not list,
+    is skipped (``cluster.step_job.run_jobs``).
+
+    Args:
+        run_id: the KFP run id.
+        namespace: where the jobs run (the pipeline server's project).
+        api_client: a ``kubernetes`` ``ApiClient``.
+    """
+
+    def __init__(self, run_id: str, namespace: str, api_client) -> None:
+        self.run_id, self.namespace, self.api_client = run_id, namespace, api_client
+        self._shown: dict[str, int] = {}
+
+    @classmethod
+    def in_workbench(cls, run_id: str) -> tuple[JobLogs | None, str]:
+        """Job logs through the workbench's service account (else the local kubeconfig), and
+        a line that says which, or why there are none."""
+        from kubernetes import config as k8s_config
+
+        from cluster.launcher import default_api_client
+        from cluster.step_job import current_namespace
+
+        try:
+            api_client = default_api_client()
+        except k8s_config.ConfigException as exc:
+            return None, f"job logs: not followed (no Kubernetes configuration: {exc})"
+        namespace = current_namespace()
+        return cls(run_id, namespace, api_client), f"job logs: followed in namespace {namespace}"
+
+    def new_lines(self) -> list[str]:
+        """``[job] line`` for each log line written since the last call."""
+        from cluster.step_job import run_jobs
+
+        out = []
+        for launcher, item in run_jobs(self.namespace, self.api_client, self.run_id):
+            name = item["metadata"]["name"]
+            lines = launcher.primary_logs(name).splitlines()
+            shown = self._shown.get(name, 0)
+            out += [f"[{name}] {line}" for line in lines[shown:]]
+            self._shown[name] = len(lines)
+        return out
+
+
 def follow_run(
     conn: KfpConnection,
     run_id: str,
@@ -83,8 +131,10 @@ def follow_run(
     echo: Callable[[str], None] = logger.info,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    job_logs: JobLogs | None = None,
 ) -> dict[str, Any]:
-    """Poll run ``run_id`` until it ends, echoing each change of the run's and its tasks' states.
+    """Poll run ``run_id`` until it ends, echoing each change of the run's and its tasks' states
+    and, with ``job_logs``, the training jobs' new log lines.
 
     Returns:
         The run (``get_run_detail``) once SUCCEEDED or SKIPPED.
@@ -107,6 +157,8 @@ def follow_run(
         if seen.get("") != state:
             seen[""] = state
             echo(f"run {run_id}: {state}")
+        for line in job_logs.new_lines() if job_logs is not None else []:
+            echo(line)
         if state in FAILED_STATES:
             failed = [f"{t.name}: {t.error or t.state}" for t in tasks if t.state in FAILED_STATES]
             error = (run.get("error") or {}).get("message") or "no error message"

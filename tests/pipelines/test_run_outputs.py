@@ -181,3 +181,56 @@ def test_unlisted_outputs_are_found_where_the_launcher_writes_them(s3, package, 
         assert not [c for c in kfp.calls if "/artifacts/" in c["path"]]
     finally:
         kfp.stop()
+
+
+def test_the_training_jobs_log_lines_are_followed_once_each(s3, package, tmp_path):
+    """The run's PyTorchJob (labelled with the KFP run id) in kmock, an in-memory Kubernetes
+    API emulator, with its primary pod's log: each line is shown once, prefixed by the job."""
+    from kube_emulator import kube_emulator
+    from kubernetes import client as k8s
+
+    from cluster.jobs import PYTORCHJOB
+    from cluster.step_job import RUN_LABEL, STEP_LABEL, label_value
+    from pipelines.run_outputs import JobLogs
+
+    kfp = RunOutputsEmulator(s3, BUCKET, {}, [{"state": "RUNNING"}] * 2 + [{"state": "SUCCEEDED"}])
+    conn, run_id = _start(kfp, package)
+    log = b"step 1/2 loss 0.9\nstep 2/2 loss 0.7\n"
+    try:
+        with kube_emulator({"grpo-x-master-0": log}, "team", ("pytorchjob",)) as api_client:
+            kind = PYTORCHJOB
+            k8s.CustomObjectsApi(api_client).create_namespaced_custom_object(
+                kind.group, kind.version, "team", kind.plural,
+                {"apiVersion": f"{kind.group}/{kind.version}", "kind": kind.kind,
+                 "metadata": {"name": "grpo-x", "namespace": "team",
+                              "labels": {RUN_LABEL: label_value(run_id), STEP_LABEL: "grpo"}},
+                 "spec": {}},
+            )  # fmt: skip
+            labels = dict(kind.pod_labels("grpo-x", primary=True))
+            k8s.CoreV1Api(api_client).create_namespaced_pod(
+                "team",
+                {"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": "grpo-x-master-0", "namespace": "team", "labels": labels},
+                 "spec": {"containers": [{"name": kind.container, "image": "img:1"}]}},
+            )  # fmt: skip
+            lines: list[str] = []
+            follow_run(
+                conn, run_id, 30, 0, echo=lines.append,
+                job_logs=JobLogs(run_id, "team", api_client),
+            )  # fmt: skip
+    finally:
+        kfp.stop()
+    assert [line for line in lines if line.startswith("[")] == [
+        "[grpo-x] step 1/2 loss 0.9",
+        "[grpo-x] step 2/2 loss 0.7",
+    ]
+    assert lines.index("[grpo-x] step 1/2 loss 0.9") > lines.index(f"run {run_id}: RUNNING")
+
+
+def test_job_logs_without_a_cluster_say_so(monkeypatch, tmp_path):
+    from pipelines.run_outputs import JobLogs
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    logs, how = JobLogs.in_workbench("run-1")
+    assert logs is None and how.startswith("job logs: not followed (no Kubernetes configuration")

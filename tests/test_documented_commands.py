@@ -16,10 +16,14 @@ with one of them. Each becomes a test, ``test_documented_command[README.md:411]`
   or filter the real server's models do not accept, or a run parameter the pipeline has not,
   is a 400 there).
 - **checked**: an inline span that only names a command (``lingo estimate``, ``kfp run
-  submit``), elides (``…``, ``a / b``) or sits in a table row of failure cases (docs/
-  reliability.md: the row names the test that runs it) is resolved with the CLI's own command
+  submit``), elides (``…``, ``a / b``) or sits in a table row (docs/reliability.md's rows are
+  failure cases, each naming the test that runs it) is resolved with the CLI's own command
   tree: its subcommands and options must exist.
 - **not run here**: the few commands in ``NOT_RUN``, each with its reason.
+
+The ``lingo`` commands that compute (compile, estimate, data prep, eval, submit, schedule,
+cluster) run under ``-m slow`` (20-60 s each on a busy machine, and each has tests of its
+own); the ``kfp`` commands, ``lingo status`` and every check run by default.
 
 Both kinds refuse a ``kfp`` option given a ``KEY=VALUE``: run parameters are the positional
 ``KEY=VALUE`` arguments after the options (``-p`` is ``--pipeline-id`` in kfp 2.17).
@@ -35,6 +39,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import pytest
 import yaml
 from chat_server import chat_server, completion
@@ -45,7 +50,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOKEN = "doc-test-token-3c4d"
 NAMESPACE = "team"
-PROGRAMS = ("lingo", "kfp")
 START = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:\.venv/bin/)?(lingo|kfp)(?=\s|$)")
 SERVED_MODEL = "openai/gpt-oss-20b"
 
@@ -117,9 +121,7 @@ def _cut(line: str) -> str:
             quote = None if char == quote else quote
         elif char in "'\"":
             quote = char
-        elif (
-            char in ";|&" and line[i : i + 2] != "&>" or (char == "#" and line[i - 1 : i].isspace())
-        ) and (char != "&" or line[i : i + 2] == "&&"):
+        elif char in ";|" or line.startswith("&&", i) or (char == "#" and line[i - 1 : i] == " "):
             return line[:i].strip()
     return line.strip()
 
@@ -208,7 +210,10 @@ def _subcommand(node, word: str):
     """``node``'s subcommand ``word`` (aliases resolved), or None."""
     if not hasattr(node, "commands") or word.startswith("-"):
         return None
-    return node.get_command(node.context_class(node), word)
+    try:
+        return node.get_command(node.context_class(node), word)
+    except click.UsageError:  # kfp's group raises for a name it does not have
+        return None
 
 
 def _ends_without_value(command, words: list[str]) -> bool:
@@ -320,6 +325,47 @@ def compile_outputs(commands: list[DocCommand]) -> list[str]:
                 if flag in argv[:-1]:
                     outputs.append(argv[argv.index(flag) + 1])
     return [o for o in outputs if not Path(o).is_absolute()]
+
+
+SAMPLE = """Intro `lingo estimate` and `lingo compile -o x.yaml`.
+
+```bash
+export KFP_ENDPOINT=https://<your-kfp-host>
+.venv/bin/lingo submit --preset p \\
+    --wait   # follow it
+```
+
+    lingo cluster install-runtime --dry-run > r.yaml && kubectl apply -f r.yaml
+
+| 12 | `lingo eval --samples 0` | traceback |
+"""
+
+
+def test_commands_are_extracted_from_blocks_indented_code_and_inline_spans():
+    found = [(c.where, c.text, c.inline, c.in_table) for c in extract_commands(SAMPLE, "S.md")]
+    assert found == [
+        ("S.md:5", ".venv/bin/lingo submit --preset p --wait", False, False),
+        ("S.md:9", "lingo cluster install-runtime --dry-run > r.yaml", False, False),
+        ("S.md:1", "lingo estimate", True, False),
+        ("S.md:1", "lingo compile -o x.yaml", True, False),
+        ("S.md:11", "lingo eval --samples 0", True, True),
+    ]
+    kinds = [is_mention(c) for c in extract_commands(SAMPLE, "S.md")]
+    assert kinds == [False, False, True, False, True]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("kfp run create -e x -f p.yaml -p backend=megatron", "-p takes pipeline_id, not backend"),
+        ("kfp run craete -e x", "kfp run has no command craete"),
+        ("lingo compile --presett gpt-oss-20b", "lingo compile has no option --presett"),
+        ("lingo submit / schedul", "lingo has no command schedul"),
+    ],
+)
+def test_a_command_the_cli_does_not_have_is_refused(text, message):
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check_against_cli(DocCommand("S.md:1", text, True, False))
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ RUNTIME_VERBS = ("create", "get", "patch", "delete")
 answered with get and patch)."""
 POD_ACCESS = (Access("list", "", "pods"), Access("get", "", "pods", "log"))
 """Rank 0's log and the pods' termination reasons (``JobLauncher.pods``, ``primary_logs``)."""
-READ = ["get", "list", "watch"]
+READ = ("get", "list", "watch")
 
 
 def step_access(kind: JobKind, own_runtime: bool = False) -> list[Access]:
@@ -86,8 +86,8 @@ def job_role_rules() -> list[dict]:
             "resources": [pytorch.plural],
             "verbs": sorted({*JOB_VERBS, "watch"}),
         },
-        {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": READ},
-        {"apiGroups": [""], "resources": ["pods", "pods/log", "events"], "verbs": READ},
+        {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": list(READ)},
+        {"apiGroups": [""], "resources": ["pods", "pods/log", "events"], "verbs": list(READ)},
     ]
 
 

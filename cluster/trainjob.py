@@ -71,7 +71,9 @@ def _env(cluster: ClusterJobConfig) -> list[kt.IoK8sApiCoreV1EnvVar]:
         if isinstance(value, str):
             env.append(kt.IoK8sApiCoreV1EnvVar(name=name, value=value))
             continue
-        selector = kt.IoK8sApiCoreV1SecretKeySelector(name=value.secret, key=value.key)
+        selector = kt.IoK8sApiCoreV1SecretKeySelector(
+            name=value.secret, key=value.key, optional=value.optional or None
+        )
         source = kt.IoK8sApiCoreV1EnvVarSource(secret_key_ref=selector)
         env.append(kt.IoK8sApiCoreV1EnvVar(name=name, value_from=source))
     if cluster.progress_tracking and PROGRESS_PORT_ENV not in {e.name for e in env}:

@@ -171,8 +171,9 @@ def describe_secret(manifest: dict) -> str:
 def apply_plan(plan: SetupPlan, api_client) -> tuple[list[str], list[str]]:
     """Create (or update) what ``plan`` holds; returns the lines done and the lines failed.
 
-    The Role, RoleBinding and Secrets are created or replaced; the PVC is created only when
-    missing; the runtime is created or merge-patched (``install_training_runtime``). A 403
+    The Role, RoleBinding and Secrets are created or updated (a JSON merge patch: the Role's
+    rules and the binding's subjects are replaced, a Secret's keys merged); the PVC is created
+    only when missing; the runtime is created or merge-patched (``install_training_runtime``). A 403
     on one object is reported and the rest still applied.
     """
     from kubernetes import client as k8s
@@ -194,9 +195,9 @@ def apply_plan(plan: SetupPlan, api_client) -> tuple[list[str], list[str]]:
             )
     rbac, core = k8s.RbacAuthorizationV1Api(api_client), k8s.CoreV1Api(api_client)
     writers = {
-        "Role": (rbac.create_namespaced_role, rbac.replace_namespaced_role),
-        "RoleBinding": (rbac.create_namespaced_role_binding, rbac.replace_namespaced_role_binding),
-        "Secret": (core.create_namespaced_secret, core.replace_namespaced_secret),
+        "Role": (rbac.create_namespaced_role, rbac.patch_namespaced_role),
+        "RoleBinding": (rbac.create_namespaced_role_binding, rbac.patch_namespaced_role_binding),
+        "Secret": (core.create_namespaced_secret, core.patch_namespaced_secret),
     }
     for manifest in plan.namespaced:
         kind, name = manifest["kind"], manifest["metadata"]["name"]
@@ -206,14 +207,14 @@ def apply_plan(plan: SetupPlan, api_client) -> tuple[list[str], list[str]]:
                 line, usable = _claim(core, plan.namespace, manifest)
                 (done if usable else failed).append(line)
                 continue
-            create, replace = writers[kind]
+            create, update = writers[kind]
             try:
                 create(plan.namespace, manifest)
                 done.append(f"created {what}")
             except k8s.ApiException as error:
                 if error.status != 409:
                     raise
-                replace(name, plan.namespace, manifest)
+                update(name, plan.namespace, manifest)
                 done.append(f"updated {what}")
         except k8s.ApiException as error:
             if error.status != 403:

@@ -190,5 +190,5 @@ def test_without_a_kubeconfig_it_is_one_line(tmp_path, args):
     assert result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: no Kubernetes access: not in a pod, and no usable kubeconfig")
+    assert lines[0].startswith("error: no Kubernetes access: not in a pod, and no usable")
     assert "KUBECONFIG" in lines[0]

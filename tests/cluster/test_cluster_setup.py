@@ -192,3 +192,21 @@ def test_without_a_kubeconfig_it_is_one_line(tmp_path, args):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: no Kubernetes access: not in a pod, and no usable")
     assert "KUBECONFIG" in lines[0]
+
+
+def test_a_step_that_needs_a_missing_secret_names_it():
+    """The platform's Secrets are optional; the failures of a step that needed one name it
+    (S3: ``core.storage``, tested against botocore in tests/core/test_storage.py; the hub)."""
+    import httpx2
+    from huggingface_hub.errors import GatedRepoError
+
+    from core.errors import describe_error
+    from core.storage import NO_CREDENTIALS
+
+    names = {s.secret_name for s in DEFAULT_SECRETS}
+    assert all(s.optional for s in DEFAULT_SECRETS)
+    assert "lingo-s3" in names and "Secret lingo-s3" in NO_CREDENTIALS
+    response = httpx2.Response(401, request=httpx2.Request("GET", "https://huggingface.co/x"))
+    gated = GatedRepoError("401 Client Error. Cannot access gated repo", response=response)
+    line = describe_error(gated)
+    assert "lingo-hf" in names and "Secret lingo-hf" in line and "HF_TOKEN" in line

@@ -48,11 +48,11 @@ RUNTIME_KIND = "ClusterTrainingRuntime"
 RUNTIME_PLURAL = "clustertrainingruntimes"
 ROLLOUT = "rollout"
 """A two-image job's replicated job and container of the rollout-only nodes. Its pods sort
-after the trainers' (``sorts_after_trainers``), which OpenShift AI's progress polling relies on. It has no trainer
-ancestor label, so the Trainer keeps the runtime's image, command and pod count for it
-(v2.3.0 ``plugins/jobset/builder.go`` ``Trainer``: image, command and env only where the
-ancestor is ``trainer``; ``pkg/runtime/core/trainingruntime.go`` line 189: its pod count is the
-job's ``parallelism``)."""
+after the trainers' (``sorts_after_trainers``: OpenShift AI's progress polling relies on it).
+It has no trainer ancestor label, so the Trainer keeps the runtime's image, command and pod
+count for it (v2.3.0 ``plugins/jobset/builder.go`` ``Trainer``: image, command and env only
+where the ancestor is ``trainer``; ``pkg/runtime/core/trainingruntime.go`` line 189: its pod
+count is the job's ``parallelism``)."""
 TORCH_MASTER_PORT = 29500
 """The torch plugin's ``PET_MASTER_PORT`` (v2.3.0 ``pkg/constants/constants.go`` line 72,
 ``ContainerTrainerPort``)."""

@@ -92,7 +92,8 @@ def jobset_pods(jobset: dict, suffix) -> list[dict]:
 
 
 def _two_image_jobset(run_id: str = RUN_ID) -> dict:
-    job = StepJob("grpo", "trainer.grpo", GRPOConfig.model_validate(GRPO), "sft-model", "m", "t", "e")
+    config = GRPOConfig.model_validate(GRPO)
+    job = StepJob("grpo", "trainer.grpo", config, "sft-model", "m", "t", "e")
     execution = ExecutionConfig(
         mode="job", reference="g5.12xlarge", job={"nodes": 6, "namespace": NAMESPACE}
     )

@@ -4,12 +4,12 @@ pods of the ``node`` job beside rollout pods of the ``rollout`` job).
 The rule, transcribed from opendatahub-io/trainer (commit d140e85, 2026-08-20)
 ``pkg/rhai/progression/progression.go``:
 
-- ``GetPrimaryPod`` (lines 110-205): for each label set in order (lines 115-142; the first is
+- ``GetPrimaryPod`` (lines 110-207): for each label set in order (lines 115-142; the first is
   ``jobset.sigs.k8s.io/jobset-name: <job>``, ``jobset.sigs.k8s.io/job-index: "0"``,
   ``batch.kubernetes.io/job-completion-index: "0"``, the second the JobSet name alone) list
   the pods (lines 147-152) and return the first that is Running, has an IP and is Ready
   (lines 155-159);
-- ``PollAndUpdateFinalProgress`` (lines 549-571): after the job ends, the first pod of the
+- ``PollAndUpdateFinalProgress`` (lines 549-576): after the job ends, the first pod of the
   JobSet labelled ``jobset.sigs.k8s.io/job-index: "0"``, whatever its phase (its termination
   message holds the final progress).
 

@@ -65,8 +65,8 @@ ZERO_TIME = "1970-01-01T00:00:00Z"
 DEFAULT_RUN_STATES = ({"state": "RUNNING"}, {"state": "SUCCEEDED"})
 
 # grpc codes (google.rpc.Code) and the HTTP status grpc-gateway maps each to
-INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS = 3, 5, 6
-HTTP_STATUS = {INVALID_ARGUMENT: 400, NOT_FOUND: 404, ALREADY_EXISTS: 409}
+INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, UNAUTHENTICATED = 3, 5, 6, 16
+HTTP_STATUS = {INVALID_ARGUMENT: 400, NOT_FOUND: 404, ALREADY_EXISTS: 409, UNAUTHENTICATED: 401}
 
 FILTER_OPERATIONS = {
     "EQUALS": 1,
@@ -322,6 +322,8 @@ class KfpEmulator:
         calls: Every request: ``method``, ``path``, ``query``, ``auth``, ``body``, ``files``.
         run_states: The states a run reports poll by poll (see the module docstring).
         on_run_done: Called with the run (a dict) when it first reaches a terminal state.
+        token: When set, every call must carry ``Authorization: Bearer <token>`` (else 401),
+            as behind OpenShift AI's oauth proxy; None: no authentication, as a port-forward.
     """
 
     def __init__(
@@ -329,8 +331,10 @@ class KfpEmulator:
         run_states: list[dict] | tuple[dict, ...] = DEFAULT_RUN_STATES,
         on_run_done: Callable[[dict], None] | None = None,
         multi_user: bool = False,
+        token: str | None = None,
     ) -> None:
         self.run_states = list(run_states)
+        self.token = token
         self.on_run_done = on_run_done
         self.multi_user = multi_user
         self.calls: list[dict] = []
@@ -776,6 +780,8 @@ def _handler(kfp: KfpEmulator) -> type[BaseHTTPRequestHandler]:
             }
             kfp.calls.append(call)
             try:
+                if kfp.token is not None and call["auth"] != f"Bearer {kfp.token}":
+                    raise ApiError(UNAUTHENTICATED, "no valid bearer token (Authorization header)")
                 content_type = self.headers.get("Content-Type", "")
                 if content_type.startswith("multipart/form-data"):
                     message = BytesParser(policy=policy.default).parsebytes(
@@ -817,9 +823,10 @@ def kfp_emulator(
     run_states: list[dict] | tuple[dict, ...] = DEFAULT_RUN_STATES,
     on_run_done: Callable[[dict], None] | None = None,
     port: int = 0,
+    token: str | None = None,
 ) -> Iterator[KfpEmulator]:
     """A started emulator on 127.0.0.1 (``.endpoint``), stopped on exit."""
-    kfp = KfpEmulator(run_states, on_run_done).start(port=port)
+    kfp = KfpEmulator(run_states, on_run_done, token=token).start(port=port)
     try:
         yield kfp
     finally:
@@ -837,15 +844,19 @@ def main(argv: list[str] | None = None) -> None:
         help="the states a run reports poll by poll, comma-separated (default: %(default)s)",
     )
     parser.add_argument("--error", default="", help="the error message of a FAILED run")
+    parser.add_argument("--token", help="require this bearer token on every call")
     args = parser.parse_args(argv)
     states = []
     for state in args.states.split(","):
         step = {"state": state.strip().upper()}
         if step["state"] == "FAILED" and args.error:
             step["error"] = {"code": 2, "message": args.error}
-        check_model(step, "V2beta1Run", "--states")
+        try:
+            check_model(step, "V2beta1Run", "--states")
+        except ApiError as exc:
+            parser.error(exc.message)
         states.append(step)
-    kfp = KfpEmulator(states).start(args.host, args.port)
+    kfp = KfpEmulator(states, token=args.token).start(args.host, args.port)
     print(f"KFP v2beta1 emulator on {kfp.endpoint} (Ctrl-C to stop)", flush=True)
     try:
         threading.Event().wait()

@@ -150,6 +150,16 @@ def test_a_filter_is_read_in_both_json_spellings(predicate):
     assert refused.status_code == 400 and "unknown field 'value'" in refused.json()["message"]
 
 
+def test_a_token_when_required_must_be_sent():
+    with kfp_emulator(token="s3cret") as server:
+        health = f"{server.endpoint}/apis/v2beta1/healthz"
+        refused = requests.get(health, timeout=10)
+        wrong = requests.get(health, headers={"Authorization": "Bearer nope"}, timeout=10)
+        good = requests.get(health, headers={"Authorization": "Bearer s3cret"}, timeout=10)
+    assert (refused.status_code, wrong.status_code, good.status_code) == (401, 401, 200)
+    assert refused.json()["code"] == 16  # UNAUTHENTICATED
+
+
 def test_an_empty_list_is_an_empty_object_and_an_unknown_route_a_404():
     with kfp_emulator() as server:
         assert requests.get(f"{server.endpoint}/apis/v2beta1/runs", timeout=10).json() == {}

@@ -51,13 +51,15 @@ def start_step_process(level: int = logging.INFO) -> None:
     (``core.image_checks.require_supported_driver``)."""
     import threading
 
-    from core.image_checks import ImageCheckError, require_supported_driver
     from core.redact import configure_logging
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_signal)
     die_with_parent(signal.SIGTERM)
     configure_logging(level)
+    # imported after the parent-death signal is set: nothing widens that window
+    from core.image_checks import ImageCheckError, require_supported_driver
+
     try:
         require_supported_driver()
     except ImageCheckError as error:

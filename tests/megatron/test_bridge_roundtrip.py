@@ -273,6 +273,21 @@ def test_a_two_rank_checkpoint_reshards_to_one_rank_exactly(
     check_exact_export(megatron_dir, hf_dir, tmp_path / "hf")
 
 
+def test_the_training_layout_cannot_be_converted_in_the_one_process_the_step_is(
+    on_cpu, tiny_models, tmp_path
+):
+    """Issue #39, as the convert step ran before: the training layout (here TP 2 / EP 2)
+    handed to the conversion in one process, without torchrun, is refused by Megatron-Core
+    itself before any weight loads."""
+    from trainer.megatron.layout import resolve_megatron_layout
+
+    training = {"tp": 2, "ep": 2, "sequence_parallel": True, "gpus_per_node": 2}
+    layout = resolve_megatron_layout({**training, "params_dtype": "fp32"})
+    with pytest.raises(RuntimeError, match=r"world_size \(1\) is not divisible by 2"):
+        bridge.convert_hf_to_megatron(str(tiny_models["default"]), str(tmp_path / "out"), layout)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "tp, pp, ep",
     # TP 2 and EP 2 (the verl layout splits both) in the default run; PP 2 as slow

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from cluster.nodes import job_fields, rollout_nodes
+from cluster.nodes import OMP_THREADS_ENV, cpu_cores, job_fields, omp_threads, rollout_nodes
 from core.config_model import ConfigModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -181,6 +181,12 @@ class ClusterJobConfig(ClusterConfig):
             )
         return env
 
+    @field_validator("cpu")
+    @classmethod
+    def _cpu_quantity(cls, cpu: str) -> str:
+        cpu_cores(cpu)  # a pod's processes share it (``OMP_NUM_THREADS``, ``job_env``)
+        return cpu
+
     @field_validator("secret_env")
     @classmethod
     def _one_secret_per_variable(cls, secret_env: list[SecretEnv]) -> list[SecretEnv]:
@@ -241,9 +247,13 @@ class ClusterJobConfig(ClusterConfig):
         """The training container's environment, one entry per variable: ``env`` (sorted by
         name), then ``secret_env``. A Secret wins over a plain value of the same name (the
         plain one is dropped): an API server refuses a container whose ``env`` names a
-        variable twice (``x-kubernetes-list-type: map`` keyed on ``name``)."""
+        variable twice (``x-kubernetes-list-type: map`` keyed on ``name``).
+        ``OMP_NUM_THREADS`` is the pod's CPU request shared by its processes
+        (``cluster.nodes.omp_threads``) unless ``env`` sets it."""
         secrets = {item.name for item in self.secret_env}
-        plain = [(name, value) for name, value in sorted(self.env.items()) if name not in secrets]
+        threads = {OMP_THREADS_ENV: str(omp_threads(self.cpu, self.procs_per_node))}
+        env = {**threads, **self.env}
+        plain = [(name, value) for name, value in sorted(env.items()) if name not in secrets]
         return [*plain, *((item.name, item) for item in self.secret_env)]
 
 

@@ -26,6 +26,47 @@ def rollout_nodes(processes: int, per_node: int) -> int:
     return -(-processes // per_node)
 
 
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
+"""The variable that sizes a process's CPU thread pools (OpenMP, torch's intra-op pool)."""
+
+
+def cpu_cores(quantity: str) -> float:
+    """A Kubernetes CPU quantity (``"44"``, ``"1.5"``, ``"500m"``) in cores.
+
+    Raises:
+        ValueError: not a CPU quantity (the message names it).
+    """
+    text = quantity.strip()
+    try:
+        cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        cores = -1.0
+    if not cores > 0:
+        raise ValueError(
+            f"cpu={quantity!r}: not a Kubernetes CPU quantity (cores such as '44' or '1.5', "
+            "or millicores such as '500m')"
+        )
+    return cores
+
+
+def omp_threads(cpu: str | float, processes: int) -> int:
+    """CPU threads of one process: the pod's CPUs shared by its processes, floor, at least 1.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` in every process when the variable is unset and it
+    starts more than one (``torch/distributed/run.py``), so without it each rank's CPU work
+    (DeepSpeed's CPU Adam, Megatron's host optimizer, MXFP4 dequantization) runs on one
+    thread; more threads than the pod's share would oversubscribe its CPUs.
+
+    Args:
+        cpu: the pod's CPUs, a Kubernetes quantity (its CPU request) or a count of cores.
+        processes: processes per pod (``torchrun --nproc_per_node``).
+    """
+    if processes < 1:
+        raise ValueError(f"processes={processes}: a pod runs at least one process")
+    cores = cpu_cores(cpu) if isinstance(cpu, str) else float(cpu)
+    return max(1, int(cores // processes))
+
+
 class NodeType(ConfigModel):
     """One kind of machine.
 

@@ -6,8 +6,14 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+from cluster.nodes import OMP_THREADS_ENV, omp_threads
 
 log = logging.getLogger(__name__)
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2: ``<quota> <period>`` in microseconds, or ``max <period>`` (no limit)."""
 
 
 class TrainingProcessError(RuntimeError):
@@ -59,6 +65,33 @@ def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
     run_torchrun(module, ["--config", str(config_file), *args], processes)
 
 
+def available_cpus() -> float:
+    """CPUs this process may use: its affinity mask, capped by the cgroup v2 CPU quota
+    (``/sys/fs/cgroup/cpu.max``, a container's CPU limit) when there is one."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text(encoding="ascii").split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    return cpus if quota == "max" else min(cpus, int(quota) / int(period))
+
+
+def local_omp_threads(nproc: int) -> int:
+    """``OMP_NUM_THREADS`` of each of ``nproc`` local processes: this process's CPU share
+    divided among them (``cluster.nodes.omp_threads``). The share is ``OMP_NUM_THREADS``
+    when set (a pipeline pod's CPU request: ``pipelines.platform``), else
+    ``available_cpus()``."""
+    share = os.environ.get(OMP_THREADS_ENV)
+    if share:
+        try:
+            cpus = float(share)
+        except ValueError:
+            raise ValueError(f"{OMP_THREADS_ENV}={share!r}: expected a number of threads") from None
+    else:
+        cpus = available_cpus()
+    return omp_threads(cpus, nproc)
+
+
 def run_torchrun(module: str, args: list[str], nproc: int) -> None:
     """Launch ``module`` on ``nproc`` local processes and wait.
 
@@ -67,7 +100,7 @@ def run_torchrun(module: str, args: list[str], nproc: int) -> None:
     """
     command = torchrun_command(module, args, nproc)
     log.info("launching: %s", " ".join(command))
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, OMP_THREADS_ENV: str(local_omp_threads(nproc))}
     completed = subprocess.run(command, env=env, check=False)
     if completed.returncode != 0:
         raise TrainingProcessError(

@@ -16,10 +16,13 @@ def convert_megatron(
 ):
     """HF directory → Megatron ``torch_dist`` checkpoint with megatron-bridge.
 
-    ``layout`` is a ``MegatronLayout`` as a dict, or ``{"preset": name, **overrides}``. It is
-    checked against the model's config before any weight loads; the checkpoint gets a
-    manifest, and its next-token logits must match the HF model's within the dtype's
-    tolerance (the report is written either way). Nothing is published when a check fails.
+    ``layout`` is the training layout (a ``MegatronLayout`` as a dict, or
+    ``{"preset": name, **overrides}``). It is checked against the model's config before any
+    weight loads; the step itself is one process, so the checkpoint is written at the
+    one-process layout (``conversion_layout``: TP = PP = EP = 1, the training layout's dtype)
+    and the training job reshards it on load. The checkpoint gets a manifest, and its
+    next-token logits must match the HF model's within the dtype's tolerance (the report is
+    written either way). Nothing is published when a check fails.
     """
     import importlib
     import shutil
@@ -27,12 +30,13 @@ def convert_megatron(
 
     from core.atomic import discard_staging, publish_dir, staging_dir
     from core.processes import start_step_process
-    from trainer.megatron.layout import validate_layout
+    from trainer.megatron.layout import conversion_layout, validate_layout
     from trainer.megatron.manifest import MANIFEST_FILE, build_manifest, write_manifest
     from trainer.megatron.verify import verify_conversion
 
     start_step_process()  # dies with its parent; every log line redacted
-    checked = validate_layout(hf_model.path, layout)
+    training = validate_layout(hf_model.path, layout)  # the layout GRPO will load it at
+    checked = validate_layout(hf_model.path, conversion_layout(training.layout), world_size=1)
     bridge = importlib.import_module("trainer.megatron.bridge")
     final = Path(megatron_model.path)
     partial = staging_dir(final)
@@ -63,6 +67,7 @@ def convert_megatron(
         layout=checked.layout.name,
         dtype=checked.layout.params_dtype,
         world_size=checked.world_size,
+        training_world_size=training.world_size,
         max_abs_logit_diff=report.max_abs_diff,
         **{k: v for k, v in parallel.items() if v is not None},
     )

@@ -45,8 +45,10 @@ def start_step_process(level: int = logging.INFO) -> None:
     it dies, turn SIGTERM into ``SystemExit(143)`` (so the step unwinds: ``subprocess.run``
     kills the torchrun it waits for, data prep stops its workers, staging folders are
     discarded; a handler installed later, such as a PyTorchJob's deletion, takes precedence
-    while it is installed), and log at ``level`` with every record redacted
-    (``core.redact.configure_logging``)."""
+    while it is installed), log at ``level`` with every record redacted
+    (``core.redact.configure_logging``), and, in an image that names the oldest NVIDIA
+    driver it runs on, stop with one line on a node whose driver is older
+    (``core.image_checks.require_supported_driver``)."""
     import threading
 
     from core.redact import configure_logging
@@ -55,6 +57,13 @@ def start_step_process(level: int = logging.INFO) -> None:
         signal.signal(signal.SIGTERM, _exit_on_signal)
     die_with_parent(signal.SIGTERM)
     configure_logging(level)
+    # imported after the parent-death signal is set: nothing widens that window
+    from core.image_checks import ImageCheckError, require_supported_driver
+
+    try:
+        require_supported_driver()
+    except ImageCheckError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def _exit_on_signal(signum: int, frame) -> None:  # noqa: ARG001 (a signal handler's signature)

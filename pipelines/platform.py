@@ -17,9 +17,9 @@ from typing import Literal
 
 from kfp import kubernetes
 from kfp.dsl import PipelineTask
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from cluster.nodes import NODE_TYPES
+from cluster.nodes import NODE_TYPES, OMP_THREADS_ENV, cpu_cores, omp_threads
 from core.config_model import ConfigModel
 
 STEPS = (
@@ -81,6 +81,13 @@ class StepResources(ConfigModel):
     accelerator_count: int = Field(default=0, ge=0)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
+
+    @field_validator("cpu_request", "cpu_limit")
+    @classmethod
+    def _cpu_quantity(cls, cpu: str | None) -> str | None:
+        if cpu is not None:
+            cpu_cores(cpu)
+        return cpu
 
     @model_validator(mode="after")
     def _accelerator_pair(self) -> StepResources:
@@ -226,6 +233,9 @@ def with_platform(settings: ClusterSettings) -> Callable[[PipelineTask, str], Pi
 def _apply_resources(task: PipelineTask, resources: StepResources) -> None:
     if resources.cpu_request:
         task.set_cpu_request(resources.cpu_request)
+        # a pipeline pod runs one process: its thread pools get the CPUs it requested (a
+        # step that starts torchrun itself divides them, ``cluster.torchrun``)
+        task.set_env_variable(OMP_THREADS_ENV, str(omp_threads(resources.cpu_request, 1)))
     if resources.cpu_limit:
         task.set_cpu_limit(resources.cpu_limit)
     if resources.memory_request:

@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from core.errors import describe_error
+from core.image_checks import require_supported_driver
 from core.processes import die_with_parent
 from core.redact import configure_logging
 
@@ -34,7 +35,8 @@ def step_main(
     The process dies with its parent (``core.processes.die_with_parent``: a killed torchrun
     or step leaves no rank behind), logs through the redaction, and an expected failure
     (``core.errors.describe_error``) ends it with one ``error: …`` line and exit status 1
-    (``LINGO_TRACEBACK=1``: the traceback instead)."""
+    (``LINGO_TRACEBACK=1``: the traceback instead), a node driver older than the image's
+    (``core.image_checks.require_supported_driver``) among them."""
     parser = argparse.ArgumentParser(prog=prog, description=f"One process of {prog}.")
     parser.add_argument(
         "--config", type=Path, required=True, help=f"{config_class.__name__} as JSON"
@@ -48,6 +50,7 @@ def step_main(
     die_with_parent()
     configure_logging(logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        require_supported_driver()  # the GPU image on a node whose driver is too old
         config = config_class.model_validate(json.loads(args.config.read_text()))
         run(config, args.model, args.train, args.eval, args.model_output, args.work_dir)
     except Exception as exc:

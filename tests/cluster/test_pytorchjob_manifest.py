@@ -89,6 +89,8 @@ def test_reference_layout_manifest_structure(instance_type, workers, gpus, cpu, 
         assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
         assert container["env"] == [
             {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow:5000"},
+            # the pod's CPUs shared by its ranks (torchrun would give each one thread)
+            {"name": "OMP_NUM_THREADS", "value": str(int(cpu) // gpus)},
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
         ]
 
@@ -167,6 +169,7 @@ def test_a_variable_set_plain_and_from_a_secret_is_listed_once_from_the_secret()
     ]["Master"]["template"]["spec"]
     assert master["containers"][0]["env"] == [
         {"name": "MLFLOW_EXPERIMENT_NAME", "value": "lingo-rl"},
+        {"name": "OMP_NUM_THREADS", "value": "11"},  # 44 CPUs, 4 ranks
         {
             "name": "MLFLOW_TRACKING_URI",
             "valueFrom": {"secretKeyRef": {"name": "lingo-mlflow", "key": "MLFLOW_TRACKING_URI"}},

@@ -50,6 +50,8 @@ def test_the_megatron_provider_is_refused_before_any_model_is_built(monkeypatch)
 
 
 def test_the_megatron_image_check_needs_transformer_engine(monkeypatch):
+    # the image's own compiled op cannot be built here (no nvcc): torch stands in for it
+    monkeypatch.setattr(image_checks, "MEGATRON_COMPILED_OPS", ("torch",))
     monkeypatch.setattr(image_checks, "transformer_engine_version", lambda: None)
     assert "not installed" in image_checks.check_megatron_image()[0]
     monkeypatch.setattr(image_checks, "transformer_engine_version", lambda: "2.7.0")
@@ -90,3 +92,94 @@ def test_the_gpu_image_check_passes_where_vllm_runs():
     pytest.importorskip("vllm")
     pytest.importorskip("deepspeed")
     assert image_checks.check_gpu_image() == []
+
+
+def test_the_megatron_image_check_names_fast_hadamard_transform_when_it_does_not_import(
+    monkeypatch,
+):
+    monkeypatch.setattr(image_checks, "transformer_engine_version", lambda: "2.8.0")
+    problems = image_checks.check_megatron_image()
+    assert len(problems) == 1 and problems[0].startswith("fast_hadamard_transform: ")
+
+
+# --- the node's driver (issue #39: vllm 0.33's _C needs libcudart.so.13, driver R580+) ----
+PROC_550 = (
+    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
+    "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n"
+)
+PROC_580_OPEN = (
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  "
+    "(dvs-builder@U16-I3-B03-4-3)  Sun Jul 27 07:09:59 UTC 2025\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "version"), [(PROC_550, "550.54.15"), (PROC_580_OPEN, "580.65.06"), ("", None)]
+)
+def test_the_driver_version_is_read_from_the_kernel_modules_line(tmp_path, text, version):
+    path = tmp_path / "version"
+    path.write_text(text)
+    assert image_checks._proc_driver_version(path) == version
+    assert image_checks._proc_driver_version(tmp_path / "absent") is None
+
+
+def test_the_first_source_that_answers_gives_the_driver():
+    sources = (("proc", lambda: None), ("nvidia-smi", lambda: "575.51.03"), ("NVML", lambda: 1))
+    assert image_checks.nvidia_driver_version(sources) == ("575.51.03", "nvidia-smi")
+    assert image_checks.nvidia_driver_version((("proc", lambda: None),)) is None
+
+
+def test_nvidia_smi_and_nvml_answer_none_where_there_is_no_driver(monkeypatch):
+    monkeypatch.setattr(image_checks.shutil, "which", lambda name: None)
+    assert image_checks._nvidia_smi_driver_version() is None
+
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(image_checks.ctypes, "CDLL", no_library)
+    assert image_checks._nvml_driver_version() is None
+
+
+def test_an_old_driver_is_refused_in_one_line_naming_it_r580_and_libcudart_13():
+    problem = image_checks.driver_problem(("550.54.15", "/proc/driver/nvidia/version"), 580)
+    assert problem is not None and "\n" not in problem
+    assert "550.54.15" in problem and "/proc/driver/nvidia/version" in problem
+    assert "R580" in problem and "libcudart.so.13" in problem
+    assert image_checks.driver_problem(("580.65.06", "NVML"), 580) is None
+    assert image_checks.driver_problem(("595.1", "NVML"), 580) is None
+    assert image_checks.driver_problem(None, 580) is None  # no driver: a CPU node
+    assert "not a version" in image_checks.driver_problem(("N/A", "nvidia-smi"), 580)
+    assert "R525" in image_checks.driver_problem(("470.2", "nvidia-smi"), 525)
+
+
+def test_only_an_image_that_names_its_minimum_driver_checks_it():
+    old = lambda: ("550.54.15", "nvidia-smi")  # noqa: E731
+    image_checks.require_supported_driver({}, old)  # the CPU and Megatron images
+    with pytest.raises(ImageCheckError, match=r"NVIDIA driver 550\.54\.15 .* older than R580"):
+        image_checks.require_supported_driver({image_checks.MIN_DRIVER_ENV: "580"}, old)
+    image_checks.require_supported_driver(
+        {image_checks.MIN_DRIVER_ENV: "580"}, lambda: ("580.82.07", "NVML")
+    )
+    with pytest.raises(ImageCheckError, match="expected a driver branch"):
+        image_checks.require_supported_driver({image_checks.MIN_DRIVER_ENV: "r580"}, old)
+
+
+def test_a_step_in_the_gpu_image_on_an_old_driver_stops_at_its_start(monkeypatch, caplog):
+    """``start_step_process`` (every pipeline step's first call) and a training rank's
+    ``step_main``: one ``error:`` line, before any work."""
+    from core.processes import start_step_process
+    from trainer.entry import step_main
+
+    monkeypatch.setenv(image_checks.MIN_DRIVER_ENV, "580")
+    monkeypatch.setattr(image_checks, "nvidia_driver_version", lambda: ("550.54.15", "nvidia-smi"))
+    monkeypatch.setattr("core.processes.die_with_parent", lambda *a: None)
+    monkeypatch.setattr("trainer.entry.die_with_parent", lambda *a: None)
+    with pytest.raises(SystemExit, match=r"^error: NVIDIA driver 550\.54\.15") as stopped:
+        start_step_process()
+    assert "libcudart.so.13" in str(stopped.value.code)
+    ran = []
+    argv = ["--config", "c.json", "--model", "m", "--train", "t", "--model-output", "o",
+            "--work-dir", "w"]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"^error: NVIDIA driver 550\.54\.15"):
+        step_main("trainer.sft", type(None), lambda *a: ran.append(a), "model", False, argv)
+    assert ran == []

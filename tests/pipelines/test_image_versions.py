@@ -126,6 +126,70 @@ def test_the_megatron_image_checks_and_pins_its_transformer_engine():
     assert "> /etc/lingo-constraints.txt" in dockerfile and "PIP_CONSTRAINT=" in dockerfile
 
 
+def test_the_gpu_image_names_the_oldest_driver_its_cuda_runs_on():
+    """Issue #39: vllm 0.33's ``_C`` needs ``libcudart.so.13`` (driver R580+) and nothing
+    checked the node's driver; the image names its minimum, which every step and rank
+    checks when it starts (``core.image_checks.require_supported_driver``)."""
+    from core.image_checks import MIN_DRIVER_ENV, MIN_DRIVER_FOR_CUDA
+
+    gpu = gpu_versions()
+    match = re.search(rf"^\s*{MIN_DRIVER_ENV}=(\d+)\s", _text("images/Dockerfile.gpu"), re.M)
+    assert match, f"images/Dockerfile.gpu sets no {MIN_DRIVER_ENV} in its ENV"
+    assert int(match.group(1)) == MIN_DRIVER_FOR_CUDA[int(_major(gpu["cuda"]))] == 580
+
+
+def _runs(dockerfile: str) -> list[str]:
+    """Each ``RUN``'s shell text, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", _text(dockerfile))
+    return [line.strip()[4:] for line in text.splitlines() if line.strip().startswith("RUN ")]
+
+
+def _run_commands(dockerfile: str) -> list[str]:
+    """Each ``RUN``'s shell commands (split at ``&&`` and ``;``)."""
+    return [" ".join(c.split()) for run in _runs(dockerfile) for c in re.split(r"&&|;", run)]
+
+
+def test_the_megatron_image_builds_fast_hadamard_transform_against_its_torch():
+    """Issue #39: megatron-bridge 0.6.2 requires ``fast-hadamard-transform>=1.1.0``, an sdist
+    whose ``setup.py`` imports torch and compiles with nvcc: built with
+    ``--no-build-isolation`` (an isolated build env has no torch) from source, before the
+    install that would otherwise build it in isolation, and checked to import."""
+    dockerfile = "images/Dockerfile.megatron"
+    commands = _run_commands(dockerfile)
+    version = _arg(dockerfile, "FAST_HADAMARD_TRANSFORM_VERSION")
+    bridge_requires = Requirement("fast-hadamard-transform>=1.1.0")  # its METADATA, 0.6.2
+    assert Version(version) in bridge_requires.specifier
+    builds = [c for c in commands if "fast-hadamard-transform==" in c]
+    assert len(builds) == 1, builds
+    build = builds[0]
+    assert "pip install" in build and "--no-build-isolation" in build.split()
+    assert build.startswith("FAST_HADAMARD_TRANSFORM_FORCE_BUILD=TRUE ")
+    assert '"fast-hadamard-transform==${FAST_HADAMARD_TRANSFORM_VERSION}"' in build
+    bridge = next(i for i, c in enumerate(commands) if "megatron-bridge==" in c)
+    assert commands.index(build) < bridge, "built after megatron-bridge's install"
+    # what --no-build-isolation needs in the image: its setup.py imports wheel and packaging
+    tools = next(c for c in commands[: commands.index(build)] if "wheel" in c.split())
+    assert {"setuptools", "wheel", "packaging", "ninja"} <= set(tools.split())
+    from core.image_checks import MEGATRON_COMPILED_OPS
+
+    assert "fast_hadamard_transform" in MEGATRON_COMPILED_OPS
+    assert any("python -m core.image_checks megatron" in c for c in commands[bridge:])
+
+
+def test_the_megatron_image_keeps_ngcs_pip_constraints():
+    """NGC's PyTorch images constrain pip to the versions they were built with
+    (``/etc/pip/constraint.txt``, from 25.03); the project's pins are appended to
+    ``PIP_CONSTRAINT``, not put in its place, and its file names NGC's too."""
+    dockerfile = _text("images/Dockerfile.megatron")
+    text = re.sub(r"\\\n", " ", dockerfile)
+    env = re.search(r'PIP_CONSTRAINT="([^"]*)"', text)
+    assert env, "images/Dockerfile.megatron: PIP_CONSTRAINT is not set in quotes"
+    assert env.group(1) == "${PIP_CONSTRAINT:+${PIP_CONSTRAINT} }/etc/lingo-constraints.txt"
+    writes = [run for run in _runs("images/Dockerfile.megatron") if "lingo-constraints" in run]
+    assert any('echo "-c /etc/pip/constraint.txt"' in c for c in writes), writes
+    assert not re.search(r"PIP_CONSTRAINT=/etc/lingo-constraints\.txt", text)
+
+
 def test_the_cpu_side_installs_one_torch_and_one_vllm():
     cpu = cpu_versions()
     torches = {k: v for k, v in cpu.items() if k.startswith("torch")}

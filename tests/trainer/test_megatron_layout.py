@@ -12,6 +12,7 @@ from trainer.megatron.layout import (
     MEGATRON_LAYOUTS,
     LayoutError,
     MegatronLayout,
+    conversion_layout,
     planner_layout,
     resolve_megatron_layout,
     validate_layout,
@@ -301,3 +302,20 @@ def test_planner_fields_are_typed_as_the_planners_layout():
     assert layout.planner.model_fields_set == {"prompt_max_len"}
     planned = planner_layout(layout, world=1, gpu_memory_gib=80.0)
     assert (planned.prompt_max_len, planned.generate_max_len) == (512, 1024)
+
+
+@pytest.mark.parametrize("preset", sorted(MEGATRON_LAYOUTS))
+def test_every_layout_converts_at_the_one_process_the_convert_step_is(preset):
+    """Issue #39: the convert step is one process; each preset's conversion layout is
+    nothing split, in the preset's dtype, and valid for gpt-oss-20b at world size 1 (where
+    the preset itself, TP 8 / EP 8, is not)."""
+    layout = MEGATRON_LAYOUTS[preset]
+    converted = conversion_layout({"preset": preset})
+    assert (converted.tp, converted.pp, converted.ep, converted.etp, converted.cp) == (1,) * 5
+    assert converted.vpp is None and not converted.sequence_parallel
+    assert (converted.params_dtype, converted.name) == (layout.params_dtype, layout.name)
+    checked = validate_layout(GPT_OSS_20B, converted, world_size=1)
+    assert (checked.world_size, checked.layout.dp, checked.expert_data_parallel) == (1, 1, 1)
+    if layout.tp * layout.pp > 1:
+        with pytest.raises(LayoutError, match="world size 1 is not a multiple"):
+            validate_layout(GPT_OSS_20B, layout, world_size=1)

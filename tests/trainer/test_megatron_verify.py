@@ -171,6 +171,13 @@ def _install_fake_bridge(monkeypatch, noise: float = 0.0, calls: list | None = N
     def convert_hf_to_megatron(hf_dir, out_dir, layout):
         if calls is not None:
             calls.append(("convert", layout))
+        # Megatron-Core's own rule for the process it runs in: without torchrun the bridge's
+        # process group is a world of one (``megatron_parallel``), and
+        # ``initialize_model_parallel`` refuses a model-parallel size it does not divide
+        # (megatron-core 0.19.2 ``parallel_state.py``)
+        model_parallel = layout.tp * layout.pp * layout.cp
+        if 1 % model_parallel or 1 % (layout.etp * layout.ep * layout.pp):
+            raise RuntimeError(f"world_size (1) is not divisible by {model_parallel}")
         Path(out_dir).mkdir(parents=True)
         (Path(out_dir) / "converted.json").write_text(layout.model_dump_json())
 
@@ -292,3 +299,38 @@ def test_convert_component_rejects_a_bad_layout_before_converting(
     with pytest.raises(LayoutError, match="tp=3"):
         _convert_component(tiny_model_dir, {"tp": 3, "gpus_per_node": 3}, artifacts)
     assert calls == [] and not Path(megatron_model.path).exists()
+
+
+def test_convert_component_writes_the_verl_layout_at_the_one_process_it_runs_as(
+    tmp_path, monkeypatch
+):
+    """Issue #39: the pipeline hands the GRPO layout (the verl preset's TP 8 / EP 8 on one
+    node of 8 GPUs) to the convert step, which runs as one KFP pod without torchrun. It used
+    to convert at TP 8 / EP 8 in a world of one (Megatron-Core: "world_size (1) is not
+    divisible by 8"); it converts at the one-process layout now, in the training layout's
+    dtype, and the training job reshards the ``torch_dist`` checkpoint when it loads it."""
+    from pipelines.presets import PRESETS, megatron_layout
+    from trainer.tiny_model import SMALLEST, build_tiny_model
+
+    layout = megatron_layout(PRESETS["gpt-oss-20b-verl"])
+    assert (layout["preset"], layout["nodes"], layout["gpus_per_node"]) == (
+        "verl-gpt-oss-8x8-h100", 1, 8,
+    )  # fmt: skip
+    # a tiny model whose shapes TP 8 / EP 8 split: 8 heads, 8 query groups, 8 experts
+    shape = {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8}
+    model_dir = build_tiny_model(
+        tmp_path / "model", SMALLEST.model_copy(update={**shape, "num_local_experts": 8})
+    )
+    calls = []
+    _install_fake_bridge(monkeypatch, calls=calls)
+    artifacts = _artifacts(tmp_path)
+    _convert_component(model_dir, layout, artifacts)
+    megatron_model = artifacts[0]
+    converted = calls[0][1]
+    assert (converted.tp, converted.pp, converted.ep, converted.etp, converted.cp) == (1,) * 5
+    assert converted.params_dtype == "bf16" and not converted.sequence_parallel
+    manifest = read_manifest(megatron_model.path)
+    assert (manifest.layout.tp, manifest.layout.ep, manifest.world_size) == (1, 1, 1)
+    assert manifest.layout.name == "verl-gpt-oss-8x8-h100"
+    assert megatron_model.metadata["world_size"] == 1
+    assert megatron_model.metadata["training_world_size"] == 8

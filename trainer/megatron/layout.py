@@ -255,6 +255,23 @@ def resolve_megatron_layout(layout: str | Mapping[str, Any] | MegatronLayout) ->
         raise LayoutError(problems) from None
 
 
+def conversion_layout(layout: str | Mapping[str, Any] | MegatronLayout) -> MegatronLayout:
+    """The layout the convert step writes a checkpoint at: one process, nothing split.
+
+    The convert step runs as one process (a KFP pod, no ``torchrun``), so Megatron-Core's
+    grid there is a world of one: a layout of TP 8 / EP 8 cannot be initialised in it
+    (``initialize_model_parallel`` raises "world_size (1) is not divisible by 8"). A
+    ``torch_dist`` checkpoint does not fix the layout it is loaded at: every tensor is saved
+    with its global shape and its shard's offsets, and ``dist_checkpointing.load`` reads,
+    for each rank of the loading layout, the slices that rank's model asks for (the GRPO
+    backend, the export and the precision check all load that way). So the checkpoint is
+    written at TP = PP = EP = ETP = CP = 1 in the training layout's ``params_dtype``, and
+    the training job reshards it when it loads. The name stays the training layout's.
+    """
+    layout = resolve_megatron_layout(layout)
+    return MegatronLayout(name=layout.name, params_dtype=layout.params_dtype)
+
+
 def read_model_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """The model's ``config.json`` as a dict: a mapping, a planner preset, a directory or file.
 

@@ -180,7 +180,9 @@ class MismatchGate:
         if bound is None or rollout_kl <= bound:
             return False
         floor = self.floors[staleness]
+        where = f"step {step}"
         if staleness:
+            where += f" ({staleness} update(s) stale)"
             learned = f"its first step {staleness} update(s) stale"
             cause = (
                 f"the engine samples with older weights than the {staleness} update(s) it is "
@@ -191,14 +193,13 @@ class MismatchGate:
             learned = "its first step"
             cause = "the engine samples from another policy than the one trained"
         message = (
-            f"step {step} ({staleness} update(s) stale): the rollout engine's log-probs of this "
-            f"step's response tokens are {rollout_kl:.4g} nats per token (k3 KL, rollout_kl) "
-            f"from the trainer's, past the bound {bound:.4g} ({self.factor:g} × the run's "
-            f"floor {floor:.4g}, learned at {learned}, + rollout.max_mismatch_kl "
-            f"{self.max_mismatch_kl:g}): {cause} (a stale or scrambled layer after a sync, a "
-            "lower-precision kernel, expert routing that flips; see router_mismatch_rate); try "
-            "algorithm.rollout_correction seq_mask or seq_tis, or algorithm.router_replay: "
-            "rollout on MoE models"
+            f"{where}: the rollout engine's log-probs of this step's response tokens are "
+            f"{rollout_kl:.4g} nats per token (k3 KL, rollout_kl) from the trainer's, past the "
+            f"bound {bound:.4g} ({self.factor:g} × the run's floor {floor:.4g}, learned at "
+            f"{learned}, + rollout.max_mismatch_kl {self.max_mismatch_kl:g}): {cause} (a stale "
+            "or scrambled layer after a sync, a lower-precision kernel, expert routing that "
+            "flips; see router_mismatch_rate); try algorithm.rollout_correction seq_mask or "
+            "seq_tis, or algorithm.router_replay: rollout on MoE models"
         )
         if self.action == "stop":
             raise RolloutMismatchError(message + ". The run stops here.")

@@ -58,8 +58,11 @@ class Layout(BaseModel):
         prompt_max_len: longest prompt in tokens.
         generate_max_len: longest completion in tokens.
         gradient_checkpointing: recompute each layer in backward, keep only layer inputs.
-        attn_implementation: ``eager`` materializes the ``S×S`` scores (the only kernel with
-            attention sinks on pre-Hopper GPUs and on CPU); ``flash`` keeps ``O(S)``.
+        attn_implementation: the kernel training runs: ``eager`` materializes the ``S×S``
+            scores (the HF trainer's on every device; Megatron's off Hopper); ``flash`` keeps
+            ``O(S)`` (Megatron's fused kernel on Hopper). A node's layout
+            (``node_fields``) says what its GPU offers; the run's layout says what its
+            backend runs there (``core.attention.training_attention``).
         lora_rank: LoRA rank; 0 trains every weight.
         lora_experts: LoRA also on the expert matrices (peft ``target_parameters``).
         kl: a reference model is kept for the KL term (``init_kl_coef > 0``).
@@ -177,7 +180,8 @@ class Layout(BaseModel):
 def node_fields(node_type: str, nodes: int = 1) -> dict[str, object]:
     """The ``Layout`` fields of ``nodes`` machines of ``node_type`` (``cluster.nodes.NODE_TYPES``):
     device, GPUs per node and their memory, host memory and what the system keeps of it, and
-    the attention kernel the GPU runs (``flash`` where it has one with sinks, else ``eager``).
+    the attention kernel the GPU offers (``flash`` where it has a fused one with sinks, else
+    ``eager``; what a run's backend runs there is ``core.attention.training_attention``).
     A CPU node keeps the default ``gpu_memory_gib``, which a CPU layout ignores."""
     node = NODE_TYPES[node_type]
     return {

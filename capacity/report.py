@@ -70,8 +70,8 @@ def _describe_layout(layout: Layout) -> str:
         )
     return (
         f"{where}; {layout.training_gpus} {trainers} ({backend}); {rollout}; "
-        f"{layout.dtype}, micro-batch {layout.micro_train_batch_size} × "
-        f"{layout.sequence_length} tokens"
+        f"{layout.dtype}, {layout.attn_implementation} attention, micro-batch "
+        f"{layout.micro_train_batch_size} × {layout.sequence_length} tokens"
     )
 
 

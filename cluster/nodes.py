@@ -77,8 +77,10 @@ class NodeType(ConfigModel):
         gpu_memory_gib: memory of one GPU as the driver reports it; ``None`` on CPU.
         host_memory_gib: RAM of one node.
         host_reserved_gib: RAM the OS, kubelet and sidecars keep.
-        flash_attention: a fused attention kernel with attention sinks runs on this GPU
-            (Hopper); otherwise attention is ``eager`` (pre-Hopper GPUs and CPU).
+        flash_attention: the GPU has a fused attention kernel that takes attention sinks
+            (Hopper: vLLM's FA3, Transformer Engine's fused attention). Whether a training
+            process runs it is its backend's (``core.attention.training_attention``): the HF
+            trainer runs ``eager`` everywhere, Megatron the fused kernel where this is set.
         job_cpu: CPU a training job's pod requests on this node.
         job_memory: memory a training job's pod requests on this node.
         job_shm: size of a training job pod's memory-backed ``/dev/shm``.

@@ -95,16 +95,21 @@ def load_generation_config(path: str | Path):
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device | None = None):
-    """``AutoModelForCausalLM.from_pretrained`` with eager attention on CPU; MXFP4 experts
-    (the hub's gpt-oss) dequantized to ``dtype`` (``core.mxfp4``)."""
+    """``AutoModelForCausalLM.from_pretrained`` with the attention kernel the trainer runs on
+    every device (``core.attention.HF_ATTN_IMPLEMENTATION``: eager, the one that trains
+    GPT-OSS's sinks); MXFP4 experts (the hub's gpt-oss) dequantized to ``dtype``
+    (``core.mxfp4``)."""
     from transformers import AutoModelForCausalLM
 
+    from core.attention import HF_ATTN_IMPLEMENTATION
     from core.mxfp4 import from_pretrained_kwargs
 
     path = check_model_dir(path)
-    kwargs = {"dtype": dtype, **from_pretrained_kwargs(path, dtype)}
-    if device is None or device.type == "cpu":
-        kwargs["attn_implementation"] = "eager"  # sdpa/flex/MXFP4 kernels do not run on CPU
+    kwargs = {
+        "dtype": dtype,
+        "attn_implementation": HF_ATTN_IMPLEMENTATION,
+        **from_pretrained_kwargs(path, dtype),
+    }
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except Exception as exc:  # e.g. SafetensorError "HeaderTooSmall": the file is not named

@@ -1,13 +1,14 @@
 """The layouts the capacity check estimates, derived from what the run will do.
 
 A preset's ``Hardware`` (``cluster.hardware``) gives the machines (``hardware_layout``:
-GPU and host memory, storage, what the OS keeps, the attention kernel the GPU runs); a layout
-preset (``layouts.LAYOUT_PRESETS``) can stand in for it (``lingo estimate --layout``).
-Everything the SFT and GRPO configs and the GRPO placement plan decide — how many
-processes train on how many nodes, the backend and its parallel sizes, ZeRO stage and
-offload, micro-batch, sequence lengths, rollout engines, group size, KL, checkpoints kept —
-is taken from them, so the check estimates the run that will start, and changing a config
-changes the estimate. Explicit layout overrides still come last.
+GPU and host memory, storage, what the OS keeps, whether the GPU has a fused attention kernel
+with sinks); a layout preset (``layouts.LAYOUT_PRESETS``) can stand in for it (``lingo
+estimate --layout``). Everything the SFT and GRPO configs and the GRPO placement plan decide —
+how many processes train on how many nodes, the backend and its parallel sizes, ZeRO stage
+and offload, the attention kernel that backend runs (``core.attention``, which the model
+loaders follow too), micro-batch, sequence lengths, rollout engines, group size, KL,
+checkpoints kept — is taken from them, so the check estimates the run that will start, and
+changing a config changes the estimate. Explicit layout overrides still come last.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from capacity.layouts import Layout, LayoutError, node_fields, resolve_layout
+from core.attention import training_attention
 
 if TYPE_CHECKING:
     from cluster.hardware import Hardware
@@ -54,15 +56,21 @@ def _dtype(config_dtype: str, hardware: Layout) -> str:
     return {"bfloat16": "bf16", "float32": "fp32"}.get(config_dtype, hardware.dtype)
 
 
-def _training_fields(optim: OptimConfig) -> dict[str, object]:
-    """Backend, ZeRO stage and offload of a step's optimizer settings."""
+def _training_fields(optim: OptimConfig, hardware: Layout) -> dict[str, object]:
+    """Backend, ZeRO stage and offload of a step's optimizer settings, and the attention
+    kernel that backend runs on ``hardware`` (``core.attention.training_attention``: the HF
+    model runs eager attention even where the GPU has a fused kernel with sinks)."""
+    fused_sinks = hardware.attn_implementation == "flash"
+    attention = {"attn_implementation": training_attention(optim.backend, fused_sinks)}
     if optim.backend == "megatron":
         return {
+            **attention,
             "backend": "megatron",
             "adam_offload": optim.megatron.optimizer_offload_fraction > 0,
             "param_offload": False,
         }
     return {
+        **attention,
         "backend": "deepspeed",
         # the torch backend is one plain process: DeepSpeed stage 0 is the planner's model of it
         "zero_stage": optim.zero_stage if optim.backend == "deepspeed" else 0,
@@ -115,7 +123,7 @@ def grpo_layout(
         # the recipe sleeps vLLM during the update; it does not park training state while
         # vLLM is awake
         "deepspeed_enable_sleep": False,
-        **_training_fields(grpo.optim),
+        **_training_fields(grpo.optim, base),
         "tensor_parallel": lay.tp,
         "pipeline_parallel": lay.pp,
         "expert_parallel": lay.ep,
@@ -159,7 +167,7 @@ def sft_layout(
         "rollout_gpus": 0,
         "hybrid": False,
         "deepspeed_enable_sleep": False,
-        **_training_fields(sft.optim),
+        **_training_fields(sft.optim, base),
         "tensor_parallel": 1,
         "pipeline_parallel": 1,
         "expert_parallel": 1,

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from core import mxfp4
+from core.attention import HF_ATTN_IMPLEMENTATION
 from core.modeling import ModelLoadError, check_model_dir
 
 log = logging.getLogger(__name__)
@@ -254,9 +255,8 @@ def load_partitioned(
     if mxfp4.is_mxfp4(path):
         mxfp4.log_dequantization(path, dtype, "the partitioned loader (one matrix at a time)")
         mxfp4.drop_quantization_config(config)  # the model is built unpacked
-    kwargs = {"dtype": dtype}
-    if device.type == "cpu":
-        kwargs["attn_implementation"] = "eager"  # sdpa/flex/MXFP4 kernels do not run on CPU
+    # the kernel the planner counts (core.attention), on every device
+    kwargs = {"dtype": dtype, "attn_implementation": HF_ATTN_IMPLEMENTATION}
     # transformers builds under zero.Init while this object lives; dropped right after, so a
     # later rank-0-only load (an export) is a plain one. The build's random initialization
     # (overwritten below) draws from a forked generator: like from_pretrained, the load leaves

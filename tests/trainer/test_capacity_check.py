@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tests_helpers_trainer import VERL_COLOCATED_OVERRIDES
 
-from capacity import LayoutDoesNotFit, LayoutError, Verdict
+from capacity import LayoutDoesNotFit, LayoutError, Verdict, estimate
 from pipelines.presets import (
     PRESETS,
     apply_overrides,
@@ -225,3 +225,37 @@ def test_check_run_reports_the_plan_and_both_steps_and_names_what_does_not_fit()
     with pytest.raises(LayoutError, match="rollout_gpus"):
         vllm = apply_overrides(preset, {"grpo.rollout.engine": "vllm"})
         grpo_layout("tiny-cpu", vllm.grpo, grpo_plan(vllm))
+
+
+def test_the_planner_counts_the_attention_kernel_the_trainer_runs():
+    """Issue #39: on the H200 node (a GPU with a fused kernel with sinks) the planner counted
+    fused attention for the HF trainer, which runs eager attention (``core.attention``): the
+    DeepSpeed steps are now estimated with eager's ``S×S`` probabilities, and Megatron's
+    (Transformer Engine's fused attention with sinks) keeps the fused kernel's terms."""
+    from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
+
+    from core.attention import HF_ATTN_IMPLEMENTATION
+
+    verl = PRESETS["gpt-oss-20b-verl"]
+    assert capacity_layout(verl).attn_implementation == "flash"  # what the H200 offers
+    grpo = grpo_layout(capacity_layout(verl), verl.grpo, grpo_plan(verl))
+    sft = sft_layout(capacity_layout(verl), verl.sft, 1, 8)
+    assert grpo.attn_implementation == sft.attn_implementation == HF_ATTN_IMPLEMENTATION
+    assert HF_ATTN_IMPLEMENTATION == "eager"
+    megatron = apply_overrides(verl, VERL_MEGATRON_OVERRIDES)
+    layout = grpo_layout(capacity_layout(megatron), megatron.grpo, grpo_plan(megatron))
+    assert layout.attn_implementation == "flash"
+    # the A10G has no fused kernel with sinks: eager whatever the backend
+    g5 = PRESETS["gpt-oss-20b"]
+    assert grpo_layout(capacity_layout(g5), g5.grpo, grpo_plan(g5)).attn_implementation == "eager"
+    # the estimate says which kernel it counted, and eager's probabilities cost more
+    text, failing = check_run("gpt-oss-20b", *_check_args(verl))
+    assert failing is None and "bf16, eager attention, micro-batch 1 × 1280 tokens" in text
+    fused = grpo_layout(
+        capacity_layout(verl), verl.grpo, grpo_plan(verl), {"attn_implementation": "flash"}
+    )
+    counted = {
+        kernel: _rank_bytes(estimate("gpt-oss-20b", layout))
+        for kernel, layout in (("eager", grpo), ("flash", fused))
+    }
+    assert counted["eager"] > counted["flash"]

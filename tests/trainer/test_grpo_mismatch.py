@@ -12,14 +12,17 @@ import torch
 from tests_helpers_trainer import fixed_grpo_batch
 from transformers import AutoModelForCausalLM
 
+from core.modeling import load_tokenizer
 from trainer.backends.torch import TorchBackend
-from trainer.grpo import update
+from trainer.distributed import DistInfo, init_distributed
+from trainer.grpo import engines, recipe, update
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.micro_batch import sequences
 from trainer.grpo.mismatch import MismatchGate, MismatchMeter, RolloutMismatchError
 from trainer.grpo.recipe import run_grpo
 from trainer.grpo.rollout import HFRolloutEngine
 from trainer.metrics import read_metrics
+from trainer.placement import run_placement
 
 
 def _k3(d: float) -> float:
@@ -61,20 +64,35 @@ def test_meter_of_two_halves_is_the_meter_of_the_whole():
 
 def test_gate_learns_its_floor_and_noise_at_the_floor_never_trips_it(caplog):
     gate = MismatchGate(0.002, factor=3.0, action="stop")
-    assert not gate.check(1e-3, 1, on_policy=True)  # the floor
-    assert gate.floor == 1e-3 and gate.bound() == pytest.approx(0.005)
+    assert not gate.check(1e-3, 1, staleness=0)  # the floor
+    assert gate.floors == {0: 1e-3} and gate.bound() == pytest.approx(0.005)
     for kl in (1e-3, 2.5e-3, 4.9e-3):  # kernel noise around the floor
-        assert not gate.check(kl, 2, on_policy=True)
+        assert not gate.check(kl, 2, staleness=0)
     with pytest.raises(RolloutMismatchError, match=r"step 5: .* 0\.05 nats .* bound 0\.005"):
-        gate.check(0.05, 5, on_policy=True)
-    assert not gate.check(0.05, 6, on_policy=False)  # a stale step is logged, not gated
-    warn = MismatchGate(0.002, factor=3.0, action="warn", floor=1e-3)  # resumed with its floor
+        gate.check(0.05, 5, staleness=0)
+    warn = MismatchGate(0.002, factor=3.0, action="warn", floors={0: 1e-3})  # resumed
     with caplog.at_level(logging.WARNING, logger="trainer.grpo.mismatch"):
-        assert warn.check(0.05, 7, on_policy=True)
+        assert warn.check(0.05, 7, staleness=0)
     assert "rollout.max_mismatch_kl" in caplog.text
     off = MismatchGate(None)
-    off.check(1e-3, 1, True)
-    assert not off.check(10.0, 2, True)
+    off.check(1e-3, 1, 0)
+    assert not off.check(10.0, 2, 0)
+
+
+def test_a_stale_step_is_gated_against_the_floor_of_its_own_staleness():
+    """One update stale, ``d`` holds the policy's move over that update as well: the first
+    stale step learns a floor of its own (the on-policy floor would stop a healthy async run
+    at its second step), and later stale steps are bounded by it."""
+    gate = MismatchGate(0.002, factor=3.0, action="stop")
+    assert not gate.check(1e-4, 1, staleness=0)  # the first step of an async run
+    assert not gate.check(0.02, 2, staleness=1)  # past 3 × 1e-4 + 0.002, but its own floor
+    assert gate.floors == {0: 1e-4, 1: 0.02} and gate.bound(1) == pytest.approx(0.062)
+    assert not gate.check(0.05, 3, staleness=1)
+    with pytest.raises(RolloutMismatchError, match=r"step 4 \(1 update\(s\) stale\).*skipped"):
+        gate.check(0.07, 4, staleness=1)
+    resumed = MismatchGate(0.002, 3.0, "stop", {0: 1e-4, 1: 0.02})  # a resumed run's floors
+    with pytest.raises(RolloutMismatchError, match="step 9 "):
+        resumed.check(0.07, 9, staleness=1)
 
 
 def _with_behaviour(batch, behaviour_rows):
@@ -239,3 +257,70 @@ def test_recorded_log_probs_leave_the_on_policy_update_as_it_was(tiny_model_dir)
     for key in ("loss", "grad_norm", "entropy", "kl", "clip_fraction"):
         assert plain[key] == measured[key], key
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+ASYNC = {
+    **SMALL,
+    "rollout": {
+        **SMALL["rollout"],
+        "colocate": False,
+        "num_engines": 1,
+        "async_steps": 1,
+        # a skipped sync at lr 1e-3 doubles a stale step's rollout_kl on the tiny model
+        # (measured: 4.8e-3 → 1.03e-2), so the test bounds at 1.5 × floor (docs/grpo.md)
+        "mismatch_floor_factor": 1.5,
+        "max_mismatch_kl": 1e-3,
+    },
+}
+
+
+def _async_run(tmp_path, model, data, monkeypatch, skip_syncs: bool) -> list[dict]:
+    """A 3-step ``async_steps: 1`` run in this process: the training process's loop
+    (``recipe._train``) beside the HF engine a rollout-only process would serve, on its own
+    copy of the weights (``engines.rollout_only_engine``), synced and checked by the real
+    ``sync_engine``; ``skip_syncs``: every sync after the first (version 0) is skipped, sync
+    check and all, so the engine samples with the SFT weights throughout. Its step lines."""
+    cfg = GRPOConfig.model_validate(ASYNC)
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plan = run_placement(cfg, DistInfo(0, 2, 0, cpu))  # trainer rank 0, engine rank 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    site = engines.EngineSite(cfg, model, load_tokenizer(model), plan, DistInfo(1, 2, 0, cpu))
+    engine = engines.rollout_only_engine(site)
+    if skip_syncs:
+        sync = recipe.sync_engine
+
+        def skipping(engine, backend, probe, check, pad_id, info, version):
+            return (
+                sync(engine, backend, probe, check, pad_id, info, version) if not version else None
+            )
+
+        monkeypatch.setattr(recipe, "sync_engine", skipping)
+    paths = (data / "train.jsonl", data / "eval.jsonl", tmp_path / "model", tmp_path)
+    try:
+        recipe._train(cfg, model, *paths, init_distributed("cpu"), plan, remote=engine)
+    finally:
+        lines = [m for m in read_metrics(tmp_path / "training_metrics.jsonl") if "loss" in m]
+    assert [m["staleness"] for m in lines] == [0, 1, 1][: len(lines)]
+    return lines
+
+
+@pytest.mark.slow  # two 3-step runs, ~20 s each on an idle core
+def test_a_skipped_sync_in_an_async_run_trips_the_gate_and_a_healthy_run_does_not(
+    tmp_path, tiny_model_dir, prepared_data, monkeypatch
+):
+    """Issue #39: with ``async_steps: 1`` every step after the first is one update stale,
+    and the gate used to skip them all, so only the sync check guarded the engine. Healthy,
+    the stale steps stay under the bound of the stale floor (learned at step 2); with the
+    syncs skipped, step 3's rollouts are two updates behind the policy and the run stops."""
+    healthy = _async_run(tmp_path / "ok", tiny_model_dir, prepared_data, monkeypatch, False)
+    assert [m["step"] for m in healthy] == [1, 2, 3]
+    assert healthy[1]["sync_logprob_max_diff"] < 1e-5  # the engine took version 1
+    floor = healthy[1]["rollout_kl"]  # one update's lag (float32: no kernel noise)
+    assert healthy[0]["rollout_kl"] < 1e-9 < floor
+    assert healthy[2]["rollout_kl"] <= 1.5 * floor + 1e-3
+    with pytest.raises(RolloutMismatchError, match=r"step 3 \(1 update\(s\) stale\).*skipped"):
+        _async_run(tmp_path / "skip", tiny_model_dir, prepared_data, monkeypatch, True)
+    skipped = read_metrics(tmp_path / "skip" / "training_metrics.jsonl")
+    assert skipped[-1]["step"] == 3 and "sync_logprob_max_diff" not in skipped[-1]
+    assert skipped[-1]["rollout_kl"] > 1.5 * floor + 1e-3

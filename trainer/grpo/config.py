@@ -77,11 +77,13 @@ class RolloutConfig(ConfigModel):
     policy, 0.05 for bf16/fp16)."""
     max_mismatch_kl: float | None = Field(0.002, gt=0)
     """The gate on ``rollout_kl`` (the engine's log-probs of each step's tokens against the
-    trainer's, ``trainer.grpo.mismatch``): on-policy steps may reach
+    trainer's, ``trainer.grpo.mismatch``): a step may reach
     ``mismatch_floor_factor × floor + max_mismatch_kl``, the floor being the run's first
-    step's value (its kernel noise); None: no gate (the metrics are logged all the same)."""
+    step's value at the same staleness (on-policy: its kernel noise; one update stale,
+    ``async_steps: 1``: that and one update's move); None: no gate (the metrics are logged
+    all the same)."""
     mismatch_floor_factor: float = Field(3.0, ge=1)
-    """How many times its first step's ``rollout_kl`` a later on-policy step may reach
+    """How many times the first ``rollout_kl`` at its staleness a later step may reach
     (plus ``max_mismatch_kl``)."""
     mismatch_action: Literal["warn", "stop"] = "warn"
     """Past the gate: log a warning and go on, or stop the run."""

@@ -21,11 +21,15 @@ and per step, over every response token of every data-parallel replica:
   ``rollout_correction: seq_mask`` drops (or would drop).
 
 ``MismatchGate`` bounds ``rollout_kl`` against the run's own floor, as the sync check does
-(``trainer.grpo.sync_check``): the first on-policy step measured (step 0 of a run) learns it,
-and later on-policy steps may reach ``factor × floor + max_mismatch_kl``; past it the run warns
-or stops (``rollout.mismatch_action``). Kernel noise is in the floor, so it alone never trips
-it. Stale steps (``rollout.async_steps``) are logged, not gated: their ``d`` holds the
-one-update lag as well.
+(``trainer.grpo.sync_check``), one floor per staleness (``rollout.async_steps``): the first step
+measured at a staleness learns that staleness's floor, and later steps at it may reach
+``factor × floor + max_mismatch_kl``; past it the run warns or stops
+(``rollout.mismatch_action``). On-policy (staleness 0) the floor is kernel noise alone; one
+update stale (every step but the first of an async run) ``d`` also holds the policy's own move
+over one update, so its floor is learned apart, from the first stale step. Kernel noise and a
+one-update lag are in their floors, so they alone never trip the gate; an engine that drifts,
+or that samples with weights older than the update it is said to have (a sync skipped or
+lost), does.
 """
 
 from __future__ import annotations
@@ -139,50 +143,63 @@ def _percentile(histogram: torch.Tensor, q: float) -> float:
 
 @dataclass
 class MismatchGate:
-    """``rollout.max_mismatch_kl`` against the run's own floor.
+    """``rollout.max_mismatch_kl`` against the run's own floor at each staleness.
 
     Args:
-        max_mismatch_kl: what later on-policy steps may add to ``factor × floor`` (None: no
-            gate; the metrics are logged all the same).
-        factor: how many times the floor they may reach.
+        max_mismatch_kl: what later steps may add to ``factor × floor`` (None: no gate; the
+            metrics are logged all the same).
+        factor: how many times their staleness's floor they may reach.
         action: ``warn`` (log and go on) or ``stop`` (raise ``RolloutMismatchError``).
-        floor: the floor, when already known (a resumed run; ``RunState.mismatch_floor``).
+        floors: staleness → floor, those already known (a resumed run;
+            ``RunState.mismatch_floor`` and ``stale_mismatch_floor``).
     """
 
     max_mismatch_kl: float | None
     factor: float = 3.0
     action: str = "warn"
-    floor: float | None = None
+    floors: dict[int, float] = field(default_factory=dict)
 
-    def bound(self) -> float | None:
-        if self.max_mismatch_kl is None or self.floor is None:
+    def bound(self, staleness: int = 0) -> float | None:
+        """What a step at ``staleness`` may reach (None: no gate, or its floor not learned)."""
+        floor = self.floors.get(staleness)
+        if self.max_mismatch_kl is None or floor is None:
             return None
-        return self.factor * self.floor + self.max_mismatch_kl
+        return self.factor * floor + self.max_mismatch_kl
 
-    def check(self, rollout_kl: float, step: int, on_policy: bool) -> bool:
-        """Learn the floor from the first on-policy step, bound the later ones; True when
-        ``rollout_kl`` is past the bound (and the action is ``warn``).
+    def check(self, rollout_kl: float, step: int, staleness: int) -> bool:
+        """Learn the floor of ``staleness`` from its first step, bound the later ones; True
+        when ``rollout_kl`` is past the bound (and the action is ``warn``).
 
         Raises:
             RolloutMismatchError: past the bound with ``action="stop"``.
         """
-        if not on_policy:
+        if staleness not in self.floors:
+            self.floors[staleness] = rollout_kl
             return False
-        if self.floor is None:
-            self.floor = rollout_kl
-            return False
-        bound = self.bound()
+        bound = self.bound(staleness)
         if bound is None or rollout_kl <= bound:
             return False
+        floor = self.floors[staleness]
+        where = f"step {step}"
+        if staleness:
+            where += f" ({staleness} update(s) stale)"
+            learned = f"its first step {staleness} update(s) stale"
+            cause = (
+                f"the engine samples with older weights than the {staleness} update(s) it is "
+                "said to lag (a weight sync skipped or lost; see sync_logprob_max_diff), or "
+                "from another policy than the one trained"
+            )
+        else:
+            learned = "its first step"
+            cause = "the engine samples from another policy than the one trained"
         message = (
-            f"step {step}: the rollout engine's log-probs of this step's response tokens are "
+            f"{where}: the rollout engine's log-probs of this step's response tokens are "
             f"{rollout_kl:.4g} nats per token (k3 KL, rollout_kl) from the trainer's, past the "
-            f"bound {bound:.4g} ({self.factor:g} × the run's floor {self.floor:.4g}, learned "
-            f"at its first step, + rollout.max_mismatch_kl {self.max_mismatch_kl:g}): the "
-            "engine samples from another policy than the one trained (a stale or scrambled "
-            "layer after a sync, a lower-precision kernel, expert routing that flips; see "
-            "router_mismatch_rate); try algorithm.rollout_correction seq_mask or seq_tis, or "
-            "algorithm.router_replay: rollout on MoE models"
+            f"bound {bound:.4g} ({self.factor:g} × the run's floor {floor:.4g}, learned at "
+            f"{learned}, + rollout.max_mismatch_kl {self.max_mismatch_kl:g}): {cause} (a stale "
+            "or scrambled layer after a sync, a lower-precision kernel, expert routing that "
+            "flips; see router_mismatch_rate); try algorithm.rollout_correction seq_mask or "
+            "seq_tis, or algorithm.router_replay: rollout on MoE models"
         )
         if self.action == "stop":
             raise RolloutMismatchError(message + ". The run stops here.")

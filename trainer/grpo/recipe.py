@@ -204,8 +204,11 @@ class RunState:
     """The sync check's noise floor, learned before the first sync (``SyncGap`` as JSON): a
     resumed run's engine holds other weights than its policy and cannot learn it again."""
     mismatch_floor: float | None = None
-    """``rollout_kl`` of the run's first step, the floor of the mismatch gate
-    (``trainer.grpo.mismatch.MismatchGate``), kept for a resumed run."""
+    """``rollout_kl`` of the run's first on-policy step, the mismatch gate's floor for
+    on-policy steps (``trainer.grpo.mismatch.MismatchGate``), kept for a resumed run."""
+    stale_mismatch_floor: float | None = None
+    """``rollout_kl`` of the run's first step one update stale (``rollout.async_steps``), the
+    gate's floor for stale steps."""
 
     def to_json(self) -> dict:
         """The checkpoint's form: the held-out results and the batches as their JSON."""
@@ -316,7 +319,11 @@ def _train(
         cfg.rollout.max_mismatch_kl,
         cfg.rollout.mismatch_floor_factor,
         cfg.rollout.mismatch_action,
-        state.mismatch_floor,
+        {
+            k: v
+            for k, v in ((0, state.mismatch_floor), (1, state.stale_mismatch_floor))
+            if v is not None
+        },
     )
     if engines_ready is not None:  # no process enters a collective while an engine loads
         engines_ready()
@@ -386,8 +393,9 @@ def _train(
                 **sync_metrics(producer.sync_reports()),
             )
             if "rollout_kl" in stats:  # after the line: a stopped run shows the step's value
-                gate.check(stats["rollout_kl"], done, made.staleness == 0)
-                state.mismatch_floor = gate.floor
+                gate.check(stats["rollout_kl"], done, made.staleness)
+                state.mismatch_floor = gate.floors.get(0)
+                state.stale_mismatch_floor = gate.floors.get(1)
             progress.update(1)
             progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):

@@ -399,14 +399,17 @@ def s3_client() -> S3Client:
     function here uses unless given one.
 
     We send Content-MD5 ourselves; botocore's default extra CRC32 checksums are refused by
-    some S3-compatible stores.
+    some S3-compatible stores. Each client comes from a session of its own, so credentials
+    and endpoint are read from the environment as it is now (boto3's default session keeps
+    the credentials it first found: a Secret mapped in later, or one removed, went unseen).
     """
     try:
         import boto3
         from botocore.config import Config
     except ImportError as exc:  # pragma: no cover - boto3 is a core dependency
         raise ImportError("object storage needs boto3: pip install boto3") from exc
-    return boto3.client("s3", config=Config(request_checksum_calculation="when_required"))
+    session = boto3.session.Session()
+    return session.client("s3", config=Config(request_checksum_calculation="when_required"))
 
 
 def _object_key(uri: str) -> tuple[str, str]:

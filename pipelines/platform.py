@@ -23,6 +23,7 @@ from cluster.nodes import NODE_TYPES
 from core.config_model import ConfigModel
 
 STEPS = (
+    "configure",
     "start-tracking",
     "data-prep",
     "base-model",
@@ -273,6 +274,7 @@ NETWORK_STEPS = ("start-tracking", "data-prep", "base-model", "evaluate", "regis
 # data prep and the capacity check are pure functions of their inputs; training, eval, the
 # gate (reads the current champion) and register (side effects) always run
 CLUSTER_CACHING = {
+    "configure": True,
     "data-prep": True,
     "capacity-check": True,
     "base-model": False,

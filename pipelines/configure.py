@@ -14,19 +14,19 @@ from components.images import CPU_IMAGE
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def configure(
     preset: str,
+    data_source: str,
+    model_source: str,
+    sft_max_steps: int,
+    sft_num_epochs: float,
+    sft_learning_rate: float,
+    grpo_max_steps: int,
+    grpo_learning_rate: float,
+    grpo_samples_per_prompt: int,
+    grpo_prompts_per_step: int,
+    eval_samples: int,
+    gate_margin: float,
     overrides: str = "",
-    data_source: Optional[str] = None,  # noqa: UP045 (KFP reads Optional[...])
-    model_source: Optional[str] = None,  # noqa: UP045
-    sft_max_steps: Optional[int] = None,  # noqa: UP045
-    sft_num_epochs: Optional[float] = None,  # noqa: UP045
-    sft_learning_rate: Optional[float] = None,  # noqa: UP045
-    grpo_max_steps: Optional[int] = None,  # noqa: UP045
-    grpo_learning_rate: Optional[float] = None,  # noqa: UP045
-    grpo_samples_per_prompt: Optional[int] = None,  # noqa: UP045
-    grpo_prompts_per_step: Optional[int] = None,  # noqa: UP045
-    eval_samples: Optional[int] = None,  # noqa: UP045
-    gate_margin: Optional[float] = None,  # noqa: UP045
-    backend: Optional[str] = None,  # noqa: UP045
+    backend: Optional[str] = None,  # noqa: UP045 (KFP reads Optional[...]); both branches only
 ) -> NamedTuple(
     "RunConfig",
     [
@@ -48,9 +48,9 @@ def configure(
     ],
 ):
     """The run's step configs: ``preset`` (the JSON the pipeline carries) with the form's
-    fields (those given) and then ``overrides`` (``--set`` syntax) applied, checked; a value
-    that does not hold fails this step with a message naming the field
-    (``pipelines.run_form.resolve_run``)."""
+    fields (``pipelines.run_form.FORM_FIELDS``; ``backend`` where the preset has both GRPO
+    branches) and then ``overrides`` (``--set`` syntax) applied, checked; a value that does not
+    hold fails this step with a message naming the field (``run_form.resolve_run``)."""
     given = dict(locals())  # first: the parameters only
     form = {k: v for k, v in given.items() if k not in ("preset", "overrides") and v is not None}
     from collections import namedtuple

@@ -13,14 +13,15 @@ environment variable they land in are written into the compiled YAML.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from kfp import kubernetes
-from kfp.dsl import PipelineTask
 from pydantic import ConfigDict, Field, model_validator
 
 from cluster.nodes import NODE_TYPES
 from core.config_model import ConfigModel
+
+if TYPE_CHECKING:
+    from kfp.dsl import PipelineTask
 
 STEPS = (
     "configure",
@@ -156,6 +157,8 @@ def apply_platform(task: PipelineTask, step: str, settings: ClusterSettings) -> 
     Raises:
         ValueError: If ``step`` is not one of ``STEPS``.
     """
+    from kfp import kubernetes  # compile time only: a step's runtime kfp has no kfp.kubernetes
+
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}: apply_platform knows {list(STEPS)}")
     if settings.workspace_pvc:
@@ -221,6 +224,8 @@ def with_platform(settings: ClusterSettings) -> Callable[[PipelineTask, str], Pi
 
 
 def _apply_resources(task: PipelineTask, resources: StepResources) -> None:
+    from kfp import kubernetes
+
     if resources.cpu_request:
         task.set_cpu_request(resources.cpu_request)
     if resources.cpu_limit:

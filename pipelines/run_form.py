@@ -255,7 +255,7 @@ def _does_not_apply(preset: Preset, path: str) -> str | None:
             f"applies to the Megatron branch, which the pipeline of preset {preset.name} "
             "does not hold (grpo_branches)"
         )
-    if path == "backend":
+    if path == "backend" and len(preset.grpo_branches) == 1:
         return f"the pipeline of preset {preset.name} holds one GRPO branch, {preset.backend}"
     return None
 

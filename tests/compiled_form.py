@@ -1,6 +1,7 @@
 """A kept pipeline YAML's run form, as KFP hands it to the ``configure`` step: the preset the
 pipeline carries (a constant of that task) and the form's parameter values."""
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,17 @@ import yaml
 from pipelines.run_form import FORM_FIELDS, configure_outputs
 
 
+@functools.cache
+def _read(path: Path, mtime_ns: int) -> dict:
+    return next(
+        yaml.load_all(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    )
+
+
 def _spec(path: Path) -> dict:
-    return next(yaml.safe_load_all(Path(path).read_text()))
+    """The pipeline spec at ``path`` (read once while the file is unchanged; do not modify)."""
+    path = Path(path)
+    return _read(path, path.stat().st_mtime_ns)
 
 
 def carried_preset(path: Path) -> str:

@@ -235,6 +235,16 @@ def resolve_run(carried: str, form: Mapping[str, Any], overrides: str = "") -> P
             f"overrides: model.tiny.* configures the tiny model, and this run's model is "
             f"{resolved.model.source!r} (model_source)"
         )
+    if (
+        resolved.backend == "megatron"
+        and resolved.megatron_optim
+        and "grpo.optim.learning_rate" in changed
+    ):
+        raise RunFormError(
+            "parameter grpo_learning_rate: the Megatron branch's optimizer is megatron_optim, "
+            "in place of grpo.optim; set its rate in overrides: "
+            "megatron_optim.learning_rate=VALUE"
+        )
     if resolved.hardware.platform != preset.hardware.platform:
         raise RunFormError(
             f"hardware.node_type={resolved.hardware.node_type}: the pipeline was compiled for "

@@ -171,6 +171,8 @@ def test_compile_time_set_and_run_time_overrides_give_the_same_step_configs(tmp_
         (GPT, {}, "hardware.node_type=p5en.48xlarge", "compiled for g5.12xlarge"),
         (GPT, {}, "grpo.reward_weights='{\"no_such_term\": 1}'", "grpo.reward_weights"),
         (VERL, {"backend": "tpu"}, "", "backend"),
+        # megatron_optim replaces grpo.optim on the Megatron branch: the rate would be ignored
+        (VERL, {"backend": "megatron", "grpo_learning_rate": 1e-6}, "", "megatron_optim."),
     ],
 )
 def test_a_value_that_does_not_hold_stops_the_configure_step_naming_the_field(
@@ -219,3 +221,14 @@ def test_an_item_without_a_value_is_refused_by_both_readers():
     for read in (lambda: parse_assignments(["sft.max_steps"]), lambda: parse_overrides("=3")):
         with pytest.raises(AssignmentError, match="is not STEP.FIELD=VALUE"):
             read()
+
+
+def test_docs_run_form_describes_every_parameter():
+    from pathlib import Path
+
+    from pipelines.pipeline import IMAGES
+    from pipelines.run_form import RUN_FIELDS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "run-form.md").read_text()
+    names = [f.name for f in FORM_FIELDS] + [f.name for f in RUN_FIELDS] + list(IMAGES)
+    assert [name for name in names if f"| `{name}` |" not in text] == []

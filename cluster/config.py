@@ -47,6 +47,9 @@ class SecretEnv(ConfigModel):
     name: str
     secret: str
     key: str
+    optional: bool = False
+    """The pod starts without the variable when the Secret or its key is missing (else the
+    kubelet refuses to start it)."""
 
 
 class Toleration(ConfigModel):

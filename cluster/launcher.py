@@ -36,17 +36,32 @@ Progress = Callable[[], tuple[int, int] | None]
 """Returns the latest ``(step, max_steps)``, or None before the first step."""
 
 
+class NoKubernetesAccess(RuntimeError):
+    """Neither an in-cluster service account nor a kubeconfig to reach an API server with."""
+
+
 class JobFailed(RuntimeError):
     """The job reached the Failed condition; the message holds the reasons."""
 
 
 def default_api_client() -> k8s.ApiClient:
     """A client of the cluster this runs in (its service account), else of the local
-    kubeconfig's current context."""
+    kubeconfig's current context.
+
+    Raises:
+        NoKubernetesAccess: neither is there (one line: what was looked for, the fix).
+    """
     try:
         k8s_config.load_incluster_config()
     except k8s_config.ConfigException:
-        k8s_config.load_kube_config()
+        try:
+            k8s_config.load_kube_config()
+        except (k8s_config.ConfigException, OSError) as error:
+            raise NoKubernetesAccess(
+                "no Kubernetes access: not in a pod, and no usable kubeconfig "
+                f"({' '.join(str(error).split())}): log in (oc login / kubectl config "
+                "use-context) or set KUBECONFIG"
+            ) from error
     return k8s.ApiClient()
 
 

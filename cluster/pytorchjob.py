@@ -59,7 +59,9 @@ def _container(cluster: ClusterJobConfig, command: list[str]) -> k8s.V1Container
         else k8s.V1EnvVar(
             name=name,
             value_from=k8s.V1EnvVarSource(
-                secret_key_ref=k8s.V1SecretKeySelector(name=value.secret, key=value.key)
+                secret_key_ref=k8s.V1SecretKeySelector(
+                    name=value.secret, key=value.key, optional=value.optional or None
+                )
             ),
         )
         for name, value in cluster.job_env()

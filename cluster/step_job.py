@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from cluster.access import check_access, step_access
 from cluster.config import QUEUE_LABEL, ClusterJobConfig, ExecutionConfig
 from cluster.jobs import JOB_KINDS, TRAINJOB, JobKind, job_state
 from cluster.launcher import JobLauncher, metrics_progress
@@ -296,6 +297,8 @@ def run_step_job(
     Raises:
         JobFailed, TimeoutError: from the launcher; the job is kept for inspection.
         JobApiNotServed, RuntimeNotInstalled: the cluster lacks what the job needs.
+        AccessDenied: the step's service account may not do what the job needs (checked
+            with SelfSubjectAccessReviews before anything is staged or created).
         ValueError: the layout and the config disagree.
     """
     cluster = step_cluster(execution, default_image, current_namespace(), rollout_image)
@@ -303,6 +306,8 @@ def run_step_job(
     shared = Path(execution.shared_dir(cluster)) / name
     launcher = launcher or JobLauncher.connect(cluster.namespace, cluster.job_api)
     log.info("%s: runs as a %s", job.step, launcher.kind.kind)
+    own_runtime = launcher.kind is TRAINJOB and job_layout(job, cluster, launcher.kind).two_images
+    check_access(launcher.api_client, cluster.namespace, step_access(launcher.kind, own_runtime))
     existing = _existing(launcher, name)
     runtime = None
     if existing is not None and job_state(launcher.kind, existing) not in FINISHED:
@@ -312,7 +317,7 @@ def run_step_job(
         if existing is not None:
             launcher.delete(name)
             _wait_gone(launcher, name, execution.poll_s)
-        if launcher.kind is TRAINJOB and not job_layout(job, cluster, launcher.kind).two_images:
+        if launcher.kind is TRAINJOB and not own_runtime:
             require_runtime(launcher, cluster.runtime)
         args = stage_inputs(job, shared)
         manifest = build_step_manifest(job, cluster, run_id, args, launcher.kind)

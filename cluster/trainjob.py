@@ -47,11 +47,12 @@ ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
 RUNTIME_KIND = "ClusterTrainingRuntime"
 RUNTIME_PLURAL = "clustertrainingruntimes"
 ROLLOUT = "rollout"
-"""A two-image job's replicated job and container of the rollout-only nodes. It has no trainer
-ancestor label, so the Trainer keeps the runtime's image, command and pod count for it
-(v2.3.0 ``plugins/jobset/builder.go`` ``Trainer``: image, command and env only where the
-ancestor is ``trainer``; ``pkg/runtime/core/trainingruntime.go`` line 189: its pod count is the
-job's ``parallelism``)."""
+"""A two-image job's replicated job and container of the rollout-only nodes. Its pods sort
+after the trainers' (``sorts_after_trainers``: OpenShift AI's progress polling relies on it).
+It has no trainer ancestor label, so the Trainer keeps the runtime's image, command and pod
+count for it (v2.3.0 ``plugins/jobset/builder.go`` ``Trainer``: image, command and env only
+where the ancestor is ``trainer``; ``pkg/runtime/core/trainingruntime.go`` line 189: its pod
+count is the job's ``parallelism``)."""
 TORCH_MASTER_PORT = 29500
 """The torch plugin's ``PET_MASTER_PORT`` (v2.3.0 ``pkg/constants/constants.go`` line 72,
 ``ContainerTrainerPort``)."""
@@ -71,7 +72,9 @@ def _env(cluster: ClusterJobConfig) -> list[kt.IoK8sApiCoreV1EnvVar]:
         if isinstance(value, str):
             env.append(kt.IoK8sApiCoreV1EnvVar(name=name, value=value))
             continue
-        selector = kt.IoK8sApiCoreV1SecretKeySelector(name=value.secret, key=value.key)
+        selector = kt.IoK8sApiCoreV1SecretKeySelector(
+            name=value.secret, key=value.key, optional=value.optional or None
+        )
         source = kt.IoK8sApiCoreV1EnvVarSource(secret_key_ref=selector)
         env.append(kt.IoK8sApiCoreV1EnvVar(name=name, value_from=source))
     if cluster.progress_tracking and PROGRESS_PORT_ENV not in {e.name for e in env}:
@@ -238,9 +241,37 @@ def _node_job(cluster: ClusterJobConfig) -> kt.JobsetV1alpha2ReplicatedJob:
     )
 
 
+def sorts_after_trainers(replicated_job: str) -> bool:
+    """True when the first pod of ``replicated_job`` sorts after the trainers' first pod,
+    ``<job>-node-0-0-<suffix>``, whatever the job's name and the pods' random suffixes.
+
+    OpenShift AI polls a TrainJob's progress from the first pod the API server lists (in
+    name order) that is running, ready and has an IP, among those labelled
+    ``jobset.sigs.k8s.io/job-index: "0"`` and ``batch.kubernetes.io/job-completion-index:
+    "0"`` (opendatahub-io/trainer ``pkg/rhai/progression/progression.go``, ``GetPrimaryPod``,
+    lines 116-121 and 155-158). Every replicated job's first pod carries both labels, so the
+    trainers' pod must come first by name: JobSet names a pod ``<job>-<replicated job>-<job
+    index>-<pod index>-<suffix>``, and the shared ``<job>-`` and the suffix cannot reorder two
+    prefixes of which neither starts the other."""
+    ours, theirs = f"{NODE}-0-0-", f"{replicated_job}-0-0-"
+    return theirs > ours and not theirs.startswith(ours)
+
+
 def _runtime_spec(
     jobs: list[kt.JobsetV1alpha2ReplicatedJob],
 ) -> kt.TrainerV1alpha1TrainingRuntimeSpec:
+    """The runtime of ``jobs``, the trainers' ``node`` job first.
+
+    Raises:
+        ValueError: another job's pods would sort before the trainers' (``sorts_after_trainers``).
+    """
+    for job in jobs[1:]:
+        if not sorts_after_trainers(job.name):
+            raise ValueError(
+                f"replicated job {job.name!r}: its first pod would sort before the trainers' "
+                f"({NODE!r}), so OpenShift AI would poll its progress there; name it so that "
+                f"'{job.name}-0-0-' sorts after '{NODE}-0-0-'"
+            )
     return kt.TrainerV1alpha1TrainingRuntimeSpec(
         ml_policy=kt.TrainerV1alpha1MLPolicy(
             num_nodes=1, torch=kt.TrainerV1alpha1TorchMLPolicySource()

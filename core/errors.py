@@ -42,6 +42,10 @@ ERRNO_CAUSES = {
 }
 """The cause a user reads for an ``OSError``'s errno."""
 
+HF_TOKEN_HINT = (
+    "a gated or private repo needs HF_TOKEN; in the pipeline it comes from the optional Secret "
+    "lingo-hf, which `lingo cluster setup` creates from it"
+)
 _OS_ERROR_CODE = re.compile(r"os error (\d+)")
 """How Rust libraries (safetensors, tokenizers) name the OS error inside their message."""
 MAX_PATH_SHOWN = 200
@@ -94,6 +98,8 @@ def _library_error(exc: BaseException) -> str | None:
         return describe_validation_error(exc)
     if module == "huggingface_hub" or kind == "HFValidationError":
         first = text.strip().splitlines()[0] if text.strip() else kind
+        if kind == "GatedRepoError" or "401 Client Error" in first:
+            first += f" ({HF_TOKEN_HINT})"
         return f"Hugging Face hub: {first}"
     if module in ("requests", "urllib3", "httpx", "httpx2", "httpcore"):
         return f"network error: {kind}: {text}"

@@ -38,6 +38,14 @@ _CHUNK = 1 * MIB
 S3Client = Any  # a boto3 S3 client; typed loosely so boto3 stays an import-time-free dependency
 
 
+NO_CREDENTIALS = (
+    "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (in the pipeline they "
+    "come from the optional Secret lingo-s3, which `lingo cluster setup` creates from them)"
+)
+"""What a step that reads or writes S3 without credentials says (the platform's Secrets are
+optional: ``pipelines.platform.DEFAULT_SECRETS``)."""
+
+
 class StorageError(RuntimeError):
     """An object-storage operation failed; the message names the URI and the cause."""
 
@@ -500,11 +508,14 @@ def _read_manifest(client: S3Client, bucket: str, prefix: str, uri_prefix: str) 
 
 @contextmanager
 def _wrap_errors(uri: str, action: str) -> Iterator[None]:
-    """Re-raise boto3/botocore errors as :class:`StorageError` naming ``uri`` and ``action``."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    """Re-raise boto3/botocore errors as :class:`StorageError` naming ``uri`` and ``action``
+    (no credentials at all: naming where they come from)."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     try:
         yield
+    except NoCredentialsError as exc:
+        raise StorageError(f"{uri}: {action} failed: {NO_CREDENTIALS}") from exc
     except (BotoCoreError, ClientError) as exc:
         raise StorageError(f"{uri}: {action} failed: {exc}") from exc
 

@@ -17,8 +17,11 @@ experiment created in such a store keeps its artifacts beside the database
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
+import shlex
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,6 +65,23 @@ LOCAL_ARTIFACTS_DIR = "mlartifacts"
 def local_store_uri(directory: str | Path) -> str:
     """The URI of an SQLite MLflow store in ``directory`` (``sqlite:////abs/dir/mlflow.db``)."""
     return f"sqlite:///{Path(directory).resolve() / LOCAL_STORE_FILE}"
+
+
+def mlflow_ui_command(uri: str) -> str:
+    """The shell command that opens the store at ``uri`` in MLflow's UI (http://127.0.0.1:5000).
+
+    An SQLite store carries the alembic revision of the MLflow that wrote it, and the full
+    ``mlflow`` package opens only its own revision: 3.17.2 refuses a store written by
+    ``mlflow-skinny`` 3.18.0 ("Detected out-of-date database schema"). So the command installs
+    the full package at the exact version of the ``mlflow-skinny`` in this environment (the
+    writer), into this environment, and runs its UI from there.
+    """
+    version = importlib.metadata.version("mlflow-skinny")
+    python = shlex.quote(sys.executable)
+    return (
+        f"{python} -m pip install 'mlflow=={version}' && "
+        f"{python} -m mlflow ui --backend-store-uri {shlex.quote(uri)}"
+    )
 
 
 def artifact_location(uri: str) -> str | None:

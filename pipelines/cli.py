@@ -537,14 +537,14 @@ def _run_jobs(run_id: str, namespace: str | None) -> list[str]:
     try:
         from kubernetes import config as k8s_config
 
-        from cluster.launcher import default_api_client
+        from cluster.launcher import NoKubernetesAccess, default_api_client
         from cluster.step_job import current_namespace, describe_run_jobs
     except ImportError as exc:
         return [f"training jobs not read: {exc.msg} (pip install 'lingo-rl[cluster]')"]
     try:
         api_client = default_api_client()
-    except k8s_config.ConfigException as exc:
-        return [f"training jobs not read: no Kubernetes access ({exc})"]
+    except NoKubernetesAccess as exc:
+        return [f"training jobs not read: {exc}"]
     if namespace is None:
         try:
             _, context = k8s_config.list_kube_config_contexts()
@@ -600,4 +600,126 @@ RUNTIME_HEADER = (
     "# The ClusterTrainingRuntime lingo-rl's TrainJobs reference (Kubeflow Trainer v2.3).\n"
     "# Install: kubectl apply -f deploy/cluster-training-runtime.yaml, or\n"
     "# lingo cluster install-runtime. Written by: lingo cluster install-runtime --dry-run\n"
+)
+
+
+@cluster_app.command("setup")
+@clear_errors
+def setup(
+    namespace: Annotated[
+        str | None,
+        typer.Option(help="Where the pipeline runs [default: the kubeconfig context's]."),
+    ] = None,
+    service_account: Annotated[
+        str,
+        typer.Option(
+            help="The pipeline's service account: Data Science Pipelines' "
+            "pipeline-runner-<DSPA name>."
+        ),
+    ] = "pipeline-runner-dspa",
+    preset: Annotated[
+        str, typer.Option(help="The cluster preset whose platform (volume, Secrets) to set up.")
+    ] = "gpt-oss-20b",
+    image: Annotated[
+        str | None,
+        typer.Option(help="The runtime's training image [default: the GPU image]."),
+    ] = None,
+    workspace_size: Annotated[
+        str, typer.Option(help="The workspace PVC's size, when it is created.")
+    ] = "500Gi",
+    storage_class: Annotated[
+        str | None,
+        typer.Option(help="The workspace PVC's storage class (ReadWriteMany) [default: none]."),
+    ] = None,
+    skip_runtime: Annotated[
+        bool,
+        typer.Option(
+            "--skip-runtime",
+            help="Leave the ClusterTrainingRuntime out (a cluster admin installs it).",
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print the manifests (Secrets as comments) instead."),
+    ] = False,
+    sets: SetOption = None,
+) -> None:
+    """Set a namespace up for the pipeline's training jobs, in one command: the
+    ClusterTrainingRuntime, a Role and RoleBinding for the pipeline's service account
+    (TrainJobs, TrainingRuntimes, PyTorchJobs; JobSets, pods, logs, events read), the
+    workspace PVC if missing, and a Secret for each of the platform's Secrets whose
+    variables are set here (S3, MLflow, Hugging Face: all optional)."""
+    import os
+
+    from cluster.setup import SecretSource, describe_secret, setup_plan
+    from components.images import GPU_IMAGE
+    from pipelines.platform import get_platform
+    from pipelines.presets import training_runtime
+
+    config = _load_preset(preset, sets)
+    platform = get_platform(config.hardware.platform)
+    try:
+        runtime = None if skip_runtime else training_runtime(config, image or GPU_IMAGE)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--preset") from exc
+    api_client = None
+    if not dry_run:
+        from cluster.launcher import default_api_client
+
+        api_client = default_api_client()
+    namespace = namespace or _context_namespace(fallback="default" if dry_run else None)
+    workspace = (
+        (platform.workspace_pvc, workspace_size, storage_class) if platform.workspace_pvc else None
+    )
+    sources = [SecretSource(s.secret_name, s.key_to_env, s.steps) for s in platform.secrets]
+    plan = setup_plan(namespace, service_account, runtime, workspace, sources, os.environ)
+    if dry_run:
+        from cluster.pytorchjob import manifest_yaml
+
+        documents = [manifest_yaml(m) for m in plan.manifests() if m["kind"] != "Secret"]
+        comments = [describe_secret(m) for m in plan.namespaced if m["kind"] == "Secret"]
+        comments += [f"# {line}" for line in plan.skipped]
+        typer.echo(SETUP_HEADER + "---\n".join(documents), nl=False)
+        for line in comments:
+            echo(line)
+        return
+    from cluster.setup import apply_plan
+
+    done, failed = apply_plan(plan, api_client)
+    for line in done + plan.skipped:
+        echo(line)
+    for line in failed:
+        echo(f"error: {line}", err=True)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _context_namespace(fallback: str | None = None) -> str:
+    """The kubeconfig's current context's namespace (``default`` when it names none), else
+    in a pod its own, else ``fallback``.
+
+    Raises:
+        typer.BadParameter: none of them (no ``fallback``).
+    """
+    from kubernetes import config as k8s_config
+
+    from cluster.step_job import SERVICE_ACCOUNT_NAMESPACE
+
+    try:
+        _, context = k8s_config.list_kube_config_contexts()
+    except (k8s_config.ConfigException, OSError) as exc:
+        if SERVICE_ACCOUNT_NAMESPACE.exists():
+            return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+        if fallback is not None:
+            return fallback
+        raise typer.BadParameter(
+            f"none given, and no kubeconfig context to take it from ({exc})",
+            param_hint="--namespace",
+        ) from exc
+    return context["context"].get("namespace", "default")
+
+
+SETUP_HEADER = (
+    "# What `lingo cluster setup` creates (kubectl apply -f; the ClusterTrainingRuntime takes a\n"
+    "# cluster admin). Written by: lingo cluster setup --dry-run\n"
 )

@@ -64,16 +64,22 @@ class KfpConnection:
         token: Bearer token, or None for an unauthenticated server. Never shown in ``repr``.
         namespace: Kubernetes namespace of a multi-user deployment, else None.
         timeout_s: Per-request timeout.
+        ca_bundle: PEM file of the CAs that sign the server's certificate (a cluster's own
+            CA, e.g. a workbench's ``/etc/pki/tls/custom-certs/ca-bundle.crt``); None: the
+            system's CAs.
     """
 
     endpoint: str
     token: str | None = field(default=None, repr=False)
     namespace: str | None = None
     timeout_s: float = 60.0
+    ca_bundle: str | None = None
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"KFP endpoint {self.endpoint!r} must start with http:// or https://")
+        if self.ca_bundle is not None and not Path(self.ca_bundle).is_file():
+            raise ValueError(f"KFP CA bundle {self.ca_bundle!r}: no such file")
         object.__setattr__(self, "endpoint", self.endpoint.rstrip("/"))
 
     @classmethod
@@ -109,6 +115,7 @@ class KfpConnection:
                 files=files,
                 headers=headers,
                 timeout=self.timeout_s,
+                verify=self.ca_bundle or True,
             )
         except requests.RequestException as exc:
             raise KfpApiError(method, url, None, f"{type(exc).__name__}: {exc}") from None

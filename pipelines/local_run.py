@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from core.atomic import atomic_writer
 from core.redact import redact
-from core.tracking import local_store_uri
+from core.tracking import local_store_uri, mlflow_ui_command
 from eval.gate import GateConfig
 from pipelines.local_console import QuietConsole
 from pipelines.presets import Preset
@@ -249,8 +249,5 @@ def tracking_summary(result: LocalRunResult, gate: GateConfig) -> list[str]:
         )
     else:
         lines.append(f"gate: {decision}, nothing registered (why: {result.run_dir / 'gate'})")
-    lines.append(
-        f"open it: pip install mlflow && mlflow ui --backend-store-uri {uri}"
-        " (then http://127.0.0.1:5000)"
-    )
+    lines.append(f"open it: {mlflow_ui_command(uri)} (then http://127.0.0.1:5000)")
     return lines

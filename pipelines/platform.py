@@ -53,6 +53,9 @@ class SecretEnv(ConfigModel):
     steps: tuple[str, ...] | None = None
     """Steps that get this secret; ``None`` means every step."""
     optional: bool = False
+    """The task (and its job) starts without the variables when the Secret or a key is
+    missing; a step that needs them fails naming them (kfp-kubernetes ``use_secret_as_env``
+    ``optional``, a ``secretKeyRef.optional`` in the pod)."""
 
 
 class Toleration(ConfigModel):
@@ -191,13 +194,14 @@ def apply_platform(task: PipelineTask, step: str, settings: ClusterSettings) -> 
 
 def job_defaults(settings: ClusterSettings, step: str) -> dict:
     """``ClusterJobConfig`` fields a training job of ``step`` takes from the platform: the same
-    workspace volume (so staged inputs are visible) and the same Secrets, by name."""
+    workspace volume (so staged inputs are visible) and the same Secrets, by name (optional
+    where the platform's are)."""
     if not settings.workspace_pvc:
         return {}
     secret_env = [
-        {"name": env, "secret": secret.secret_name, "key": key}
+        {"name": env, "secret": secret.secret_name, "key": key, "optional": secret.optional}
         for secret in settings.secrets
-        if (secret.steps is None or step in secret.steps) and not secret.optional
+        if secret.steps is None or step in secret.steps
         for key, env in secret.key_to_env.items()
     ]
     return {
@@ -249,7 +253,9 @@ def _apply_resources(task: PipelineTask, resources: StepResources) -> None:
         )
 
 
-# Secret names and keys are conventions of our clusters; values live only in the cluster.
+# Secret names and keys are conventions of our clusters; values live only in the cluster. All
+# optional: a run that reads no S3, tracks to no MLflow server and pulls no gated model needs
+# none of them (`lingo cluster setup` creates those whose variables are set where it runs).
 DEFAULT_SECRETS = (
     SecretEnv(
         secret_name="lingo-s3",
@@ -258,6 +264,7 @@ DEFAULT_SECRETS = (
             "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
             "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL",
         },
+        optional=True,
     ),
     SecretEnv(
         secret_name="lingo-mlflow",
@@ -265,11 +272,13 @@ DEFAULT_SECRETS = (
             "MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI",
             "MLFLOW_TRACKING_TOKEN": "MLFLOW_TRACKING_TOKEN",
         },
+        optional=True,
     ),
     SecretEnv(
         secret_name="lingo-hf",
         key_to_env={"HF_TOKEN": "HF_TOKEN"},
         steps=("data-prep", "base-model", "evaluate"),
+        optional=True,
     ),
 )
 GPU_STEPS = ("sft", "grpo", "convert-megatron", "export-hf", "evaluate")

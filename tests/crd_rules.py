@@ -279,3 +279,90 @@ def trainer_webhook_errors(trainjob: dict, runtime: dict) -> list[str]:
                 elif container.get("env") and container["name"] == "node":
                     errors.append("runtimePatches: must not have envs for the node container")
     return errors
+
+
+K8S_SCHEMAS = Path(__file__).parent / "cluster" / "k8s_schemas" / "v1.33.0-local-strict.json"
+CORE_MODELS = {
+    "Role": "V1Role",
+    "RoleBinding": "V1RoleBinding",
+    "PersistentVolumeClaim": "V1PersistentVolumeClaim",
+    "Secret": "V1Secret",
+}
+"""The built-in kinds ``lingo cluster setup`` creates, and the ``kubernetes`` client's model of
+each (its setters refuse a missing required field)."""
+
+
+@functools.cache
+def _core_validator(kind: str) -> jsonschema.Draft202012Validator:
+    bundle = json.loads(K8S_SCHEMAS.read_text())
+    schema = {"$defs": bundle["$defs"], "kinds": bundle["kinds"], "$ref": f"#/kinds/{kind}"}
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _model_errors(manifest: dict) -> list[str]:
+    """What the ``kubernetes`` client's model of the kind refuses (required fields)."""
+    from kubernetes.client import ApiClient
+
+    try:
+        ApiClient()._ApiClient__deserialize(manifest, CORE_MODELS[manifest["kind"]])
+    except ValueError as error:
+        return [f"model: {error}"]
+    return []
+
+
+def _rbac_errors(manifest: dict) -> list[str]:
+    """The RBAC API's own validation (k8s.io/kubernetes v1.33 ``pkg/apis/rbac/validation/
+    validation.go``): a rule has verbs, and a rule naming resources names API groups; a Role's
+    rules name no ``nonResourceURLs``; a RoleBinding's ``roleRef`` is a Role or ClusterRole of
+    ``rbac.authorization.k8s.io``, and a ServiceAccount subject has the core group and a name."""
+    errors = []
+    for index, rule in enumerate(manifest.get("rules") or []):
+        if not rule.get("verbs"):
+            errors.append(f"rules[{index}].verbs: at least one verb is required")
+        if rule.get("resources") and not rule.get("apiGroups"):
+            errors.append(f"rules[{index}].apiGroups: required with resources")
+        if manifest["kind"] == "Role" and rule.get("nonResourceURLs"):
+            errors.append(f"rules[{index}].nonResourceURLs: not allowed in a namespaced Role")
+    if manifest["kind"] == "RoleBinding":
+        ref = manifest.get("roleRef") or {}
+        if ref.get("apiGroup") != "rbac.authorization.k8s.io":
+            errors.append(f"roleRef.apiGroup: {ref.get('apiGroup')!r} is not supported")
+        if ref.get("kind") not in ("Role", "ClusterRole"):
+            errors.append(f"roleRef.kind: {ref.get('kind')!r} is not Role or ClusterRole")
+        for index, subject in enumerate(manifest.get("subjects") or []):
+            if subject.get("kind") == "ServiceAccount" and subject.get("apiGroup", ""):
+                errors.append(f"subjects[{index}].apiGroup: must be '' for a ServiceAccount")
+            if not subject.get("name"):
+                errors.append(f"subjects[{index}].name: required")
+    return errors
+
+
+def _claim_errors(manifest: dict) -> list[str]:
+    """The core API's PVC validation (``pkg/apis/core/validation/validation.go``,
+    ``ValidatePersistentVolumeClaimSpec``): access modes given and known, a storage request."""
+    spec = manifest.get("spec") or {}
+    errors = []
+    modes = spec.get("accessModes") or []
+    known = {"ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"}
+    if not modes or set(modes) - known:
+        errors.append(f"spec.accessModes: {modes!r}: at least one of {sorted(known)}")
+    if "storage" not in ((spec.get("resources") or {}).get("requests") or {}):
+        errors.append("spec.resources.requests.storage: required")
+    return errors
+
+
+def core_api_errors(manifest: dict) -> list[str]:
+    """Everything an API server would refuse in a create of a built-in ``manifest`` (Role,
+    RoleBinding, PersistentVolumeClaim, Secret; empty: accepted): the Kubernetes 1.33 JSON
+    schema of the kind (strict: unknown fields refused), the ``kubernetes`` client's model,
+    the kind's own validation rules, and the metadata."""
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in _core_validator(manifest["kind"]).iter_errors(manifest)
+    ]
+    errors += _model_errors(manifest)
+    if manifest["kind"] in ("Role", "RoleBinding"):
+        errors += _rbac_errors(manifest)
+    if manifest["kind"] == "PersistentVolumeClaim":
+        errors += _claim_errors(manifest)
+    return errors + metadata_errors(manifest)

@@ -3,7 +3,9 @@
 No Kubernetes API server (nor training operator, Trainer controller or JobSet controller) can
 run here: kmock stores the objects the real client sends over HTTP and answers API discovery
 (``/apis/<group>/<version>``) for the resources declared; a test plays the controllers by
-writing statuses, JobSets and pods through the API.
+writing statuses, JobSets and pods through the API. It is an emulator, not an API server: it
+validates nothing and runs no admission; what it answers for ``SelfSubjectAccessReview`` is
+this module's own authorizer (``denied``), not Kubernetes RBAC.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ JOB_RESOURCES = {
     },
     "pytorchjob": {"kubeflow.org/v1/pytorchjobs": ("PyTorchJob", True)},
 }
+CORE_RESOURCES = {
+    "v1/pods": ("Pod", True),
+    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", True),
+    "v1/secrets": ("Secret", True),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", True),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True),
+}
+"""What every emulator serves besides the job APIs: pods, and what ``lingo cluster setup``
+creates in a namespace."""
+SSAR_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 """The resources each job API brings: Kubeflow Trainer v2 serves TrainJobs, (cluster-scoped)
 ClusterTrainingRuntimes and (namespaced) TrainingRuntimes and runs on the JobSet operator;
 Training Operator v1 serves PyTorchJobs."""
@@ -41,26 +53,54 @@ SERVED_JOB_APIS = pytest.mark.parametrize(
 there (a TrainJob where Kubeflow Trainer is served, else a PyTorchJob)."""
 
 
+class _Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator, except that a ``SelfSubjectAccessReview`` is answered, not stored
+    (the API server keeps none: the emulator would refuse the second review of the same
+    nameless object with 409)."""
+
+    async def _handle(self, request):
+        if request.url.path == SSAR_PATH:
+            return await super(kmock.KubernetesEmulator, self)._handle(request)
+        return await super()._handle(request)
+
+
 @contextmanager
 def kube_emulator(
     pod_logs: dict[str, bytes] | None = None,
     namespace: str = "team",
     apis: tuple[str, ...] = ("trainjob", "pytorchjob"),
+    denied: set[tuple[str, str, str]] | None = None,
 ) -> Iterator:
-    """Serve an emulator (the job APIs in ``apis`` and pods) from its own event-loop thread;
-    yields an ``ApiClient`` pointed at it. ``pod_logs``: pod name → the log its ``/log``
-    returns."""
+    """Serve an emulator (the job APIs in ``apis``, ``CORE_RESOURCES``) from its own
+    event-loop thread; yields an ``ApiClient`` pointed at it. ``pod_logs``: pod name → the
+    log its ``/log`` returns. ``denied``: ``(verb, group, resource)`` triples (``pods/log``
+    for a subresource) a ``SelfSubjectAccessReview`` answers ``allowed: false`` for; all else
+    is allowed (the emulator enforces none of it on the other requests)."""
+    refused = denied or set()
+
+    def review(request) -> dict:
+        attributes = request.data["spec"]["resourceAttributes"]
+        resource = attributes.get("resource", "")
+        if attributes.get("subresource"):
+            resource += "/" + attributes["subresource"]
+        key = (attributes.get("verb", ""), attributes.get("group", ""), resource)
+        return {**request.data, "status": {"allowed": key not in refused}}
+
     started = threading.Event()
     state: dict = {}
 
     async def serve() -> None:
-        async with kmock.KubernetesEmulator() as api, kmock.Server(api) as server:
+        async with _Emulator() as api, kmock.Server(api) as server:
             for served in apis:
                 for resource, (kind, namespaced) in JOB_RESOURCES[served].items():
                     api.resources[resource] = kmock.ResourceInfo(
                         kind=kind, namespaced=namespaced, verbs=VERBS, subresources={"status"}
                     )
-            api.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS)
+            for resource, (kind, namespaced) in CORE_RESOURCES.items():
+                api.resources[resource] = kmock.ResourceInfo(
+                    kind=kind, namespaced=namespaced, verbs=VERBS
+                )
+            api[f"post {SSAR_PATH}"] << review
             for pod, log in (pod_logs or {}).items():
                 api[f"get /api/v1/namespaces/{namespace}/pods/{pod}/log"] << log
             state.update(url=str(server.url).rstrip("/"), stop=asyncio.Event())

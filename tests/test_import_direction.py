@@ -1,4 +1,4 @@
-"""The packages import one way (README "Layout"): pipelines → components → the steps
+"""The packages import one way (docs/layout.md): pipelines → components → the steps
 (data_prep, trainer, eval, capacity, cluster); eval and trainer → (reward, generation);
 trainer → (capacity, cluster); capacity → cluster (the node types); all of them → core,
 which imports none of the project's packages. Every package of the repository is checked. And no two

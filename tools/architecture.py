@@ -61,7 +61,7 @@ def render() -> str:
         "Generated from the code by `python tools/architecture.py` (a test fails when it is",
         "stale: a new arrow, or a package gone). An arrow `A --> B` means modules of A import B",
         "(lazy imports included). Imports go one way: `tests/test_import_direction.py` holds the",
-        "allowed directions; the README's Layout section says what each package holds.",
+        "allowed directions; docs/layout.md says what each package holds.",
         "",
         "```mermaid",
         "graph TD",

@@ -314,3 +314,21 @@ def test_publish_uploads_the_model_and_the_eval_reports(s3, bucket, tmp_path, ti
     )
     body = s3.get_object(Bucket=bucket, Key="exports/run-7/eval/report.md")["Body"].read()
     assert body == b"# eval\n"
+
+
+def test_no_credentials_names_the_secret_they_come_from(monkeypatch, tmp_path):
+    """The platform's S3 Secret is optional: a step that reads S3 without it fails in one line
+    naming the variables and the Secret (before: "Unable to locate credentials")."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never reached
+    with pytest.raises(StorageError) as caught:
+        list_objects("s3://bucket/prefix/")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in message
+    assert "Secret lingo-s3" in message

@@ -135,12 +135,14 @@ def test_a_missing_model_source_path_is_named(tmp_path, monkeypatch):
         materialize_base_model("./nosuch", tmp_path / "out", TinyModelConfig())
 
 
-@pytest.mark.slow  # a local run up to its base-model step; the test above covers the step
+@pytest.mark.slow  # a local run's checks before any step; the test above covers the step
 def test_a_local_run_with_a_missing_model_source_ends_with_one_line(tmp_path):
     args = ["run", "--local", "-o", str(tmp_path / "runs"), "--set", "model.source=./nosuch"]
     result = subprocess.run([LINGO, *args], capture_output=True, text=True, cwd=tmp_path)
     line = _one_error(result)
-    assert "step 'base-model' failed: " in line and "./nosuch: no such model directory" in line
+    # the checks before any step find it (preflight), so no step starts
+    assert "found before any step ran: model.source: ./nosuch: no such file" in line
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("lingo-rl-*"))
 
 
 # --- output paths ----------------------------------------------------------------------------

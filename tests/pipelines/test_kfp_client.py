@@ -1,24 +1,17 @@
-"""pipelines.kfp_client against a local HTTP server that speaks the KFP v2beta1 REST API.
+"""pipelines.kfp_client against tests/kfp_emulator.py, a local KFP v2beta1 REST server.
 
-No KFP API server can run here (it needs Kubernetes, MySQL and Argo), so the server below is an
-emulator: a real ``http.server`` on 127.0.0.1 that records every call and answers with the
-documented v2beta1 response shapes. Request bodies are checked field by field against the
-models of ``kfp_server_api`` (the generated client of the same API), so a misspelt field fails.
+No KFP API server can run here (it needs Kubernetes, MySQL and Argo); the emulator checks
+request bodies field by field against the ``kfp_server_api`` models, so a misspelt field fails.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
-from email import policy
-from email.parser import BytesParser
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
-import kfp_server_api
 import pytest
+from kfp_emulator import KfpEmulator, kfp_emulator
 
 from pipelines import kfp_client
 from pipelines.kfp_client import (
@@ -37,169 +30,12 @@ from pipelines.run_form import form_arguments
 TOKEN = "kfp-test-token-9f8e7d6c5b4a"
 
 
-def _check_fields(body: object, model: str, where: str = "") -> None:
-    """Every key of ``body`` is a field of ``kfp_server_api`` model ``model`` (recursively)."""
-    cls = getattr(kfp_server_api, model)
-    if hasattr(cls, "allowable_values"):  # an enum
-        assert body in cls.allowable_values, f"{where}: {body!r} not in {cls.allowable_values}"
-        return
-    json_to_attr = {v: k for k, v in cls.attribute_map.items()}
-    assert isinstance(body, dict), f"{where}: expected an object for {model}"
-    for key, value in body.items():
-        assert key in json_to_attr, f"{where}.{key} is not a field of {model}"
-        sub = cls.openapi_types[json_to_attr[key]]
-        if sub.startswith(("V2beta1", "RecurringRunMode")):
-            _check_fields(value, sub, f"{where}.{key}")
-
-
-class FakeKfp:
-    """State and recorded calls of the emulated KFP server."""
-
-    def __init__(self, run_states: list[dict]) -> None:
-        self.calls: list[dict] = []
-        self.pipelines: dict[str, dict] = {}
-        self.versions: dict[str, list[dict]] = {}
-        self.experiments: dict[str, dict] = {}
-        self.runs: dict[str, dict] = {}
-        self.run_states = run_states
-        self.counter = 0
-
-    def new_id(self, kind: str) -> str:
-        self.counter += 1
-        return f"{kind}-{self.counter:04d}"
-
-
-def _handler(fake: FakeKfp) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:  # keep pytest output clean
-            pass
-
-        def _reply(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _not_found(self, what: str) -> None:
-            message = f"{what} not found"
-            self._reply(404, {"error": message, "code": 5, "message": message, "details": []})
-
-        def _handle(self, method: str) -> None:
-            url = urlsplit(self.path)
-            query = {k: v[0] for k, v in parse_qs(url.query).items()}
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            call = {
-                "method": method,
-                "path": url.path,
-                "query": query,
-                "auth": self.headers.get("Authorization"),
-                "body": None,
-                "files": {},
-            }
-            content_type = self.headers.get("Content-Type", "")
-            if content_type.startswith("multipart/form-data"):
-                message = BytesParser(policy=policy.default).parsebytes(
-                    f"Content-Type: {content_type}\r\n\r\n".encode() + raw
-                )
-                for part in message.iter_parts():
-                    call["files"][part.get_param("name", header="content-disposition")] = (
-                        part.get_payload(decode=True)
-                    )
-            elif raw:
-                call["body"] = json.loads(raw)
-            fake.calls.append(call)
-            try:
-                self._route(method, url.path.removeprefix("/apis/v2beta1"), query, call)
-            except AssertionError as exc:  # a body field unknown to v2beta1: a 400, as KFP does
-                self._reply(400, {"error": str(exc), "code": 3, "message": str(exc)})
-
-        def _route(self, method: str, path: str, query: dict, call: dict) -> None:
-            parts = path.strip("/").split("/")
-            if (method, path) == ("GET", "/pipelines"):
-                name = json.loads(query["filter"])["predicates"][0]["string_value"]
-                hits = [p for p in fake.pipelines.values() if p["display_name"] == name]
-                return self._reply(
-                    200, {"pipelines": hits, "total_size": len(hits)} if hits else {}
-                )
-            if (method, path) == ("POST", "/pipelines/upload"):
-                pipeline = {
-                    "pipeline_id": fake.new_id("pipeline"),
-                    "name": query["name"],
-                    "display_name": query["display_name"],
-                    "created_at": "2026-01-01T00:00:00Z",
-                }
-                fake.pipelines[pipeline["pipeline_id"]] = pipeline
-                version = {
-                    "pipeline_id": pipeline["pipeline_id"],
-                    "pipeline_version_id": fake.new_id("version"),
-                    "display_name": query["name"],
-                }
-                fake.versions[pipeline["pipeline_id"]] = [version]
-                return self._reply(200, pipeline)
-            if (method, path) == ("POST", "/pipelines/upload_version"):
-                if query.get("pipelineid") not in fake.pipelines:
-                    return self._not_found(f"pipeline {query.get('pipelineid')}")
-                version = {
-                    "pipeline_id": query["pipelineid"],
-                    "pipeline_version_id": fake.new_id("version"),
-                    "name": query["name"],
-                    "display_name": query["display_name"],
-                }
-                fake.versions[query["pipelineid"]].insert(0, version)
-                return self._reply(200, version)
-            if method == "GET" and len(parts) == 3 and parts[0] == "pipelines":
-                versions = fake.versions.get(parts[1], [])
-                return self._reply(200, {"pipeline_versions": versions[:1], "total_size": 1})
-            if (method, path) == ("GET", "/experiments"):
-                name = json.loads(query["filter"])["predicates"][0]["string_value"]
-                hits = [e for e in fake.experiments.values() if e["display_name"] == name]
-                return self._reply(200, {"experiments": hits} if hits else {})
-            if (method, path) == ("POST", "/experiments"):
-                _check_fields(call["body"], "V2beta1Experiment")
-                experiment = {**call["body"], "experiment_id": fake.new_id("experiment")}
-                fake.experiments[experiment["experiment_id"]] = experiment
-                return self._reply(200, experiment)
-            if (method, path) == ("POST", "/runs"):
-                _check_fields(call["body"], "V2beta1Run")
-                run = {**call["body"], "run_id": fake.new_id("run"), "state": "PENDING"}
-                fake.runs[run["run_id"]] = {"run": run, "polls": 0}
-                return self._reply(200, run)
-            if method == "GET" and len(parts) == 2 and parts[0] == "runs":
-                if parts[1] not in fake.runs:
-                    return self._not_found(f"run {parts[1]}")
-                entry = fake.runs[parts[1]]
-                state = fake.run_states[min(entry["polls"], len(fake.run_states) - 1)]
-                entry["polls"] += 1
-                return self._reply(200, {**entry["run"], **state})
-            if (method, path) == ("POST", "/recurringruns"):
-                _check_fields(call["body"], "V2beta1RecurringRun")
-                recurring = {**call["body"], "recurring_run_id": fake.new_id("recurring")}
-                return self._reply(200, recurring)
-            return self._not_found(f"{method} {path}")
-
-        def do_GET(self) -> None:  # noqa: N802
-            self._handle("GET")
-
-        def do_POST(self) -> None:  # noqa: N802
-            self._handle("POST")
-
-    return Handler
-
-
 @pytest.fixture
 def kfp_server(request):
     """A running emulated KFP server; ``request.param`` is the run's states, poll by poll."""
     states = getattr(request, "param", [{"state": "RUNNING"}, {"state": "SUCCEEDED"}])
-    fake = FakeKfp(states)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    fake.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    yield fake
-    server.shutdown()
-    server.server_close()
+    with kfp_emulator(states) as kfp:
+        yield kfp
 
 
 @pytest.fixture
@@ -208,7 +44,7 @@ def conn(kfp_server, monkeypatch) -> KfpConnection:
     return KfpConnection.from_env(kfp_server.endpoint + "/")
 
 
-def _calls(fake: FakeKfp) -> list[tuple[str, str]]:
+def _calls(fake: KfpEmulator) -> list[tuple[str, str]]:
     return [(c["method"], c["path"]) for c in fake.calls]
 
 

@@ -7,6 +7,7 @@ from browser import WINDOW, chromium, render
 from conftest import FAST_LOCAL_RUN as FAST
 from conftest import read_jsonl, write_jsonl
 
+from core.tracking import mlflow_ui_command
 from eval.gate import GateConfig
 from pipelines.local_console import LocalStepFailedError
 from pipelines.local_run import run_local, tracking_summary
@@ -115,9 +116,7 @@ def test_the_run_tracks_to_an_sqlite_store_in_its_output_dir(fast_run):
     lines = tracking_summary(fast_run, GateConfig())
     assert lines[0].startswith(f"MLflow: run '{parent.info.run_name}' (FINISHED) with")
     assert f"gate: {gate.data.params['decision']}" in lines[1]
-    assert lines[-1].startswith(
-        f"open it: pip install mlflow && mlflow ui --backend-store-uri {uri}"
-    )
+    assert lines[-1] == f"open it: {mlflow_ui_command(uri)} (then http://127.0.0.1:5000)"
 
 
 def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):

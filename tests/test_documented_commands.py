@@ -59,6 +59,10 @@ NOT_RUN: dict[str, str] = {
         "the whole pipeline (`make demo`, about 7 minutes here); "
         "tests/pipelines/test_local_run.py runs it shortened"
     ),
+    r"^lingo compile --all": (
+        "rewrites the repo's kept pipelines/compiled/*.yaml (here it would hide their drift); "
+        "tests/pipelines/test_compile.py runs it into a temporary folder and compares"
+    ),
     r"^lingo eval -m sft=runs/…/sft/model -m grpo=runs/…/grpo/model": (
         "generates the 50 questions with two trained models (the demo's SFT and GRPO output), "
         "minutes on CPU; tests/eval/test_eval_engines.py runs the same eval on tiny models"

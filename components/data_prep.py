@@ -1,19 +1,12 @@
-"""KFP component: the data-prep step (see data_prep/prepare.py).
-
-Its inputs are ``DataPrepConfig``'s fields, one parameter each (``components/config_fields.py``
-writes them from the class), then the outputs and the MLflow settings.
-"""
+"""KFP component: the data-prep step (see data_prep/prepare.py)."""
 
 from kfp import dsl
 from kfp.dsl import Dataset, Markdown, Metrics, Output
 
-from components.config_fields import with_config_fields
 from components.images import CPU_IMAGE
-from data_prep.config import DataPrepConfig
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-@with_config_fields(DataPrepConfig, param="config")
 def data_prep(
     config: dict,
     train_data: Output[Dataset],
@@ -24,11 +17,8 @@ def data_prep(
     mlflow_tracking_uri: str = "",
     mlflow_parent_run_id: str = "",
 ):
-    """Validate, label and render Multilingual-Thinking rows into train/eval JSONL.
-
-    ``config`` stands for ``DataPrepConfig``'s fields, one input each; in the body it is
-    their values as a dict.
-    """
+    """Validate, label and render Multilingual-Thinking rows into train/eval JSONL
+    (``config``: a ``DataPrepConfig``)."""
     from core.processes import start_step_process
     from core.tracking import configure_tracking, log_artifact, log_metrics, mlflow_run
     from data_prep.config import DataPrepConfig

@@ -26,6 +26,8 @@ def grpo(
     megatron_checkpoint: Input[Model] = None,
     megatron_layout: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
     megatron_optim: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
+    gpu_image: str = "",
+    megatron_image: str = "",
 ):
     """GRPO with the language-compliance reward. Trains in this pod, or as a TrainJob or a
     PyTorchJob (``execution.mode = job``; YAML in ``job_manifest``).
@@ -36,6 +38,9 @@ def grpo(
     the config's DeepSpeed one (``trainer.grpo.config.branch_config``), and ``model``
     is the policy's Megatron checkpoint, for ``export_hf``; otherwise ``model`` is the policy
     as a HF directory.
+
+    A job's trainers run ``megatron_image`` on Megatron, else ``gpu_image``, and dedicated
+    rollout engines ``gpu_image`` (defaults: ``components.images``).
     """
     from pathlib import Path
 
@@ -54,9 +59,11 @@ def grpo(
             raise ValueError("backend 'megatron' needs megatron_checkpoint (convert_megatron's)")
         config["optim"]["megatron"]["checkpoint"] = megatron_checkpoint.path
     cfg = GRPOConfig.model_validate(config)
-    image = MEGATRON_IMAGE if cfg.optim.backend == "megatron" else GPU_IMAGE
+    gpu_image = gpu_image or GPU_IMAGE
+    megatron = cfg.optim.backend == "megatron"
+    image = (megatron_image or MEGATRON_IMAGE) if megatron else gpu_image
     # dedicated engines run vLLM, which only the GPU image holds (docs/megatron.md)
-    launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image, GPU_IMAGE)
+    launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image, gpu_image)
     result = run_grpo_step(
         cfg, sft_model.path, train_data.path, eval_data.path, model.path, training_log.path,
         launch,

@@ -34,9 +34,11 @@ def sft(
     pipeline_run_id: str = "",
     mlflow_tracking_uri: str = "",
     mlflow_parent_run_id: str = "",
+    gpu_image: str = "",
 ):
     """LoRA (or full) SFT on the train split, merged into the base weights; in this pod, or
-    as a TrainJob or a PyTorchJob (``execution.mode = job``; its YAML is ``job_manifest``)."""
+    as a TrainJob or a PyTorchJob (``execution.mode = job``; its YAML is ``job_manifest``) of
+    ``gpu_image`` (default: ``components.images.GPU_IMAGE``)."""
     from pathlib import Path
 
     from cluster.config import JobLaunch
@@ -49,7 +51,8 @@ def sft(
     start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
     cfg = SFTConfig.model_validate(config)
-    launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, GPU_IMAGE)
+    image = gpu_image or GPU_IMAGE
+    launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image)
     result = run_sft_step(
         cfg, base_model.path, train_data.path, eval_data.path, model.path, training_log.path,
         launch,

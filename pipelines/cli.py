@@ -18,10 +18,12 @@ from core.redact import configure_logging, redact
 from pipelines.presets import (
     DEFAULT_PRESET,
     PRESETS,
+    AssignmentError,
     Preset,
     UnknownPresetError,
     apply_overrides,
     get_preset,
+    parse_assignments,
 )
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ SetOption = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
-        help="Override a preset value, STEP.FIELD=VALUE (repeatable), e.g. data_prep.seed=7.",
+        help="Override a preset value, STEP.FIELD=VALUE (repeatable), e.g. data_prep.seed=7 "
+        "or backend=megatron.",
     ),
 ]
 PresetOption = Annotated[
@@ -118,13 +121,10 @@ def clear_errors(command: Callable) -> Callable:
 
 
 def _parse_sets(sets: list[str] | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in sets or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"{item!r}: expected STEP.FIELD=VALUE", param_hint="--set")
-        out[key.strip()] = value
-    return out
+    try:
+        return parse_assignments(sets or [])
+    except AssignmentError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("--set: "), param_hint="--set") from None
 
 
 def _load_preset(name: str, sets: list[str] | None):
@@ -223,10 +223,25 @@ def compile_cmd(
     ),
     preset: PresetOption = DEFAULT_PRESET,
     sets: SetOption = None,
+    every_preset: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Write every preset's pipeline, as it is, to the repo's pipelines/compiled/ "
+            "(<preset>.yaml, the files a test checks for drift).",
+        ),
+    ] = False,
 ) -> None:
-    """Compile the pipeline to KFP v2 YAML, with the preset's values as parameter defaults."""
-    from pipelines.compile import compile_pipeline
+    """Compile the preset's pipeline to KFP v2 YAML: its run form defaults to the preset's
+    values (with --set's), the same bytes every time."""
+    from pipelines.compile import compile_pipeline, compiled_path
 
+    if every_preset:
+        if sets:
+            raise typer.BadParameter("--all writes the presets as they are", param_hint="--set")
+        for name, config in PRESETS.items():
+            echo(f"wrote {compile_pipeline(compiled_path(name), config)}")
+        return
     if not output.parent.is_dir():
         raise typer.BadParameter(
             f"directory {output.parent} does not exist; create it first", param_hint="--output"

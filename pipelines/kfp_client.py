@@ -27,7 +27,8 @@ from urllib.parse import quote
 
 import requests
 
-from pipelines.presets import Preset, pipeline_arguments
+from pipelines.presets import Preset
+from pipelines.run_form import form_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -397,8 +398,8 @@ def submit_preset(
 ) -> SubmittedRun:
     """Compile the pipeline for ``preset``, upload it as a new version and start a run.
 
-    The run's parameters are the preset's (``pipeline_arguments``), so ``--set`` overrides
-    reach the run even where the server keeps another version's defaults.
+    The run's parameters are the preset's form (``form_arguments``: its fields as ``--set``
+    left them); every other ``--set`` value is in the version's preset.
     """
     with tempfile.TemporaryDirectory(prefix="lingo-submit-") as tmp:
         version = upload_pipeline(conn, _compile(preset, Path(tmp)), pipeline_name)
@@ -408,7 +409,7 @@ def submit_preset(
         conn,
         version,
         experiment_id,
-        pipeline_arguments(preset),
+        form_arguments(preset),
         run_name or f"{preset.name}-{stamp}",
     )
     return SubmittedRun(run_id, version, experiment_id, run_url(conn, run_id))
@@ -439,6 +440,6 @@ def schedule_preset(
         version.pipeline_id,
         experiment_id,
         cron,
-        pipeline_arguments(preset),
+        form_arguments(preset),
         name or f"{preset.name}-recurring",
     )

@@ -20,7 +20,8 @@ from core.redact import redact
 from core.tracking import local_store_uri, mlflow_ui_command
 from eval.gate import GateConfig
 from pipelines.local_console import QuietConsole
-from pipelines.presets import Preset, pipeline_arguments
+from pipelines.presets import Preset
+from pipelines.run_form import form_arguments
 from pipelines.step_processes import local_steps
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def run_local(
     quiet: bool = True,
     on_log: Callable[[Path], None] | None = None,
 ) -> LocalRunResult:
-    """Run the pipeline with ``preset``'s arguments under ``kfp.local``.
+    """Run ``preset``'s pipeline under ``kfp.local``, its form as the preset fills it.
 
     Components run as subprocesses of this Python (``SubprocessRunner(use_venv=False)``),
     so they import the installed lingo-rl, exactly as they do inside the project's image.
@@ -69,7 +70,7 @@ def run_local(
     """
     from kfp import local
 
-    from pipelines.pipeline import lingo_pipeline
+    from pipelines.pipeline import build_pipeline
     from pipelines.preflight import check_run_inputs
 
     check_run_inputs(preset, output_dir, local=True)
@@ -80,6 +81,7 @@ def run_local(
     warnings.filterwarnings("ignore", message=".*custom or non-Python base image.*")
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
+    lingo_pipeline = build_pipeline(preset)
     with output_dir_lock(output_dir), local_steps() as steps:  # steps stop with the run
         if not quiet:
             return _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
@@ -131,8 +133,7 @@ def _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching) -> Lo
     )
     before = {p.name for p in output_dir.iterdir()}
     start = time.monotonic()
-    arguments = pipeline_arguments(preset)
-    arguments |= tracking_arguments(output_dir)
+    arguments = form_arguments(preset) | tracking_arguments(output_dir)
     lingo_pipeline(**arguments)
     seconds = time.monotonic() - start
     run_dir, outputs = _main_outputs(output_dir, before)

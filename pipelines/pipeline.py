@@ -1,40 +1,41 @@
-"""The lingo-rl pipeline: the DAG of components.
+"""The lingo-rl pipeline: the DAG of components, built for one preset.
 
-Parameters default to the typed step configs (``DataPrepConfig()`` …); a preset's values are
-passed as arguments by ``lingo run --local`` and ``lingo compile --preset``. Data prep's fields
-are one parameter each, ``data_<field>``, written from ``DataPrepConfig`` (a new field needs no
-edit here); the other steps' configs are one dict parameter each.
+``build_pipeline(preset)`` is the preset's pipeline: its parameters are the preset's run form
+(``pipelines.run_form``: the fields users change, defaulting to the preset's values, the run's
+settings, ``overrides`` and the images), each described from ``describe_parameters``; the
+preset itself travels whole as a constant of the first step, ``configure``, which applies the
+form to it and hands every other step its config. Only the GRPO branches the preset names
+(``grpo_branches``) are built.
 """
+
+import inspect
 
 from kfp import dsl
 
-from cluster.config import ExecutionConfig
-from components.config_fields import config_dict, with_config_parameters
 from components.data_prep import data_prep
 from components.evaluate import evaluate, gate, register
 from components.grpo import grpo, grpo_megatron
+from components.images import CPU_IMAGE, GPU_IMAGE, MEGATRON_IMAGE
 from components.megatron import convert_megatron, export_hf
 from components.models import base_model, capacity_check, sft
 from components.tracking import finalize, publish, start_tracking
-from data_prep.config import DataPrepConfig
-from eval.eval_config import EvalConfig
-from eval.gate import GateConfig
+from pipelines.configure import configure
 from pipelines.platform import ClusterSettings, get_platform, with_platform
-from pipelines.presets import DATA_PREP_PREFIX, ModelSource, Preset, megatron_layout
-from trainer.grpo.config import GRPOConfig
-from trainer.sft.config import SFTConfig
+from pipelines.presets import Preset, preset_json
+from pipelines.run_form import (
+    IMAGE_FIELDS,
+    RUN_FIELDS,
+    field_value,
+    form_fields,
+)
 
 PIPELINE_NAME = "lingo-rl"
-_MODEL = ModelSource()
-_TINY_DEFAULT = config_dict(_MODEL.tiny)
-_SFT_DEFAULT = config_dict(SFTConfig())
-_GRPO_DEFAULT = config_dict(GRPOConfig())
-_EVAL_DEFAULT = config_dict(EvalConfig())
-_GATE_DEFAULT = config_dict(GateConfig())
-_HARDWARE_DEFAULT = config_dict(Preset.model_fields["hardware"].default)
-_BACKEND_DEFAULT = Preset.model_fields["backend"].default
-_LOCAL_EXECUTION = config_dict(ExecutionConfig())
-_MEGATRON_LAYOUT_DEFAULT = megatron_layout(Preset(name="default", description=""))
+DESCRIPTION = (
+    "GRPO post-training of gpt-oss to reason and answer in the user's language: "
+    "data prep → SFT → GRPO → eval."
+)
+IMAGES = {"cpu_image": CPU_IMAGE, "gpu_image": GPU_IMAGE, "megatron_image": MEGATRON_IMAGE}
+"""Each image parameter's default: the image ``components.images`` names (at compile time)."""
 
 
 MAIN_OUTPUTS: dict[str, tuple[str, str]] = {
@@ -54,103 +55,121 @@ MAIN_OUTPUTS: dict[str, tuple[str, str]] = {
 under the run's directory."""
 
 
-def build_pipeline(platform_settings: ClusterSettings | None = None):
-    """The pipeline with Kubernetes platform settings applied to its tasks (none: local)."""
-    settings = platform_settings or get_platform("local")
-    platform = with_platform(settings)
+def pipeline_parameters(preset: Preset) -> list[inspect.Parameter]:
+    """``preset``'s pipeline parameters, in the form's order: its form fields (the preset's
+    values), the run fields, the images."""
+    parameters = [(field.name, field_value(preset, field.path)) for field in form_fields(preset)]
+    parameters += [(field.name, field.default) for field in RUN_FIELDS]
+    parameters += list(IMAGES.items())
+    return [
+        inspect.Parameter(
+            name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=value, annotation=type(value)
+        )
+        for name, value in parameters
+    ]
 
-    @dsl.pipeline(
-        name=PIPELINE_NAME,
-        description=(
-            "GRPO post-training of gpt-oss to reason and answer in the user's language: "
-            "data prep → SFT → GRPO → eval."
-        ),
-    )
-    @with_config_parameters(DataPrepConfig(), prefix=DATA_PREP_PREFIX, param="data_prep_fields")
-    def lingo_pipeline(
-        data_prep_fields: dict,  # DataPrepConfig's fields: data_<field>, with_config_parameters
-        model_source: str = _MODEL.source,
-        model_tiny_config: dict = _TINY_DEFAULT,
-        sft_config: dict = _SFT_DEFAULT,
-        grpo_config: dict = _GRPO_DEFAULT,
-        eval_config: dict = _EVAL_DEFAULT,
-        gate_config: dict = _GATE_DEFAULT,
-        hardware: dict = _HARDWARE_DEFAULT,
-        layout_overrides: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
-        backend: str = _BACKEND_DEFAULT,
-        megatron_layout: dict = _MEGATRON_LAYOUT_DEFAULT,
-        megatron_optim: dict = {},  # noqa: B006 (KFP reads the default; never mutated)
-        sft_execution: dict = _LOCAL_EXECUTION,
-        grpo_execution: dict = _LOCAL_EXECUTION,
-        mlflow_tracking_uri: str = "",
-        mlflow_experiment: str = "",
-        export_uri: str = "",
-    ):
+
+def describe_parameters(preset: Preset) -> str:
+    """The pipeline function's docstring: its ``Args:`` are the form's descriptions (KFP's
+    compiler writes them into ``inputDefinitions.parameters.*.description``)."""
+    described = {
+        field.name: f"{field.description} (--set {field.path})" for field in form_fields(preset)
+    }
+    described |= {field.name: field.description for field in RUN_FIELDS}
+    described |= IMAGE_FIELDS
+    args = "\n".join(f"    {name}: {text}" for name, text in described.items())
+    return f"{DESCRIPTION}\n\nArgs:\n{args}\n"
+
+
+def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = None):
+    """``preset``'s pipeline, with Kubernetes platform settings applied to its tasks (default:
+    the preset's ``hardware.platform``'s)."""
+    settings = platform_settings or get_platform(preset.hardware.platform)
+    platform = with_platform(settings)
+    carried = preset_json(preset)
+    fields = [field.name for field in form_fields(preset)]
+    image_of = {image: name for name, image in IMAGES.items()}
+
+    def lingo_pipeline(p: dict) -> None:
+        """The DAG; ``p``: parameter name → the pipeline's parameter (a KFP channel)."""
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
 
         def step(task, display_name: str, name: str):
             """``task``, shown as ``display_name``, with the platform's settings of step
-            ``name``."""
+            ``name`` and its image from the image parameters."""
             task.set_display_name(display_name)
+            task.set_container_image(p[image_of[task.container_spec.image]])
             platform(task, name)
             return task
 
         cleanup = finalize(
             pipeline_run_id=run_id,
-            mlflow_tracking_uri=mlflow_tracking_uri,
-            mlflow_experiment=mlflow_experiment,
+            mlflow_tracking_uri=p["mlflow_tracking_uri"],
+            mlflow_experiment=p["mlflow_experiment"],
             delete_jobs=settings.training_jobs,
         )
         step(cleanup, "finalize: jobs, MLflow run", "finalize")
         with dsl.ExitHandler(cleanup, name="lingo-rl"):
+            configured = configure(
+                preset=carried,
+                overrides=p["overrides"],
+                **{name: p[name] for name in fields},
+            )
+            step(configured, "run config: the form on the preset", "configure")
+            config = configured.outputs
             # the run as the pipeline run records it and as the capacity check estimates it
-            run = dict(hardware=hardware, sft_config=sft_config, grpo_config=grpo_config)
+            run = dict(
+                hardware=config["hardware"], sft_config=config["sft"], grpo_config=config["grpo"]
+            )
             tracking = start_tracking(
                 pipeline_run_id=run_id,
                 pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
-                data_source=data_prep_fields["source"],
-                model_source=model_source,
+                data_source=config["data_source"],
+                model_source=config["model_source"],
                 **run,
-                mlflow_tracking_uri=mlflow_tracking_uri,
-                mlflow_experiment=mlflow_experiment,
+                mlflow_tracking_uri=p["mlflow_tracking_uri"],
+                mlflow_experiment=p["mlflow_experiment"],
             )
             step(tracking, "MLflow run", "start-tracking")
             # each step's MLflow run nests under the pipeline's
             tracked = dict(
-                mlflow_tracking_uri=mlflow_tracking_uri, mlflow_parent_run_id=tracking.output
+                mlflow_tracking_uri=p["mlflow_tracking_uri"],
+                mlflow_parent_run_id=tracking.output,
             )
-            prep = step(data_prep(**data_prep_fields, **tracked), "data prep", "data-prep")
+            prep = step(data_prep(config=config["data_prep"], **tracked), "data prep", "data-prep")
             base = step(
-                base_model(source=model_source, tiny_config=model_tiny_config),
+                base_model(source=config["model_source"], tiny_config=config["tiny_config"]),
                 "base model",
                 "base-model",
             )
             capacity = capacity_check(
                 base_model=base.outputs["model"],
                 **run,
-                overrides=layout_overrides,
-                sft_execution=sft_execution,
-                grpo_execution=grpo_execution,
-                backend=backend,
-                megatron_layout=megatron_layout,
-                megatron_optim=megatron_optim,
+                overrides=config["layout_overrides"],
+                sft_execution=config["sft_execution"],
+                grpo_execution=config["grpo_execution"],
+                backend=config["backend"],
+                megatron_layout=config["megatron_layout"],
+                megatron_optim=config["megatron_optim"],
             )
             step(capacity, "capacity check", "capacity-check")
+            images = dict(gpu_image=p["gpu_image"], megatron_image=p["megatron_image"])
 
-            def training_inputs(config, execution) -> dict:
+            def training_inputs(step_config, execution) -> dict:
                 """What both training steps take besides their input model."""
                 return dict(
                     train_data=prep.outputs["train_data"],
                     eval_data=prep.outputs["eval_data"],
-                    config=config,
+                    config=step_config,
                     execution=execution,
                     pipeline_run_id=run_id,
+                    **images,
                     **tracked,
                 )
 
-            tuned = sft(
-                base_model=base.outputs["model"], **training_inputs(sft_config, sft_execution)
-            )
+            sft_inputs = training_inputs(config["sft"], config["sft_execution"])
+            sft_inputs.pop("megatron_image", None)  # SFT's jobs run the GPU image
+            tuned = sft(base_model=base.outputs["model"], **sft_inputs)
             step(tuned, "SFT + merge", "sft").after(capacity)
 
             def export_and_evaluate(policy_checkpoint, source_format: str) -> None:
@@ -171,55 +190,73 @@ def build_pipeline(platform_settings: ClusterSettings | None = None):
                     base_model=base.outputs["model"],
                     sft_model=tuned.outputs["model"],
                     grpo_model=policy_model,
-                    config=eval_config,
+                    config=config["eval"],
                     **tracked,
                 )
                 step(evaluation, "eval: base vs SFT vs GRPO", "evaluate")
                 results = evaluation.outputs["results"]
-                with dsl.If(export_uri != "", name="export-to-object-storage"):
+                with dsl.If(p["export_uri"] != "", name="export-to-object-storage"):
                     published = publish(
                         grpo_model=policy_model,
                         eval_results=results,
                         eval_report=evaluation.outputs["report"],
-                        export_uri=export_uri,
+                        export_uri=p["export_uri"],
                         pipeline_run_id=run_id,
                     )
                     step(published, "publish to object storage", "publish")
                 decision = gate(
-                    results=results, grpo_model=policy_model, config=gate_config, **tracked
+                    results=results, grpo_model=policy_model, config=config["gate"], **tracked
                 )
                 step(decision, "promotion gate", "gate")
                 with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
                     registered = register(
-                        results=results, grpo_model=policy_model, config=gate_config, **tracked
+                        results=results, grpo_model=policy_model, config=config["gate"], **tracked
                     )
                     step(registered, "register champion", "register")
 
             grpo_inputs = dict(  # the same GRPO inputs on both branches
-                sft_model=tuned.outputs["model"], **training_inputs(grpo_config, grpo_execution)
+                sft_model=tuned.outputs["model"],
+                **training_inputs(config["grpo"], config["grpo_execution"]),
             )
-            # named for what runs: GRPO on the HF weights (grpo.optim.backend: torch or
-            # deepspeed), or on a Megatron checkpoint
-            with dsl.If(backend != "megatron", name="grpo-on-hf-weights"):
+
+            def grpo_on_hf_weights() -> None:
+                """GRPO on the HF weights (grpo.optim.backend: torch or deepspeed)."""
                 hf_policy = step(grpo(**grpo_inputs), "GRPO", "grpo")
                 export_and_evaluate(hf_policy.outputs["model"], "hf")
-            with dsl.Else(name="grpo-on-megatron"):
+
+            def grpo_on_megatron() -> None:
+                """GRPO on a Megatron checkpoint converted from the SFT model."""
                 converted = convert_megatron(
-                    hf_model=tuned.outputs["model"], layout=megatron_layout
+                    hf_model=tuned.outputs["model"], layout=config["megatron_layout"]
                 )
                 step(converted, "convert to Megatron + precision check", "convert-megatron")
                 megatron_policy = grpo_megatron(
                     **grpo_inputs,
                     backend="megatron",
                     megatron_checkpoint=converted.outputs["megatron_model"],
-                    megatron_layout=megatron_layout,
-                    megatron_optim=megatron_optim,
+                    megatron_layout=config["megatron_layout"],
+                    megatron_optim=config["megatron_optim"],
                 )
                 step(megatron_policy, "GRPO (Megatron)", "grpo")
                 export_and_evaluate(megatron_policy.outputs["model"], "megatron")
 
-    return lingo_pipeline
+            branches = {"hf": grpo_on_hf_weights, "megatron": grpo_on_megatron}
+            if len(preset.grpo_branches) == 1:
+                branches[preset.grpo_branches[0]]()
+            else:  # named for what runs
+                with dsl.If(p["backend"] != "megatron", name="grpo-on-hf-weights"):
+                    grpo_on_hf_weights()
+                with dsl.Else(name="grpo-on-megatron"):
+                    grpo_on_megatron()
 
+    signature = inspect.Signature(pipeline_parameters(preset))
 
-lingo_pipeline = build_pipeline()
-"""The pipeline without platform settings: what ``lingo run --local`` and the kept YAML use."""
+    def pipeline(*args, **kwargs) -> None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        lingo_pipeline(dict(bound.arguments))
+
+    pipeline.__signature__ = signature
+    pipeline.__name__ = pipeline.__qualname__ = "lingo_pipeline"
+    pipeline.__doc__ = describe_parameters(preset)
+    return dsl.pipeline(name=PIPELINE_NAME, description=DESCRIPTION)(pipeline)

@@ -13,16 +13,18 @@ environment variable they land in are written into the compiled YAML.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from kfp import kubernetes
-from kfp.dsl import PipelineTask
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from cluster.nodes import NODE_TYPES, OMP_THREADS_ENV, cpu_cores, omp_threads
 from core.config_model import ConfigModel
 
+if TYPE_CHECKING:
+    from kfp.dsl import PipelineTask
+
 STEPS = (
+    "configure",
     "start-tracking",
     "data-prep",
     "base-model",
@@ -165,6 +167,8 @@ def apply_platform(task: PipelineTask, step: str, settings: ClusterSettings) -> 
     Raises:
         ValueError: If ``step`` is not one of ``STEPS``.
     """
+    from kfp import kubernetes  # compile time only: a step's runtime kfp has no kfp.kubernetes
+
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}: apply_platform knows {list(STEPS)}")
     if settings.workspace_pvc:
@@ -231,6 +235,8 @@ def with_platform(settings: ClusterSettings) -> Callable[[PipelineTask, str], Pi
 
 
 def _apply_resources(task: PipelineTask, resources: StepResources) -> None:
+    from kfp import kubernetes
+
     if resources.cpu_request:
         task.set_cpu_request(resources.cpu_request)
         # a pipeline pod runs one process: its thread pools get the CPUs it requested (a
@@ -292,6 +298,7 @@ NETWORK_STEPS = ("start-tracking", "data-prep", "base-model", "evaluate", "regis
 # data prep and the capacity check are pure functions of their inputs; training, eval, the
 # gate (reads the current champion) and register (side effects) always run
 CLUSTER_CACHING = {
+    "configure": True,
     "data-prep": True,
     "capacity-check": True,
     "base-model": False,

@@ -1,23 +1,26 @@
 """Named, typed configurations of the whole pipeline.
 
-A preset holds one typed config per step and states its machines once (``hardware``). The
-pipeline's parameters are derived from these (``pipeline_arguments``): the platform, each
-training step's execution (``step_execution``), the capacity check's layout, the Megatron
-layout's machine fields and the GRPO placement plan (``grpo_plan``) all come from
-``hardware``; their defaults come from the config classes, so the local run, the compiled
-pipeline and the cluster job share one source of every default.
+A preset holds one typed config per step and states its machines once (``hardware``). Each
+preset compiles to a pipeline of its own that carries it whole (``preset_json``); what the
+steps take is derived from it at run time (``step_configs``): the platform, each training
+step's execution (``step_execution``), the capacity check's layout, the Megatron layout's
+machine fields and the GRPO placement plan (``grpo_plan``) all come from ``hardware``; their
+defaults come from the config classes, so the local run, the compiled pipeline and the
+cluster job share one source of every default. A run changes a preset with ``--set``
+assignments (``apply_overrides``), from the CLI or the run form (``pipelines.run_form``).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.config import ClusterConfig, ExecutionConfig
 from cluster.hardware import Hardware, Step
-from components.config_fields import config_arguments, config_dict
+from components.config_fields import config_dict
 from core.config_model import ConfigModel
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
@@ -26,9 +29,6 @@ from trainer.backends.config import OptimConfig
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
 from trainer.tiny_model import TinyModelConfig
-
-DATA_PREP_PREFIX = "data_"
-"""Data prep's fields are the pipeline's parameters ``data_<field>`` (``data_eval_fraction``)."""
 
 
 class ModelSource(BaseModel):
@@ -69,6 +69,10 @@ class Preset(BaseModel):
     """The GRPO branch: ``hf`` trains the HF weights with ``grpo.optim.backend`` (``torch``
     or ``deepspeed``) and writes the policy as a HF directory; ``megatron`` runs
     convert_megatron → GRPO on Megatron-Core → export_hf."""
+    grpo_branches: tuple[Literal["hf", "megatron"], ...] = ("hf",)
+    """The GRPO branches compiled into the preset's pipeline. With both, its run form has a
+    ``backend`` parameter that picks one per run; with one, the pipeline holds only it (and
+    ``megatron_layout``, ``megatron_optim`` apply only where ``megatron`` is one)."""
     megatron_layout: dict[str, Any] = Field(default_factory=lambda: {"preset": "tiny-cpu"})
     """``trainer.megatron.layout`` parallel layout of the Megatron branch (a preset name +
     overrides: ``tp``, ``pp``, ``ep`` ...); its machine fields come from ``hardware``."""
@@ -78,6 +82,15 @@ class Preset(BaseModel):
     offload flags are DeepSpeed's; its ``gradient_checkpointing`` is then off (recompute
     stands for it). Empty: ``grpo.optim`` with ``backend: megatron``
     (``trainer.grpo.config.branch_config``)."""
+
+    @model_validator(mode="after")
+    def _backend_is_a_branch(self) -> Preset:
+        if self.backend not in self.grpo_branches:
+            raise ValueError(
+                f"backend={self.backend!r} is not one of the preset's GRPO branches "
+                f"{list(self.grpo_branches)} (grpo_branches)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _hardware_stated_once(self) -> Preset:
@@ -282,6 +295,8 @@ GPT_OSS_20B_VERL = Preset.model_validate(
         "hardware": Hardware(
             node_type="p5en.48xlarge", sft_nodes=1, grpo_nodes=1, storage_gib=8000
         ),
+        # both GRPO branches: the form's backend parameter picks DeepSpeed or Megatron-Core
+        "grpo_branches": ("hf", "megatron"),
         # verl's gpt-oss Megatron layout (TP 8, EP 8, PP = nodes) on the one 8x H200 node
         "megatron_layout": {"preset": "verl-gpt-oss-8x8-h100", "pp": 1},
         # the Megatron branch's optimizer, as verl's recipe runs it: full recompute of every
@@ -340,6 +355,44 @@ def get_preset(name: str) -> Preset:
         raise UnknownPresetError(name) from None
 
 
+PRESET_FIELDS = ("backend",)
+"""The preset's own fields an override sets by name (``backend=megatron``)."""
+
+
+class AssignmentError(ValueError):
+    """A ``--set`` item or an ``overrides`` word that is not ``STEP.FIELD=VALUE``."""
+
+
+def parse_assignments(items: list[str], where: str = "--set") -> dict[str, str]:
+    """``["sft.max_steps=50", ...]`` → ``{"sft.max_steps": "50"}``: the ``--set`` syntax, which
+    the CLI's ``--set`` and the run form's ``overrides`` share (a later item wins).
+
+    Raises:
+        AssignmentError: an item without ``=`` (the message names ``where`` and the item).
+    """
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise AssignmentError(f"{where}: {item!r} is not STEP.FIELD=VALUE")
+        out[key.strip()] = value
+    return out
+
+
+def parse_overrides(text: str) -> dict[str, str]:
+    """The run form's ``overrides`` string: ``--set`` items separated by spaces or newlines,
+    quoted as in a shell where a value holds spaces (``eval.persona='You are …'``).
+
+    Raises:
+        AssignmentError: unbalanced quotes, or an item that is not ``STEP.FIELD=VALUE``.
+    """
+    try:
+        items = shlex.split(text)
+    except ValueError as exc:
+        raise AssignmentError(f"overrides: {exc} in {text!r}") from None
+    return parse_assignments(items, where="overrides")
+
+
 def _parse_value(value: str) -> Any:
     """A JSON value when it parses as one (numbers, booleans, lists), else the string."""
     try:
@@ -351,7 +404,8 @@ def _parse_value(value: str) -> Any:
 def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
     """A copy of ``preset`` with ``step.field[.subfield]=value`` overrides, validated.
 
-    Examples: ``{"data_prep.eval_fraction": "0.2", "sft.optim.learning_rate": "1e-3"}``.
+    Examples: ``{"data_prep.eval_fraction": "0.2", "sft.optim.learning_rate": "1e-3"}``,
+    ``{"backend": "megatron"}`` (``PRESET_FIELDS``).
 
     Raises:
         ValueError: an unknown step or field, or a value the field does not accept.
@@ -359,9 +413,13 @@ def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
     data = preset.model_dump()
     for dotted, value in overrides.items():
         path = dotted.split(".")
+        if dotted in PRESET_FIELDS:
+            data[dotted] = value
+            continue
         if path[0] not in STEPS or len(path) < 2:
             raise ValueError(
-                f"override {dotted!r}: use STEP.FIELD with STEP one of {', '.join(STEPS)}"
+                f"override {dotted!r}: use STEP.FIELD with STEP one of {', '.join(STEPS)} "
+                f"(or {', '.join(PRESET_FIELDS)})"
             )
         node = data
         for depth, key in enumerate(path[:-1]):
@@ -462,32 +520,53 @@ def megatron_grpo_config(preset: Preset):
     return grpo_branch_config(preset, "megatron")
 
 
-def pipeline_arguments(preset: Preset) -> dict[str, object]:
-    """The pipeline's parameter values for ``preset``.
+def step_configs(preset: Preset) -> dict[str, object]:
+    """What the pipeline's steps take from ``preset``, by name: the ``configure`` step's
+    outputs (``pipelines.run_form``), which the other steps read.
 
-    Data prep's fields are flat parameters (``data_<field>``, a form field each in the KFP UI);
-    nested step configs are one dict parameter each (``sft_config``).
+    ``data_source`` and ``model_source`` are the data and the base model (also inside
+    ``data_prep`` and as ``base_model``'s source); the steps' configs and the machines'
+    settings are dicts: ``hardware``, each training step's ``execution``
+    (``step_execution``), the Megatron branch's ``megatron_layout`` on ``hardware``'s
+    machines.
     """
-    args = config_arguments(preset.data_prep, prefix=DATA_PREP_PREFIX)
-    args["model_source"] = preset.model.source
-    args["model_tiny_config"] = config_dict(preset.model.tiny)
-    args["sft_config"] = config_dict(preset.sft)
-    args["grpo_config"] = config_dict(preset.grpo)
-    args["eval_config"] = config_dict(preset.eval)
-    args["gate_config"] = config_dict(preset.gate)
-    args["hardware"] = config_dict(preset.hardware)
-    args["layout_overrides"] = dict(preset.layout_overrides)
-    args["backend"] = preset.backend
-    args["megatron_layout"] = megatron_layout(preset)
-    args["megatron_optim"] = dict(preset.megatron_optim)
-    args["sft_execution"] = config_dict(step_execution(preset, "sft"))
-    args["grpo_execution"] = config_dict(step_execution(preset, "grpo"))
-    # per run, not per preset (lingo run --local reads MLFLOW_TRACKING_URI and
-    # MLFLOW_EXPERIMENT_NAME from the environment)
-    args["mlflow_tracking_uri"] = ""
-    args["mlflow_experiment"] = ""
-    args["export_uri"] = ""
-    return args
+    return {
+        "data_source": preset.data_prep.source,
+        "data_prep": config_dict(preset.data_prep),
+        "model_source": preset.model.source,
+        "tiny_config": config_dict(preset.model.tiny),
+        "sft": config_dict(preset.sft),
+        "grpo": config_dict(preset.grpo),
+        "eval": config_dict(preset.eval),
+        "gate": config_dict(preset.gate),
+        "hardware": config_dict(preset.hardware),
+        "layout_overrides": dict(preset.layout_overrides),
+        "backend": preset.backend,
+        "megatron_layout": megatron_layout(preset),
+        "megatron_optim": dict(preset.megatron_optim),
+        "sft_execution": config_dict(step_execution(preset, "sft")),
+        "grpo_execution": config_dict(step_execution(preset, "grpo")),
+    }
+
+
+def preset_json(preset: Preset) -> str:
+    """``preset`` as the JSON text its compiled pipeline carries (``preset_from_json`` reads
+    back an equal preset): every value, keys sorted, except a training step's ``nproc``
+    where ``hardware`` derives it (so a run's ``hardware`` override derives it again)."""
+    data = preset.model_dump(mode="json")
+    for step in TRAINING_STEPS:
+        if "nproc" not in getattr(preset, step).model_fields_set:
+            del data[step]["nproc"]
+    return json.dumps(data, sort_keys=True)
+
+
+def preset_from_json(text: str) -> Preset:
+    """The preset ``preset_json`` wrote.
+
+    Raises:
+        pydantic.ValidationError: ``text`` is not a valid preset.
+    """
+    return Preset.model_validate_json(text)
 
 
 def grpo_plan(preset: Preset):

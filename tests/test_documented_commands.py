@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -57,6 +58,10 @@ NOT_RUN: dict[str, str] = {
     r"^lingo (--verbose )?run --local": (
         "the whole pipeline (`make demo`, about 7 minutes here); "
         "tests/pipelines/test_local_run.py runs it shortened"
+    ),
+    r"^lingo compile --all": (
+        "rewrites the repo's kept pipelines/compiled/*.yaml (here it would hide their drift); "
+        "tests/pipelines/test_compile.py runs it into a temporary folder and compares"
     ),
     r"^lingo eval -m sft=runs/…/sft/model -m grpo=runs/…/grpo/model": (
         "generates the 50 questions with two trained models (the demo's SFT and GRPO output), "
@@ -310,21 +315,25 @@ def runs_slowly(command: DocCommand) -> bool:
     )
 
 
-def compile_outputs(commands: list[DocCommand]) -> list[str]:
-    """The files the documented ``lingo compile -o FILE`` commands write (relative paths).
+def compile_outputs(commands: list[DocCommand]) -> list[tuple[str, str]]:
+    """The files the documented ``lingo compile -o FILE`` commands write (relative paths),
+    each with the preset it compiles (``--preset``, else the CLI's default).
 
-    The work folder starts with each of them holding the compiled default pipeline (every
-    preset compiles to the same parameters, only their defaults differ), so that a ``kfp run
-    create -f FILE`` after it runs without the (slow) compile.
+    The work folder starts with each of them holding that preset's kept pipeline
+    (``pipelines/compiled/<preset>.yaml``; a ``--set`` changes defaults only), so that a ``kfp
+    run create -f FILE`` after it runs without the (slow) compile.
     """
+    from pipelines.presets import DEFAULT_PRESET
+
     outputs = []
     for command in commands:
         argv = command.argv
         if argv[1:2] == ["compile"] and not is_mention(command):
+            preset = argv[argv.index("--preset") + 1] if "--preset" in argv[:-1] else None
             for flag in ("-o", "--output"):
                 if flag in argv[:-1]:
-                    outputs.append(argv[argv.index(flag) + 1])
-    return [o for o in outputs if not Path(o).is_absolute()]
+                    outputs.append((argv[argv.index(flag) + 1], preset or DEFAULT_PRESET))
+    return [(o, preset) for o, preset in outputs if not Path(o).is_absolute()]
 
 
 SAMPLE = """Intro `lingo estimate` and `lingo compile -o x.yaml`.
@@ -471,17 +480,18 @@ def docs_env(tmp_path_factory):
     (workdir / ".venv" / "bin" / "lingo").symlink_to(lingo)
     (workdir / "home").mkdir()
     rows = write_jsonl(workdir / "rows.jsonl", make_rows(4))
-    compiled = (ROOT / "pipelines" / "compiled" / "lingo_pipeline.yaml").read_bytes()
-    for output in compile_outputs(COMMANDS):  # what `kfp run create -f` reads without -m slow
+    kept = ROOT / "pipelines" / "compiled"  # every preset's pipeline, as the docs name them
+    shutil.copytree(kept, workdir / "pipelines" / "compiled")
+    for output, preset in compile_outputs(COMMANDS):  # what `kfp run create -f` reads
         (workdir / output).parent.mkdir(parents=True, exist_ok=True)
-        (workdir / output).write_bytes(compiled)
+        (workdir / output).write_bytes((kept / f"{preset}.yaml").read_bytes())
     with (
         kfp_emulator(run_states=[{"state": "SUCCEEDED"}]) as kfp,
         kube_emulator(namespace=NAMESPACE) as kube,
         chat_server(_served_answer, [SERVED_MODEL]) as chat,
     ):
         conn = KfpConnection(kfp.endpoint, token=TOKEN)
-        version = upload_pipeline(conn, workdir / "lingo_pipeline.yaml", "seeded")
+        version = upload_pipeline(conn, kept / "tiny-cpu.yaml", "seeded")
         run_id = create_run(conn, version, get_or_create_experiment(conn), {}, "seeded-run")
         environ = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("KFP_", "KUBE"))},

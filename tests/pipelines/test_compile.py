@@ -1,14 +1,25 @@
-"""The compiled pipeline kept in the repo matches the code, and is a valid KFP v2 spec."""
+"""Every preset's compiled pipeline kept in the repo matches the code byte for byte, compiles
+to the same bytes every time, and is a valid KFP v2 spec."""
 
-import inspect
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from pipelines.compile import COMPILED_PIPELINE, compile_pipeline
-from pipelines.pipeline import lingo_pipeline
-from pipelines.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset, pipeline_arguments
+from pipelines.compile import compile_pipeline, compiled_path
+from pipelines.pipeline import IMAGES
+from pipelines.presets import PRESETS, Preset, get_preset, step_configs
+from pipelines.run_form import form_arguments
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = compiled_path("tiny-cpu")
+VERL = compiled_path("gpt-oss-20b-verl")  # both GRPO branches
 
 
 def _load(path):
@@ -16,17 +27,84 @@ def _load(path):
     return next(yaml.safe_load_all(path.read_text()))
 
 
-def test_kept_yaml_has_not_drifted(tmp_path):
-    fresh = compile_pipeline(tmp_path / "p.yaml", get_preset(DEFAULT_PRESET))
-    assert _load(fresh) == _load(COMPILED_PIPELINE), (
-        "pipelines/compiled/lingo_pipeline.yaml is stale: run "
-        "`lingo compile -o pipelines/compiled/lingo_pipeline.yaml` and commit it"
-    )
+def test_every_presets_kept_yaml_is_what_lingo_compile_writes_byte_for_byte(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import pipelines.compile
+    from pipelines import cli
+
+    monkeypatch.setattr(pipelines.compile, "COMPILED_DIR", tmp_path)
+    result = CliRunner().invoke(cli.app, ["compile", "--all"])
+    assert result.exit_code == 0, result.output
+    for name in PRESETS:
+        fresh = (tmp_path / f"{name}.yaml").read_bytes()
+        assert fresh == (ROOT / "pipelines" / "compiled" / f"{name}.yaml").read_bytes(), (
+            f"pipelines/compiled/{name}.yaml is stale: run `lingo compile --all` and commit it"
+        )
+
+
+COMPILE_EVERY_PRESET = """
+import hashlib, sys
+from pathlib import Path
+from pipelines.compile import compile_pipeline
+from pipelines.presets import PRESETS
+for name, preset in PRESETS.items():
+    path = compile_pipeline(Path(sys.argv[1]) / f"{name}.yaml", preset)
+    print(name, hashlib.sha256(path.read_bytes()).hexdigest())
+"""
+
+
+@pytest.mark.slow  # two interpreters compile every preset: ~30 s on an idle machine
+def test_compiling_twice_gives_the_same_bytes_whatever_the_hash_seed(tmp_path):
+    """Issue #38: the header listed dict defaults in protobuf's map order, which changes
+    with the process's hash seed (so ``lingo submit``'s content-addressed version names
+    changed on every compile). Two fresh interpreters, two seeds: the same sha256 for every
+    preset, and the kept files'."""
+    digests = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        out.mkdir()
+        done = subprocess.run(
+            [sys.executable, "-c", COMPILE_EVERY_PRESET, str(out)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        digests.append(dict(line.split() for line in done.stdout.splitlines()))
+    kept = {name: hashlib.sha256(compiled_path(name).read_bytes()).hexdigest() for name in PRESETS}
+    assert digests[0] == digests[1] == kept
+
+
+def test_every_preset_has_its_kept_yaml_and_no_other_is_kept():
+    assert {p.stem for p in compiled_path("x").parent.glob("*.yaml")} == set(PRESETS)
+
+
+def _spec(path) -> pipeline_spec_pb2.PipelineSpec:
+    spec = pipeline_spec_pb2.PipelineSpec()
+    json_format.ParseDict(_load(path), spec, ignore_unknown_fields=False)
+    return spec
+
+
+def test_the_tiny_presets_yaml_runs_configure_first_and_holds_only_the_hf_branch():
+    spec = _spec(TINY)
+    tasks = spec.components["comp-exit-handler-1"].dag.tasks
+    assert list(tasks["configure"].dependent_tasks) == []
+    for name in ("start-tracking", "data-prep", "base-model", "capacity-check", "sft", "grpo"):
+        assert "configure" in tasks[name].dependent_tasks, name
+    assert not [t for t in tasks if t.startswith("condition-branches")]
+    assert "comp-convert-megatron" not in spec.components
+    assert list(tasks["grpo"].dependent_tasks) == [
+        "configure",
+        "data-prep",
+        "sft",
+        "start-tracking",
+    ]
 
 
 def test_kept_yaml_parses_strictly_as_pipeline_spec():
-    spec = pipeline_spec_pb2.PipelineSpec()
-    json_format.ParseDict(_load(COMPILED_PIPELINE), spec, ignore_unknown_fields=False)
+    spec = _spec(VERL)
     assert spec.pipeline_info.name == "lingo-rl"
     # every step runs inside the exit handler's group; `finalize` runs after it, whatever
     # happened to it (cancellation and failure included)
@@ -40,10 +118,11 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
         == "ALL_UPSTREAM_TASKS_COMPLETED"
     )
     tasks = spec.components["comp-exit-handler-1"].dag.tasks
-    assert {"start-tracking", "data-prep", "base-model", "sft"} <= set(tasks)
+    assert {"configure", "start-tracking", "data-prep", "base-model", "sft"} <= set(tasks)
     assert list(tasks["sft"].dependent_tasks) == [
         "base-model",
         "capacity-check",
+        "configure",
         "data-prep",
         "start-tracking",
     ]
@@ -58,6 +137,7 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
     ]
     assert list(tasks[branches[0]].dependent_tasks) == [
         "base-model",
+        "configure",
         "data-prep",
         "sft",
         "start-tracking",
@@ -89,8 +169,7 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
 def test_kfp_ui_views_have_their_artifact_types():
     """The eval's confusion matrices and figures, and SFT/GRPO's figures, are typed artifacts
     the KFP UI renders natively (issue #18)."""
-    spec = pipeline_spec_pb2.PipelineSpec()
-    json_format.ParseDict(_load(COMPILED_PIPELINE), spec, ignore_unknown_fields=False)
+    spec = _spec(VERL)
 
     def schemas(component: str) -> dict[str, str]:
         outputs = spec.components[component].output_definitions.artifacts
@@ -108,24 +187,11 @@ def test_kfp_ui_views_have_their_artifact_types():
         assert schemas(component)["metrics"] == "system.Metrics"
 
 
-def test_pipeline_parameters_are_the_preset_fields_with_the_config_defaults():
-    params = inspect.signature(lingo_pipeline.pipeline_func).parameters
-    for preset in PRESETS.values():
-        assert set(pipeline_arguments(preset)) == set(params)
-    defaults = {name: p.default for name, p in params.items()}
-    assert defaults == pipeline_arguments(Preset(name="defaults", description=""))
-
-
-def test_compiled_defaults_are_the_default_presets_values():
-    inputs = _load(COMPILED_PIPELINE)["root"]["inputDefinitions"]["parameters"]
-    expected = pipeline_arguments(PRESETS[DEFAULT_PRESET])
+@pytest.mark.parametrize("name", PRESETS)
+def test_the_kept_defaults_are_the_presets_form_and_the_images(name):
+    inputs = _load(compiled_path(name))["root"]["inputDefinitions"]["parameters"]
+    expected = form_arguments(PRESETS[name]) | IMAGES
     assert {k: v["defaultValue"] for k, v in inputs.items()} == expected
-
-
-def test_preset_values_become_parameter_defaults(tmp_path):
-    path = compile_pipeline(tmp_path / "p.yaml", get_preset("gpt-oss-20b"))
-    inputs = _load(path)["root"]["inputDefinitions"]["parameters"]
-    assert inputs["data_source"]["defaultValue"] == "HuggingFaceH4/Multilingual-Thinking"
 
 
 def test_cluster_presets_compile_with_a_strict_platform_spec(tmp_path):
@@ -140,12 +206,12 @@ def test_cluster_presets_compile_with_a_strict_platform_spec(tmp_path):
     assert sft["pvcMount"][0]["constant"] == "lingo-workspace"
     assert "nodeSelector" not in sft  # SFT launches a job: its pod orchestrates on CPU
     assert "nodeSelector" in dict(executors["exec-evaluate"])
-    arguments = pipeline_arguments(get_preset("gpt-oss-20b"))
-    assert arguments["grpo_execution"]["mode"] == "job"
-    assert arguments["grpo_execution"]["job"]["job_api"] == "auto"
-    assert arguments["grpo_execution"]["job"]["shared_pvc"] == "lingo-workspace"
-    # the local preset (the kept YAML) carries no platform settings
-    assert len(list(yaml.safe_load_all(COMPILED_PIPELINE.read_text()))) == 1
+    configs = step_configs(get_preset("gpt-oss-20b"))
+    assert configs["grpo_execution"]["mode"] == "job"
+    assert configs["grpo_execution"]["job"]["job_api"] == "auto"
+    assert configs["grpo_execution"]["job"]["shared_pvc"] == "lingo-workspace"
+    # the local preset carries no platform settings
+    assert len(list(yaml.safe_load_all(TINY.read_text()))) == 1
 
 
 def test_every_preset_validates_as_written():
@@ -161,29 +227,22 @@ def test_every_preset_validates_as_written():
 def test_the_compiled_defaults_add_no_synthetic_rows_to_a_users_source(tmp_path):
     # issue #32 item 8: on main the compiled tiny-cpu pipeline kept data_augment_factor=9 when
     # a user changed only data_source in the KFP UI (177 real rows -> +1,593 synthetic). The
-    # data-prep step runs here as the pipeline runs it (kfp.local), with the kept YAML's
-    # defaults and only data_source changed.
+    # data-prep step runs here as the pipeline runs it (kfp.local), with the config that the
+    # kept YAML's configure step gives when only data_source changes.
+    from compiled_form import configure_run
     from conftest import make_rows, write_jsonl
     from kfp import local
 
     from components.data_prep import data_prep
-    from pipelines.presets import DATA_PREP_PREFIX
 
-    parameters = _load(COMPILED_PIPELINE)["root"]["inputDefinitions"]["parameters"]
-    defaults = {  # the YAML writes integers as floats (9.0)
-        name.removeprefix(DATA_PREP_PREFIX): int(spec["defaultValue"])
-        if spec["parameterType"] == "NUMBER_INTEGER"
-        else spec["defaultValue"]
-        for name, spec in parameters.items()
-        if name.startswith(DATA_PREP_PREFIX)
-    }
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "r"))
     source = write_jsonl(tmp_path / "mine.jsonl", make_rows(10))
-    mine = data_prep(**{**defaults, "source": str(source), "workers": 1})
+    config = configure_run(TINY, data_source=str(source))["data_prep"]
+    mine = data_prep(config={**config, "workers": 1})
     assert mine.outputs["train_data"].metadata["synthetic_rows"] == 0
     assert mine.outputs["train_data"].metadata["rows"] == 45  # 50 rows, 5 to eval
     # the demo's own data keeps its augmentation (the README's figures)
-    bundled = data_prep(**{**defaults, "workers": 1})
+    bundled = data_prep(config={**configure_run(TINY)["data_prep"], "workers": 1})
     assert bundled.outputs["train_data"].metadata["synthetic_rows"] > 0
 
 
@@ -196,32 +255,31 @@ def _tasks(spec: dict) -> dict[str, dict]:
     }
 
 
-def test_the_verl_presets_megatron_branch_rolls_out_on_dedicated_vllm_engines(tmp_path):
-    """``lingo compile --preset gpt-oss-20b-verl``, then a run with ``-p backend=megatron``:
-    the Megatron branch's GRPO step builds its config from the compiled defaults as the
+def test_the_verl_presets_megatron_branch_rolls_out_on_dedicated_vllm_engines():
+    """The kept gpt-oss-20b-verl pipeline, run with ``backend=megatron`` in its form: the
+    Megatron branch's GRPO step builds its config from the configure step's outputs as the
     component does (``branch_config``), and that config rolls out on 2 dedicated
     vLLM engines one step off-policy, on the job's second node."""
+    from compiled_form import configure_run
+
     from cluster.config import ExecutionConfig
     from trainer.grpo.config import GRPOConfig, branch_config
     from trainer.placement import grpo_placement
 
-    spec = _load(compile_pipeline(tmp_path / "verl.yaml", get_preset("gpt-oss-20b-verl")))
-    defaults = {
-        name: parameter.get("defaultValue")
-        for name, parameter in spec["root"]["inputDefinitions"]["parameters"].items()
-    }
+    spec = _load(VERL)
     inputs = _tasks(spec)["grpo-2"]["inputs"]["parameters"]  # the Megatron branch's GRPO
     assert inputs["backend"]["runtimeValue"]["constant"] == "megatron"
     for name in ("config", "megatron_optim", "megatron_layout", "execution"):
-        assert inputs[name]["componentInputParameter"].startswith("pipelinechannel--")
+        assert inputs[name]["componentInputParameter"].startswith("pipelinechannel--configure-")
+    configs = configure_run(VERL, backend="megatron")
     config = branch_config(
-        defaults["grpo_config"],
+        configs["grpo"],
         "megatron",
-        defaults["megatron_layout"],
+        configs["megatron_layout"],
         "/mnt/shared/ckpt",
-        defaults["megatron_optim"],
+        configs["megatron_optim"],
     )
-    cfg = GRPOConfig.model_validate(config)  # the YAML's numbers are floats: 1.0 layers
+    cfg = GRPOConfig.model_validate(config)
     rollout = cfg.rollout
     assert (rollout.engine, rollout.colocate, rollout.num_engines) == ("vllm", False, 2)
     assert (rollout.tensor_parallel_size, rollout.async_steps) == (4, 1)
@@ -231,7 +289,7 @@ def test_the_verl_presets_megatron_branch_rolls_out_on_dedicated_vllm_engines(tm
     layout = megatron.resolved_layout()
     assert (layout.tp, layout.ep, layout.pp, cfg.nproc) == (8, 8, 1, 8)
     # the job: the 8 trainers on its first node, the engines' 8 processes on its second
-    execution = ExecutionConfig.model_validate(defaults["grpo_execution"])
+    execution = ExecutionConfig.model_validate(configs["grpo_execution"])
     nodes, per_node = execution.cluster(cfg.nproc, cfg.rollout_processes)
     assert (nodes, per_node, cfg.rollout_processes) == (1, 8, 8)
     plan = grpo_placement(cfg, nodes, per_node)

@@ -24,7 +24,8 @@ from pipelines.kfp_client import (
     submit_preset,
     wait_for_run,
 )
-from pipelines.presets import apply_overrides, get_preset, pipeline_arguments
+from pipelines.presets import apply_overrides, get_preset
+from pipelines.run_form import form_arguments
 
 TOKEN = "kfp-test-token-9f8e7d6c5b4a"
 
@@ -71,8 +72,9 @@ def test_submit_uploads_creates_experiment_and_run_then_waits_to_success(kfp_ser
     assert run_body["pipeline_version_reference"] == submitted.version.as_body()
     assert submitted.version.pipeline_version_id.startswith("version-")
     parameters = run_body["runtime_config"]["parameters"]
-    assert parameters == json.loads(json.dumps(pipeline_arguments(preset)))
-    assert parameters["sft_config"]["max_steps"] == 7
+    # the preset's form with --set's values; every other field is in the version's preset
+    assert parameters == json.loads(json.dumps(form_arguments(preset)))
+    assert parameters["sft_max_steps"] == 7 and parameters["overrides"] == ""
     assert submitted.url == f"{kfp_server.endpoint}/#/runs/details/{submitted.run_id}"
 
     final = wait_for_run(conn, submitted.run_id, poll_s=0)

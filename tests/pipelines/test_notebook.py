@@ -22,7 +22,8 @@ from kfp_run_emulator import RunOutputsEmulator, spec_tasks
 from nbclient import NotebookClient
 from s3_server import moto_s3_server
 
-from pipelines.presets import apply_overrides, get_preset, pipeline_arguments
+from pipelines.presets import apply_overrides, get_preset
+from pipelines.run_form import form_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "rhoai_lingo_rl.ipynb"
@@ -168,7 +169,7 @@ def test_the_notebook_runs_top_to_bottom_against_an_emulated_pipeline_server(tmp
     )
     assert {c["auth"] for c in kfp.calls} == {f"Bearer {TOKEN}"}
     run = kfp.runs[run_id]
-    assert run["runtime_config"]["parameters"] == json.loads(json.dumps(pipeline_arguments(preset)))
+    assert run["runtime_config"]["parameters"] == json.loads(json.dumps(form_arguments(preset)))
 
     followed = _text(follow).splitlines()
     tasks = spec_tasks(kfp.specs[run["pipeline_version_reference"]["pipeline_version_id"]])

@@ -97,14 +97,12 @@ class JobLogs:
     def in_workbench(cls, run_id: str) -> tuple[JobLogs | None, str]:
         """Job logs through the workbench's service account (else the local kubeconfig), and
         a line that says which, or why there are none."""
-        from kubernetes import config as k8s_config
-
-        from cluster.launcher import default_api_client
+        from cluster.launcher import NoKubernetesAccess, default_api_client
         from cluster.step_job import current_namespace
 
         try:
             api_client = default_api_client()
-        except k8s_config.ConfigException as exc:
+        except NoKubernetesAccess as exc:
             return None, f"job logs: not followed (no Kubernetes configuration: {exc})"
         namespace = current_namespace()
         return cls(run_id, namespace, api_client), f"job logs: followed in namespace {namespace}"

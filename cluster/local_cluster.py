@@ -285,6 +285,7 @@ class LocalCluster:
         self._stop = threading.Event()
         self._handled: set[str] = set()
         self._lock = threading.Lock()
+        self._processes: dict[str, subprocess.Popen] = {}
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -434,8 +435,6 @@ class LocalCluster:
             )
         else:
             self._set_status(name, TRAINJOB.succeeded, "JobsCompleted", "all pods succeeded")
-
-    _processes: dict[str, subprocess.Popen] = {}
 
     def _start_pod(self, job: str, trainjob: dict, pod: ExpandedPod, port: int) -> PodRecord:
         container = pod.container

@@ -444,6 +444,8 @@ def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> 
         primary_pod_check({**static, **expanded}),
         mismatch_gate_check(preset, workspace, ran),
     ]
+    if preset.backend == "megatron":
+        checks.insert(0, conversion_check(spec, platform, arguments))
     return RehearsalReport(
         preset.name, preset.backend, runner.records, not_run, pods, checks, subs, output_dir,
         time.monotonic() - started,
@@ -559,6 +561,31 @@ def primary_pod_check(jobs: dict[str, list]) -> Check:
     if problems:
         return Check("primary pod (job-index 0, completion-index 0)", False, "; ".join(problems))
     return Check("primary pod (job-index 0, completion-index 0)", True, "; ".join(fine))
+
+
+def conversion_check(spec: dict, platform: dict, arguments: dict) -> Check:
+    """The ``convert-megatron`` pod against its layout: megatron-core's model-parallel groups
+    need the layout's world size (``nodes × gpus_per_node`` processes, what
+    ``trainer.megatron.layout.validate_layout`` checks against); a pod of one process (the KFP
+    executor, no torchrun, no ``WORLD_SIZE``) builds a one-rank group."""
+    from trainer.megatron.layout import resolve_megatron_layout
+
+    name = "convert-megatron processes = layout world size"
+    layout = resolve_megatron_layout(arguments["megatron_layout"])
+    world = layout.nodes * layout.gpus_per_node
+    container = spec["deploymentSpec"]["executors"]["exec-convert-megatron"]["container"]
+    command = " ".join([*container.get("command", []), *container.get("args", [])])
+    env = {e["name"] for e in container.get("env") or []}
+    launcher = "torch.distributed.run" in command or "torchrun" in command
+    processes = "torchrun" if launcher else ("WORLD_SIZE" in env and "env") or 1
+    sizes = f"TP {layout.tp}, PP {layout.pp}, EP {layout.ep}"
+    if processes == 1 and world > 1:
+        return Check(
+            name, False,
+            f"layout {layout.name} ({sizes}) needs world size {world}; the step runs as one "
+            "KFP pod of one process (no torchrun, no WORLD_SIZE)",
+        )  # fmt: skip
+    return Check(name, True, f"layout {layout.name} ({sizes}), world size {world}: {processes}")
 
 
 def mismatch_gate_check(preset: Preset, workspace: Path, ran: set[str]) -> Check:

@@ -214,13 +214,36 @@ class RehearsalReport:
         lines += [f"  {s.line()}" for s in self.substitutions]
         failed = [t for t in self.tasks if t.returncode != 0]
         for task in failed:
-            lines += ["", f"{task.task} failed; the last lines of {task.log_path}:"]
-            lines += [f"  {line}" for line in _tail(task.log_path, 15)]
+            pods = [p for p in self.pods if p.job.startswith(f"lingo-{_job_step(task)}-")]
+            errors = [e for p in pods if p.returncode for e in _errors(p.log_path)]
+            if errors:
+                lines += ["", f"{task.task} failed; its pods' first errors:"]
+                lines += [f"  {line}" for line in dict.fromkeys(errors)]
+            else:
+                lines += ["", f"{task.task} failed; the last lines of {task.log_path}:"]
+                lines += [f"  {line}" for line in _tail(task.log_path, 15)]
         return "\n".join(lines)
 
 
 def _job_step(task: TaskRecord) -> str:
     return "grpo" if task.task.startswith("grpo") else task.task
+
+
+def _errors(path: Path | None, limit: int = 3) -> list[str]:
+    """A failed pod's first error lines (a rank's ``error:`` line, an exception's last line),
+    not the launcher's traceback that follows them."""
+    if path is None or not path.exists():
+        return []
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        text = line.strip()
+        if text.startswith("error:") or (
+            ("Error: " in text or "Exception: " in text) and not text.startswith("File ")
+        ):
+            found.append(text[:400])
+        if len(found) >= limit:
+            break
+    return found
 
 
 def _tail(path: Path | None, lines: int) -> list[str]:
@@ -601,6 +624,8 @@ def mismatch_gate_check(preset: Preset, workspace: Path, ran: set[str]) -> Check
     lines = [json.loads(line) for line in files[-1].read_text().splitlines() if line.strip()]
     gated = [r for r in lines if "rollout_kl" in r and r.get("staleness", 0) == 0]
     measured = [r for r in lines if "rollout_kl" in r]
+    if not measured:
+        return Check(name, None, "GRPO logged no step that measured rollout_kl (it stopped first)")
     if not gated:
         stale = sorted({r.get("staleness") for r in measured})
         return Check(

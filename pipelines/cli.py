@@ -524,7 +524,7 @@ def rehearse(
         str, typer.Option(help="A cluster preset: gpt-oss-20b or gpt-oss-20b-verl.")
     ] = "gpt-oss-20b",
     backend: Annotated[
-        str | None, typer.Option(help="The GRPO branch: hf or megatron [default: the preset's].")
+        str | None, typer.Option(help="The GRPO branch: hf or megatron (default: the preset's).")
     ] = None,
     output_dir: Annotated[
         Path, typer.Option("--output-dir", "-o", help="Where the rehearsal's run goes.")
@@ -535,6 +535,14 @@ def rehearse(
     print what ran, what was substituted and the result; exit 1 when anything failed."""
     from pipelines.rehearsal import rehearse as run_rehearsal
 
+    if backend not in (None, "hf", "megatron"):
+        raise typer.BadParameter(f"{backend!r}: use hf or megatron", param_hint="--backend")
+    if _load_preset(preset, None).hardware.node_type == "local":
+        raise typer.BadParameter(
+            f"{preset!r} runs on this machine already (lingo run --local); rehearse a cluster "
+            "preset: gpt-oss-20b, gpt-oss-20b-verl",
+            param_hint="--preset",
+        )
     report = run_rehearsal(preset, output_dir, backend)
     echo(report.table())
     if not report.passed:

@@ -9,7 +9,9 @@ that ask for the marker to go."""
 from __future__ import annotations
 
 import pytest
+from typer.testing import CliRunner
 
+from pipelines.cli import app
 from pipelines.presets import PRESETS
 from pipelines.rehearsal import rehearsal_preset, rehearse, substitutions
 
@@ -42,9 +44,16 @@ def test_the_rehearsal_keeps_the_machines_and_lists_what_it_substitutes():
     assert "grpo.rollout.engine" not in overrides  # only a vLLM engine is substituted
 
 
-def test_a_local_preset_is_refused():
+def test_a_local_preset_or_an_unknown_backend_is_refused(tmp_path):
     with pytest.raises(ValueError, match="rehearse a cluster preset"):
         rehearsal_preset("tiny-cpu")
+    for args, hint in (
+        (["--preset", "tiny-cpu"], "--preset"),
+        (["--backend", "deepspeed"], "--backend"),
+    ):
+        result = CliRunner().invoke(app, ["rehearse", *args, "-o", str(tmp_path)])
+        assert result.exit_code == 2 and hint in result.output, result.output
+    assert list(tmp_path.iterdir()) == []  # nothing ran
 
 
 @pytest.mark.slow

@@ -13,7 +13,13 @@ from typer.testing import CliRunner
 
 from pipelines.cli import app
 from pipelines.presets import PRESETS
-from pipelines.rehearsal import rehearsal_preset, rehearse, substitutions
+from pipelines.rehearsal import (
+    compile_rehearsal,
+    rehearsal_preset,
+    rehearsal_secrets,
+    rehearse,
+    substitutions,
+)
 
 DEFECTS = (
     "issue #39 defects 2 (gate) and 3 (OMP threads), fixed on other branches, and GRPO's "
@@ -117,3 +123,22 @@ def test_the_megatron_branch_reaches_the_conversion(megatron_report):
 @pytest.mark.xfail(strict=True, reason="issue #39 defects 1 (conversion) and 6 (primary pod)")
 def test_the_megatron_rehearsal_passes(megatron_report):
     assert megatron_report.passed, megatron_report.table()
+
+
+def test_the_compiled_pods_get_every_secret_key_and_the_local_volume(tmp_path):
+    """The preset compiled as the rehearsal compiles it: every Secret key a task's
+    ``secretAsEnv`` names has a value, every ``pvcMount`` is the local workspace, and the
+    training steps' jobs mount it too (their ``shared_mount`` argument)."""
+    preset, _ = rehearsal_preset("gpt-oss-20b")
+    spec, platform, arguments = compile_rehearsal(preset, tmp_path / "p.yaml", tmp_path)
+    secrets = rehearsal_secrets("sqlite:///x.db")
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert set(executors) <= set(spec["deploymentSpec"]["executors"])
+    for label, executor in executors.items():
+        for secret in executor.get("secretAsEnv", []):
+            keys = {pair["secretKey"] for pair in secret["keyToEnv"]}
+            assert keys <= set(secrets[secret["secretName"]]), label
+        assert [m["mountPath"] for m in executor.get("pvcMount", [])] == [str(tmp_path)], label
+    for step in ("sft_execution", "grpo_execution"):
+        assert arguments[step]["job"]["shared_mount"] == str(tmp_path)
+    assert secrets["lingo-mlflow"]["MLFLOW_TRACKING_URI"] == "sqlite:///x.db"

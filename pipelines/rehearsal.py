@@ -612,26 +612,28 @@ def conversion_check(spec: dict, platform: dict, arguments: dict) -> Check:
 
 
 def mismatch_gate_check(preset: Preset, workspace: Path, ran: set[str]) -> Check:
-    """Whether the GRPO mismatch gate evaluated any step: it evaluates on-policy steps only
-    (``trainer.grpo.mismatch.MismatchGate.check``), so a run whose every step is stale
-    (``staleness`` > 0 on every metrics line) is never gated."""
-    name = "GRPO mismatch gate evaluated a step"
+    """Whether the GRPO mismatch gate bounded any step. The gate looks at on-policy steps only
+    (``trainer.grpo.mismatch.MismatchGate.check``: ``staleness`` 0 on the step's metrics
+    line), and the first of them only sets its floor: a run with no on-policy step after the
+    first (one step off-policy makes every later step stale) is never gated."""
+    name = "GRPO mismatch gate bounded a step"
     if preset.grpo.rollout.max_mismatch_kl is None:
         return Check(name, None, "rollout.max_mismatch_kl is None: no gate")
     files = sorted(workspace.glob("lingo-rl-jobs/lingo-grpo-*/work/training_metrics.jsonl"))
     if not files:
         return Check(name, None, "GRPO wrote no training_metrics.jsonl (it did not train)")
     lines = [json.loads(line) for line in files[-1].read_text().splitlines() if line.strip()]
-    gated = [r for r in lines if "rollout_kl" in r and r.get("staleness", 0) == 0]
     measured = [r for r in lines if "rollout_kl" in r]
-    if not measured:
-        return Check(name, None, "GRPO logged no step that measured rollout_kl (it stopped first)")
-    if not gated:
-        stale = sorted({r.get("staleness") for r in measured})
+    on_policy = [r["step"] for r in measured if r.get("staleness", 0) == 0]
+    if len(measured) < 2:
+        return Check(name, None, f"GRPO logged {len(measured)} step(s) that measured rollout_kl")
+    if len(on_policy) < 2:
+        floor = f"step {on_policy[0]} set the floor" if on_policy else "no floor"
+        stale = [r["step"] for r in measured if r.get("staleness", 0) > 0]
         return Check(
             name, False,
-            f"{len(measured)} steps measured rollout_kl, none on-policy (staleness {stale}): "
-            f"async_steps={preset.grpo.rollout.async_steps} makes every step stale and the "
-            "gate returns before looking",
+            f"{len(measured)} steps measured rollout_kl; {floor}; steps {stale} were stale "
+            f"(async_steps={preset.grpo.rollout.async_steps}) and the gate returned before "
+            "looking: no step was bounded",
         )  # fmt: skip
-    return Check(name, True, f"{len(gated)} of {len(measured)} steps gated")
+    return Check(name, True, f"steps {on_policy[1:]} bounded (step {on_policy[0]}: the floor)")

@@ -99,18 +99,27 @@ def test_the_omp_check_fails_one_thread_on_a_node_of_many_cpus():
 
 
 def test_the_gate_check_reads_the_metrics_lines(tmp_path):
+    """The lines one-step-off-policy writes (gpt-oss-20b-verl's rehearsal, measured): step 1
+    on-policy sets the gate's floor, steps 2 and 3 are stale: no step is bounded."""
     preset = PRESETS["gpt-oss-20b"]
     work = tmp_path / "lingo-rl-jobs" / "lingo-grpo-run" / "work"
     work.mkdir(parents=True)
     metrics = work / "training_metrics.jsonl"
+    lines = [(1, 0, 2.3e-14), (2, 1, 1.2e-07), (3, 1, 4.3e-07)]
     metrics.write_text(
-        '{"step": 1, "rollout_kl": 0.001, "staleness": 1}\n'
-        '{"step": 2, "rollout_kl": 0.002, "staleness": 1}\n'
+        '{"step": 0}\n'
+        + "".join(
+            f'{{"step": {s}, "staleness": {st}, "rollout_kl": {kl}}}\n' for s, st, kl in lines
+        )
     )
     check = mismatch_gate_check(preset, tmp_path, {"grpo"})
-    assert check.passed is False and "none on-policy" in check.detail
-    metrics.write_text('{"step": 1, "rollout_kl": 0.001, "staleness": 0}\n')
+    assert check.passed is False
+    assert "step 1 set the floor; steps [2, 3] were stale" in check.detail
+    on_policy = "".join(f'{{"step": {s}, "staleness": 0, "rollout_kl": 0.001}}\n' for s in (1, 2))
+    metrics.write_text(on_policy)
     assert mismatch_gate_check(preset, tmp_path, {"grpo"}).passed is True
+    metrics.write_text('{"step": 1, "staleness": 0, "rollout_kl": 0.001}\n')
+    assert mismatch_gate_check(preset, tmp_path, {"grpo"}).passed is None
     metrics.unlink()
     assert mismatch_gate_check(preset, tmp_path, {"grpo"}).passed is None
 

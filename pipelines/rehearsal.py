@@ -532,7 +532,7 @@ def omp_check(pods: list, static: dict[str, list]) -> Check:
     node's CPUs: 1 thread on a node of more CPUs than processes idles the rest."""
     from cluster.local_cluster import cpu_cores, torchrun_omp_threads
 
-    problems, seen = [], []
+    built, ran, seen = [], [], []
     for name, expanded in static.items():
         for pod in expanded:
             env = {e["name"]: str(e.get("value", "")) for e in pod.container.get("env") or []}
@@ -545,22 +545,21 @@ def omp_check(pods: list, static: dict[str, list]) -> Check:
                 f"{pod.name}: {nproc} ranks, {cpu} CPUs, OMP_NUM_THREADS={threads or 'unset'}"
             )
             if threads == "1" and cpu is not None and cpu > nproc:
-                problems.append(f"{pod.name} ({name}): {nproc} ranks × 1 thread on {cpu:g} CPUs")
+                built.append(f"{pod.name} ({name}): {nproc} ranks × 1 thread on {cpu:g} CPUs")
     for pod in pods:
         observed = sorted(set(pod.rank_env.values()))
         if observed:
-            seen.append(f"{pod.name} ran: ranks' OMP_NUM_THREADS {observed}")
+            seen.append(f"{pod.name} ran: {len(pod.rank_env)} ranks, OMP_NUM_THREADS {observed}")
             if observed == ["1"] and pod.cpu is not None and pod.cpu > pod.nproc_per_node:
-                problems.append(
-                    f"{pod.name} (ran): every rank had OMP_NUM_THREADS=1 on {pod.cpu:g} CPUs"
+                ran.append(
+                    f"{pod.name} (ran): its {len(pod.rank_env)} ranks had OMP_NUM_THREADS=1 "
+                    f"on {pod.cpu:g} CPUs"
                 )
-    if problems:
-        return Check(
-            "OMP_NUM_THREADS per rank",
-            False,
-            "; ".join(problems[:4])
-            + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""),
-        )
+    if built or ran:
+        shown = built[:2] + ran[:2]
+        more = len(built) + len(ran) - len(shown)
+        detail = "; ".join(shown) + (f" (+{more} more pods)" if more else "")
+        return Check("OMP_NUM_THREADS per rank", False, detail)
     return Check("OMP_NUM_THREADS per rank", True, "; ".join(seen[:3]))
 
 

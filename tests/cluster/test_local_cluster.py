@@ -165,5 +165,34 @@ def test_a_trainjob_runs_as_local_pods(tmp_path, outcome):
         assert all("rendezvous" in " ".join(p.substituted) for p in pods)
 
 
+def test_each_ranks_env_is_read_from_its_process(tmp_path):
+    """A pod's torchrun (its rendezvous from ``PET_*``) starts ``numProcPerNode`` ranks; the
+    controller reads each rank's ``OMP_NUM_THREADS`` from the process, and the OMP check
+    fails the pods whose ranks got 1 thread on a node of more CPUs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    rank = tmp_path / "rank.py"
+    rank.write_text("import time\ntime.sleep(4)\n")
+    manifest, runtime = _trainjob("lingo-sft-ranks", shared, "")
+    manifest["spec"]["trainer"]["command"] = ["python", "-m", "torch.distributed.run", str(rank)]
+    pythons = {GPU_IMAGE: sys.executable}
+    with LocalCluster(tmp_path / "cluster", pythons, {}, tmp_path, "default") as cluster:
+        cluster.install_runtime(runtime)
+        api = k8s.CustomObjectsApi(cluster.api_client)
+        api.create_namespaced_custom_object(*_path(), manifest)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            job = api.get_namespaced_custom_object(*_path(), "lingo-sft-ranks")
+            if job_state(TRAINJOB, job) in ("succeeded", "failed"):
+                break
+            time.sleep(0.5)
+        pods = cluster.pods
+    assert job_state(TRAINJOB, job) == "succeeded", [p.log_path.read_text() for p in pods]
+    per_node = manifest["spec"]["trainer"]["numProcPerNode"]
+    assert [sorted(p.rank_env.values()) for p in pods] == [["1"] * per_node] * 2
+    check = omp_check(pods, {})
+    assert check.passed is False and "ranks had OMP_NUM_THREADS=1" in check.detail
+
+
 def _path() -> tuple[str, str, str, str]:
     return TRAINJOB.group, TRAINJOB.version, "default", TRAINJOB.plural

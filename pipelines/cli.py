@@ -532,6 +532,38 @@ def status(
         raise typer.Exit(1)
 
 
+@app.command()
+@clear_errors
+def rehearse(
+    preset: Annotated[
+        str, typer.Option(help="A cluster preset: gpt-oss-20b or gpt-oss-20b-verl.")
+    ] = "gpt-oss-20b",
+    backend: Annotated[
+        str | None, typer.Option(help="The GRPO branch: hf or megatron (default: the preset's).")
+    ] = None,
+    output_dir: Annotated[
+        Path, typer.Option("--output-dir", "-o", help="Where the rehearsal's run goes.")
+    ] = Path("runs/rehearsal"),
+) -> None:
+    """Run a cluster preset's compiled pipeline on this machine as a cluster runs it: each
+    step as its pod, each TrainJob expanded into pods (local processes), a scaled-down model;
+    print what ran, what was substituted and the result; exit 1 when anything failed."""
+    from pipelines.rehearsal import rehearse as run_rehearsal
+
+    if backend not in (None, "hf", "megatron"):
+        raise typer.BadParameter(f"{backend!r}: use hf or megatron", param_hint="--backend")
+    if _load_preset(preset, None).hardware.node_type == "local":
+        raise typer.BadParameter(
+            f"{preset!r} runs on this machine already (lingo run --local); rehearse a cluster "
+            "preset: gpt-oss-20b, gpt-oss-20b-verl",
+            param_hint="--preset",
+        )
+    report = run_rehearsal(preset, output_dir, backend)
+    echo(report.table())
+    if not report.passed:
+        raise typer.Exit(1)
+
+
 def _run_jobs(run_id: str, namespace: str | None) -> list[str]:
     """``lingo status``'s job lines, or one line saying why they could not be read."""
     try:

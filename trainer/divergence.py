@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from trainer.backends.interface import NonFiniteLossError
 from trainer.checkpoint import latest_checkpoint, list_checkpoints
@@ -39,7 +40,21 @@ def _local_trainable(module) -> Iterator[torch.Tensor]:
     for chunk in modules:
         for param in chunk.parameters():
             if param.requires_grad:
-                yield getattr(param, "ds_tensor", param)
+                yield _partition(param) if hasattr(param, "ds_tensor") else param
+
+
+def _partition(param) -> torch.Tensor:
+    """The weights a ZeRO-3 partition holds, without its padding. DeepSpeed gives every rank a
+    partition of ``ceil(numel / ranks)`` elements made with ``torch.empty`` and copies in only
+    the weights that fall in it (``partition_parameters.py``, ``_partition_param``): the last
+    ranks' tails, and a small tensor's whole partition on ranks past its end, are
+    uninitialized memory, which may hold anything (NaN included)."""
+    tensor = param.ds_tensor
+    size = tensor.numel()
+    group = getattr(param, "ds_process_group", None)
+    rank = dist.get_rank(group=group) if dist.is_available() and dist.is_initialized() else 0
+    held = max(0, min(size, int(param.ds_numel) - rank * size))
+    return tensor.narrow(0, 0, held) if tensor.dim() == 1 else tensor
 
 
 def weights_square_sum(module) -> float:

@@ -3,6 +3,8 @@ diverged run fails naming the step and the last good checkpoint."""
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +211,49 @@ def test_guard_counts_only_consecutive_zero_gradient_steps_with_signal(tmp_path)
     assert weights_square_sum(module) == float("inf")
     with pytest.raises(TrainingDivergedError, match="weights are not finite"):
         guard.check(7, 0.1, 0.5, module)
+
+
+PADDING_SCRIPT = """
+import json, os, sys
+import deepspeed, torch
+import torch.distributed as dist
+from trainer.divergence import weights_square_sum
+
+deepspeed.init_distributed(dist_backend="gloo")
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+with deepspeed.zero.Init(config_dict_or_path=config):
+    model = torch.nn.Linear(3, 1)  # weight 3 elements, bias 1: padded over 2 ranks
+for param in model.parameters():
+    held = max(0, param.ds_numel - dist.get_rank() * param.ds_tensor.numel())
+    param.ds_tensor.data[held:] = float("nan")  # what torch.empty may leave there
+with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    expected = sum(float((p.detach() ** 2).sum()) for p in model.parameters())
+local = torch.tensor(weights_square_sum(model))
+dist.all_reduce(local)
+if dist.get_rank() == 0:
+    print(json.dumps({"sum": float(local), "expected": expected}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_zero3_partitions_padding_is_not_a_weight(tmp_path):
+    """ZeRO-3 pads each parameter's last partitions with uninitialized memory (found by
+    ``lingo rehearse``: gpt-oss-20b's 16 ranks stopped at step 1 as "diverged"): the weights'
+    square sum counts only the weights a partition holds, as DeepSpeed's own gather does."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "padding.py"
+    script.write_text(PADDING_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [*torchrun, "--nproc_per_node=2", str(script)],
+        capture_output=True, text=True, env=env, cwd=root, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert math.isfinite(result["sum"])
+    assert result["sum"] == pytest.approx(result["expected"], rel=1e-6)

@@ -1,0 +1,638 @@
+"""``lingo rehearse``: a cluster preset's compiled pipeline, run whole on this machine in the
+shape a cluster runs it (issue #39).
+
+1. The preset, with what a CPU cannot hold substituted (``substitutions``: a scaled-down GPT-OSS
+   of the same architecture, the bundled data, few steps, the HF engine for vLLM), and each
+   substitution recorded.
+2. Compiled with the preset's platform (``pipelines.platform``), its workspace volume mounted
+   at a local directory.
+3. The compiled IR run by ``kfp.local``'s DAG orchestrator, but each task as its pod would
+   run: the executor's container command, its env, the platform's Secrets as env
+   (``secretAsEnv``), the workspace PVC, the image's Python (``RehearsalPod``).
+4. The training steps create their TrainJobs through the Kubernetes client, as on a cluster
+   (``cluster.step_job``), against ``cluster.local_cluster``: a local API and a controller
+   that expands each TrainJob into a JobSet and its pods (the ``PET_*`` env the Trainer sets)
+   and runs each pod as a local process group, gloo for NCCL.
+5. Checks a cluster would fail later (``checks``): each rank's ``OMP_NUM_THREADS`` against its
+   node's CPUs, OpenShift AI's primary-pod rule on each job's pods, whether the GRPO
+   mismatch gate evaluated any step.
+
+The report (``RehearsalReport.table``): per task and per job, what ran, what was
+substituted, the result; then the checks and every substitution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from pipelines.presets import Preset, apply_overrides, get_preset, pipeline_arguments
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MEGATRON_PYTHON = REPO_ROOT / ".venv-megatron" / "bin" / "python"
+
+SCALED_MODEL = {
+    # gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention, 64 query
+    # heads over 8 KV heads of 64 dims, attention sinks, 32 experts, top-4 routing, YaRN RoPE.
+    # The same layer types at a CPU's size, every count divisible by the presets' parallel
+    # sizes (TP 8: heads and KV heads; EP 8: experts).
+    "vocab_size": 2048,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 4,
+    "sliding_window": 32,
+}
+
+
+@dataclass(frozen=True)
+class Substitution:
+    """What the rehearsal ran in place of what the preset names, and why."""
+
+    what: str
+    preset: str
+    rehearsal: str
+    why: str
+
+    def line(self) -> str:
+        return f"{self.what}: {self.preset} → {self.rehearsal} ({self.why})"
+
+
+def substitutions(preset: Preset) -> tuple[dict[str, str], list[Substitution]]:
+    """The overrides (``apply_overrides``) that fit ``preset`` on a CPU, and what each
+    replaces. The machines (``hardware``: nodes, processes per node) are kept."""
+    grpo, rollout = preset.grpo, preset.grpo.rollout
+    overrides: dict[str, str] = {
+        "model.source": "tiny",
+        **{f"model.tiny.{k}": json.dumps(v) for k, v in SCALED_MODEL.items()},
+        "data_prep.source": "bundled",
+        "sft.max_steps": "2",
+        "sft.max_seq_len": "384",
+        "sft.gradient_accumulation_steps": "1",
+        "sft.eval_every": "0",
+        "sft.checkpoint_every": "0",
+        "sft.dtype": "float32",
+        "grpo.max_steps": "3",
+        "grpo.eval_every": "0",
+        "grpo.checkpoint_every": "0",
+        "grpo.rollout.max_new_tokens": "16",
+        "grpo.rollout.max_prompt_tokens": "512",
+        "grpo.dtype": "float32",
+        "eval.limit": "4",
+        "eval.sampling.n": "1",
+        "eval.sampling.max_tokens": "16",
+        "eval.dtype": "float32",
+    }
+    subs = [
+        Substitution(
+            "model",
+            preset.model.source,
+            "tiny GPT-OSS " + ", ".join(f"{k}={v}" for k, v in SCALED_MODEL.items()),
+            "the same layer types (MoE router, sinks, sliding window); sizes a CPU trains",
+        ),
+        Substitution("data", preset.data_prep.source, "bundled", "no network"),
+        Substitution(
+            "SFT length",
+            f"{preset.sft.max_steps or preset.sft.num_epochs} steps/epochs, seq "
+            f"{preset.sft.max_seq_len}, accumulation {preset.sft.gradient_accumulation_steps}",
+            "2 steps, seq 384, accumulation 1",
+            "a rehearsal, not a run",
+        ),
+        Substitution(
+            "GRPO length",
+            f"{grpo.max_steps} steps, {rollout.max_new_tokens} new tokens",
+            "3 steps, 16 new tokens",
+            "a rehearsal; 3 steps so one-step-off-policy has on- and off-policy steps",
+        ),
+        Substitution("eval", "50 questions", "4 questions, 1 sample, 16 tokens", "a rehearsal"),
+        Substitution("dtype", "bfloat16", "float32", "CPU"),
+    ]
+    if rollout.engine == "vllm":
+        engines = rollout.num_engines * rollout.tensor_parallel_size if not rollout.colocate else 0
+        overrides["grpo.rollout.engine"] = "hf"
+        overrides["grpo.rollout.tensor_parallel_size"] = "1"
+        if engines:
+            overrides["grpo.rollout.num_engines"] = str(engines)
+        subs.append(
+            Substitution(
+                "rollout engine",
+                f"vLLM, {rollout.num_engines} engines × TP {rollout.tensor_parallel_size}",
+                f"HF engine × {engines}, one per process" if engines else "HF engine",
+                "vLLM needs CUDA; the same rollout-only processes and pods",
+            )
+        )
+    return overrides, subs
+
+
+@dataclass
+class TaskRecord:
+    """One pipeline task run as its pod."""
+
+    task: str
+    image: str
+    python: str
+    command: str
+    returncode: int | None = None
+    seconds: float = 0.0
+    log_path: Path | None = None
+    substituted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Check:
+    """One check a cluster would fail later; ``passed`` None: could not be evaluated."""
+
+    name: str
+    passed: bool | None
+    detail: str
+
+
+@dataclass
+class RehearsalReport:
+    """What ran, what was substituted, what failed."""
+
+    preset: str
+    backend: str
+    tasks: list[TaskRecord]
+    not_run: list[str]
+    pods: list
+    checks: list[Check]
+    substitutions: list[Substitution]
+    output_dir: Path
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(t.returncode == 0 for t in self.tasks) and all(
+            c.passed is not False for c in self.checks
+        )
+
+    def table(self) -> str:
+        rows = [("step", "what ran", "substituted", "result")]
+        for task in self.tasks:
+            result = "ok" if task.returncode == 0 else f"FAILED (exit {task.returncode})"
+            rows.append((task.task, task.command, "; ".join(task.substituted), result))
+            for pod in [p for p in self.pods if p.job.startswith(f"lingo-{_job_step(task)}-")]:
+                result = "ok" if pod.returncode == 0 else f"FAILED (exit {pod.returncode})"
+                what = f"  pod {pod.name}: {pod.nproc_per_node} ranks, " + " ".join(
+                    pod.command[1:4]
+                )
+                rows.append(("", what, "; ".join(pod.substituted), result))
+        rows += [(name, "not run (its branch or condition)", "", "-") for name in self.not_run]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [
+            f"lingo rehearse --preset {self.preset} -p backend={self.backend}: "
+            f"{'PASSED' if self.passed else 'FAILED'} in {self.seconds:.0f} s "
+            f"({self.output_dir})",
+            "",
+        ]
+        for row in rows:
+            lines.append(
+                "  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3]
+            )
+        lines += ["", "checks:"]
+        for check in self.checks:
+            mark = {True: "ok", False: "FAILED", None: "not evaluated"}[check.passed]
+            lines.append(f"  {check.name}: {mark}: {check.detail}")
+        lines += ["", "substitutions:"]
+        lines += [f"  {s.line()}" for s in self.substitutions]
+        failed = [t for t in self.tasks if t.returncode != 0]
+        for task in failed:
+            pods = [p for p in self.pods if p.job.startswith(f"lingo-{_job_step(task)}-")]
+            errors = [e for p in pods if p.returncode for e in _errors(p.log_path)]
+            if errors:
+                lines += ["", f"{task.task} failed; its pods' first errors:"]
+                lines += [f"  {line}" for line in dict.fromkeys(errors)]
+            else:
+                lines += ["", f"{task.task} failed; the last lines of {task.log_path}:"]
+                lines += [f"  {line}" for line in _tail(task.log_path, 15)]
+        return "\n".join(lines)
+
+
+def _job_step(task: TaskRecord) -> str:
+    return "grpo" if task.task.startswith("grpo") else task.task
+
+
+def _errors(path: Path | None, limit: int = 3) -> list[str]:
+    """A failed pod's first error lines (a rank's ``error:`` line, an exception's last line),
+    not the launcher's traceback that follows them."""
+    if path is None or not path.exists():
+        return []
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        text = line.strip()
+        if text.startswith("error:") or (
+            ("Error: " in text or "Exception: " in text) and not text.startswith("File ")
+        ):
+            found.append(text[:400])
+        if len(found) >= limit:
+            break
+    return found
+
+
+def _tail(path: Path | None, lines: int) -> list[str]:
+    if path is None or not path.exists():
+        return []
+    return path.read_text(errors="replace").splitlines()[-lines:]
+
+
+def rehearsal_preset(name: str, backend: str | None = None) -> tuple[Preset, list[Substitution]]:
+    """The preset ``name`` (``backend``: its GRPO branch) as the rehearsal runs it."""
+    preset = get_preset(name)
+    if preset.hardware.node_type == "local":
+        raise ValueError(
+            f"preset {name!r} runs on this machine already (lingo run --local); rehearse a "
+            "cluster preset: gpt-oss-20b, gpt-oss-20b-verl"
+        )
+    if backend is not None:
+        preset = Preset.model_validate({**dict(preset), "backend": backend})
+    overrides, subs = substitutions(preset)
+    return apply_overrides(preset, overrides), subs
+
+
+def rehearsal_secrets(tracking_uri: str) -> dict[str, dict[str, str]]:
+    """The Secrets the platform names (``pipelines.platform.DEFAULT_SECRETS``), with values
+    for this machine: MLflow to the rehearsal's SQLite store, no S3 or hub credentials."""
+    from pipelines.platform import DEFAULT_SECRETS
+
+    values = {"MLFLOW_TRACKING_URI": tracking_uri}
+    return {
+        s.secret_name: {key: values.get(key, "") for key in s.key_to_env} for s in DEFAULT_SECRETS
+    }
+
+
+def image_pythons() -> dict[str, str]:
+    """Each image → the Python that runs its containers here (the project's venvs)."""
+    from components.images import CPU_IMAGE, GPU_IMAGE, MEGATRON_IMAGE
+
+    megatron = str(MEGATRON_PYTHON) if MEGATRON_PYTHON.exists() else sys.executable
+    return {CPU_IMAGE: sys.executable, GPU_IMAGE: sys.executable, MEGATRON_IMAGE: megatron}
+
+
+def compile_rehearsal(preset: Preset, output: Path, workspace: Path) -> tuple[dict, dict, dict]:
+    """Compile ``preset`` with its platform, the workspace volume mounted at ``workspace``;
+    returns (pipeline spec, platform spec, arguments) as KFP would run them."""
+    from kfp import compiler
+
+    from pipelines.pipeline import build_pipeline
+    from pipelines.platform import get_platform
+
+    settings = get_platform(preset.hardware.platform)
+    settings = settings.model_copy(update={"workspace_mount": str(workspace)})
+    arguments = pipeline_arguments(preset)
+    for step in ("sft_execution", "grpo_execution"):
+        job = arguments[step].get("job") or {}
+        if "shared_mount" in job:
+            job["shared_mount"] = str(workspace)
+    compiler.Compiler().compile(
+        build_pipeline(settings), str(output), pipeline_parameters=arguments
+    )
+    spec, platform = yaml.safe_load_all(output.read_text())
+    return spec, platform, arguments
+
+
+class _PodRunner:
+    """Runs each kfp.local task as its pod would run (installed as kfp.local's subprocess
+    task handler while the rehearsal runs)."""
+
+    def __init__(self, spec: dict, platform: dict, env: dict[str, str], secrets, logs: Path):
+        self.executors = spec["deploymentSpec"]["executors"]
+        self.platform = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+        self.env, self.secrets, self.logs = env, secrets, logs
+        self.pythons = image_pythons()
+        self.records: list[TaskRecord] = []
+
+    def executor_of(self, command: list[str]) -> str:
+        """The executor label of a kfp.local command: ``exec-<its task directory>``."""
+        label = f"exec-{_task_root(command)}"
+        if label not in self.executors:
+            raise RuntimeError(f"kfp.local ran a task of no executor in the IR: {label}")
+        return label
+
+    def run(self, command: list[str], env_vars: dict[str, str]) -> int:
+        label = self.executor_of(command)
+        task = label.removeprefix("exec-")
+        container = self.executors[label]["container"]
+        python = self.pythons.get(container["image"], sys.executable)
+        substituted = [f"image → {Path(python).parent.parent.name}"]
+        env = {**self.env, **env_vars}
+        platform = self.platform.get(label, {})
+        for secret in platform.get("secretAsEnv", []):
+            data = self.secrets.get(secret["secretName"], {})
+            for pair in secret["keyToEnv"]:
+                env[pair["envVar"]] = data.get(pair["secretKey"], "")
+        for mount in platform.get("pvcMount", []):
+            if not Path(mount["mountPath"]).is_dir():
+                raise RuntimeError(f"{task}: PVC {mount['constant']} at {mount['mountPath']}")
+            substituted.append(f"PVC {mount['constant']} → {mount['mountPath']}")
+        command = [part.replace("python3", python) for part in command]
+        record = TaskRecord(task, container["image"], python, "kfp executor_main", substituted)
+        record.log_path = self.logs / f"{task}.log"
+        self.records.append(record)
+        started = time.monotonic()
+        with record.log_path.open("wb") as out:
+            process = subprocess.Popen(
+                command, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            record.returncode = process.wait()
+        record.seconds = time.monotonic() - started
+        log.info("%s: exit %s in %.0f s", task, record.returncode, record.seconds)
+        return record.returncode
+
+
+def _task_root(command: list[str]) -> str:
+    """The task a kfp.local command is for: its executor input's output directory
+    (``<pipeline_root>/<run>/<task>/…``)."""
+    executor_input = json.loads(command[command.index("--executor_input") + 1])
+    outputs = executor_input.get("outputs", {})
+    file = outputs.get("outputFile") or ""
+    return Path(file).parent.name
+
+
+@contextlib.contextmanager
+def _pods_as_handler(runner: _PodRunner) -> Iterator[None]:
+    from kfp.local import status, subprocess_task_handler
+
+    original = subprocess_task_handler.SubprocessTaskHandler
+
+    class PodTaskHandler(original):
+        def run(self) -> status.Status:
+            code = runner.run(list(self.full_command), dict(self.env_vars))
+            return status.Status.SUCCESS if code == 0 else status.Status.FAILURE
+
+    subprocess_task_handler.SubprocessTaskHandler = PodTaskHandler
+    try:
+        yield
+    finally:
+        subprocess_task_handler.SubprocessTaskHandler = original
+
+
+def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> RehearsalReport:
+    """Run ``preset_name``'s compiled pipeline as a cluster would, on this machine."""
+    from google.protobuf import json_format
+    from kfp import local
+    from kfp.local import pipeline_orchestrator
+    from kfp.pipeline_spec import pipeline_spec_pb2
+
+    from cluster.local_cluster import LocalCluster
+    from components.images import GPU_IMAGE
+    from core.tracking import local_store_uri
+
+    started = time.monotonic()
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    preset, subs = rehearsal_preset(preset_name, backend)
+    output_dir = output_dir.resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    workspace = output_dir / "pvc" / "lingo-workspace"
+    workspace.mkdir(parents=True, exist_ok=True)
+    subs.append(
+        Substitution(
+            "workspace volume",
+            f"PVC lingo-workspace at {preset_mount(preset)}",
+            str(workspace),
+            "a directory shared by every local process, mounted where the pods mount it",
+        )
+    )
+    spec, platform, arguments = compile_rehearsal(preset, output_dir / "pipeline.yaml", workspace)
+    tracking = local_store_uri(output_dir)
+    arguments["mlflow_tracking_uri"] = ""
+    secrets = rehearsal_secrets(tracking)
+    subs.append(
+        Substitution(
+            "Secrets",
+            "lingo-s3, lingo-mlflow, lingo-hf",
+            f"MLflow → {tracking}; others empty",
+            "no cluster Secrets here",
+        )  # fmt: skip
+    )
+    pythons = image_pythons()
+    subs += [
+        Substitution("image", image, python, "the image's Python environment on this machine")
+        for image, python in pythons.items()
+    ]
+    with LocalCluster(output_dir / "cluster", pythons, secrets, REPO_ROOT, "default") as cluster:
+        cluster.install_runtime(rehearsal_runtime(arguments, GPU_IMAGE))
+        subs.append(
+            Substitution(
+                "Kubernetes API",
+                "the cluster's API server, Trainer and JobSet controllers",
+                f"kmock emulator + cluster.local_cluster (kubeconfig {cluster.kubeconfig})",
+                "no API server runs here; pods are local process groups, gloo for NCCL",
+            )  # fmt: skip
+        )
+        pod_env = {
+            "KUBECONFIG": str(cluster.kubeconfig),
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": os.environ.get("HOME", ""),
+            "HF_HUB_OFFLINE": "1",
+        }
+        logs = output_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        runner = _PodRunner(spec, platform, pod_env, secrets, logs)
+        local.init(
+            runner=local.SubprocessRunner(use_venv=False),
+            pipeline_root=str(output_dir / "kfp"),
+            raise_on_error=False,
+        )
+        pipeline_spec = json_format.ParseDict(spec, pipeline_spec_pb2.PipelineSpec())
+        with _pods_as_handler(runner):
+            pipeline_orchestrator.run_local_pipeline(pipeline_spec, arguments)
+        pods = list(cluster.pods)
+        expanded = dict(cluster.expanded)
+        static = static_job_pods(preset, arguments, cluster)
+    ran = {r.task for r in runner.records}
+    not_run = sorted(
+        label.removeprefix("exec-") for label in spec["deploymentSpec"]["executors"]
+        if label.removeprefix("exec-") not in ran
+    )  # fmt: skip
+    checks = [
+        omp_check(pods, static),
+        primary_pod_check({**static, **expanded}),
+        mismatch_gate_check(preset, workspace, ran),
+    ]
+    if preset.backend == "megatron":
+        checks.insert(0, conversion_check(spec, platform, arguments))
+    return RehearsalReport(
+        preset.name, preset.backend, runner.records, not_run, pods, checks, subs, output_dir,
+        time.monotonic() - started,
+    )  # fmt: skip
+
+
+def rehearsal_runtime(arguments: dict, image: str) -> dict:
+    """The ClusterTrainingRuntime ``lingo cluster install-runtime`` installs for the preset
+    (``pipelines.presets.training_runtime``), the workspace at the rehearsal's mount."""
+    from cluster.config import ExecutionConfig
+    from cluster.trainjob import build_training_runtime
+
+    execution = ExecutionConfig.model_validate(arguments["sft_execution"])
+    return build_training_runtime(execution.cluster_job(image, default_namespace="default"))
+
+
+def preset_mount(preset: Preset) -> str:
+    from pipelines.platform import get_platform
+
+    return get_platform(preset.hardware.platform).workspace_mount
+
+
+def static_job_pods(preset: Preset, arguments: dict, cluster) -> dict[str, list]:
+    """Each training step's job as its step would create it (``cluster.step_job``), expanded
+    by the controller into pods without running them: the checks see the GRPO job even where
+    an earlier step fails."""
+    from cluster.config import ExecutionConfig
+    from cluster.jobs import TRAINJOB
+    from cluster.local_cluster import jobset_pods, trainer_jobset
+    from cluster.step_job import StepJob, build_step_manifest, build_step_runtime, step_cluster
+    from components.images import GPU_IMAGE, MEGATRON_IMAGE
+    from pipelines.presets import grpo_branch_config
+
+    steps = {
+        "sft": (preset.sft, GPU_IMAGE, None),
+        "grpo": (
+            grpo_branch_config(preset),
+            MEGATRON_IMAGE if preset.backend == "megatron" else GPU_IMAGE,
+            GPU_IMAGE,
+        ),
+    }
+    pods = {}
+    for step, (config, image, rollout_image) in steps.items():
+        execution = ExecutionConfig.model_validate(arguments[f"{step}_execution"])
+        if execution.mode != "job":
+            continue
+        job_cluster = step_cluster(execution, image, "default", rollout_image)
+        job = StepJob(step, f"trainer.{step}", config, "model", "m", "t", "e")
+        args = ["--config", f"{job_cluster.shared_mount}/{step}_config.json"]
+        manifest = build_step_manifest(job, job_cluster, "static", args, TRAINJOB)
+        runtime = build_step_runtime(job, job_cluster, "static", args, TRAINJOB)
+        runtime = runtime or rehearsal_runtime(arguments, image)
+        pods[f"{manifest['metadata']['name']} (as built)"] = jobset_pods(
+            trainer_jobset(manifest, runtime), manifest
+        )
+    return pods
+
+
+def omp_check(pods: list, static: dict[str, list]) -> Check:
+    """Each rank's ``OMP_NUM_THREADS`` (the pod's env, else what torchrun sets) against the
+    node's CPUs: 1 thread on a node of more CPUs than processes idles the rest."""
+    from cluster.local_cluster import cpu_cores, torchrun_omp_threads
+
+    built, ran, seen = [], [], []
+    for name, expanded in static.items():
+        for pod in expanded:
+            env = {e["name"]: str(e.get("value", "")) for e in pod.container.get("env") or []}
+            nproc = int(env.get("PET_NPROC_PER_NODE") or _flag(pod.container["command"]) or 1)
+            cpu = cpu_cores(
+                ((pod.container.get("resources") or {}).get("requests") or {}).get("cpu")
+            )
+            threads = torchrun_omp_threads(env, nproc)
+            seen.append(
+                f"{pod.name}: {nproc} ranks, {cpu} CPUs, OMP_NUM_THREADS={threads or 'unset'}"
+            )
+            if threads == "1" and cpu is not None and cpu > nproc:
+                built.append(f"{pod.name} ({name}): {nproc} ranks × 1 thread on {cpu:g} CPUs")
+    for pod in pods:
+        observed = sorted(set(pod.rank_env.values()))
+        if observed:
+            seen.append(f"{pod.name} ran: {len(pod.rank_env)} ranks, OMP_NUM_THREADS {observed}")
+            if observed == ["1"] and pod.cpu is not None and pod.cpu > pod.nproc_per_node:
+                ran.append(
+                    f"{pod.name} (ran): its {len(pod.rank_env)} ranks had OMP_NUM_THREADS=1 "
+                    f"on {pod.cpu:g} CPUs"
+                )
+    if built or ran:
+        shown = built[:2] + ran[:2]
+        more = len(built) + len(ran) - len(shown)
+        detail = "; ".join(shown) + (f" (+{more} more pods)" if more else "")
+        return Check("OMP_NUM_THREADS per rank", False, detail)
+    return Check("OMP_NUM_THREADS per rank", True, "; ".join(seen[:3]))
+
+
+def _flag(command: list[str]) -> str | None:
+    return command[command.index("--nproc-per-node") + 1] if "--nproc-per-node" in command else None
+
+
+def primary_pod_check(jobs: dict[str, list]) -> Check:
+    """OpenShift AI's primary-pod rule (``cluster.local_cluster.PRIMARY_POD_RULE``) on each
+    job's pods: exactly one pod, the trainer's ``node-0-0`` (global rank 0), may match."""
+    from cluster.local_cluster import primary_pod_matches
+
+    problems, fine = [], []
+    for name, pods in jobs.items():
+        matches = primary_pod_matches(pods)
+        trainer = [p.name for p in pods if p.name.endswith("-node-0-0")]
+        if matches != trainer:
+            problems.append(f"{name}: {len(matches)} pods match ({', '.join(matches)})")
+        else:
+            fine.append(f"{name}: {matches[0]}")
+    if problems:
+        return Check("primary pod (job-index 0, completion-index 0)", False, "; ".join(problems))
+    return Check("primary pod (job-index 0, completion-index 0)", True, "; ".join(fine))
+
+
+def conversion_check(spec: dict, platform: dict, arguments: dict) -> Check:
+    """The ``convert-megatron`` pod against its layout: megatron-core's model-parallel groups
+    need the layout's world size (``nodes × gpus_per_node`` processes, what
+    ``trainer.megatron.layout.validate_layout`` checks against); a pod of one process (the KFP
+    executor, no torchrun, no ``WORLD_SIZE``) builds a one-rank group."""
+    from trainer.megatron.layout import resolve_megatron_layout
+
+    name = "convert-megatron processes = layout world size"
+    layout = resolve_megatron_layout(arguments["megatron_layout"])
+    world = layout.nodes * layout.gpus_per_node
+    container = spec["deploymentSpec"]["executors"]["exec-convert-megatron"]["container"]
+    command = " ".join([*container.get("command", []), *container.get("args", [])])
+    env = {e["name"] for e in container.get("env") or []}
+    launcher = "torch.distributed.run" in command or "torchrun" in command
+    processes = "torchrun" if launcher else ("WORLD_SIZE" in env and "env") or 1
+    sizes = f"TP {layout.tp}, PP {layout.pp}, EP {layout.ep}"
+    if processes == 1 and world > 1:
+        return Check(
+            name, False,
+            f"layout {layout.name} ({sizes}) needs world size {world}; the step runs as one "
+            "KFP pod of one process (no torchrun, no WORLD_SIZE)",
+        )  # fmt: skip
+    return Check(name, True, f"layout {layout.name} ({sizes}), world size {world}: {processes}")
+
+
+def mismatch_gate_check(preset: Preset, workspace: Path, ran: set[str]) -> Check:
+    """Whether the GRPO mismatch gate bounded any step. The gate looks at on-policy steps only
+    (``trainer.grpo.mismatch.MismatchGate.check``: ``staleness`` 0 on the step's metrics
+    line), and the first of them only sets its floor: a run with no on-policy step after the
+    first (one step off-policy makes every later step stale) is never gated."""
+    name = "GRPO mismatch gate bounded a step"
+    if preset.grpo.rollout.max_mismatch_kl is None:
+        return Check(name, None, "rollout.max_mismatch_kl is None: no gate")
+    files = sorted(workspace.glob("lingo-rl-jobs/lingo-grpo-*/work/training_metrics.jsonl"))
+    if not files:
+        return Check(name, None, "GRPO wrote no training_metrics.jsonl (it did not train)")
+    lines = [json.loads(line) for line in files[-1].read_text().splitlines() if line.strip()]
+    measured = [r for r in lines if "rollout_kl" in r]
+    on_policy = [r["step"] for r in measured if r.get("staleness", 0) == 0]
+    if len(measured) < 2:
+        return Check(name, None, f"GRPO logged {len(measured)} step(s) that measured rollout_kl")
+    if len(on_policy) < 2:
+        floor = f"step {on_policy[0]} set the floor" if on_policy else "no floor"
+        stale = [r["step"] for r in measured if r.get("staleness", 0) > 0]
+        return Check(
+            name, False,
+            f"{len(measured)} steps measured rollout_kl; {floor}; steps {stale} were stale "
+            f"(async_steps={preset.grpo.rollout.async_steps}) and the gate returned before "
+            "looking: no step was bounded",
+        )  # fmt: skip
+    return Check(name, True, f"steps {on_policy[1:]} bounded (step {on_policy[0]}: the floor)")

@@ -1,0 +1,198 @@
+"""The rehearsal's controller (``cluster.local_cluster``): the pods it makes of the presets'
+TrainJobs, the primary-pod rule, torchrun's ``OMP_NUM_THREADS`` rule checked against torch's
+own launcher, and a TrainJob run to ``Complete`` and to ``Failed`` by local processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+from kubernetes import client as k8s
+from torch.distributed.run import config_from_args, get_args_parser
+
+from cluster.config import ExecutionConfig
+from cluster.jobs import TRAINJOB, job_state
+from cluster.local_cluster import (
+    COMPLETION_INDEX_LABEL,
+    LocalCluster,
+    cpu_cores,
+    jobset_pods,
+    primary_pod_matches,
+    torchrun_omp_threads,
+    trainer_jobset,
+)
+from cluster.step_job import StepJob, build_step_manifest, build_step_runtime, step_cluster
+from cluster.trainjob import build_training_runtime, build_trainjob, master_addr
+from components.images import GPU_IMAGE, MEGATRON_IMAGE
+from pipelines.presets import PRESETS, Preset, grpo_branch_config, pipeline_arguments
+from pipelines.rehearsal import mismatch_gate_check, omp_check, primary_pod_check
+
+
+def _grpo_pods(preset_name: str, backend: str) -> list:
+    """The GRPO job's pods of ``preset_name`` on ``backend``, as the step builds the job."""
+    preset = Preset.model_validate({**dict(PRESETS[preset_name]), "backend": backend})
+    arguments = pipeline_arguments(preset)
+    execution = ExecutionConfig.model_validate(arguments["grpo_execution"])
+    image = MEGATRON_IMAGE if backend == "megatron" else GPU_IMAGE
+    cluster = step_cluster(execution, image, "default", GPU_IMAGE)
+    job = StepJob("grpo", "trainer.grpo", grpo_branch_config(preset), "m", "m", "t", "e")
+    args = ["--config", "/mnt/shared/grpo_config.json"]
+    manifest = build_step_manifest(job, cluster, "run", args, TRAINJOB)
+    runtime = build_step_runtime(job, cluster, "run", args, TRAINJOB) or build_training_runtime(
+        cluster
+    )
+    return jobset_pods(trainer_jobset(manifest, runtime), manifest)
+
+
+def test_the_one_image_grpo_job_has_one_primary_pod_with_pet_env():
+    """gpt-oss-20b on DeepSpeed: 6 pods of the ``node`` job (4 training, 2 rollout-only), each
+    with the Trainer's ``PET_*`` (node rank = completion index), parsed by torchrun."""
+    pods = _grpo_pods("gpt-oss-20b", "hf")
+    assert [p.name for p in pods] == [f"lingo-grpo-run-node-0-{i}" for i in range(6)]
+    for index, pod in enumerate(pods):
+        env = {e["name"]: e.get("value") for e in pod.container["env"]}
+        assert env["PET_NODE_RANK"] == str(index) == env["JOB_COMPLETION_INDEX"]
+        assert (env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("6", "4")
+        assert env["PET_MASTER_ADDR"] == master_addr("lingo-grpo-run")
+    assert primary_pod_matches(pods) == ["lingo-grpo-run-node-0-0"]
+    assert primary_pod_check({"grpo": pods}).passed
+
+
+def test_the_two_image_grpo_job_has_two_pods_the_primary_rule_matches():
+    """gpt-oss-20b-verl on Megatron: trainers in ``node``, engines in ``rollout``; both
+    ``node-0-0`` and ``rollout-0-0`` carry job index 0 and completion index 0 (defect 6 of
+    issue #39), which the rehearsal's check reports."""
+    pods = _grpo_pods("gpt-oss-20b-verl", "megatron")
+    assert [p.replicated_job for p in pods] == ["node", "rollout"]
+    assert {p.container["image"] for p in pods} == {MEGATRON_IMAGE, GPU_IMAGE}
+    assert primary_pod_matches(pods) == ["lingo-grpo-run-node-0-0", "lingo-grpo-run-rollout-0-0"]
+    check = primary_pod_check({"grpo": pods})
+    assert check.passed is False and "2 pods match" in check.detail
+    # the rollout pod gets no PET_* (the torch plugin's env goes to the trainer's node only)
+    rollout_env = {e["name"] for e in pods[1].container["env"]}
+    assert not any(name.startswith("PET_") for name in rollout_env)
+    assert pods[1].labels[COMPLETION_INDEX_LABEL] == "0"
+
+
+@pytest.mark.parametrize(("env", "nproc"), [({}, 4), ({}, 1), ({"OMP_NUM_THREADS": "10"}, 4)])
+def test_omp_threads_follow_torchruns_own_rule(env, nproc, monkeypatch):
+    """``torchrun_omp_threads`` says what torch's launcher does: ``config_from_args`` sets
+    ``OMP_NUM_THREADS=1`` for its workers when unset and more than one process per node."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = get_args_parser().parse_args([f"--nproc_per_node={nproc}", "-m", "trainer.sft"])
+    config_from_args(args)
+    assert os.environ.get("OMP_NUM_THREADS", "") == torchrun_omp_threads(env, nproc)
+
+
+def test_the_omp_check_fails_one_thread_on_a_node_of_many_cpus():
+    pods = _grpo_pods("gpt-oss-20b", "hf")
+    assert cpu_cores("40") == 40 and cpu_cores("500m") == 0.5
+    check = omp_check([], {"grpo": pods})
+    assert check.passed is False
+    cpus = cpu_cores(pods[0].container["resources"]["requests"]["cpu"])
+    assert cpus > 4  # a g5.12xlarge's share: 48 vCPUs less the node's reserve
+    assert f"lingo-grpo-run-node-0-0 (grpo): 4 ranks × 1 thread on {cpus:g} CPUs" in check.detail
+
+
+def test_the_gate_check_reads_the_metrics_lines(tmp_path):
+    """The lines one-step-off-policy writes (gpt-oss-20b-verl's rehearsal, measured): step 1
+    on-policy sets the gate's floor, steps 2 and 3 are stale: no step is bounded."""
+    preset = PRESETS["gpt-oss-20b"]
+    work = tmp_path / "lingo-rl-jobs" / "lingo-grpo-run" / "work"
+    work.mkdir(parents=True)
+    metrics = work / "training_metrics.jsonl"
+    lines = [(1, 0, 2.3e-14), (2, 1, 1.2e-07), (3, 1, 4.3e-07)]
+    metrics.write_text(
+        '{"step": 0}\n'
+        + "".join(
+            f'{{"step": {s}, "staleness": {st}, "rollout_kl": {kl}}}\n' for s, st, kl in lines
+        )
+    )
+    check = mismatch_gate_check(preset, tmp_path, {"grpo"})
+    assert check.passed is False
+    assert "step 1 set the floor; steps [2, 3] were stale" in check.detail
+    on_policy = "".join(f'{{"step": {s}, "staleness": 0, "rollout_kl": 0.001}}\n' for s in (1, 2))
+    metrics.write_text(on_policy)
+    assert mismatch_gate_check(preset, tmp_path, {"grpo"}).passed is True
+    metrics.write_text('{"step": 1, "staleness": 0, "rollout_kl": 0.001}\n')
+    assert mismatch_gate_check(preset, tmp_path, {"grpo"}).passed is None
+    metrics.unlink()
+    assert mismatch_gate_check(preset, tmp_path, {"grpo"}).passed is None
+
+
+def _trainjob(name: str, shared, script: str, nodes: int = 2) -> dict:
+    execution = ExecutionConfig(
+        mode="job", reference="g5.12xlarge", job={"nodes": nodes, "shared_mount": str(shared)}
+    )
+    cluster = execution.cluster_job(GPU_IMAGE, "default")
+    manifest = build_trainjob(name, cluster, "tests_probe", [])
+    manifest["spec"]["trainer"]["command"] = ["python", "-c", script]
+    return manifest, build_training_runtime(cluster)
+
+
+@pytest.mark.parametrize("outcome", ["Complete", "Failed"])
+def test_a_trainjob_runs_as_local_pods(tmp_path, outcome):
+    """A TrainJob created through the Kubernetes client is expanded and run: each pod a
+    process with its ``PET_*``, the job's condition set from their exit codes."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    script = (
+        "import os, pathlib; rank = os.environ['PET_NODE_RANK']; "
+        f"pathlib.Path('{shared}', rank).write_text(os.environ['PET_MASTER_ADDR']); "
+        f"raise SystemExit({1 if outcome == 'Failed' else 0} if rank == '1' else 0)"
+    )
+    manifest, runtime = _trainjob("lingo-sft-probe", shared, script)
+    pythons = {GPU_IMAGE: sys.executable}
+    with LocalCluster(tmp_path / "cluster", pythons, {}, tmp_path, "default") as cluster:
+        cluster.install_runtime(runtime)
+        api = k8s.CustomObjectsApi(cluster.api_client)
+        api.create_namespaced_custom_object(*_path(), manifest)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            job = api.get_namespaced_custom_object(*_path(), "lingo-sft-probe")
+            if job_state(TRAINJOB, job) in ("succeeded", "failed"):
+                break
+            time.sleep(0.5)
+        pods = cluster.pods
+    assert job_state(TRAINJOB, job) == ("succeeded" if outcome == "Complete" else "failed")
+    assert sorted(p.name for p in pods) == ["lingo-sft-probe-node-0-0", "lingo-sft-probe-node-0-1"]
+    if outcome == "Complete":
+        assert {(shared / r).read_text() for r in ("0", "1")} == {"127.0.0.1"}
+        assert all("rendezvous" in " ".join(p.substituted) for p in pods)
+
+
+def test_each_ranks_env_is_read_from_its_process(tmp_path):
+    """A pod's torchrun (its rendezvous from ``PET_*``) starts ``numProcPerNode`` ranks; the
+    controller reads each rank's ``OMP_NUM_THREADS`` from the process, and the OMP check
+    fails the pods whose ranks got 1 thread on a node of more CPUs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    rank = tmp_path / "rank.py"
+    rank.write_text("import time\ntime.sleep(4)\n")
+    manifest, runtime = _trainjob("lingo-sft-ranks", shared, "")
+    manifest["spec"]["trainer"]["command"] = ["python", "-m", "torch.distributed.run", str(rank)]
+    pythons = {GPU_IMAGE: sys.executable}
+    with LocalCluster(tmp_path / "cluster", pythons, {}, tmp_path, "default") as cluster:
+        cluster.install_runtime(runtime)
+        api = k8s.CustomObjectsApi(cluster.api_client)
+        api.create_namespaced_custom_object(*_path(), manifest)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            job = api.get_namespaced_custom_object(*_path(), "lingo-sft-ranks")
+            if job_state(TRAINJOB, job) in ("succeeded", "failed"):
+                break
+            time.sleep(0.5)
+        pods = cluster.pods
+    assert job_state(TRAINJOB, job) == "succeeded", [p.log_path.read_text() for p in pods]
+    per_node = manifest["spec"]["trainer"]["numProcPerNode"]
+    assert [sorted(p.rank_env.values()) for p in pods] == [["1"] * per_node] * 2
+    check = omp_check(pods, {})
+    assert check.passed is False and "ranks had OMP_NUM_THREADS=1" in check.detail
+
+
+def _path() -> tuple[str, str, str, str]:
+    return TRAINJOB.group, TRAINJOB.version, "default", TRAINJOB.plural

@@ -26,6 +26,7 @@ def configure(
     eval_samples: int,
     gate_margin: float,
     overrides: str = "",
+    job_platform: str = "",
     backend: Optional[str] = None,  # noqa: UP045 (KFP reads Optional[...]); both branches only
 ) -> NamedTuple(
     "RunConfig",
@@ -50,14 +51,17 @@ def configure(
     """The run's step configs: ``preset`` (the JSON the pipeline carries) with the form's
     fields (``pipelines.run_form.FORM_FIELDS``; ``backend`` where the preset has both GRPO
     branches) and then ``overrides`` (``--set`` syntax) applied, checked; a value that does not
-    hold fails this step with a message naming the field (``run_form.resolve_run``)."""
+    hold fails this step with a message naming the field (``run_form.resolve_run``).
+    ``job_platform``: the training jobs' volume and Secrets as the pipeline was compiled
+    (``pipelines.presets.job_platform_json``)."""
     given = dict(locals())  # first: the parameters only
-    form = {k: v for k, v in given.items() if k not in ("preset", "overrides") and v is not None}
+    run = ("preset", "overrides", "job_platform")
+    form = {k: v for k, v in given.items() if k not in run and v is not None}
     from collections import namedtuple
 
     from core.processes import start_step_process
     from pipelines.run_form import configure_outputs
 
     start_step_process()  # dies with its parent; every log line redacted
-    outputs = configure_outputs(preset, form, overrides)
+    outputs = configure_outputs(preset, form, overrides, job_platform)
     return namedtuple("RunConfig", list(outputs))(**outputs)

@@ -21,7 +21,7 @@ from components.models import base_model, capacity_check, sft
 from components.tracking import finalize, publish, start_tracking
 from pipelines.configure import configure
 from pipelines.platform import ClusterSettings, get_platform, with_platform
-from pipelines.presets import Preset, preset_json
+from pipelines.presets import Preset, job_platform_json, preset_json
 from pipelines.run_form import (
     IMAGE_FIELDS,
     RUN_FIELDS,
@@ -113,6 +113,7 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
             configured = configure(
                 preset=carried,
                 overrides=p["overrides"],
+                job_platform=job_platform_json(settings),
                 **{name: p[name] for name in fields},
             )
             step(configured, "run config: the form on the preset", "configure")

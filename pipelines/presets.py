@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -456,18 +457,23 @@ def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
     return result
 
 
-def step_execution(preset: Preset, step: Step) -> ExecutionConfig:
+def step_execution(
+    preset: Preset, step: Step, platform: Mapping[str, Any] | None = None
+) -> ExecutionConfig:
     """Where ``step`` trains (its ``<step>_execution`` parameter): in its pipeline pod, or as a
     job (TrainJob or PyTorchJob, ``preset.cluster``) of ``preset.hardware``'s nodes (GRPO's
     with the nodes of its dedicated rollout engines after the training ones) that takes the
-    platform's workspace volume and Secrets (``platform.job_defaults``)."""
+    platform's workspace volume and Secrets: ``platform`` (the job's fields from the settings
+    the pipeline was compiled with, ``platform.job_defaults``), else those of
+    ``preset.hardware.platform``."""
     rollout_processes = preset.grpo.rollout_processes if step == "grpo" else 0
     execution = preset.hardware.execution(step, rollout_processes)
     if execution.mode == "local":
         return execution
-    from pipelines.platform import get_platform, job_defaults
+    if platform is None:
+        from pipelines.platform import get_platform, job_defaults
 
-    platform = job_defaults(get_platform(preset.hardware.platform), step)
+        platform = job_defaults(get_platform(preset.hardware.platform), step)
     job = {**platform, **config_dict(preset.cluster), **execution.job}
     return execution.model_copy(update={"job": job})
 
@@ -520,7 +526,9 @@ def megatron_grpo_config(preset: Preset):
     return grpo_branch_config(preset, "megatron")
 
 
-def step_configs(preset: Preset) -> dict[str, object]:
+def step_configs(
+    preset: Preset, job_platform: Mapping[str, Mapping[str, Any]] | None = None
+) -> dict[str, object]:
     """What the pipeline's steps take from ``preset``, by name: the ``configure`` step's
     outputs (``pipelines.run_form``), which the other steps read.
 
@@ -544,9 +552,26 @@ def step_configs(preset: Preset) -> dict[str, object]:
         "backend": preset.backend,
         "megatron_layout": megatron_layout(preset),
         "megatron_optim": dict(preset.megatron_optim),
-        "sft_execution": config_dict(step_execution(preset, "sft")),
-        "grpo_execution": config_dict(step_execution(preset, "grpo")),
+        "sft_execution": config_dict(step_execution(preset, "sft", _platform(job_platform, "sft"))),
+        "grpo_execution": config_dict(
+            step_execution(preset, "grpo", _platform(job_platform, "grpo"))
+        ),
     }
+
+
+def _platform(job_platform: Mapping[str, Mapping[str, Any]] | None, step: str):
+    return None if job_platform is None else dict(job_platform.get(step, {}))
+
+
+def job_platform_json(settings) -> str:
+    """The training jobs' platform fields (``platform.job_defaults``: the workspace volume and
+    its mount, the Secrets) of each training step, from the settings a pipeline is compiled
+    with, as the JSON its ``configure`` step carries: the jobs mount the volume where the
+    pipeline's pods do."""
+    from pipelines.platform import job_defaults
+
+    fields = {step: job_defaults(settings, step) for step in TRAINING_STEPS}
+    return json.dumps(fields, sort_keys=True)
 
 
 def preset_json(preset: Preset) -> str:

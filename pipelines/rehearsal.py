@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.presets import Preset, apply_overrides, get_preset, pipeline_arguments
+from pipelines.presets import Preset, apply_overrides, get_preset, job_platform_json, step_configs
 
 log = logging.getLogger(__name__)
 
@@ -285,26 +285,25 @@ def image_pythons() -> dict[str, str]:
     return {CPU_IMAGE: sys.executable, GPU_IMAGE: sys.executable, MEGATRON_IMAGE: megatron}
 
 
-def compile_rehearsal(preset: Preset, output: Path, workspace: Path) -> tuple[dict, dict, dict]:
-    """Compile ``preset`` with its platform, the workspace volume mounted at ``workspace``;
-    returns (pipeline spec, platform spec, arguments) as KFP would run them."""
+def compile_rehearsal(
+    preset: Preset, output: Path, workspace: Path
+) -> tuple[dict, dict, dict, dict]:
+    """Compile ``preset`` with its platform, the workspace volume mounted at ``workspace`` (in
+    the pipeline's pods and, through the ``configure`` step's compiled-in job platform, in the
+    training jobs' pods); returns (pipeline spec, platform spec, the run's arguments, the
+    steps' configs as its ``configure`` step gives them)."""
     from kfp import compiler
 
     from pipelines.pipeline import build_pipeline
     from pipelines.platform import get_platform
+    from pipelines.run_form import form_arguments
 
     settings = get_platform(preset.hardware.platform)
     settings = settings.model_copy(update={"workspace_mount": str(workspace)})
-    arguments = pipeline_arguments(preset)
-    for step in ("sft_execution", "grpo_execution"):
-        job = arguments[step].get("job") or {}
-        if "shared_mount" in job:
-            job["shared_mount"] = str(workspace)
-    compiler.Compiler().compile(
-        build_pipeline(settings), str(output), pipeline_parameters=arguments
-    )
+    compiler.Compiler().compile(build_pipeline(preset, settings), str(output))
     spec, platform = yaml.safe_load_all(output.read_text())
-    return spec, platform, arguments
+    configs = step_configs(preset, json.loads(job_platform_json(settings)))
+    return spec, platform, form_arguments(preset), configs
 
 
 class _PodRunner:
@@ -410,7 +409,9 @@ def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> 
             "a directory shared by every local process, mounted where the pods mount it",
         )
     )
-    spec, platform, arguments = compile_rehearsal(preset, output_dir / "pipeline.yaml", workspace)
+    spec, platform, arguments, configs = compile_rehearsal(
+        preset, output_dir / "pipeline.yaml", workspace
+    )
     tracking = local_store_uri(output_dir)
     arguments["mlflow_tracking_uri"] = ""
     secrets = rehearsal_secrets(tracking)
@@ -428,7 +429,7 @@ def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> 
         for image, python in pythons.items()
     ]
     with LocalCluster(output_dir / "cluster", pythons, secrets, REPO_ROOT, "default") as cluster:
-        cluster.install_runtime(rehearsal_runtime(arguments, GPU_IMAGE))
+        cluster.install_runtime(rehearsal_runtime(configs, GPU_IMAGE))
         subs.append(
             Substitution(
                 "Kubernetes API",
@@ -456,7 +457,7 @@ def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> 
             pipeline_orchestrator.run_local_pipeline(pipeline_spec, arguments)
         pods = list(cluster.pods)
         expanded = dict(cluster.expanded)
-        static = static_job_pods(preset, arguments, cluster)
+        static = static_job_pods(preset, configs, cluster)
     ran = {r.task for r in runner.records}
     not_run = sorted(
         label.removeprefix("exec-") for label in spec["deploymentSpec"]["executors"]
@@ -468,20 +469,20 @@ def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> 
         mismatch_gate_check(preset, workspace, ran),
     ]
     if preset.backend == "megatron":
-        checks.insert(0, conversion_check(spec, platform, arguments))
+        checks.insert(0, conversion_check(spec, platform, configs, output_dir / "kfp"))
     return RehearsalReport(
         preset.name, preset.backend, runner.records, not_run, pods, checks, subs, output_dir,
         time.monotonic() - started,
     )  # fmt: skip
 
 
-def rehearsal_runtime(arguments: dict, image: str) -> dict:
+def rehearsal_runtime(configs: dict, image: str) -> dict:
     """The ClusterTrainingRuntime ``lingo cluster install-runtime`` installs for the preset
     (``pipelines.presets.training_runtime``), the workspace at the rehearsal's mount."""
     from cluster.config import ExecutionConfig
     from cluster.trainjob import build_training_runtime
 
-    execution = ExecutionConfig.model_validate(arguments["sft_execution"])
+    execution = ExecutionConfig.model_validate(configs["sft_execution"])
     return build_training_runtime(execution.cluster_job(image, default_namespace="default"))
 
 
@@ -491,7 +492,7 @@ def preset_mount(preset: Preset) -> str:
     return get_platform(preset.hardware.platform).workspace_mount
 
 
-def static_job_pods(preset: Preset, arguments: dict, cluster) -> dict[str, list]:
+def static_job_pods(preset: Preset, configs: dict, cluster) -> dict[str, list]:
     """Each training step's job as its step would create it (``cluster.step_job``), expanded
     by the controller into pods without running them: the checks see the GRPO job even where
     an earlier step fails."""
@@ -512,7 +513,7 @@ def static_job_pods(preset: Preset, arguments: dict, cluster) -> dict[str, list]
     }
     pods = {}
     for step, (config, image, rollout_image) in steps.items():
-        execution = ExecutionConfig.model_validate(arguments[f"{step}_execution"])
+        execution = ExecutionConfig.model_validate(configs[f"{step}_execution"])
         if execution.mode != "job":
             continue
         job_cluster = step_cluster(execution, image, "default", rollout_image)
@@ -520,7 +521,7 @@ def static_job_pods(preset: Preset, arguments: dict, cluster) -> dict[str, list]
         args = ["--config", f"{job_cluster.shared_mount}/{step}_config.json"]
         manifest = build_step_manifest(job, job_cluster, "static", args, TRAINJOB)
         runtime = build_step_runtime(job, job_cluster, "static", args, TRAINJOB)
-        runtime = runtime or rehearsal_runtime(arguments, image)
+        runtime = runtime or rehearsal_runtime(configs, image)
         pods[f"{manifest['metadata']['name']} (as built)"] = jobset_pods(
             trainer_jobset(manifest, runtime), manifest
         )
@@ -585,36 +586,52 @@ def primary_pod_check(jobs: dict[str, list]) -> Check:
     return Check("primary pod (job-index 0, completion-index 0)", True, "; ".join(fine))
 
 
-def conversion_check(spec: dict, platform: dict, arguments: dict) -> Check:
-    """The ``convert-megatron`` pod against its layout: megatron-core's model-parallel groups
-    need the layout's world size (``nodes × gpus_per_node`` processes, what
-    ``trainer.megatron.layout.validate_layout`` checks against); a pod of one process (the KFP
-    executor, no torchrun, no ``WORLD_SIZE``) builds a one-rank group."""
-    from trainer.megatron.layout import resolve_megatron_layout
+def conversion_check(
+    spec: dict, platform: dict, configs: dict, outputs: Path | None = None
+) -> Check:
+    """The ``convert-megatron`` pod against the layout it converts at: megatron-core's
+    model-parallel groups need a world of at least TP × PP × CP processes, with EP × ETP
+    dividing it; a pod of one process (the KFP executor, no torchrun, no ``WORLD_SIZE``)
+    builds a one-rank group. The layout is the one the step writes
+    (``trainer.megatron.layout.conversion_layout``, the component's own choice), and, when the
+    step ran, the one its checkpoint's manifest records (issue #39 item 1: the step had been
+    handed the GRPO layout, TP 8 / EP 8)."""
+    from trainer.megatron.layout import conversion_layout, resolve_megatron_layout
+    from trainer.megatron.manifest import MANIFEST_FILE
 
     name = "convert-megatron processes = layout world size"
-    layout = resolve_megatron_layout(arguments["megatron_layout"])
-    world = layout.nodes * layout.gpus_per_node
+    training = resolve_megatron_layout(configs["megatron_layout"])
+    layout = conversion_layout(training)
+    written = sorted(outputs.rglob(MANIFEST_FILE)) if outputs else []
+    if written:  # the step ran: the layout its checkpoint was written at
+        layout = resolve_megatron_layout(json.loads(written[-1].read_text())["layout"])
+    world = max(layout.tp * layout.pp * layout.cp, layout.ep * layout.etp)
     container = spec["deploymentSpec"]["executors"]["exec-convert-megatron"]["container"]
     command = " ".join([*container.get("command", []), *container.get("args", [])])
     env = {e["name"] for e in container.get("env") or []}
     launcher = "torch.distributed.run" in command or "torchrun" in command
     processes = "torchrun" if launcher else ("WORLD_SIZE" in env and "env") or 1
     sizes = f"TP {layout.tp}, PP {layout.pp}, EP {layout.ep}"
+    source = "its manifest" if written else "conversion_layout"
     if processes == 1 and world > 1:
         return Check(
             name, False,
-            f"layout {layout.name} ({sizes}) needs world size {world}; the step runs as one "
-            "KFP pod of one process (no torchrun, no WORLD_SIZE)",
+            f"layout {layout.name} ({sizes}, from {source}) needs world size {world}; the step "
+            "runs as one KFP pod of one process (no torchrun, no WORLD_SIZE)",
         )  # fmt: skip
-    return Check(name, True, f"layout {layout.name} ({sizes}), world size {world}: {processes}")
+    return Check(
+        name, True,
+        f"converts at {sizes} (from {source}; trains at TP {training.tp}, EP {training.ep}, "
+        f"resharded on load), world size {world}: {processes}",
+    )  # fmt: skip
 
 
 def mismatch_gate_check(preset: Preset, workspace: Path, ran: set[str]) -> Check:
-    """Whether the GRPO mismatch gate bounded any step. The gate looks at on-policy steps only
-    (``trainer.grpo.mismatch.MismatchGate.check``: ``staleness`` 0 on the step's metrics
-    line), and the first of them only sets its floor: a run with no on-policy step after the
-    first (one step off-policy makes every later step stale) is never gated."""
+    """Whether the GRPO mismatch gate bounded any step. The gate learns one floor per
+    staleness from the first step at that staleness (``trainer.grpo.mismatch.MismatchGate``:
+    ``staleness`` on the step's metrics line) and bounds the later ones; before issue #39 it
+    looked at on-policy steps only, so a run one step off-policy (every step after the first
+    stale) was never gated."""
     name = "GRPO mismatch gate bounded a step"
     if preset.grpo.rollout.max_mismatch_kl is None:
         return Check(name, None, "rollout.max_mismatch_kl is None: no gate")
@@ -623,16 +640,19 @@ def mismatch_gate_check(preset: Preset, workspace: Path, ran: set[str]) -> Check
         return Check(name, None, "GRPO wrote no training_metrics.jsonl (it did not train)")
     lines = [json.loads(line) for line in files[-1].read_text().splitlines() if line.strip()]
     measured = [r for r in lines if "rollout_kl" in r]
-    on_policy = [r["step"] for r in measured if r.get("staleness", 0) == 0]
     if len(measured) < 2:
         return Check(name, None, f"GRPO logged {len(measured)} step(s) that measured rollout_kl")
-    if len(on_policy) < 2:
-        floor = f"step {on_policy[0]} set the floor" if on_policy else "no floor"
-        stale = [r["step"] for r in measured if r.get("staleness", 0) > 0]
+    by_staleness: dict[int, list[int]] = {}
+    for r in measured:
+        by_staleness.setdefault(int(r.get("staleness", 0)), []).append(r["step"])
+    floors = ", ".join(
+        f"step {steps[0]} (staleness {k})" for k, steps in sorted(by_staleness.items())
+    )
+    bounded = sorted(step for steps in by_staleness.values() for step in steps[1:])
+    if not bounded:
         return Check(
             name, False,
-            f"{len(measured)} steps measured rollout_kl; {floor}; steps {stale} were stale "
-            f"(async_steps={preset.grpo.rollout.async_steps}) and the gate returned before "
-            "looking: no step was bounded",
+            f"{len(measured)} steps measured rollout_kl, each the first of its staleness "
+            f"(the floors: {floors}): no step was bounded",
         )  # fmt: skip
-    return Check(name, True, f"steps {on_policy[1:]} bounded (step {on_policy[0]}: the floor)")
+    return Check(name, True, f"steps {bounded} bounded (the floors: {floors})")

@@ -270,7 +270,11 @@ def _does_not_apply(preset: Preset, path: str) -> str | None:
     return None
 
 
-def configure_outputs(carried: str, form: Mapping[str, Any], overrides: str) -> dict[str, Any]:
+def configure_outputs(
+    carried: str, form: Mapping[str, Any], overrides: str, job_platform: str = ""
+) -> dict[str, Any]:
     """The ``configure`` step's outputs: the steps' configs (``step_configs``) of the run's
-    preset (``resolve_run``)."""
-    return step_configs(resolve_run(carried, form, overrides))
+    preset (``resolve_run``); the training jobs take the platform fields ``job_platform``
+    (``presets.job_platform_json``, compiled in; empty: the preset's platform's)."""
+    platform = json.loads(job_platform) if job_platform else None
+    return step_configs(resolve_run(carried, form, overrides), platform)

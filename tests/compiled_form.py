@@ -23,10 +23,19 @@ def _spec(path: Path) -> dict:
     return _read(path, path.stat().st_mtime_ns)
 
 
+def _configure_constant(path: Path, name: str) -> str:
+    tasks = _spec(path)["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    return tasks["configure"]["inputs"]["parameters"][name]["runtimeValue"]["constant"]
+
+
 def carried_preset(path: Path) -> str:
     """The preset JSON of the ``configure`` task of the pipeline at ``path``."""
-    tasks = _spec(path)["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    return tasks["configure"]["inputs"]["parameters"]["preset"]["runtimeValue"]["constant"]
+    return _configure_constant(path, "preset")
+
+
+def carried_job_platform(path: Path) -> str:
+    """The training jobs' platform fields the ``configure`` task of ``path`` carries."""
+    return _configure_constant(path, "job_platform")
 
 
 def form_defaults(path: Path) -> dict[str, Any]:
@@ -46,4 +55,6 @@ def form_defaults(path: Path) -> dict[str, Any]:
 def configure_run(path: Path, overrides: str = "", **changed: Any) -> dict[str, Any]:
     """The ``configure`` step's outputs for a run of the pipeline at ``path`` whose form
     changes ``changed`` (the other fields at their defaults) and holds ``overrides``."""
-    return configure_outputs(carried_preset(path), form_defaults(path) | changed, overrides)
+    return configure_outputs(
+        carried_preset(path), form_defaults(path) | changed, overrides, carried_job_platform(path)
+    )

@@ -26,15 +26,14 @@ from cluster.local_cluster import (
 from cluster.step_job import StepJob, build_step_manifest, build_step_runtime, step_cluster
 from cluster.trainjob import build_training_runtime, build_trainjob, master_addr
 from components.images import GPU_IMAGE, MEGATRON_IMAGE
-from pipelines.presets import PRESETS, Preset, grpo_branch_config, pipeline_arguments
+from pipelines.presets import PRESETS, Preset, grpo_branch_config, step_execution
 from pipelines.rehearsal import mismatch_gate_check, omp_check, primary_pod_check
 
 
 def _grpo_pods(preset_name: str, backend: str) -> list:
     """The GRPO job's pods of ``preset_name`` on ``backend``, as the step builds the job."""
     preset = Preset.model_validate({**dict(PRESETS[preset_name]), "backend": backend})
-    arguments = pipeline_arguments(preset)
-    execution = ExecutionConfig.model_validate(arguments["grpo_execution"])
+    execution = step_execution(preset, "grpo")
     image = MEGATRON_IMAGE if backend == "megatron" else GPU_IMAGE
     cluster = step_cluster(execution, image, "default", GPU_IMAGE)
     job = StepJob("grpo", "trainer.grpo", grpo_branch_config(preset), "m", "m", "t", "e")
@@ -88,33 +87,51 @@ def test_omp_threads_follow_torchruns_own_rule(env, nproc, monkeypatch):
     assert os.environ.get("OMP_NUM_THREADS", "") == torchrun_omp_threads(env, nproc)
 
 
-def test_the_omp_check_fails_one_thread_on_a_node_of_many_cpus():
+def test_the_omp_check_passes_the_built_pods_and_fails_one_thread_on_many_cpus():
+    """The GRPO job's pods as the step builds them carry OMP_NUM_THREADS = their CPU request ÷
+    their ranks (issue #39 item 3); a pod without it (as before the fix: torchrun then gives
+    each rank 1 thread) fails the check, naming the pod, its ranks and its CPUs."""
     pods = _grpo_pods("gpt-oss-20b", "hf")
     assert cpu_cores("40") == 40 and cpu_cores("500m") == 0.5
-    check = omp_check([], {"grpo": pods})
-    assert check.passed is False
     cpus = cpu_cores(pods[0].container["resources"]["requests"]["cpu"])
     assert cpus > 4  # a g5.12xlarge's share: 48 vCPUs less the node's reserve
+    check = omp_check([], {"grpo": pods})
+    assert check.passed is True, check.detail
+    assert f"4 ranks, {cpus} CPUs, OMP_NUM_THREADS={int(cpus // 4)}" in check.detail
+    for pod in pods:
+        pod.container["env"] = [e for e in pod.container["env"] if e["name"] != "OMP_NUM_THREADS"]
+    check = omp_check([], {"grpo": pods})
+    assert check.passed is False
     assert f"lingo-grpo-run-node-0-0 (grpo): 4 ranks × 1 thread on {cpus:g} CPUs" in check.detail
 
 
 def test_the_gate_check_reads_the_metrics_lines(tmp_path):
     """The lines one-step-off-policy writes (gpt-oss-20b-verl's rehearsal, measured): step 1
-    on-policy sets the gate's floor, steps 2 and 3 are stale: no step is bounded."""
+    on-policy sets the on-policy floor, step 2 the stale one, step 3 is bounded by it (before
+    issue #39's fix the gate looked at on-policy steps only: no step was bounded); a run whose
+    every step is the first of its staleness has none bounded."""
     preset = PRESETS["gpt-oss-20b"]
     work = tmp_path / "lingo-rl-jobs" / "lingo-grpo-run" / "work"
     work.mkdir(parents=True)
     metrics = work / "training_metrics.jsonl"
-    lines = [(1, 0, 2.3e-14), (2, 1, 1.2e-07), (3, 1, 4.3e-07)]
-    metrics.write_text(
-        '{"step": 0}\n'
-        + "".join(
-            f'{{"step": {s}, "staleness": {st}, "rollout_kl": {kl}}}\n' for s, st, kl in lines
+
+    def write(lines):
+        metrics.write_text(
+            '{"step": 0}\n'
+            + "".join(
+                f'{{"step": {s}, "staleness": {st}, "rollout_kl": {kl}}}\n' for s, st, kl in lines
+            )
         )
-    )
+
+    write([(1, 0, 2.3e-14), (2, 1, 1.2e-07), (3, 1, 4.3e-07)])
     check = mismatch_gate_check(preset, tmp_path, {"grpo"})
-    assert check.passed is False
-    assert "step 1 set the floor; steps [2, 3] were stale" in check.detail
+    assert check.passed is True
+    assert (
+        check.detail == "steps [3] bounded (the floors: step 1 (staleness 0), step 2 (staleness 1))"
+    )
+    write([(1, 0, 2.3e-14), (2, 1, 1.2e-07)])
+    check = mismatch_gate_check(preset, tmp_path, {"grpo"})
+    assert check.passed is False and "no step was bounded" in check.detail
     on_policy = "".join(f'{{"step": {s}, "staleness": 0, "rollout_kl": 0.001}}\n' for s in (1, 2))
     metrics.write_text(on_policy)
     assert mismatch_gate_check(preset, tmp_path, {"grpo"}).passed is True
@@ -189,9 +206,14 @@ def test_each_ranks_env_is_read_from_its_process(tmp_path):
         pods = cluster.pods
     assert job_state(TRAINJOB, job) == "succeeded", [p.log_path.read_text() for p in pods]
     per_node = manifest["spec"]["trainer"]["numProcPerNode"]
-    assert [sorted(p.rank_env.values()) for p in pods] == [["1"] * per_node] * 2
-    check = omp_check(pods, {})
-    assert check.passed is False and "ranks had OMP_NUM_THREADS=1" in check.detail
+    env = {e["name"]: e.get("value") for e in manifest["spec"]["trainer"].get("env") or []}
+    threads = env.get("OMP_NUM_THREADS")
+    if threads is None:  # the manifest sets none: torchrun's 1 a rank
+        assert [sorted(p.rank_env.values()) for p in pods] == [["1"] * per_node] * 2
+        check = omp_check(pods, {})
+        assert check.passed is False and "ranks had OMP_NUM_THREADS=1" in check.detail
+    else:  # the job's env (CPUs ÷ ranks) reaches every rank as it is
+        assert [sorted(p.rank_env.values()) for p in pods] == [[threads] * per_node] * 2
 
 
 def _path() -> tuple[str, str, str, str]:

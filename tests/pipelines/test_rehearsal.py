@@ -9,6 +9,7 @@ that ask for the marker to go."""
 from __future__ import annotations
 
 import pytest
+from compiled_form import configure_run
 from typer.testing import CliRunner
 
 from pipelines.cli import app
@@ -127,7 +128,7 @@ def test_the_compiled_pods_get_every_secret_key_and_the_local_volume(tmp_path):
     ``secretAsEnv`` names has a value, every ``pvcMount`` is the local workspace, and the
     training steps' jobs mount it too (their ``shared_mount`` argument)."""
     preset, _ = rehearsal_preset("gpt-oss-20b")
-    spec, platform, arguments = compile_rehearsal(preset, tmp_path / "p.yaml", tmp_path)
+    spec, platform, arguments, configs = compile_rehearsal(preset, tmp_path / "p.yaml", tmp_path)
     secrets = rehearsal_secrets("sqlite:///x.db")
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     assert set(executors) <= set(spec["deploymentSpec"]["executors"])
@@ -137,7 +138,11 @@ def test_the_compiled_pods_get_every_secret_key_and_the_local_volume(tmp_path):
             assert keys <= set(secrets[secret["secretName"]]), label
         assert [m["mountPath"] for m in executor.get("pvcMount", [])] == [str(tmp_path)], label
     for step in ("sft_execution", "grpo_execution"):
-        assert arguments[step]["job"]["shared_mount"] == str(tmp_path)
+        assert configs[step]["job"]["shared_mount"] == str(tmp_path)
+    # the jobs get the mount from the configure step, as compiled: the run's own configs
+    run = configure_run(tmp_path / "p.yaml")
+    for step in ("sft_execution", "grpo_execution"):
+        assert run[step]["job"]["shared_mount"] == str(tmp_path)
     assert secrets["lingo-mlflow"]["MLFLOW_TRACKING_URI"] == "sqlite:///x.db"
 
 

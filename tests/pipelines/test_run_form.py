@@ -201,7 +201,8 @@ def test_the_carried_preset_reads_back_equal_and_derives_as_the_original(name):
 
 def test_the_configure_component_takes_the_form_and_gives_every_step_config():
     spec = configure.component_spec
-    assert set(spec.inputs) == {f.name for f in FORM_FIELDS} | {"preset", "overrides"}
+    run = {"preset", "overrides", "job_platform"}
+    assert set(spec.inputs) == {f.name for f in FORM_FIELDS} | run
     assert list(spec.outputs) == list(step_configs(PRESETS["tiny-cpu"]))
 
 

@@ -68,6 +68,26 @@ serves, so ``job_api: auto`` picks TrainJob as on OpenShift AI 3.x."""
 VERBS = {"create", "get", "list", "watch", "update", "patch", "delete"}
 
 
+SSAR_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+
+
+def access_review(request) -> dict:
+    """The answer to a ``SelfSubjectAccessReview``: allowed when the Role ``lingo cluster
+    setup`` binds to the pipeline's service account (``cluster.access.job_role_rules``) grants
+    it, so a step that needs more than that Role gives fails its access check here as on a
+    cluster set up by that command."""
+    from cluster.access import Access, grants, job_role_rules
+
+    attributes = request.data["spec"]["resourceAttributes"]
+    access = Access(
+        attributes.get("verb", ""),
+        attributes.get("group", ""),
+        attributes.get("resource", ""),
+        attributes.get("subresource", ""),
+    )
+    return {**request.data, "status": {"allowed": grants(job_role_rules(), access)}}
+
+
 class LocalClusterError(RuntimeError):
     """The local cluster cannot start, or cannot run a pod as asked."""
 
@@ -299,8 +319,17 @@ class LocalCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         started = threading.Event()
 
+        class Emulator(kmock.KubernetesEmulator):
+            """A ``SelfSubjectAccessReview`` is answered, not stored (the API server keeps
+            none; kmock would refuse a second nameless review with 409)."""
+
+            async def _handle(self, request):
+                if request.url.path == SSAR_PATH:
+                    return await super(kmock.KubernetesEmulator, self)._handle(request)
+                return await super()._handle(request)
+
         async def serve() -> None:
-            async with kmock.KubernetesEmulator() as api, kmock.Server(api) as server:
+            async with Emulator() as api, kmock.Server(api) as server:
                 for resource, (kind, namespaced) in RESOURCES.items():
                     api.resources[resource] = kmock.ResourceInfo(
                         kind=kind, namespaced=namespaced, verbs=VERBS, subresources={"status"}
@@ -308,6 +337,7 @@ class LocalCluster:
                 api.resources["v1/pods"] = kmock.ResourceInfo(
                     kind="Pod", namespaced=True, verbs=VERBS
                 )
+                api[f"post {SSAR_PATH}"] << access_review
                 self._state.update(
                     url=str(server.url).rstrip("/"),
                     stop=asyncio.Event(),

@@ -218,3 +218,17 @@ def test_each_ranks_env_is_read_from_its_process(tmp_path):
 
 def _path() -> tuple[str, str, str, str]:
     return TRAINJOB.group, TRAINJOB.version, "default", TRAINJOB.plural
+
+
+def test_access_reviews_are_answered_from_the_role_cluster_setup_binds(tmp_path):
+    """The rehearsal's API answers each step's SelfSubjectAccessReviews (two of them in a row
+    had been a 409 from kmock, failing SFT's access check) from ``lingo cluster setup``'s Role:
+    a two-image job's needs are granted, a Secret's deletion is not."""
+    from cluster.access import Access, missing_access, step_access
+
+    with LocalCluster(tmp_path / "cluster", {}, {}, tmp_path, "default") as cluster:
+        needs = step_access(TRAINJOB, own_runtime=True)
+        assert missing_access(cluster.api_client, "default", needs) == []
+        assert missing_access(cluster.api_client, "default", needs) == []  # asked again
+        secret = Access("delete", "", "secrets")
+        assert missing_access(cluster.api_client, "default", [secret]) == [secret]

@@ -102,6 +102,10 @@ def workspace_claim(namespace: str, name: str, size: str, storage_class: str | N
     }
 
 
+DATA_CONNECTION_NAMES = {"AWS_ENDPOINT_URL": "AWS_S3_ENDPOINT"}
+"""Our variable → the name an OpenShift AI data connection gives the same value."""
+
+
 def secret(namespace: str, name: str, values: Mapping[str, str]) -> dict:
     """An Opaque Secret of ``values`` (key → value)."""
     return {
@@ -117,7 +121,16 @@ def secrets_from_env(
     namespace: str, sources: list[SecretSource], environ: Mapping[str, str]
 ) -> tuple[list[dict], list[str]]:
     """A Secret for each source with at least one of its variables set in ``environ`` (only
-    the keys whose variable is set); and one line for each source left out."""
+    the keys whose variable is set); and one line for each source left out.
+
+    An OpenShift AI data connection names the endpoint ``AWS_S3_ENDPOINT`` (and the region
+    ``AWS_DEFAULT_REGION``); boto3 and the pipeline read ``AWS_ENDPOINT_URL``: run from a
+    workbench with a data connection attached, the S3 Secret gets the connection's endpoint
+    under the name the pipeline reads."""
+    environ = dict(environ)
+    for ours, theirs in DATA_CONNECTION_NAMES.items():
+        if not environ.get(ours) and environ.get(theirs):
+            environ[ours] = environ[theirs]
     made, skipped = [], []
     for source in sources:
         values = {key: environ[env] for key, env in source.key_to_env.items() if environ.get(env)}

@@ -210,3 +210,26 @@ def test_a_step_that_needs_a_missing_secret_names_it():
     gated = GatedRepoError("401 Client Error. Cannot access gated repo", response=response)
     line = describe_error(gated)
     assert "lingo-hf" in names and "Secret lingo-hf" in line and "HF_TOKEN" in line
+
+
+def test_a_workbench_data_connection_fills_the_s3_secret_under_the_pipelines_names():
+    """OpenShift AI's data connection sets AWS_S3_ENDPOINT; the pipeline (boto3) reads
+    AWS_ENDPOINT_URL: the S3 Secret made from a workbench's environment holds it there."""
+    from cluster.setup import secrets_from_env
+
+    sources = [SecretSource(s.secret_name, s.key_to_env, s.steps) for s in DEFAULT_SECRETS]
+    environ = {
+        "AWS_ACCESS_KEY_ID": "id",
+        "AWS_SECRET_ACCESS_KEY": "key",
+        "AWS_S3_ENDPOINT": "https://minio.example:9000",
+    }
+    made, _ = secrets_from_env(NAMESPACE, sources, environ)
+    (s3,) = [m for m in made if m["metadata"]["name"] == "lingo-s3"]
+    endpoint_keys = [
+        k for k, env in DEFAULT_SECRETS[0].key_to_env.items() if env == "AWS_ENDPOINT_URL"
+    ]
+    assert [s3["stringData"][k] for k in endpoint_keys] == ["https://minio.example:9000"]
+    explicit = {**environ, "AWS_ENDPOINT_URL": "https://s3.other:443"}
+    made, _ = secrets_from_env(NAMESPACE, sources, explicit)
+    (s3,) = [m for m in made if m["metadata"]["name"] == "lingo-s3"]
+    assert [s3["stringData"][k] for k in endpoint_keys] == ["https://s3.other:443"]

@@ -162,14 +162,24 @@ def _pod_spec(replicated_job: dict) -> dict:
 
 
 def _merge(base: list[dict], patch: list[dict], key: str) -> list[dict]:
-    merged = [dict(item) for item in base]
+    """A strategic merge of two lists keyed on ``key``: a patch item updates the base item of
+    the same key (dicts merged recursively), or is appended."""
+    merged = [copy.deepcopy(item) for item in base]
     for item in patch:
         same = [m for m in merged if m.get(key) == item.get(key)]
         if same:
-            same[0].update(item)
+            _merge_dict(same[0], item)
         else:
-            merged.append(dict(item))
+            merged.append(copy.deepcopy(item))
     return merged
+
+
+def _merge_dict(base: dict, patch: dict) -> None:
+    for name, value in patch.items():
+        if isinstance(value, dict) and isinstance(base.get(name), dict):
+            _merge_dict(base[name], value)
+        else:
+            base[name] = copy.deepcopy(value)
 
 
 @dataclass(frozen=True)

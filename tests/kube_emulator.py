@@ -20,6 +20,7 @@ import pytest
 from kubernetes import client as k8s
 
 from cluster.jobs import PYTORCHJOB, TRAINJOB
+from cluster.local_cluster import trainer_jobset  # noqa: F401 (the tests import it from here)
 
 JOB_RESOURCES = {
     "trainjob": {
@@ -118,67 +119,3 @@ def kube_emulator(
     finally:
         state["loop"].call_soon_threadsafe(state["stop"].set)
         thread.join(10)
-
-
-def _merge(base: list[dict], patch: list[dict], key: str) -> list[dict]:
-    """A strategic merge of two lists keyed on ``key``: a patch item updates the base item of
-    the same key (dicts merged recursively), or is appended."""
-    merged = [dict(item) for item in base]
-    for item in patch:
-        same = [m for m in merged if m.get(key) == item.get(key)]
-        if same:
-            _merge_dict(same[0], item)
-        else:
-            merged.append(dict(item))
-    return merged
-
-
-def _merge_dict(base: dict, patch: dict) -> None:
-    for field, value in patch.items():
-        if isinstance(value, dict) and isinstance(base.get(field), dict):
-            _merge_dict(base[field], value)
-        else:
-            base[field] = value
-
-
-def trainer_jobset(trainjob: dict, runtime: dict) -> dict:
-    """The JobSet the Trainer controller makes of ``trainjob`` with its ClusterTrainingRuntime
-    (kubeflow/trainer v2.3.0 ``pkg/runtime/core/trainingruntime.go``: the runtime's JobSet
-    template, the TrainJob's ``runtimePatches`` merged into it strategically (containers and
-    volumes by name, volume mounts by mount path), then ``spec.trainer``'s image, command, env
-    and resources on the ``node`` container, ``numNodes`` pods of the ``node`` job). A patch
-    naming a replicated job or a container the runtime lacks fails, as the webhook refuses it
-    (``pkg/runtime/framework/plugins/jobset/jobset.go``, ``Validate``)."""
-    import copy
-
-    spec = copy.deepcopy(runtime["spec"]["template"]["spec"])
-    jobs = {job["name"]: job for job in spec["replicatedJobs"]}
-    for patch in trainjob["spec"].get("runtimePatches") or []:
-        for job_patch in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
-            pod = jobs[job_patch["name"]]["template"]["spec"]["template"]["spec"]
-            pod_patch = job_patch["template"]["spec"]["template"]["spec"]
-            containers = {c["name"]: c for c in pod["containers"]}
-            for container in pod_patch.get("containers") or []:
-                target = containers[container["name"]]
-                mounts = container.get("volumeMounts") or []
-                target["volumeMounts"] = _merge(target.get("volumeMounts", []), mounts, "mountPath")
-            pod["volumes"] = _merge(pod.get("volumes", []), pod_patch.get("volumes") or [], "name")
-            for field in ("nodeSelector", "tolerations", "serviceAccountName"):
-                if field in pod_patch:
-                    pod[field] = pod_patch[field]
-    trainer = trainjob["spec"]["trainer"]
-    node = jobs["node"]
-    node["template"]["spec"]["parallelism"] = trainer.get("numNodes", 1)
-    node["template"]["spec"]["completions"] = trainer.get("numNodes", 1)
-    (container,) = [c for c in node["template"]["spec"]["template"]["spec"]["containers"]
-                    if c["name"] == "node"]  # fmt: skip
-    container.update(image=trainer["image"], command=trainer["command"])
-    container["env"] = trainer.get("env", [])
-    container["resources"] = trainer.get("resourcesPerNode", {})
-    name = trainjob["metadata"]["name"]
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": name, "namespace": trainjob["metadata"]["namespace"]},
-        "spec": spec,
-    }

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from compiled_form import configure_run
 from kube_emulator import SERVED_JOB_APIS, kube_emulator
 from kubernetes import client as k8s
 from typer.testing import CliRunner
@@ -97,9 +98,8 @@ def test_a_compiled_preset_creates_trainjobs_where_served_else_pytorchjobs(
     if kind is TRAINJOB:
         result = runner.invoke(app, ["cluster", "install-runtime"])
         assert result.exit_code == 0 and "created ClusterTrainingRuntime lingo-rl" in result.output
-    spec = next(yaml.safe_load_all(compiled.read_text()))  # then the platform spec
-    parameters = spec["root"]["inputDefinitions"]["parameters"]
-    execution = parameters["sft_execution"]["defaultValue"]
+    # the execution the compiled pipeline's configure step hands the sft step
+    execution = configure_run(compiled)["sft_execution"]
     # as the sft component runs it, with the run's parameter and its own image
     execution = {**execution, "work_root": str(tmp_path / "shared"), "poll_s": 0.1}
     launch = JobLaunch.for_step(execution, RUN_ID, str(tmp_path / "job.yaml"), GPU_IMAGE)

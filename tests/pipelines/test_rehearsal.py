@@ -70,7 +70,7 @@ def test_the_deepspeed_branch_runs_as_its_pods(deepspeed_report):
     assert [t.task for t in report.tasks if t.returncode != 0] == [], table
     ran = {t.task for t in report.tasks}
     assert {"data-prep", "base-model", "sft", "grpo", "export-hf", "evaluate", "gate"} <= ran
-    assert "convert-megatron" in report.not_run, table
+    assert "convert-megatron" not in ran, table  # gpt-oss-20b compiles its hf branch only
     jobs: dict[str, list] = {}
     for pod in report.pods:
         jobs.setdefault(pod.job.split("-")[1], []).append(pod)

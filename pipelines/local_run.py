@@ -125,6 +125,19 @@ def output_dir_lock(output_dir: Path) -> Iterator[None]:
         yield
 
 
+def _redact_task_outputs(output_dir: Path, before: set[str]) -> None:
+    """Redact the task outputs kfp.local kept of this run (``executor_output.json``): the
+    ``configure`` step's outputs carry the run's values as given, a source URL's credential
+    included, and a local run's files hold no secret (``core.redact``)."""
+    for run in (p for p in output_dir.iterdir() if p.name not in before and p.is_dir()):
+        for path in run.rglob("executor_output.json"):
+            text = path.read_text(errors="replace")
+            clean = redact(text)
+            if clean != text:
+                with atomic_writer(path) as handle:
+                    handle.write(clean)
+
+
 def _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching) -> LocalRunResult:
     local.init(
         runner=local.SubprocessRunner(use_venv=False),
@@ -134,7 +147,10 @@ def _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching) -> Lo
     before = {p.name for p in output_dir.iterdir()}
     start = time.monotonic()
     arguments = form_arguments(preset) | tracking_arguments(output_dir)
-    lingo_pipeline(**arguments)
+    try:
+        lingo_pipeline(**arguments)
+    finally:
+        _redact_task_outputs(output_dir, before)
     seconds = time.monotonic() - start
     run_dir, outputs = _main_outputs(output_dir, before)
     return LocalRunResult(

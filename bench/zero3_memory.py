@@ -185,10 +185,12 @@ def _worker(args) -> None:
     if args.worker == "overhead":
         import deepspeed
         import deepspeed.runtime.engine  # noqa: F401  what deepspeed.initialize imports
+        import torch
         import transformers.models.gpt_oss.modeling_gpt_oss  # noqa: F401
 
         from core.modeling import load_tokenizer
         from trainer.distributed import barrier, init_distributed
+        from trainer.zero3 import init_deepspeed_comm
 
         # everything the run imports
         if args.step == "grpo":
@@ -198,7 +200,7 @@ def _worker(args) -> None:
 
             import trainer.sft.recipe  # noqa: F401
         info = init_distributed("cpu", 1)
-        deepspeed.init_distributed(dist_backend="gloo")
+        init_deepspeed_comm(torch.device("cpu"))
         load_tokenizer(args.model)
         if args.step == "grpo":
             from reward.scoring import ComplianceScorer

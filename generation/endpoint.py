@@ -7,10 +7,13 @@ all are handled (see ``Generation.parsed``).
 
 Each request is retried on timeouts, connection errors, HTTP 429 and 5xx, with exponential
 backoff (``backoff_s · 2^k``, capped, honouring a numeric ``Retry-After``); other HTTP errors
-and malformed bodies are not retried. Every wait is bounded (``EndpointSettings``): an
-attempt's connect and read timeouts, the request's total (attempts, backoff and reading the
-answer) and the model's whole run. A request that still fails, or that a bound stopped, comes
-back as a ``Generation`` with ``error`` set. At most ``concurrency`` requests are in flight.
+and malformed bodies are not retried; redirects are not followed (a ``307`` to another host
+would send it the question). A reply is read up to ``max_reply_bytes`` and each of its fields
+checked (``read_reply``): a bad reply is that response's failure, never the model's. Every
+wait is bounded (``EndpointSettings``): an attempt's connect and read timeouts, the request's
+total (attempts, backoff and reading the answer) and the model's whole run. A request that
+still fails, or that a bound stopped, comes back as a ``Generation`` with ``error`` set. At
+most ``concurrency`` requests are in flight.
 """
 
 from __future__ import annotations
@@ -259,6 +262,7 @@ class ChatEndpointEngine:
             headers=self.headers,
             timeout=timeout,
             stream=True,
+            allow_redirects=False,  # a 307 would send the question (and body) to another host
         )
         with contextlib.closing(response):
             content = _read_by(response, deadline, self.settings.max_reply_bytes)
@@ -364,8 +368,9 @@ def _valid_unicode(text: str) -> str:
 
 
 def _excerpt(content: bytes, limit: int = 200) -> str:
-    """The start of a reply body for an error message: decoded, valid Unicode."""
-    return content[:limit].decode("utf-8", errors="replace")
+    """The start of a reply body for an error message: decoded, valid Unicode, one line
+    (an HTML error page's lines joined)."""
+    return " ".join(content[:limit].decode("utf-8", errors="replace").split())
 
 
 def _read_by(response: requests.Response, deadline: float, max_bytes: int) -> bytes:

@@ -59,6 +59,9 @@ REASONS = (
 CHECKED_REASONING_LETTERS = 20
 """Reasoning with at least this many letters must be identified as its labelled language
 (shorter text is too little to judge: ``core.language_id.CONFIDENT_LETTERS``)."""
+CHECKED_REASONING_CHARS = 1_000
+"""The head of the reasoning that is identified: enough to tell its language, and the cost
+per row stays bounded whatever the reasoning's length."""
 
 # C0/C1 control characters other than tab, newline and carriage return, and lone surrogates
 # (text that is not valid Unicode and cannot be written as UTF-8).
@@ -120,7 +123,7 @@ def _check_language(analysis: str, final: str, language: str) -> Rejection | Non
         return Rejection(NO_LETTERS, "field 'final' has no letters or digits (only symbols)")
     if sum(ch.isalpha() for ch in analysis) < CHECKED_REASONING_LETTERS:
         return None
-    found = identify_language(analysis)
+    found = identify_language(analysis[:CHECKED_REASONING_CHARS])
     if found not in (language, UNDETERMINED):
         return Rejection(
             WRONG_LANGUAGE,

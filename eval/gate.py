@@ -289,10 +289,11 @@ def decide(
         base["reference"] = config.baseline
         reference_value = _finite(baseline_metrics.get(metric))
     else:
+        against = f"no '{config.baseline}' result" if config.baseline else "no baseline set"
         return GateDecision(
             Decision.PROMOTE,
-            f"no {config.alias} yet and no '{config.baseline}' result to compare with: "
-            "the first candidate becomes the champion",
+            f"no {config.alias} yet and {against} to compare with: the first candidate "
+            "becomes the champion",
             **base,
         )
     assert reference_value is not None

@@ -73,8 +73,6 @@ def run_gate_step(
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(decision.to_markdown(), encoding="utf-8")
     log.log(logging.DEBUG if apply else logging.INFO, "%s", decision.line())
-    if decision.power:
-        log.info("gate power: %s", decision.power)
     params = {
         "decision": decision.decision.value,
         "metric": decision.metric,

@@ -198,8 +198,10 @@ class GateDecision:
         return asdict(self) | {"decision": self.decision.value}
 
     def line(self) -> str:
-        """The decision as one line of the run's output."""
-        return f"{DECISION_PREFIX}gate: {self.decision.value} | {self.reason}"
+        """The decision as one line of the run's output (with what the eval can detect,
+        when the paired test ran)."""
+        power = f" | power: {self.power}" if self.power else ""
+        return f"{DECISION_PREFIX}gate: {self.decision.value} | {self.reason}{power}"
 
     def to_markdown(self) -> str:
         """The gate report (for ``Output[Markdown]``)."""

@@ -186,6 +186,26 @@ def test_gate_config_rejects_unknown_or_lower_is_better_metrics():
         GateConfig(metric="accuracy")
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("confidence", 1.0), ("confidence", 0.3), ("power", 0.0), ("effect", 0.0),
+     ("resamples", 10), ("champion_label", "")],
+)  # fmt: skip
+def test_gate_config_rejects_bad_test_settings_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        GateConfig(**{field: value})
+
+
+def test_the_decision_line_carries_the_power_figure():
+    paired = paired_bootstrap([0.5, 0.0] * 20, 0.95)
+    result = decide(
+        GateConfig(), {METRIC: 0.7}, champion("3", 0.6), None, "a", paired, FULL, {METRIC: 0.6}
+    )
+    line = result.line()
+    assert line.startswith("decision | gate: promote | paired bootstrap over 40 questions")
+    assert line.count("\n") == 0 and " | power: " in line and "these 40 detect +" in line
+
+
 def test_content_hash_follows_content_and_names(tmp_path):
     a = model_dir(tmp_path, "a", b"\x00\x01")
     b = model_dir(tmp_path, "b", b"\x00\x01")

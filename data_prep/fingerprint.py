@@ -11,8 +11,9 @@ in, per source (``DataPrepConfig.source`` and each question set's):
 * a hub dataset id: the dataset's revision (the commit sha ``huggingface_hub`` reports) and
   the split. When the revision cannot be looked up (offline, no cache entry naming it), the
   fingerprint is ``unknown``: never equal to anything, so the run retrains;
-* every ``DataPrepConfig`` field but ``workers`` (which shapes nothing): the split fraction and
-  seed, the validation limits, the answer-language policy, augmentation, question sets.
+* every ``DataPrepConfig`` field but ``workers`` (which shapes nothing) and the sources' names
+  (the same bytes read from another folder or bucket are the same data): the split fraction
+  and seed, the validation limits, the answer-language policy, augmentation, question sets.
 
 The fingerprint is computed before the rows are read; a source changed while data prep reads
 it gives a fingerprint of the earlier state (the next run sees the change).
@@ -138,7 +139,9 @@ def data_fingerprint(config: DataPrepConfig, s3=None) -> DataFingerprint:
     """
     sources = [source_state(config.source, config.hub_split, s3)]
     sources += [source_state(q.source, q.split, s3) for q in config.question_sets]
-    settings = config.model_dump(mode="json", exclude={"workers"})
+    settings = config.model_dump(mode="json", exclude={"workers", "source"})
+    for question_set in settings["question_sets"]:  # where the data lives is not the data
+        del question_set["source"]
     inputs = {"sources": sources, "config": settings}
     if any(s["kind"] == "hub" and s["revision"] is None for s in sources):
         return DataFingerprint(UNKNOWN, inputs)

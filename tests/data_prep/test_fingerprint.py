@@ -96,3 +96,11 @@ def test_the_dataset_card_records_the_fingerprint(tmp_path):
     card = out[3].read_text()
     assert f"- data fingerprint: `{report.fingerprint.sha256}`" in card
     assert "  - 3 bundled file(s), sha256 and size" in card
+
+
+def test_the_same_bytes_elsewhere_are_the_same_data(tmp_path):
+    """A folder copied or moved keeps its fingerprint (the dataset card's included)."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        shutil.copytree(BUNDLED_DIR, folder, ignore=shutil.ignore_patterns("*.md"))
+    assert fingerprint(first) == fingerprint(second)

@@ -114,7 +114,8 @@ def test_scheduled_retraining_story_step_by_step(tmp_path, monkeypatch, caplog):
     SFT/GRPO result reused: the tiny model is every run's base and SFT model, and the
     candidate of runs 1 and 3 (run 3's is another tiny model: different weights, no better).
     Four runs: promote, unchanged data, new data compared with the champion (kept), the
-    same data forced with the champion itself as candidate (unchanged)."""
+    champion's data again forced (``force``), with the champion itself as the candidate
+    (unchanged)."""
     import logging
 
     from mlflow import MlflowClient
@@ -198,6 +199,7 @@ def test_scheduled_retraining_story_step_by_step(tmp_path, monkeypatch, caplog):
     labels = [m["label"] for m in json.loads((tmp_path / "run3" / "results").read_text())["models"]]
     assert labels == ["base", "sft", "grpo", "champion"]
 
+    (data / "rows_es_it.jsonl").write_text("".join(rows))  # run 1's data: the champion's
     said = run(4, tiny, force=True)
     assert "force is set: training anyway" in said[0]
     assert said[1].startswith("decision | gate: unchanged | the candidate is already champion")

@@ -42,6 +42,7 @@ def decisions(text: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # three local runs of the whole DAG
 def test_scheduled_retraining_story(tmp_path, monkeypatch, capfd):
     from mlflow import MlflowClient
 
@@ -113,6 +114,7 @@ def test_scheduled_retraining_story(tmp_path, monkeypatch, capfd):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 9 min on 2 shared cores at load 40
 def test_scheduled_retraining_story_step_by_step(tmp_path, monkeypatch, caplog):
     """The same story through the steps' component bodies in this process, in the DAG's order
     and under its conditions (``data-check == 'retrain'``, ``gate == 'promote'``), one

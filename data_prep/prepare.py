@@ -40,6 +40,7 @@ from core.languages import SUPPORTED_LANGUAGES
 from data_prep.augment import append_synthetic
 from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
+from data_prep.fingerprint import data_fingerprint
 from data_prep.lengths import LengthHistogram
 from data_prep.process import ANSWER_SOURCES, Bad, Good, process_rows, quarantine_entry
 from data_prep.question_sets import QuestionSetError, append_question_prompts
@@ -123,7 +124,7 @@ def prepare_dataset(
         QuestionSetError: a question set gave no question or lost too many rows.
         DataPrepBusyError: another data prep writes into the same directory.
     """
-    report = DataPrepReport(source=config.source)
+    report = DataPrepReport(source=config.source, fingerprint=data_fingerprint(config))
     work_parent = Path(train_path).parent
     outputs_named = [train_path, eval_path, quarantine_path, card_path]
     check_output_apart(config, work_parent, [Path(p) for p in outputs_named if p is not None])
@@ -188,6 +189,7 @@ def prepare_dataset(
         if card_path is not None:
             outputs.open(card_path).write(render_card(config, report).encode())
         outputs.commit()  # every output appears at once
+    log.info("data fingerprint %s", report.fingerprint.sha256)
     log.info(
         "data prep: %d rows read, %d train (+%d synthetic, +%d prompt-only from question sets), "
         "%d eval, %d quarantined (%d duplicates)",

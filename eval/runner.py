@@ -34,7 +34,7 @@ from core.redact import redact
 from core.seeds import sample_seed
 from eval.engines import make_engine
 from eval.eval_config import EvalConfig
-from eval.eval_metrics import Summary, deltas, summarize
+from eval.eval_metrics import Summary, deltas, response_values, summarize
 from eval.report import ReportPaths, log_eval_run, write_reports
 from generation.endpoint import DEFAULT_MAX_REPLY_BYTES
 from generation.engines import Engine, ModelNotFoundError, is_endpoint, require_model_dir
@@ -250,7 +250,9 @@ def score_response(
         "error": generation.error,
     }
     if generation.failed:
-        record.update(reasoning=None, final=None, truncated=None, score=None, degeneracy=None)
+        record.update(
+            reasoning=None, final=None, truncated=None, score=None, degeneracy=None, values=None
+        )
         return Outcome(language=question.language, failed=True), record
     parsed = generation.parsed()
     labels = LanguageLabels(question.language, question.language)
@@ -268,7 +270,9 @@ def score_response(
             "repeated_ngram_rate": degeneracy.repeated_ngram_rate,
         },
     )
-    return Outcome.scored(question.language, result, degeneracy), record
+    outcome = Outcome.scored(question.language, result, degeneracy)
+    record["values"] = response_values(outcome)  # the gate's per-question scores
+    return outcome, record
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from core.atomic import atomic_writer
+from core.atomic import atomic_writer, open_no_follow
 from core.redact import redact
 from core.tracking import local_store_uri, mlflow_ui_command
 from eval.gate import GateConfig
@@ -106,9 +106,11 @@ def output_dir_lock(output_dir: Path) -> Iterator[None]:
 
     Raises:
         OutputDirBusyError: another run holds it.
+        LinkRefusedError: the lock file is a symbolic link (writing the PID through it would
+            overwrite its target).
     """
     path = output_dir / LOCK_FILE
-    with path.open("a+") as handle:
+    with open_no_follow(path, "r+") as handle:  # a link planted there is refused
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -81,7 +81,8 @@ def run_local(
     warnings.filterwarnings("ignore", message=".*custom or non-Python base image.*")
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    lingo_pipeline = build_pipeline(preset)
+    fingerprints = input_fingerprints(preset) if enable_caching else None
+    lingo_pipeline = build_pipeline(preset, input_fingerprints=fingerprints)
     with output_dir_lock(output_dir), local_steps() as steps:  # steps stop with the run
         if not quiet:
             return _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
@@ -91,6 +92,52 @@ def run_local(
         with QuietConsole(log_path, steps=steps):  # a failed step: LocalStepFailedError
             result = _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
         return dataclasses.replace(result, log_path=log_path)
+
+
+WHOLE_HASH_MAX = 256 << 20
+"""Files up to this size are fingerprinted by their content (SHA-256); larger ones (model
+weights: 13 GB for gpt-oss-20b) by size, inode, modification and change time."""
+
+
+def input_fingerprints(preset: Preset) -> dict[str, str]:
+    """Step name → a fingerprint of the local files the step reads, for ``--cache``: the model
+    directory ``model.source`` (base-model), ``data_prep.source`` and the question sets'
+    sources (data-prep), ``eval.questions`` (evaluate). A hub id or an ``s3://`` URI is keyed
+    by its name only (kfp.local's own rule for remote artifacts), as is ``tiny`` (built from
+    the config, which is an argument)."""
+    paths = {
+        "base-model": [preset.model.source],
+        "data-prep": [preset.data_prep.source, *(s.source for s in preset.data_prep.question_sets)],
+        "evaluate": [preset.eval.questions or ""],
+    }
+    fingerprints = {}
+    for step, sources in paths.items():
+        local = [Path(s) for s in sources if s and "://" not in s and Path(s).exists()]
+        if local:
+            fingerprints[step] = _fingerprint(local)
+    return fingerprints
+
+
+def _fingerprint(paths: list[Path]) -> str:
+    """SHA-256 over every file under ``paths``: its name and, up to ``WHOLE_HASH_MAX``, its
+    content; beyond, its size, inode and modification and change times (the change time is set
+    by the kernel on every write, rename or replace, and no user can set it back)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for root in paths:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in files:
+            info = path.stat()
+            digest.update(f"{path}\0{info.st_size}\0".encode())
+            if info.st_size <= WHOLE_HASH_MAX:
+                with path.open("rb") as handle:
+                    for block in iter(lambda handle=handle: handle.read(1 << 20), b""):
+                        digest.update(block)
+            else:
+                stamp = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+                digest.update(repr(stamp).encode())
+    return digest.hexdigest()
 
 
 class OutputDirBusyError(RuntimeError):

@@ -89,7 +89,8 @@ def test_changed_eval_questions_change_the_eval_steps_fingerprint(tmp_path):
     assert input_fingerprints(preset)["evaluate"] != before
 
 
-@pytest.mark.slow  # two local runs to the capacity check: ~8 min on a loaded 2-core machine
+@pytest.mark.slow  # two local runs to the capacity check: 8-17 min on a loaded 2-core machine
+@pytest.mark.timeout(2400)
 def test_a_second_cached_run_with_replaced_weights_rebuilds_the_base_model(tmp_path):
     from trainer.tiny_model import SMALLEST, build_tiny_model
 

@@ -107,6 +107,9 @@ def clear_errors(command: Callable) -> Callable:
             raise typer.Exit(2) from exc
         except (typer.Exit, typer.Abort):
             raise
+        except KeyboardInterrupt:  # SIGINT: what a local run stopped is said by then
+            echo("error: interrupted (SIGINT)", err=True)
+            raise typer.Exit(1) from None
         except Exception as exc:
             # an expected failure (core.errors.describe_error), or None: a bug
             line = describe_error(exc, kwargs.get("output_dir") or kwargs.get("output"))

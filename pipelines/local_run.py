@@ -70,7 +70,6 @@ def run_local(
     """
     from kfp import local
 
-    from pipelines.pipeline import build_pipeline
     from pipelines.preflight import check_run_inputs
 
     check_run_inputs(preset, output_dir, local=True)
@@ -81,9 +80,23 @@ def run_local(
     warnings.filterwarnings("ignore", message=".*custom or non-Python base image.*")
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
+    with output_dir_lock(output_dir):
+        # holding the lock, no other local run writes this folder's store: a run still
+        # RUNNING there was left by a run killed with SIGKILL
+        close_abandoned_runs(output_dir)
+        try:
+            return _run_steps(local, preset, output_dir, enable_caching, quiet, on_log)
+        except (KeyboardInterrupt, SystemExit):  # SIGINT, SIGTERM: no exit handler ran
+            close_abandoned_runs(output_dir)
+            raise
+
+
+def _run_steps(local, preset, output_dir, enable_caching, quiet, on_log) -> LocalRunResult:
+    from pipelines.pipeline import build_pipeline
+
     fingerprints = input_fingerprints(preset) if enable_caching else None
     lingo_pipeline = build_pipeline(preset, input_fingerprints=fingerprints)
-    with output_dir_lock(output_dir), local_steps() as steps:  # steps stop with the run
+    with local_steps() as steps:  # steps stop with the run
         if not quiet:
             return _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
         log_path = output_dir / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -138,6 +151,35 @@ def _fingerprint(paths: list[Path]) -> str:
                 stamp = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
                 digest.update(repr(stamp).encode())
     return digest.hexdigest()
+
+
+def close_abandoned_runs(output_dir: Path) -> list[str]:
+    """Mark the MLflow runs still RUNNING in ``output_dir``'s own store (``mlflow.db``, no
+    ``MLFLOW_TRACKING_URI``) ``KILLED``, and return their ids.
+
+    Called holding the folder's lock (no other local run tracks there): when a run is
+    interrupted (SIGINT, SIGTERM: kfp.local runs no exit handler), and when the next run into
+    the folder starts (a run killed with SIGKILL closed nothing). A store the user named
+    (``MLFLOW_TRACKING_URI``) is shared with others: its runs are left alone.
+    """
+    if os.environ.get("MLFLOW_TRACKING_URI") or not (output_dir / "mlflow.db").is_file():
+        return []
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=local_store_uri(output_dir))
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    if not experiments:
+        return []
+    running = client.search_runs(experiments, filter_string="attributes.status = 'RUNNING'")
+    for run in running:
+        client.set_terminated(run.info.run_id, "KILLED")
+    if running:
+        log.warning(
+            "marked %d MLflow run(s) of an interrupted local run KILLED in %s",
+            len(running),
+            output_dir / "mlflow.db",
+        )
+    return [run.info.run_id for run in running]
 
 
 class OutputDirBusyError(RuntimeError):

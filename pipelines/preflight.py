@@ -286,6 +286,18 @@ def output_dir_problems(output_dir: Path) -> list[str]:
     ``SQLITE_MAX_PATH`` bytes)."""
     what = "--output-dir"
     path = Path(os.path.abspath(output_dir))
+    if any(ord(c) < 32 or ord(c) == 127 for c in str(path)):
+        return [
+            f"--output-dir {str(path)!r} holds a control character (a newline, a tab): the run's "
+            "logs, commands and file listings would split or garble it; choose a plain name"
+        ]
+    if path == Path(path.anchor):
+        return [f"{what} {path} is the file system's root; choose a folder of its own"]
+    if (path / "pyproject.toml").is_file() and (path / "pipelines" / "pipeline.py").is_file():
+        return [
+            f"{what} {path} is the lingo-rl source tree; choose a folder of its own "
+            "(the default: runs/local)"
+        ]
     if _exists(path) and not path.is_dir():
         return [f"{what} {path} is a file, not a directory; choose a directory"]
     problems = _path_problems(path, what)

@@ -293,7 +293,7 @@ def output_dir_problems(output_dir: Path) -> list[str]:
         ]
     if path == Path(path.anchor):
         return [f"{what} {path} is the file system's root; choose a folder of its own"]
-    if (path / "pyproject.toml").is_file() and (path / "pipelines" / "pipeline.py").is_file():
+    if _exists(path / "pyproject.toml") and _exists(path / "pipelines" / "pipeline.py"):
         return [
             f"{what} {path} is the lingo-rl source tree; choose a folder of its own "
             "(the default: runs/local)"

@@ -26,9 +26,9 @@ def test_the_run_lock_refuses_a_planted_link_and_leaves_its_target(tmp_path, vic
     out = tmp_path / "out"
     out.mkdir()
     (out / LOCK_FILE).symlink_to(victim)
-    with pytest.raises(LinkRefusedError, match=rf"{LOCK_FILE} is a symbolic link \(to {victim}"):
-        with output_dir_lock(out):
-            pass
+    refused = rf"{LOCK_FILE} is a symbolic link \(to {victim}"
+    with pytest.raises(LinkRefusedError, match=refused), output_dir_lock(out):
+        pass
     assert victim.read_text() == "precious\n"
 
 
@@ -76,9 +76,8 @@ def test_the_quiet_console_log_refuses_a_planted_link(tmp_path, victim):
     log = tmp_path / "logs" / "run-20261206-170000.log"
     log.parent.mkdir()
     log.symlink_to(victim)
-    with pytest.raises(LinkRefusedError):
-        with QuietConsole(log):
-            pass
+    with pytest.raises(LinkRefusedError), QuietConsole(log):
+        pass
     assert victim.read_text() == "precious\n"
 
 

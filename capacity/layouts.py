@@ -82,7 +82,7 @@ class Layout(BaseModel):
         hf_ckpt_num: HF exports kept on the volume.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = "custom"
     device: Literal["cuda", "cpu"] = "cuda"

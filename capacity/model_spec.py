@@ -31,6 +31,24 @@ class ModelSpecError(ValueError):
     """A model reference or config that the planner cannot read."""
 
 
+LARGEST_DIMENSION = 1 << 24
+"""No architecture field of a real model comes near this (gpt-oss-120b: vocabulary 201,088,
+hidden size 2,880); beyond it a config's value is a mistake and the memory arithmetic would
+overflow."""
+
+
+def _whole_number(name: str, field: str, value: Any) -> int:
+    """``value`` as a whole number from 1 to ``LARGEST_DIMENSION``, or ``ModelSpecError``."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral:
+        raise ModelSpecError(f"{name}: {field} must be a whole number, got {value!r}")
+    if not 1 <= value <= LARGEST_DIMENSION:
+        raise ModelSpecError(
+            f"{name}: {field} must be between 1 and {LARGEST_DIMENSION:,}, got {value!r}"
+        )
+    return int(value)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The architecture fields that decide memory and storage.
@@ -88,27 +106,55 @@ class ModelSpec:
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         try:
-            num_layers = int(config["num_hidden_layers"])
-            num_heads = int(config["num_attention_heads"])
-            hidden_size = int(config["hidden_size"])
-            head_dim = config.get("head_dim") or hidden_size // num_heads
+
+            def count(field: str, fallback: str | None = None, default: Any = None) -> int:
+                value = config.get(field)
+                if value is None and fallback is not None:
+                    value = config.get(fallback)
+                if value is None:
+                    if default is not None:
+                        return default
+                    raise KeyError(field)
+                return _whole_number(name, field, value)
+
+            num_layers = count("num_hidden_layers")
+            num_heads = count("num_attention_heads")
+            hidden_size = count("hidden_size")
+            num_experts = count("num_local_experts")
+            experts_per_token = count("num_experts_per_tok", "experts_per_token")
+            num_kv_heads = count("num_key_value_heads", default=num_heads)
+            if experts_per_token > num_experts:
+                raise ModelSpecError(
+                    f"{name}: num_experts_per_tok {experts_per_token} is more than "
+                    f"num_local_experts {num_experts}"
+                )
+            if num_kv_heads > num_heads or num_heads % num_kv_heads:
+                raise ModelSpecError(
+                    f"{name}: num_key_value_heads {num_kv_heads} does not divide "
+                    f"num_attention_heads {num_heads}"
+                )
+            window = config.get("sliding_window")
             layer_types = config.get("layer_types") or [
                 "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
             ]
+            if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+                raise ModelSpecError(
+                    f"{name}: layer_types must list one type per layer ({num_layers})"
+                )
             return cls(
                 name=name,
-                vocab_size=int(config["vocab_size"]),
+                vocab_size=count("vocab_size"),
                 hidden_size=hidden_size,
-                intermediate_size=int(config["intermediate_size"]),
+                intermediate_size=count("intermediate_size"),
                 num_layers=num_layers,
                 num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(head_dim),
-                num_experts=int(config["num_local_experts"]),
-                experts_per_token=int(
-                    config.get("num_experts_per_tok") or config["experts_per_token"]
-                ),
-                sliding_window=config.get("sliding_window"),
+                num_kv_heads=num_kv_heads,
+                head_dim=count("head_dim", default=max(hidden_size // num_heads, 1)),
+                num_experts=num_experts,
+                experts_per_token=experts_per_token,
+                sliding_window=None
+                if window is None
+                else _whole_number(name, "sliding_window", window),
                 layer_types=tuple(layer_types),
                 attention_bias=bool(config.get("attention_bias", True)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),

@@ -35,6 +35,8 @@ primary training process (global rank 0) serves its progress object."""
 PROGRESS_TRACKING_ANNOTATION = "trainer.opendatahub.io/progression-tracking"
 PROGRESS_PORT_ANNOTATION = "trainer.opendatahub.io/metrics-port"
 PROGRESS_POLL_ANNOTATION = "trainer.opendatahub.io/metrics-poll-interval"
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""A Kubernetes object name (``metadata.name``): an RFC 1123 subdomain, at most 253 long."""
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _SECRET_LIKE = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL", re.IGNORECASE)
 
@@ -97,6 +99,17 @@ class ClusterConfig(ConfigModel):
     """Where rank 0 serves its progress (the platform refuses ports below 1024)."""
     progress_poll_interval_s: int = Field(30, ge=5, le=300)
     """How often the platform polls it (it clamps to 5..300 s)."""
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime_is_a_resource_name(cls, runtime: str) -> str:
+        if len(runtime) > 253 or not _DNS_SUBDOMAIN.fullmatch(runtime):
+            raise ValueError(
+                f"runtime {runtime!r} is not a Kubernetes resource name (DNS-1123 subdomain: "
+                "up to 253 characters of lowercase letters, digits, '-' and '.', alphanumeric "
+                "at both ends): name the ClusterTrainingRuntime, e.g. lingo-rl-torch"
+            )
+        return runtime
 
     @field_validator("queue")
     @classmethod

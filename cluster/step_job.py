@@ -30,6 +30,7 @@ from cluster.jobs import JOB_KINDS, TRAINJOB, JobKind, job_state
 from cluster.launcher import JobLauncher, metrics_progress
 from cluster.pytorchjob import build_pytorchjob, manifest_yaml
 from cluster.trainjob import RUNTIME_PLURAL, build_job_runtime, build_trainjob
+from core.atomic import atomic_write_text
 from core.tracking import tracking_env
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def stage_inputs(job: StepJob, shared: Path) -> list[str]:
         _copy(Path(node[leaf]), target)
         node[leaf] = str(target)
     config_file = shared / f"{job.step}_config.json"
-    config_file.write_text(json.dumps(config, indent=2))
+    atomic_write_text(config_file, json.dumps(config, indent=2))
     args = ["--config", str(config_file)]
     for flag, path in staged.items():
         args += [f"--{flag}", str(path)]
@@ -323,7 +324,7 @@ def run_step_job(
         manifest = build_step_manifest(job, cluster, run_id, args, launcher.kind)
         runtime = build_step_runtime(job, cluster, run_id, args, launcher.kind)
     documents = [manifest] if runtime is None else [runtime, manifest]
-    Path(manifest_path).write_text("---\n".join(manifest_yaml(d) for d in documents))
+    atomic_write_text(manifest_path, "---\n".join(manifest_yaml(d) for d in documents))
     progress = metrics_progress(shared / "work" / job.metrics_file) if job.metrics_file else None
     with delete_on_sigterm(launcher, name):
         if manifest is existing:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from cluster.nodes import OMP_THREADS_ENV, omp_threads
+from core.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def run_step_processes(module: str, cfg, args: list[str], config_file) -> None:
     """
     if (problem := processes_problem(cfg)) is not None:
         raise ValueError(problem)
-    config_file.write_text(cfg.model_dump_json(indent=2))
+    atomic_write_text(config_file, cfg.model_dump_json(indent=2))
     # GRPO's dedicated rollout engines run in processes of their own, after the training ones
     processes = cfg.nproc + getattr(cfg, "rollout_processes", 0)
     run_torchrun(module, ["--config", str(config_file), *args], processes)

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +50,77 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically."""
     with atomic_writer(path) as fh:
         fh.write(text)
+
+
+class LinkRefusedError(OSError):
+    """A file this project writes in place is a symbolic link (or not a regular file): writing
+    through it would change another file (anyone who can write the folder can plant one)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+_OPEN_FLAGS = {
+    "r+": os.O_RDWR | os.O_CREAT,
+    "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+    "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
+}
+
+
+def open_no_follow(path: str | os.PathLike, mode: str = "w", **kwargs) -> IO:
+    """Open (create) ``path`` for writing in place without following a symbolic link: a lock,
+    a log, a file appended to. ``mode``: ``w``, ``a``, ``a+`` or ``r+`` (read and write,
+    created when missing, not truncated), with ``b`` for bytes; ``kwargs`` go to ``open``.
+
+    Whole files are better written with ``atomic_writer`` (a new temp file renamed over the
+    target: a link there is replaced, never written through).
+
+    Raises:
+        LinkRefusedError: ``path`` is a symbolic link, a FIFO, a device or a folder; nothing
+            was written.
+    """
+    path = Path(path)
+    flags = _OPEN_FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _link_refused(path) from None
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader (or a socket)
+            raise _not_regular(path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_regular(path)
+        os.set_blocking(fd, True)
+        if "b" not in mode:
+            kwargs.setdefault("encoding", "utf-8")
+        return os.fdopen(fd, mode, **kwargs)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _not_regular(path: Path) -> LinkRefusedError:
+    return LinkRefusedError(
+        errno.EINVAL,
+        f"{path} is not a regular file; lingo-rl writes only regular files there: move it away",
+        str(path),
+    )
+
+
+def _link_refused(path: Path) -> LinkRefusedError:
+    try:
+        to = f" (to {os.readlink(path)})"
+    except OSError:
+        to = ""
+    return LinkRefusedError(
+        errno.ELOOP,
+        f"{path} is a symbolic link{to}; lingo-rl does not write through links: remove the "
+        "link (or pass another folder)",
+        str(path),
+    )
 
 
 class PendingFiles:

@@ -16,6 +16,10 @@ import sys
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option (``linux/prctl.h``): the signal a process gets when its parent dies."""
+LOCAL_RUN_PID_ENV = "LINGO_LOCAL_RUN_PID"
+"""Set by ``lingo run --local`` on each step it starts (``pipelines.step_processes``): its own
+pid. A step started in a process group of its own finds its expected parent from it
+(``expected_step_parent``)."""
 
 
 def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
@@ -53,9 +57,10 @@ def start_step_process(level: int = logging.INFO) -> None:
 
     from core.redact import configure_logging
 
+    parent = expected_step_parent()  # read first: the parent may be dying right now
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_signal)
-    die_with_parent(signal.SIGTERM)
+    die_with_parent(signal.SIGTERM, parent)  # exits at once if that parent is gone already
     configure_logging(level)
     # imported after the parent-death signal is set: nothing widens that window
     from core.image_checks import ImageCheckError, require_supported_driver
@@ -64,6 +69,24 @@ def start_step_process(level: int = logging.INFO) -> None:
         require_supported_driver()
     except ImageCheckError as error:
         raise SystemExit(f"error: {error}") from None
+
+
+def expected_step_parent() -> int:
+    """The pid of the process that started this step, as it was when the step was started.
+
+    Under ``lingo run --local`` (``LOCAL_RUN_PID_ENV`` set) the step runs in a process group
+    of its own whose leader is kfp.local's ``sh`` (the step's parent) or, where ``sh`` handed
+    its process over to the step (``exec``), the step itself, whose parent is then ``lingo``.
+    The parent-death signal is asked for only once the step's Python has imported its
+    component (seconds after ``sh`` started it): a parent killed in between has already been
+    replaced by PID 1 or a subreaper, which this comparison catches. Elsewhere (a pod): the
+    parent now.
+    """
+    run_pid = os.environ.get(LOCAL_RUN_PID_ENV, "")
+    if run_pid.isdigit():
+        leader = os.getpgrp()
+        return int(run_pid) if leader == os.getpid() else leader
+    return os.getppid()
 
 
 def _exit_on_signal(signum: int, frame) -> None:  # noqa: ARG001 (a signal handler's signature)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
+from core.atomic import atomic_write_text, open_no_follow
+
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
@@ -270,7 +272,7 @@ def download_file(
         offset = 0
     if offset == 0:
         partial.unlink(missing_ok=True)
-        etag_file.write_text(etag)
+        atomic_write_text(etag_file, etag)
     else:
         log.info("resuming %s at byte %d of %d", uri, offset, size)
     if offset < size:
@@ -278,7 +280,7 @@ def download_file(
             response = client.get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={offset}-", IfMatch=etag
             )
-            with partial.open("ab") as out:
+            with open_no_follow(partial, "ab") as out:  # never through a planted link
                 for chunk in iter(lambda: response["Body"].read(_CHUNK), b""):
                     out.write(chunk)
                 out.flush()

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from core.atomic import atomic_write_text
 from core.tracking import log_artifact, log_metrics, mlflow_run
 from eval.eval_config import EvalConfig
 from eval.gate import GateConfig, GateDecision, apply_gate, check_data, evaluate_gate
@@ -70,8 +71,7 @@ def run_gate_step(
     else:
         decision = evaluate_gate(results, candidate_dir, gate_config)
     if report_path is not None:
-        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(report_path).write_text(decision.to_markdown(), encoding="utf-8")
+        atomic_write_text(report_path, decision.to_markdown())  # a link there is replaced
     log.log(logging.DEBUG if apply else logging.INFO, "%s", decision.line())
     params = {
         "decision": decision.decision.value,

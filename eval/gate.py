@@ -36,12 +36,13 @@ import hashlib
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from core.config_model import ConfigModel
 from core.tracking import tracking_enabled
@@ -63,6 +64,14 @@ from eval.registry import (
 log = logging.getLogger(__name__)
 
 LOWER_IS_BETTER = frozenset({"loop_rate", "repeated_ngram_rate"})
+PIPELINE_LABELS = ("base", "sft", "grpo")
+"""The labels of the models the pipeline's evaluate step compares (``components.evaluate``)."""
+ALIAS_PATTERN = re.compile(r"[\w\-]{1,255}")
+"""What MLflow's registry accepts as an alias (``mlflow.utils.validation``:
+``_REGISTERED_MODEL_ALIAS_REGEX``, ``MAX_REGISTERED_MODEL_ALIAS_LENGTH``) …"""
+RESERVED_ALIAS = re.compile(r"[vV]\d+|(?i:latest)")
+"""… and what it reserves: ``v<digits>`` names a version, ``latest`` the newest one
+(``_validate_model_alias_name_reserved``)."""
 
 
 class GateConfig(ConfigModel):
@@ -102,6 +111,46 @@ class GateConfig(ConfigModel):
     effect: float = Field(0.1, gt=0.0, le=1.0)
     resamples: int = Field(10_000, ge=1000, le=1_000_000)
     force: bool = False
+
+    @field_validator("registered_model")
+    @classmethod
+    def _registry_name(cls, value: str) -> str:
+        # MLflow's _validate_model_name: not blank, no '/' or ':'; and no path tricks
+        if not value.strip():
+            raise ValueError("the registered model's name is empty")
+        if any(c in value for c in "/:") or value.strip() in (".", ".."):
+            raise ValueError(f"{value!r}: MLflow registry names cannot contain '/' or ':'")
+        return value
+
+    @field_validator("alias")
+    @classmethod
+    def _registry_alias(cls, value: str) -> str:
+        if not ALIAS_PATTERN.fullmatch(value):
+            raise ValueError(f"{value!r}: an MLflow alias is 1-255 letters, digits, '_' or '-'")
+        if RESERVED_ALIAS.fullmatch(value):
+            raise ValueError(
+                f"{value!r}: MLflow reserves 'latest' and v<number> (they name versions); "
+                "pick another alias, e.g. champion"
+            )
+        return value
+
+    @field_validator("candidate", "baseline")
+    @classmethod
+    def _pipeline_label(cls, value: str, info: ValidationInfo) -> str:
+        if info.field_name == "baseline" and value == "":
+            return value  # no baseline: the first candidate becomes the champion
+        if value not in PIPELINE_LABELS:
+            raise ValueError(
+                f"{value!r} is not a model the pipeline's eval compares; one of "
+                f"{', '.join(PIPELINE_LABELS)}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _candidate_is_not_its_baseline(self) -> GateConfig:
+        if self.candidate == self.baseline:
+            raise ValueError(f"candidate and baseline are both {self.candidate!r}")
+        return self
 
     @field_validator("metric")
     @classmethod

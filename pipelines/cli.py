@@ -108,6 +108,9 @@ def clear_errors(command: Callable) -> Callable:
             raise typer.Exit(2) from exc
         except (typer.Exit, typer.Abort):
             raise
+        except KeyboardInterrupt:  # SIGINT: what a local run stopped is said by then
+            echo("error: interrupted (SIGINT)", err=True)
+            raise typer.Exit(1) from None
         except Exception as exc:
             # an expected failure (core.errors.describe_error), or None: a bug
             line = describe_error(exc, kwargs.get("output_dir") or kwargs.get("output"))
@@ -491,16 +494,13 @@ def schedule(
     ] = "lingo-rl",
 ) -> None:
     """Schedule a recurring run that always uses the pipeline's latest version."""
-    from pipelines.kfp_client import KfpApiError, KfpConnection, schedule_preset
+    from pipelines.kfp_client import CronError, KfpApiError, KfpConnection, schedule_preset
 
+    connection = KfpConnection.from_env(endpoint)  # a bad endpoint: one line naming it
+    config = _load_preset(preset, sets)
     try:
-        recurring_id = schedule_preset(
-            KfpConnection.from_env(endpoint),
-            _load_preset(preset, sets),
-            cron,
-            experiment=experiment,
-        )
-    except ValueError as exc:  # a bad cron
+        recurring_id = schedule_preset(connection, config, cron, experiment=experiment)
+    except CronError as exc:
         raise typer.BadParameter(str(exc), param_hint="--cron") from exc
     except KfpApiError as exc:
         echo(str(exc), err=True)

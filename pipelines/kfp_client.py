@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import requests
 
@@ -39,6 +40,14 @@ DEFAULT_EXPERIMENT = "lingo-rl"
 TERMINAL_STATES = frozenset({"SUCCEEDED", "SKIPPED", "FAILED", "CANCELED"})
 """Run states after which a run does not change (v2beta1 ``RuntimeState``)."""
 FAILED_STATES = frozenset({"FAILED", "CANCELED"})
+
+
+class KfpEndpointError(ValueError):
+    """The KFP endpoint (``--endpoint``, ``$KFP_ENDPOINT``) or its CA bundle is not usable."""
+
+
+class CronError(ValueError):
+    """A schedule that KFP's scheduler (robfig/cron, seconds first) would not accept."""
 
 
 class KfpApiError(RuntimeError):
@@ -76,10 +85,14 @@ class KfpConnection:
     ca_bundle: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"KFP endpoint {self.endpoint!r} must start with http:// or https://")
+        parts = urlsplit(self.endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise KfpEndpointError(
+                f"KFP endpoint {self.endpoint!r} (--endpoint or $KFP_ENDPOINT) is not an "
+                "http:// or https:// URL with a host, e.g. https://ds-pipeline-dspa.example.com"
+            )
         if self.ca_bundle is not None and not Path(self.ca_bundle).is_file():
-            raise ValueError(f"KFP CA bundle {self.ca_bundle!r}: no such file")
+            raise KfpEndpointError(f"KFP CA bundle {self.ca_bundle!r}: no such file")
         object.__setattr__(self, "endpoint", self.endpoint.rstrip("/"))
 
     @classmethod
@@ -256,18 +269,82 @@ def create_run(
 def cron_with_seconds(cron: str) -> str:
     """KFP's 6-field cron (seconds first, robfig/cron); a 5-field crontab gets ``0`` seconds.
 
+    Each field is checked as robfig/cron (which KFP's ScheduledWorkflow controller parses
+    schedules with) reads it: ``*``, ``?`` (day of month and week), numbers in the field's
+    range, ``a-b`` ranges, ``/step`` and ``,`` lists, month and weekday names; or a
+    descriptor (``@daily``, ``@every 1h``).
+
     Raises:
-        ValueError: not 5 or 6 space-separated fields.
+        CronError: not 5 or 6 space-separated fields, or a field out of its range; the message
+            names the field.
     """
+    given = cron.strip()
+    if given.startswith("@"):
+        if given in CRON_DESCRIPTORS or re.fullmatch(r"@every \d+[a-z0-9.]*", given):
+            return given
+        raise CronError(
+            f"cron {cron!r}: not a descriptor KFP knows "
+            f"({', '.join(CRON_DESCRIPTORS)}, @every DURATION)"
+        )
     fields = cron.split()
     if len(fields) == 5:
-        return " ".join(["0", *fields])
-    if len(fields) == 6:
-        return " ".join(fields)
-    raise ValueError(
-        f"cron {cron!r}: expected 5 fields (min hour dom month dow) or 6 (sec min hour dom "
-        "month dow)"
-    )
+        fields = ["0", *fields]
+    if len(fields) != 6:
+        raise CronError(
+            f"cron {cron!r}: expected 5 fields (min hour dom month dow) or KFP's 6 (sec min "
+            "hour dom month dow)"
+        )
+    for text, (name, low, high, names) in zip(fields, CRON_FIELDS, strict=True):
+        question = name in ("day of month", "day of week")
+        if problem := _cron_field_problem(text, low, high, names, question):
+            raise CronError(
+                f"cron {cron!r}: {name} {text!r}: {problem} (KFP's cron: sec min hour dom "
+                f"month dow; {name} runs {low}-{high})"
+            )
+    return " ".join(fields)
+
+
+CRON_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+MONTHS = ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")
+WEEKDAYS = ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")
+CRON_FIELDS = (
+    ("second", 0, 59, {}),
+    ("minute", 0, 59, {}),
+    ("hour", 0, 23, {}),
+    ("day of month", 1, 31, {}),
+    ("month", 1, 12, {m: i + 1 for i, m in enumerate(MONTHS)}),
+    ("day of week", 0, 6, {d: i for i, d in enumerate(WEEKDAYS)}),
+)
+"""robfig/cron's fields, seconds first, each with its range and names."""
+
+
+def _cron_field_problem(
+    text: str, low: int, high: int, names: dict[str, int], question: bool
+) -> str | None:
+    """Why robfig/cron would refuse ``text`` for a field of range ``low``-``high``, or None."""
+
+    def number(part: str) -> int | None:
+        if part.upper() in names:
+            return names[part.upper()]
+        return int(part) if part.isdigit() else None
+
+    for item in text.split(","):
+        span, _, step = item.partition("/")
+        if step and (not step.isdigit() or int(step) == 0):
+            return f"step {step!r} is not a positive number"
+        if span in ("*", "?"):
+            if span == "?" and not question:
+                return "'?' is for the day of month or week only"
+            continue
+        first, _, last = span.partition("-")
+        values = [number(first)] + ([number(last)] if last else [])
+        if None in values:
+            return f"{span!r} is not a number"
+        if any(not low <= v <= high for v in values):
+            return f"{span!r} is out of range"
+        if last and values[0] > values[1]:
+            return f"{span!r} runs backwards"
+    return None
 
 
 def create_recurring_run(
@@ -429,7 +506,7 @@ def schedule_preset(
         The recurring run id.
 
     Raises:
-        ValueError: ``cron`` is not a 5- or 6-field cron expression.
+        CronError: ``cron`` is not a cron expression KFP's scheduler accepts.
     """
     cron = cron_with_seconds(cron)  # a bad cron fails before anything is uploaded
     with tempfile.TemporaryDirectory(prefix="lingo-schedule-") as tmp:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from core.atomic import open_no_follow
 from core.redact import redact
 from eval.gate import DECISION_PREFIX
 from pipelines.step_processes import StepProcesses
@@ -118,7 +119,8 @@ class QuietConsole:
         from kfp.local import subprocess_task_handler
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = self._stack.enter_context(self.log_path.open("w", encoding="utf-8"))
+        # a link planted at the log's (predictable) name is refused, not written through
+        self.log = self._stack.enter_context(open_no_follow(self.log_path, "w"))
         self._stack.enter_context(contextlib.redirect_stdout(_Redacting(self.log)))
         root = logging.getLogger()
         root.addFilter(self._take_record)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from core.atomic import atomic_writer
+from core.atomic import atomic_writer, open_no_follow
 from core.redact import redact
 from core.tracking import local_store_uri, mlflow_ui_command
 from eval.gate import GateConfig
@@ -70,7 +70,6 @@ def run_local(
     """
     from kfp import local
 
-    from pipelines.pipeline import build_pipeline
     from pipelines.preflight import check_run_inputs
 
     check_run_inputs(preset, output_dir, local=True)
@@ -81,8 +80,23 @@ def run_local(
     warnings.filterwarnings("ignore", message=".*custom or non-Python base image.*")
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    lingo_pipeline = build_pipeline(preset)
-    with output_dir_lock(output_dir), local_steps() as steps:  # steps stop with the run
+    with output_dir_lock(output_dir):
+        # holding the lock, no other local run writes this folder's store: a run still
+        # RUNNING there was left by a run killed with SIGKILL
+        close_abandoned_runs(output_dir)
+        try:
+            return _run_steps(local, preset, output_dir, enable_caching, quiet, on_log)
+        except (KeyboardInterrupt, SystemExit):  # SIGINT, SIGTERM: no exit handler ran
+            close_abandoned_runs(output_dir)
+            raise
+
+
+def _run_steps(local, preset, output_dir, enable_caching, quiet, on_log) -> LocalRunResult:
+    from pipelines.pipeline import build_pipeline
+
+    fingerprints = input_fingerprints(preset) if enable_caching else None
+    lingo_pipeline = build_pipeline(preset, input_fingerprints=fingerprints)
+    with local_steps() as steps:  # steps stop with the run
         if not quiet:
             return _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
         log_path = output_dir / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -91,6 +105,81 @@ def run_local(
         with QuietConsole(log_path, steps=steps):  # a failed step: LocalStepFailedError
             result = _run_locked(local, lingo_pipeline, preset, output_dir, enable_caching)
         return dataclasses.replace(result, log_path=log_path)
+
+
+WHOLE_HASH_MAX = 256 << 20
+"""Files up to this size are fingerprinted by their content (SHA-256); larger ones (model
+weights: 13 GB for gpt-oss-20b) by size, inode, modification and change time."""
+
+
+def input_fingerprints(preset: Preset) -> dict[str, str]:
+    """Step name → a fingerprint of the local files the step reads, for ``--cache``: the model
+    directory ``model.source`` (base-model), ``data_prep.source`` and the question sets'
+    sources (data-prep), ``eval.questions`` (evaluate). A hub id or an ``s3://`` URI is keyed
+    by its name only (kfp.local's own rule for remote artifacts), as is ``tiny`` (built from
+    the config, which is an argument)."""
+    paths = {
+        "base-model": [preset.model.source],
+        "data-prep": [preset.data_prep.source, *(s.source for s in preset.data_prep.question_sets)],
+        "evaluate": [preset.eval.questions or ""],
+    }
+    fingerprints = {}
+    for step, sources in paths.items():
+        local = [Path(s) for s in sources if s and "://" not in s and Path(s).exists()]
+        if local:
+            fingerprints[step] = _fingerprint(local)
+    return fingerprints
+
+
+def _fingerprint(paths: list[Path]) -> str:
+    """SHA-256 over every file under ``paths``: its name and, up to ``WHOLE_HASH_MAX``, its
+    content; beyond, its size, inode and modification and change times (the change time is set
+    by the kernel on every write, rename or replace, and no user can set it back)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for root in paths:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in files:
+            info = path.stat()
+            digest.update(f"{path}\0{info.st_size}\0".encode())
+            if info.st_size <= WHOLE_HASH_MAX:
+                with path.open("rb") as handle:
+                    for block in iter(lambda handle=handle: handle.read(1 << 20), b""):
+                        digest.update(block)
+            else:
+                stamp = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+                digest.update(repr(stamp).encode())
+    return digest.hexdigest()
+
+
+def close_abandoned_runs(output_dir: Path) -> list[str]:
+    """Mark the MLflow runs still RUNNING in ``output_dir``'s own store (``mlflow.db``, no
+    ``MLFLOW_TRACKING_URI``) ``KILLED``, and return their ids.
+
+    Called holding the folder's lock (no other local run tracks there): when a run is
+    interrupted (SIGINT, SIGTERM: kfp.local runs no exit handler), and when the next run into
+    the folder starts (a run killed with SIGKILL closed nothing). A store the user named
+    (``MLFLOW_TRACKING_URI``) is shared with others: its runs are left alone.
+    """
+    if os.environ.get("MLFLOW_TRACKING_URI") or not (output_dir / "mlflow.db").is_file():
+        return []
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=local_store_uri(output_dir))
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    if not experiments:
+        return []
+    running = client.search_runs(experiments, filter_string="attributes.status = 'RUNNING'")
+    for run in running:
+        client.set_terminated(run.info.run_id, "KILLED")
+    if running:
+        log.warning(
+            "marked %d MLflow run(s) of an interrupted local run KILLED in %s",
+            len(running),
+            output_dir / "mlflow.db",
+        )
+    return [run.info.run_id for run in running]
 
 
 class OutputDirBusyError(RuntimeError):
@@ -106,9 +195,11 @@ def output_dir_lock(output_dir: Path) -> Iterator[None]:
 
     Raises:
         OutputDirBusyError: another run holds it.
+        LinkRefusedError: the lock file is a symbolic link (writing the PID through it would
+            overwrite its target).
     """
     path = output_dir / LOCK_FILE
-    with path.open("a+") as handle:
+    with open_no_follow(path, "r+") as handle:  # a link planted there is refused
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

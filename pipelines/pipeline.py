@@ -81,9 +81,27 @@ def describe_parameters(preset: Preset) -> str:
     return f"{DESCRIPTION}\n\nArgs:\n{args}\n"
 
 
-def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = None):
+NEVER_CACHED = frozenset({"start-tracking", "finalize", "gate", "register", "publish"})
+"""Steps whose work is a side effect or reads state no argument holds: the MLflow run (a cached
+``start-tracking`` handed a second run the first run's finished MLflow run to nest under), the
+registry's champion (``gate``, ``register``), the upload. KFP never reuses their outputs."""
+INPUT_FINGERPRINT_ENV = "LINGO_INPUT_FINGERPRINT"
+"""The environment variable that carries a step's input fingerprint (``build_pipeline``)."""
+
+
+def build_pipeline(
+    preset: Preset,
+    platform_settings: ClusterSettings | None = None,
+    input_fingerprints: dict[str, str] | None = None,
+):
     """``preset``'s pipeline, with Kubernetes platform settings applied to its tasks (default:
-    the preset's ``hardware.platform``'s)."""
+    the preset's ``hardware.platform``'s).
+
+    ``input_fingerprints``: step name → a fingerprint of the local files it reads
+    (``pipelines.local_run.input_fingerprints``), set as the step's environment variable
+    ``INPUT_FINGERPRINT_ENV``. kfp.local keys its cache on a task's arguments, command, image
+    and container environment, not on the content of a path given as an argument: the
+    fingerprint puts that content in the key. The steps in ``NEVER_CACHED`` are never cached."""
     settings = platform_settings or get_platform(preset.hardware.platform)
     platform = with_platform(settings)
     carried = preset_json(preset)
@@ -100,6 +118,10 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
             task.set_display_name(display_name)
             task.set_container_image(p[image_of[task.container_spec.image]])
             platform(task, name)
+            if name in NEVER_CACHED:
+                task.set_caching_options(False)
+            if fingerprint := (input_fingerprints or {}).get(name):
+                task.set_env_variable(INPUT_FINGERPRINT_ENV, fingerprint)
             return task
 
         def train_and_promote(config, prep, fingerprint, run, tracked) -> None:

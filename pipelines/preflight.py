@@ -67,6 +67,8 @@ def check_run_inputs(preset: Preset, output_dir: Path | None = None, local: bool
     problems += _data_sources(preset.data_prep, local)
     problems += _model_source(preset.model.source, local)
     problems += config_value_problems(preset)
+    if not local:
+        _warn_local_paths_compiled_in(preset)
     if output_dir is not None:
         problems += output_dir_problems(output_dir)
     if problems:
@@ -125,6 +127,41 @@ def config_value_problems(preset: Preset) -> list[str]:
     except LayoutError as exc:
         problems.append(f"the capacity check's layout (layout_overrides): {_one_line(exc)}")
     return problems
+
+
+def local_paths(preset: Preset) -> dict[str, str]:
+    """Field → value of the preset's inputs given as a path on a file system (not a hub id,
+    an ``s3://`` URI, ``tiny`` or ``bundled``)."""
+    fields = {
+        "eval.questions": preset.eval.questions or "",
+        "data_prep.source": preset.data_prep.source,
+        "model.source": preset.model.source,
+    }
+    fields |= {
+        f"data_prep.question_sets[{n}].source": s.source
+        for n, s in enumerate(preset.data_prep.question_sets)
+    }
+    return {
+        field: value
+        for field, value in fields.items()
+        if value
+        and value not in ("tiny", BUNDLED_SOURCE)
+        and "://" not in value
+        and (looks_like_path(value) or Path(value).exists())
+    }
+
+
+def _warn_local_paths_compiled_in(preset: Preset) -> None:
+    """One warning line per input that a compiled pipeline carries as a path of this machine:
+    its step reads that path where it runs (a pod), where it exists only in the image or on a
+    mounted volume."""
+    for field, value in local_paths(preset).items():
+        log.warning(
+            "%s=%s is a file path, compiled into the pipeline as it is: the step reads it "
+            "inside its pod, where only the image's files and mounted volumes are",
+            field,
+            value,
+        )
 
 
 def _one_line(error: Exception) -> str:
@@ -249,6 +286,18 @@ def output_dir_problems(output_dir: Path) -> list[str]:
     ``SQLITE_MAX_PATH`` bytes)."""
     what = "--output-dir"
     path = Path(os.path.abspath(output_dir))
+    if any(ord(c) < 32 or ord(c) == 127 for c in str(path)):
+        return [
+            f"--output-dir {str(path)!r} holds a control character (a newline, a tab): the run's "
+            "logs, commands and file listings would split or garble it; choose a plain name"
+        ]
+    if path == Path(path.anchor):
+        return [f"{what} {path} is the file system's root; choose a folder of its own"]
+    if _exists(path / "pyproject.toml") and _exists(path / "pipelines" / "pipeline.py"):
+        return [
+            f"{what} {path} is the lingo-rl source tree; choose a folder of its own "
+            "(the default: runs/local)"
+        ]
     if _exists(path) and not path.is_dir():
         return [f"{what} {path} is a file, not a directory; choose a directory"]
     problems = _path_problems(path, what)

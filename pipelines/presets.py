@@ -366,17 +366,24 @@ class AssignmentError(ValueError):
 
 def parse_assignments(items: list[str], where: str = "--set") -> dict[str, str]:
     """``["sft.max_steps=50", ...]`` → ``{"sft.max_steps": "50"}``: the ``--set`` syntax, which
-    the CLI's ``--set`` and the run form's ``overrides`` share (a later item wins).
+    the CLI's ``--set`` and the run form's ``overrides`` share. A field given twice with the
+    same value counts once.
 
     Raises:
-        AssignmentError: an item without ``=`` (the message names ``where`` and the item).
+        AssignmentError: an item without ``=``, or a field given twice with two values (one
+            of them would be dropped without a word); the message names ``where`` and the item.
     """
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise AssignmentError(f"{where}: {item!r} is not STEP.FIELD=VALUE")
-        out[key.strip()] = value
+        key = key.strip()
+        if key in out and out[key] != value:
+            raise AssignmentError(
+                f"{where}: {key} is given twice ({out[key]!r}, then {value!r}); give it once"
+            )
+        out[key] = value
     return out
 
 

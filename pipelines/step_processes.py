@@ -15,6 +15,7 @@ the same signal, then SIGKILL after ``STOP_GRACE_S``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from core.processes import die_with_parent
+from core.processes import LOCAL_RUN_PID_ENV, die_with_parent
 from core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,8 @@ STOP_GRACE_S = 10.0
 """How long a signalled step may take to stop (torchrun stops its ranks) before SIGKILL."""
 
 
-def _in_child() -> None:  # runs in the forked child, before exec
-    die_with_parent(signal.SIGKILL)
+def _in_child(parent: int) -> None:  # runs in the forked child, before exec
+    die_with_parent(signal.SIGKILL, parent)  # exits if ``lingo`` died before this took effect
 
 
 class StepProcesses:
@@ -46,8 +47,9 @@ class StepProcesses:
 
     def start(self, command: list[str], env_vars: dict | None = None, **popen) -> subprocess.Popen:
         """Start a step in a process group of its own, killed when this process dies."""
-        env = {**os.environ, **env_vars} if env_vars else None
-        process = subprocess.Popen(command, env=env, process_group=0, preexec_fn=_in_child, **popen)
+        env = {**os.environ, **(env_vars or {}), LOCAL_RUN_PID_ENV: str(os.getpid())}
+        child = functools.partial(_in_child, os.getpid())
+        process = subprocess.Popen(command, env=env, process_group=0, preexec_fn=child, **popen)
         with self._lock:
             self._running.add(process)
         return process

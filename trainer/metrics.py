@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from core.atomic import atomic_writer, open_no_follow
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "training_metrics.jsonl"
@@ -117,9 +119,8 @@ class MetricsWriter:
     def _rewrite(self) -> None:
         """Replace the file with the lines so far (atomic: a reader sees old or new, whole)."""
         tail = [json.dumps(self._last) + "\n"] if self._last is not None else []
-        tmp = self.path.with_name(f".{self.path.name}.partial")
-        tmp.write_text("".join(self._written + tail))
-        os.replace(tmp, self.path)
+        with atomic_writer(self.path) as fh:  # a new file: a link there is not written through
+            fh.write("".join(self._written + tail))
 
     def wall_time(self) -> float:
         """Seconds of training so far, including time before a resume."""
@@ -154,7 +155,7 @@ class MetricsWriter:
             if self._last is not None:
                 self._written.append(json.dumps(self._last) + "\n")
             self._last = {**header, **clean}
-            with self.path.open("a") as fh:
+            with open_no_follow(self.path, "a") as fh:  # a link planted there: refused
                 fh.write(json.dumps(self._last) + "\n")
                 fh.flush()
         self._serve(self._last)

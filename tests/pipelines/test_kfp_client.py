@@ -166,7 +166,7 @@ def test_no_token_sends_no_authorization_header(kfp_server, monkeypatch):
 
 
 def test_endpoint_needs_a_scheme():
-    with pytest.raises(ValueError, match="must start with http"):
+    with pytest.raises(ValueError, match="is not an http:// or https:// URL with a host"):
         KfpConnection("kfp.example.com")
 
 

@@ -177,3 +177,62 @@ def test_a_step_and_its_child_die_when_sh_dies():
     for pid in left:  # clean up before failing
         os.kill(pid, signal.SIGKILL)
     assert not left, tree
+
+
+def test_a_step_whose_sh_died_before_it_armed_its_parent_death_signal_exits(tmp_path):
+    """Issue #44 item 8: SIGKILL of ``lingo`` as "base-model started" printed killed ``sh``
+    (its parent-death signal) while the step's Python was still importing, before it asked
+    for its own: it ran on under PID 1 for 7-10 s. The step now compares its parent with the
+    one the local run started it under, and exits when that one is gone."""
+    from pipelines.step_processes import StepProcesses
+
+    marker = tmp_path / "ran-on"
+    script = (
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "sh = os.getppid()\n"
+        "os.kill(sh, signal.SIGKILL)  # as the parent-death signal does when lingo dies\n"
+        "while os.getppid() == sh:\n"
+        "    time.sleep(0.01)\n"
+        "from core.processes import start_step_process\n"
+        "start_step_process()\n"
+        f"open({str(marker)!r}, 'w').write('ran on')\n"
+    )
+    steps = StepProcesses()
+    process = steps.start(["sh", "-c", f'{sys.executable} -c "$0"; true', script])
+    process.wait()
+    steps.finished(process)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the orphaned Python, if any, in sh's group
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    assert not marker.exists()
+
+
+def test_a_base_model_interrupted_half_way_leaves_no_model_folder(tmp_path, monkeypatch):
+    """Issue #44 item 8: a killed base-model step left ``base-model/model/`` holding only the
+    config files, a folder a later step would take as the model."""
+    import shutil
+
+    import trainer.base_model as base_model
+    from trainer.tiny_model import SMALLEST, build_tiny_model
+
+    source = build_tiny_model(tmp_path / "source", SMALLEST)
+
+    def killed_half_way(src, dst, **kwargs):
+        Path(dst).mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(src) / "config.json", dst)
+        raise SystemExit(143)  # SIGTERM in a step process (core.processes)
+
+    monkeypatch.setattr(base_model.shutil, "copytree", killed_half_way)
+    out = tmp_path / "base-model" / "model"
+    with pytest.raises(SystemExit):
+        base_model.materialize_base_model(str(source), out, SMALLEST)
+    assert not out.exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == []  # no staging folder left
+    monkeypatch.undo()
+    base_model.materialize_base_model(str(source), out, SMALLEST)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

@@ -87,20 +87,35 @@ def _spec(path) -> pipeline_spec_pb2.PipelineSpec:
     return spec
 
 
+def _upstream(spec: pipeline_spec_pb2.PipelineSpec) -> dict[str, set[str]]:
+    """Every task of the DAG, nested groups (dsl.If, dsl.ExitHandler) flattened, with what it
+    waits for: its own dependencies and those of every group it sits in."""
+    found: dict[str, set[str]] = {}
+
+    def walk(dag, inherited: set[str]) -> None:
+        for name, task in dag.tasks.items():
+            waits = inherited | set(task.dependent_tasks)
+            found[name] = waits
+            component = spec.components[task.component_ref.name]
+            if component.HasField("dag"):
+                walk(component.dag, waits)
+
+    walk(spec.root.dag, set())
+    return found
+
+
 def test_the_tiny_presets_yaml_runs_configure_first_and_holds_only_the_hf_branch():
     spec = _spec(TINY)
-    tasks = spec.components["comp-exit-handler-1"].dag.tasks
-    assert list(tasks["configure"].dependent_tasks) == []
+    upstream = _upstream(spec)
+    assert upstream["configure"] == set()
     for name in ("start-tracking", "data-prep", "base-model", "capacity-check", "sft", "grpo"):
-        assert "configure" in tasks[name].dependent_tasks, name
-    assert not [t for t in tasks if t.startswith("condition-branches")]
+        assert "configure" in upstream[name], name
+    # training and everything after it waits for the data check (an unchanged-data run stops)
+    for name in ("base-model", "capacity-check", "sft", "grpo", "evaluate", "gate"):
+        assert "data-check" in upstream[name], name
+    assert not [t for t in upstream if t.startswith("condition-branches")]
     assert "comp-convert-megatron" not in spec.components
-    assert list(tasks["grpo"].dependent_tasks) == [
-        "configure",
-        "data-prep",
-        "sft",
-        "start-tracking",
-    ]
+    assert upstream["grpo"] == {"configure", "data-check", "data-prep", "sft", "start-tracking"}
 
 
 def test_kept_yaml_parses_strictly_as_pipeline_spec():
@@ -117,31 +132,20 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
         )
         == "ALL_UPSTREAM_TASKS_COMPLETED"
     )
-    tasks = spec.components["comp-exit-handler-1"].dag.tasks
-    assert {"configure", "start-tracking", "data-prep", "base-model", "sft"} <= set(tasks)
-    assert list(tasks["sft"].dependent_tasks) == [
-        "base-model",
-        "capacity-check",
-        "configure",
-        "data-prep",
-        "start-tracking",
-    ]
+    upstream = _upstream(spec)
+    assert {"configure", "start-tracking", "data-prep", "base-model", "sft"} <= set(upstream)
+    before_training = {"configure", "data-check", "data-prep", "start-tracking"}
+    assert upstream["sft"] == {"base-model", "capacity-check", *before_training}
     # GRPO and what follows it: one branch per backend (dsl.If / dsl.Else on `backend`),
     # named for what runs
-    branches = [t for t in tasks if t.startswith("condition-branches")]
+    branches = [t for t in upstream if t.startswith("condition-branches")]
     assert len(branches) == 1
     conditions = spec.components["comp-" + branches[0]].dag.tasks.values()
     assert sorted(c.task_info.name for c in conditions) == [
         "grpo-on-hf-weights",
         "grpo-on-megatron",
     ]
-    assert list(tasks[branches[0]].dependent_tasks) == [
-        "base-model",
-        "configure",
-        "data-prep",
-        "sft",
-        "start-tracking",
-    ]
+    assert upstream[branches[0]] == {"base-model", "sft", *before_training}
     dags = [
         {t: sorted(task.dependent_tasks) for t, task in c.dag.tasks.items()}
         for c in spec.components.values()
@@ -150,12 +154,12 @@ def test_kept_yaml_parses_strictly_as_pipeline_spec():
     # both branches end in export_hf, then eval
     hf = next(d for d in dags if "grpo" in d)
     assert hf["grpo"] == [] and hf["export-hf"] == ["grpo"]
-    assert hf["evaluate"] == ["export-hf"]
+    assert hf["evaluate"] == ["champion", "export-hf"]
     assert hf["gate"] == ["evaluate", "export-hf"]
     megatron = next(d for d in dags if "grpo-2" in d)
     assert megatron["grpo-2"] == ["convert-megatron"]
     assert megatron["export-hf-2"] == ["grpo-2"]
-    assert megatron["evaluate-2"] == ["export-hf-2"]
+    assert megatron["evaluate-2"] == ["champion-2", "export-hf-2"]
     component = spec.components["comp-data-prep"]
     assert set(component.output_definitions.artifacts) == {
         "train_data",

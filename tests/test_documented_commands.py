@@ -23,7 +23,8 @@ with one of them. Each becomes a test, ``test_documented_command[README.md:411]`
 
 The ``lingo`` commands that compute (compile, estimate, data prep, eval, submit, schedule,
 cluster) run under ``-m slow`` (20-60 s each on a busy machine, and each has tests of its
-own); the ``kfp`` commands, ``lingo status`` and every check run by default.
+own); the ``kfp`` commands, ``lingo status``, ``lingo schedule list|pause|resume|delete`` and every
+check run by default.
 
 Both kinds refuse a ``kfp`` option given a ``KEY=VALUE``: run parameters are the positional
 ``KEY=VALUE`` arguments after the options (``-p`` is ``--pipeline-id`` in kfp 2.17).
@@ -312,7 +313,13 @@ def runs_slowly(command: DocCommand) -> bool:
         and not is_mention(command)
         and not_run_reason(command) is None
         and command.argv[1:2] != ["status"]
+        and command.argv[1:3] not in QUICK_SCHEDULE_COMMANDS
     )
+
+
+QUICK_SCHEDULE_COMMANDS = [["schedule", verb] for verb in ("list", "pause", "resume", "delete")]
+"""``lingo schedule`` subcommands that compile nothing: quick, run by default (on the
+``nightly`` schedule the work folder's emulator starts with)."""
 
 
 def compile_outputs(commands: list[DocCommand]) -> list[tuple[str, str]]:
@@ -468,6 +475,7 @@ def docs_env(tmp_path_factory):
         get_or_create_experiment,
         upload_pipeline,
     )
+    from pipelines.schedules import create_recurring_run
 
     workdir = tmp_path_factory.mktemp("docs")
     bin_dir = workdir / "bin"
@@ -492,7 +500,10 @@ def docs_env(tmp_path_factory):
     ):
         conn = KfpConnection(kfp.endpoint, token=TOKEN)
         version = upload_pipeline(conn, kept / "tiny-cpu.yaml", "seeded")
-        run_id = create_run(conn, version, get_or_create_experiment(conn), {}, "seeded-run")
+        experiment_id = get_or_create_experiment(conn)
+        run_id = create_run(conn, version, experiment_id, {}, "seeded-run")
+        # what `lingo schedule pause nightly` and its siblings act on
+        create_recurring_run(conn, version, experiment_id, "30 2 * * *", {}, "nightly")
         environ = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("KFP_", "KUBE"))},
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",

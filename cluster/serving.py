@@ -237,3 +237,40 @@ def wait_ready(
                 + f" (kubectl describe inferenceservice {name} -n {namespace})"
             )
         sleep(poll_s)
+
+
+def deploy_champion(
+    published_prefix: str, config: dict, pipeline_run_id: str, api_client=None
+) -> str:
+    """The ``deploy`` step: serve the model ``publish`` put under ``published_prefix``.
+
+    Checks the access first (one line naming what is missing), applies the InferenceService
+    (labelled with the pipeline run), waits for it to be Ready (``ready_timeout_s``).
+
+    Returns:
+        Its URL (``status.url``); empty when not waited for.
+
+    Raises:
+        cluster.access.AccessDenied: the step's service account may not create, read or patch
+            InferenceServices there (``lingo cluster setup`` grants it).
+        NotReadyError: not Ready in time.
+    """
+    from cluster.access import DEPLOY_ACCESS, check_access
+    from cluster.launcher import default_api_client
+    from cluster.step_job import current_namespace
+
+    serving = ServingConfig.model_validate(config)
+    namespace = serving.namespace or current_namespace()
+    api_client = api_client or default_api_client()
+    check_access(api_client, namespace, list(DEPLOY_ACCESS))
+    uri = published_model_uri(published_prefix)
+    manifest = inference_service(
+        serving, uri, namespace, {"lingo-rl/pipeline-run-id": pipeline_run_id[:63]}
+    )
+    action = apply_inference_service(api_client, manifest)
+    log.info("InferenceService %s/%s %s: vLLM serving %s", namespace, serving.name, action, uri)
+    if serving.ready_timeout_s == 0:
+        return ""
+    url = wait_ready(api_client, namespace, serving.name, serving.ready_timeout_s)
+    log.info("ready: %s (OpenAI API under /v1, model %r)", url, serving.name)
+    return url

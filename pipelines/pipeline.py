@@ -18,6 +18,7 @@ from components.grpo import grpo, grpo_megatron
 from components.images import CPU_IMAGE, GPU_IMAGE, MEGATRON_IMAGE
 from components.megatron import convert_megatron, export_hf
 from components.models import base_model, capacity_check, sft
+from components.serving import deploy
 from components.tracking import finalize, publish, start_tracking
 from pipelines.configure import configure
 from pipelines.platform import ClusterSettings, get_platform, with_platform
@@ -185,8 +186,9 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
                 evaluate_and_promote(exported.outputs["model"])
 
             def evaluate_and_promote(policy_model) -> None:
-                """eval → gate → register, and publish: in each backend's branch (kfp.local
-                2.17 cannot resolve a dsl.OneOf of artifacts, so the branches do not merge)."""
+                """eval → gate → on promote: register, publish, deploy; in each backend's
+                branch (kfp.local 2.17 cannot resolve a dsl.OneOf of artifacts, so the
+                branches do not merge)."""
                 evaluation = evaluate(
                     base_model=base.outputs["model"],
                     sft_model=tuned.outputs["model"],
@@ -196,15 +198,6 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
                 )
                 step(evaluation, "eval: base vs SFT vs GRPO", "evaluate")
                 results = evaluation.outputs["results"]
-                with dsl.If(p["export_uri"] != "", name="export-to-object-storage"):
-                    published = publish(
-                        grpo_model=policy_model,
-                        eval_results=results,
-                        eval_report=evaluation.outputs["report"],
-                        export_uri=p["export_uri"],
-                        pipeline_run_id=run_id,
-                    )
-                    step(published, "publish to object storage", "publish")
                 decision = gate(
                     results=results, grpo_model=policy_model, config=config["gate"], **tracked
                 )
@@ -214,6 +207,22 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
                         results=results, grpo_model=policy_model, config=config["gate"], **tracked
                     )
                     step(registered, "register champion", "register")
+                    with dsl.If(p["export_uri"] != "", name="export-to-object-storage"):
+                        published = publish(
+                            grpo_model=policy_model,
+                            eval_results=results,
+                            eval_report=evaluation.outputs["report"],
+                            export_uri=p["export_uri"],
+                            pipeline_run_id=run_id,
+                        )
+                        step(published, "publish to object storage", "publish")
+                        if preset.serving.enabled:  # the champion on KServe (cluster/serving.py)
+                            served = deploy(
+                                published_prefix=published.output,
+                                config=config["serving"],
+                                pipeline_run_id=run_id,
+                            )
+                            step(served, "serve the champion (KServe)", "deploy").after(registered)
 
             grpo_inputs = dict(  # the same GRPO inputs on both branches
                 sft_model=tuned.outputs["model"],

@@ -346,6 +346,65 @@ def eval_cmd(
 
 
 @app.command()
+@clear_errors
+def serve(
+    model: Annotated[
+        Path,
+        typer.Argument(
+            help="A model folder: a run's exported GRPO model (the grpo_model path `lingo run "
+            "--local` prints), the champion."
+        ),
+    ],
+    port: Annotated[int, typer.Option(help="Port of the OpenAI-compatible API.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    name: Annotated[
+        str, typer.Option(help="The served model name (the cluster's InferenceService name).")
+    ] = "lingo-gpt-oss",
+    max_model_len: Annotated[int, typer.Option(help="vLLM's context length.")] = 2048,
+    python: Annotated[
+        str | None,
+        typer.Option(
+            help="A Python with vLLM [default: $LINGO_VLLM_PYTHON, else .venv-vllm (make "
+            "test-vllm builds it), else this one]."
+        ),
+    ] = None,
+    log_file: Annotated[
+        Path, typer.Option("--log-file", help="Where the server's output goes.")
+    ] = Path("runs/serve/vllm.log"),
+) -> None:
+    """Serve a model folder with vLLM's OpenAI-compatible server (gpt-oss's reasoning parser,
+    as the cluster's InferenceService does); print the endpoint and the `lingo eval` command
+    that scores it; run until interrupted (Ctrl-C)."""
+    import torch
+
+    from pipelines.serve_local import model_folder, server_command, start_server, vllm_python
+
+    command = server_command(
+        model_folder(model),
+        vllm_python(python),
+        host=host,
+        port=port,
+        name=name,
+        max_model_len=max_model_len,
+        cpu=not torch.cuda.is_available(),
+        dtype="auto" if torch.cuda.is_available() else "float32",
+    )
+    base = f"http://{host}:{port}/v1"
+    echo(f"starting vLLM on {model} (log: {log_file}) …")
+    server = start_server(command, base, name, log_file)
+    echo(f"serving {model} as {name!r} at {base} (OpenAI API; reasoning parser openai_gptoss)")
+    echo(f"score it: lingo eval -m {server.eval_model}")
+    try:
+        server.process.wait()
+    except KeyboardInterrupt:
+        echo("stopping")
+    finally:
+        server.stop()
+    if server.process.returncode not in (0, -15, None):
+        raise typer.Exit(1)
+
+
+@app.command()
 def presets() -> None:
     """List the named configurations."""
     for name, preset in PRESETS.items():

@@ -64,6 +64,11 @@ NOT_RUN: dict[str, str] = {
         "rewrites the repo's kept pipelines/compiled/*.yaml (here it would hide their drift); "
         "tests/pipelines/test_compile.py runs it into a temporary folder and compares"
     ),
+    r"^lingo serve ": (
+        "starts vLLM's OpenAI-compatible server and runs until interrupted; vLLM is not in "
+        "this environment (make test-vllm runs tests/vllm_engines/test_vllm_serve.py: "
+        "lingo serve's server scored by lingo eval's client)"
+    ),
     r"^lingo eval -m sft=runs/…/sft/model -m grpo=runs/…/grpo/model": (
         "generates the 50 questions with two trained models (the demo's SFT and GRPO output), "
         "minutes on CPU; tests/eval/test_eval_engines.py runs the same eval on tiny models"
@@ -80,6 +85,7 @@ PLACEHOLDERS: list[tuple[str, str]] = [
     (r"path/to/rows\.jsonl", "{rows}"),
     (r"/models/my-sft", "{model_dir}"),
     (r"http://vllm:8000", "{chat}"),
+    (r"http://127\.0\.0\.1:8000", "{chat}"),  # docs/serving.md's `lingo serve` endpoint
     (r"http://127\.0\.0\.1:8888", "{kfp}"),  # docs/submit.md's standalone emulator
     (r"(?<= )NAME(?=\s|$)", "gpt-oss-20b"),
     (r"(?<= )LAYOUT(?=\s|$)", "g5.12xlarge-x6-openrlhf"),
@@ -496,7 +502,7 @@ def docs_env(tmp_path_factory):
     with (
         kfp_emulator(run_states=[{"state": "SUCCEEDED"}]) as kfp,
         kube_emulator(namespace=NAMESPACE) as kube,
-        chat_server(_served_answer, [SERVED_MODEL]) as chat,
+        chat_server(_served_answer, [SERVED_MODEL, "lingo-gpt-oss"]) as chat,
     ):
         conn = KfpConnection(kfp.endpoint, token=TOKEN)
         version = upload_pipeline(conn, kept / "tiny-cpu.yaml", "seeded")

@@ -148,3 +148,44 @@ def test_apply_creates_then_replaces_and_waits_for_ready():
         )
         url = wait_ready(api_client, "team", "lingo-gpt-oss", timeout_s=5, poll_s=0)
         assert url == "https://lingo-gpt-oss-team.apps.example.com"
+
+
+def _tasks_calling(components: dict, name: str):
+    for owner, component in components.items():
+        for task_name, task in (component.get("dag") or {}).get("tasks", {}).items():
+            if task.get("componentRef", {}).get("name") == name:
+                yield owner, task_name, task
+
+
+@pytest.mark.parametrize("preset_name", ["gpt-oss-20b", "gpt-oss-20b-verl", "tiny-cpu"])
+def test_deploy_runs_only_on_promote_after_publish(preset_name):
+    """In the kept compiled pipeline (the drift test keeps it equal to what the code
+    compiles): ``deploy`` takes publish's prefix, inside ``export_uri != ''`` inside the
+    gate's ``promote``; presets without ``serving.enabled`` have none."""
+    import yaml
+
+    from pipelines.compile import compiled_path
+
+    spec = next(yaml.safe_load_all(compiled_path(preset_name).read_text()))
+    components = {**spec["components"], "root": spec["root"]}
+    owners = [
+        (owner, task)
+        for owner, component in components.items()
+        for name, task in (component.get("dag") or {}).get("tasks", {}).items()
+        if name == "deploy"
+    ]
+    if not PRESETS[preset_name].serving.enabled:
+        assert owners == []
+        return
+    assert owners
+    for owner, task in owners:
+        assert task["dependentTasks"] == ["publish"]
+        prefix = task["inputs"]["parameters"]["published_prefix"]["taskOutputParameter"]
+        assert prefix["producerTask"] == "publish"
+        conditions = []
+        while owner != "root":
+            ((owner, _, caller),) = list(_tasks_calling(components, owner))
+            if "triggerPolicy" in caller:
+                conditions.append(caller["triggerPolicy"]["condition"])
+        assert "inputs.parameter_values['pipelinechannel--export_uri'] != ''" in conditions
+        assert any(c.endswith("gate-Output'] == 'promote'") for c in conditions), conditions

@@ -30,17 +30,19 @@ def evaluate(
     grpo_reasoning_language: Output[ClassificationMetrics],
     grpo_answer_language: Output[ClassificationMetrics],
     grpo_model: Input[Model] = None,
+    champion_model: Input[Model] = None,
     mlflow_tracking_uri: str = "",
     mlflow_parent_run_id: str = "",
 ):
-    """Run base, SFT (and GRPO) side by side over the eval set; publish results and reports.
+    """Run base, SFT (and GRPO, and the registry's champion when there is one) side by side
+    over the eval set, with the same questions, samples and seeds; publish results and reports.
 
     The KFP UI shows ``metrics`` (every model's overall figures) and, per model, the
     requested → detected language confusion matrices of the reasoning and the answer.
     """
     from core.processes import start_step_process
     from core.tracking import configure_tracking
-    from eval.eval_step import run_eval_step
+    from eval.eval_step import champion_location, run_eval_step
     from eval.report import kfp_confusion_matrices, load_results
 
     start_step_process()  # dies with its parent; every log line redacted
@@ -49,6 +51,7 @@ def evaluate(
         "base": base_model.path,
         "sft": sft_model.path,
         "grpo": grpo_model.path if grpo_model is not None else None,
+        "champion": champion_location(champion_model.path if champion_model else None),
     }
     scalars = run_eval_step(models, config, results.path, report.path, report_html.path)
     for name, value in scalars.items():
@@ -65,6 +68,22 @@ def evaluate(
     }.items():
         if name in matrices:  # no GRPO model: its two stay empty
             artifact.log_confusion_matrix(*matrices[name])
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def champion(config: dict, model: Output[Model], mlflow_tracking_uri: str = "") -> str:
+    """The registry's champion (``config``: the gate's: model name and alias), downloaded for
+    the eval; returns its version ("" when there is none: ``model`` then holds only a
+    ``NO_CHAMPION`` file). Never served from cache: the alias moves."""
+    from core.processes import start_step_process
+    from core.tracking import configure_tracking
+    from eval.eval_step import run_champion_step
+
+    start_step_process()  # dies with its parent; every log line redacted
+    configure_tracking(mlflow_tracking_uri)
+    version = run_champion_step(config, model.path)
+    model.metadata.update(version=version, format="huggingface" if version else "none")
+    return version
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -94,10 +113,12 @@ def register(
     grpo_model: Input[Model],
     config: dict,
     report: Output[Markdown],
+    data_fingerprint: str = "",
     mlflow_tracking_uri: str = "",
     mlflow_parent_run_id: str = "",
 ) -> str:
-    """Register the GRPO model and move the champion alias to it when it (still) wins.
+    """Register the GRPO model (tagged with ``data_fingerprint``) and move the champion
+    alias to it when it (still) wins.
 
     Returns the version the alias points to afterwards ("" when nothing changed).
     """
@@ -107,5 +128,8 @@ def register(
 
     start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
-    decision = run_gate_step(results.path, grpo_model.path, config, report.path, apply=True)
+    decision = run_gate_step(
+        results.path, grpo_model.path, config, report.path, apply=True,
+        data_fingerprint=data_fingerprint,
+    )  # fmt: skip
     return decision.registered_version or ""

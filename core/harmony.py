@@ -13,6 +13,7 @@ deterministic; the Hugging Face chat template of gpt-oss adds today's date).
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 START, END, MESSAGE, CHANNEL, RETURN = (
@@ -33,6 +34,75 @@ HARMONY_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|startoftext|>",
     "<|endoftext|>",
 )
+
+CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+"""A harmony control token as text: ``HARMONY_SPECIAL_TOKENS`` and every other ``<|name|>``
+the o200k_harmony tokenizer of gpt-oss holds as a special token (``<|reserved_200013|>``,
+``<|endofprompt|>``…). Control tokens are never user text: a data row, a question or an
+endpoint's reply that holds one is refused or neutralised (``neutralize_control_tokens``), so
+that it cannot forge a turn when the prompt is rendered and tokenized, nor a channel when a
+response is parsed."""
+
+PROMPT_CONTROL_TOKENS: tuple[str, ...] = (START, MESSAGE, END) * 3 + (START,)
+"""The control tokens of ``render_prompt``'s text, in order: system, developer, user, then
+the assistant's ``<|start|>``."""
+COMPLETION_CONTROL_TOKENS: tuple[str, ...] = (
+    CHANNEL,
+    MESSAGE,
+    END,
+    START,
+    CHANNEL,
+    MESSAGE,
+    RETURN,
+)
+"""The control tokens of ``render_completion``'s text, in order."""
+
+
+def find_control_token(text: str) -> re.Match | None:
+    """The first harmony control token written in ``text`` (``<|end|>``…), or ``None``."""
+    return CONTROL_TOKEN.search(text) if "<|" in text else None
+
+
+def neutralize_control_tokens(text: str) -> str:
+    """``text`` with every control token made inert and left readable: ``<|end|>`` →
+    ``‹|end|›``, which neither the parser nor a tokenizer takes for the token."""
+    if "<|" not in text:
+        return text
+    return CONTROL_TOKEN.sub(lambda m: "\u2039" + m.group()[1:-1] + "\u203a", text)
+
+
+class ForgedTurnError(ValueError):
+    """A rendered harmony text holds control tokens that its structure does not: text from a
+    user, a data row or a question carried them."""
+
+
+def check_rendered(prompt: str, completion: str | None = None) -> None:
+    """Check that a rendered prompt (and completion) hold exactly the control tokens of
+    ``render_prompt`` (and ``render_completion``): a token more means some text carried one,
+    and tokenizing it would give that text a control id (a forged turn).
+
+    Raises:
+        ForgedTurnError: names the part and the first token out of place.
+    """
+    for part, text, expected in (
+        ("prompt", prompt, PROMPT_CONTROL_TOKENS),
+        ("completion", completion, COMPLETION_CONTROL_TOKENS),
+    ):
+        if text is None:
+            continue
+        found = CONTROL_TOKEN.findall(text)
+        if tuple(found) != expected:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(found, expected, strict=False)) if a != b),
+                min(len(found), len(expected)),
+            )
+            token = found[at] if at < len(found) else "(end of text)"
+            raise ForgedTurnError(
+                f"the {part} holds {len(found)} control tokens where the harmony format has "
+                f"{len(expected)} (token {at + 1}: {token}): text in it carries a control "
+                "token; rerun data prep, which quarantines such rows"
+            )
+
 
 STOP_TOKENS: tuple[str, ...] = ("<|return|>", "<|call|>")
 """Tokens that end an assistant turn: ``<|return|>`` after the final answer, ``<|call|>``

@@ -3,7 +3,8 @@
 ``redact(text)`` replaces, wherever they appear in ``text``:
 
 - the user info of a URL: ``http://dave:PW@host`` → ``http://dave:***@host`` (an http(s) URL
-  whose user info is one token, ``https://TOKEN@host``, → ``https://***@host``);
+  whose user info is one token, ``https://TOKEN@host``, → ``https://***@host``), and a
+  ``user:password@host`` without a scheme (``dave:PW@127.0.0.1:8000`` → ``dave:***@…``);
 - credentials in a query string or a ``key=value`` list: ``token=``, ``access_token=``,
   ``key=``, ``api_key=``, ``sig=``, ``X-Amz-Signature=``, ``X-Amz-Credential=``,
   ``X-Amz-Security-Token=``, ``password=``, ``secret=``… → ``name=***``;
@@ -20,7 +21,9 @@ parameters). ``install`` makes every log record of the process go through ``reda
 record factory: any logger, any handler, added before or after), and so do uncaught
 exceptions and warnings; ``configure_logging`` is ``logging.basicConfig`` plus ``install``.
 What a process prints on purpose goes through ``redact`` where it is printed (the CLI's
-``echo``, the local run's console and log).
+``echo``, the local run's console and log). What reaches a terminal (log records, uncaught
+exceptions, warnings, the CLI's lines) also has its terminal controls escaped
+(``printable``: an ANSI escape sequence from a server is shown as ``\\x1b[…``, not obeyed).
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ SECRET_NAME = re.compile(
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^\s/?#\"<>]+)@")
 """A URL's user info: up to the last ``@`` before the host (a password may hold ``@``,
 ``'`` and RFC 3986's other sub-delimiters), never past a ``/``, ``?``, ``#`` or a space."""
+_BARE_USERINFO = re.compile(
+    r"(?<![\w.~%+/:-])(?P<user>[\w.~%+-]+):(?P<password>[^\s/?#\"'<>]+)@(?=[\w\[])"
+)
+"""``user:password@host`` without a scheme (a URL's authority, as a label or a host:port):
+the password runs to the last ``@`` before the host, as in a URL."""
 CREDENTIAL_NAME = re.compile(
     r"(?:token|key|sig|signature|password|passwd|pwd|secret|credential|auth)$", re.IGNORECASE
 )
@@ -98,6 +106,8 @@ def redact(text: str, secrets: list[str] | None = None) -> str:
         return text
     if "://" in text:
         text = _URL_USERINFO.sub(_userinfo, text)
+    if "@" in text:
+        text = _BARE_USERINFO.sub(lambda m: f"{m['user']}:{MASK}@", text)
     if "=" in text:
         text = _CREDENTIAL_PARAM.sub(lambda m: m["name"] + MASK, text)
     text = _BEARER.sub(lambda m: m["name"] + MASK, text)
@@ -105,6 +115,24 @@ def redact(text: str, secrets: list[str] | None = None) -> str:
         if value in text:
             text = text.replace(value, MASK)
     return text
+
+
+_CONSOLE_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+"""Characters a terminal acts on rather than shows: C0 controls but tab and newline (ESC
+starts an ANSI sequence; CR overwrites a line), DEL, C1 controls and bidi overrides."""
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: the characters of ``_CONSOLE_UNSAFE`` (an ANSI
+    escape from a server, a carriage return) written as ``\\x1b``, ``\\u202e``…."""
+    if text.isprintable() or not _CONSOLE_UNSAFE.search(text):
+        return text
+    return _CONSOLE_UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+def for_console(text: str) -> str:
+    """``text`` as the project prints it: credentials redacted, terminal controls escaped."""
+    return printable(redact(text))
 
 
 def redact_data(value: Any, secrets: list[str] | None = None) -> Any:
@@ -157,12 +185,12 @@ def install() -> None:
         def redacted_excepthook(kind, exc, tb) -> None:
             import traceback
 
-            sys.stderr.write(redact("".join(traceback.format_exception(kind, exc, tb))))
+            sys.stderr.write(for_console("".join(traceback.format_exception(kind, exc, tb))))
             sys.stderr.flush()
 
         def redacted_warning(message, category, filename, lineno, file=None, line=None):
             text = warnings.formatwarning(message, category, filename, lineno, line)
-            (file or sys.stderr).write(redact(text))
+            (file or sys.stderr).write(for_console(text))
 
         logging.setLogRecordFactory(redacted_record)
         sys.excepthook = redacted_excepthook
@@ -174,11 +202,11 @@ def _redact_record(record: logging.LogRecord) -> None:
         message = record.getMessage()
     except Exception:  # a malformed record: let the handler report it as logging does
         return
-    record.msg, record.args = redact(message), None
+    record.msg, record.args = for_console(message), None
     if record.exc_info and not record.exc_text:
-        record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        record.exc_text = for_console(logging.Formatter().formatException(record.exc_info))
     if record.stack_info:
-        record.stack_info = redact(record.stack_info)
+        record.stack_info = for_console(record.stack_info)
 
 
 def configure_logging(level: int = logging.INFO, fmt: str | None = None) -> None:

@@ -8,6 +8,7 @@ from core.languages import LANGUAGE_NAMES, SUPPORTED_LANGUAGES
 
 if TYPE_CHECKING:
     from data_prep.config import DataPrepConfig
+    from data_prep.fingerprint import DataFingerprint
     from data_prep.lengths import LengthHistogram
     from data_prep.report import DataPrepReport
 
@@ -25,6 +26,7 @@ def render_card(config: DataPrepConfig, report: DataPrepReport) -> str:
         "# Dataset card: lingo-rl data prep",
         "",
         f"- source: `{config.source}`",
+        *(_fingerprint_lines(report.fingerprint) if report.fingerprint else []),
         f"- rows read: {report.rows_read}; valid: {report.rows_valid}; "
         f"quarantined: {report.rows_bad} bad + {report.rows_duplicate} duplicates "
         f"({report.bad_fraction:.2%} bad, limit {config.max_bad_fraction:.0%})",
@@ -77,6 +79,23 @@ def render_card(config: DataPrepConfig, report: DataPrepReport) -> str:
     else:
         lines.append("No row was quarantined.")
     return "\n".join(lines) + "\n"
+
+
+def _fingerprint_lines(fingerprint: DataFingerprint) -> list[str]:
+    """The data fingerprint and what it pins, one line per source."""
+    lines = [
+        f"- data fingerprint: `{fingerprint.sha256}` (sha256 of the sources below and "
+        "the settings; a scheduled run with the champion's fingerprint retrains nothing)"
+    ]
+    for source in fingerprint.inputs["sources"]:
+        if source["kind"] == "hub":
+            pinned = f"hub `{source['id']}` [{source['split']}] revision `{source['revision']}`"
+        elif source["kind"] == "s3":
+            pinned = f"{len(source['objects'])} S3 object(s), ETag and size"
+        else:
+            pinned = f"{len(source['files'])} {source['kind']} file(s), sha256 and size"
+        lines.append(f"  - {pinned}")
+    return lines
 
 
 def _augment(config: DataPrepConfig) -> str:

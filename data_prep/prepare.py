@@ -40,6 +40,7 @@ from core.languages import SUPPORTED_LANGUAGES
 from data_prep.augment import append_synthetic
 from data_prep.card import render_card
 from data_prep.config import DataPrepConfig
+from data_prep.fingerprint import data_fingerprint
 from data_prep.lengths import LengthHistogram
 from data_prep.process import ANSWER_SOURCES, Bad, Good, process_rows, quarantine_entry
 from data_prep.question_sets import QuestionSetError, append_question_prompts
@@ -67,6 +68,38 @@ class EmptyDatasetError(ValueError):
     """The source held no row that passed validation."""
 
 
+class OutputInsideSourceError(ValueError):
+    """The output folder is, or is inside, the local source (or a question set's)."""
+
+
+def check_output_apart(config: DataPrepConfig, output_dir: Path, outputs: list[Path]) -> None:
+    """Refuse an output folder that is a local source folder or lies inside one, and a
+    source that is one of the outputs: data prep would read its own outputs (and its marker
+    file) as rows on the next run, and replace the files it read from.
+
+    Raises:
+        OutputInsideSourceError: names both paths.
+    """
+    out = output_dir.resolve()
+    sources = [("--source", config.source)]
+    sources += [(f"question_sets[{i}]", q.source) for i, q in enumerate(config.question_sets)]
+    for name, source in sources:
+        if source in ("bundled", "") or "://" in source or not Path(source).exists():
+            continue
+        place = Path(source).resolve()
+        if place in {p.resolve() for p in outputs}:
+            raise OutputInsideSourceError(
+                f"{name} {source} is one of data prep's outputs: it would be replaced by what "
+                "is read from it; give the source another name or write elsewhere"
+            )
+        if out == place or place in out.parents:
+            where = "" if out == place else "inside "
+            raise OutputInsideSourceError(
+                f"--output-dir {output_dir} is {where}{name} {source}: data prep would read "
+                "its own outputs as rows on the next run; write them elsewhere"
+            )
+
+
 def eval_count(n: int, eval_fraction: float) -> int:
     """How many of a language's ``n`` rows go to eval: round(n × f), ≥ 1 if f > 0 and n ≥ 2."""
     if n < 2 or eval_fraction <= 0:
@@ -91,9 +124,10 @@ def prepare_dataset(
         QuestionSetError: a question set gave no question or lost too many rows.
         DataPrepBusyError: another data prep writes into the same directory.
     """
-    report = DataPrepReport(source=config.source)
+    report = DataPrepReport(source=config.source, fingerprint=data_fingerprint(config))
     work_parent = Path(train_path).parent
     outputs_named = [train_path, eval_path, quarantine_path, card_path]
+    check_output_apart(config, work_parent, [Path(p) for p in outputs_named if p is not None])
     check_output_files([p for p in outputs_named if p is not None], "--output-dir")
     work_parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(work_parent, [Path(p).name for p in outputs_named if p is not None])
@@ -155,6 +189,7 @@ def prepare_dataset(
         if card_path is not None:
             outputs.open(card_path).write(render_card(config, report).encode())
         outputs.commit()  # every output appears at once
+    log.info("data fingerprint %s", report.fingerprint.sha256)
     log.info(
         "data prep: %d rows read, %d train (+%d synthetic, +%d prompt-only from question sets), "
         "%d eval, %d quarantined (%d duplicates)",

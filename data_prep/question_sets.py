@@ -42,6 +42,7 @@ from data_prep.validate import (
     OVERSIZE,
     UNKNOWN_LANGUAGE,
     Rejection,
+    check_text,
 )
 
 
@@ -214,6 +215,9 @@ def _question(
     if len(question) > max_field_chars:
         detail = f"{column!r} has {len(question)} characters > max_field_chars {max_field_chars}"
         return "", "", Rejection(OVERSIZE, detail)
+    problem = check_text(column, question, max_field_chars, where="column")
+    if problem is not None:  # a control character, a lone surrogate, a harmony control token
+        return "", "", problem
     if question_set.language_column is None:
         language = identify_language(question)
         if language not in SUPPORTED_LANGUAGES:

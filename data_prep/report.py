@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from core.languages import SUPPORTED_LANGUAGES
+from data_prep.fingerprint import DataFingerprint
 from data_prep.lengths import LengthHistogram
 
 
@@ -15,6 +16,8 @@ class DataPrepReport:
     """What the step did: counts by outcome, language and reason, plus length statistics."""
 
     source: str
+    fingerprint: DataFingerprint | None = None
+    """What was read, pinned (``data_prep.fingerprint``): the card and the step's outputs."""
     rows_read: int = 0
     rows_valid: int = 0
     rows_bad: int = 0

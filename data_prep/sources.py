@@ -129,6 +129,8 @@ def _iter_json_file(file: Path, name: str) -> Iterator[tuple[str, Any, bytes | N
     A UTF-8 byte-order mark (editors on Windows write one) is skipped, not read as part of
     the first row."""
     with file.open("rb", buffering=IO_BUFFER) as fh:
+        _check_encoding(file, fh.read(4))
+        fh.seek(0)
         start = len(UTF8_BOM) if fh.read(len(UTF8_BOM)) == UTF8_BOM else 0
         fh.seek(start)
         head = fh.read(4096).lstrip()
@@ -144,6 +146,23 @@ def _iter_json_file(file: Path, name: str) -> Iterator[tuple[str, Any, bytes | N
         for line_no, line in enumerate(fh, start=1):
             if line.strip():
                 yield f"{name}:{line_no}", None, line
+
+
+_NOT_UTF8 = (
+    (b"\x1f\x8b", "gzip-compressed; decompress it first (gunzip)"),
+    (b"\xff\xfe\x00\x00", "UTF-32 text; save it as UTF-8"),
+    (b"\x00\x00\xfe\xff", "UTF-32 text; save it as UTF-8"),
+    (b"\xff\xfe", "UTF-16 text; save it as UTF-8"),
+    (b"\xfe\xff", "UTF-16 text; save it as UTF-8"),
+)
+"""The first bytes of files that are no JSON text (a gzip stream, a UTF-16/32 byte-order
+mark): refused whole, with one line, rather than every row quarantined as invalid JSON."""
+
+
+def _check_encoding(file: Path, head: bytes) -> None:
+    for magic, what in _NOT_UTF8:
+        if head.startswith(magic):
+            raise SourceError(f"{file}: the file is {what}")
 
 
 def _iter_parquet(file: Path, name: str) -> Iterator[tuple[str, Any, bytes | None]]:

@@ -5,6 +5,12 @@ strings) and ``messages``: a list of ``{"role", "content", "thinking"}`` dicts â
 message (``reasoning language: X`` and the developer text), the user message (equal to
 ``user``) and the assistant message (content equal to ``final``, thinking equal to
 ``analysis``). A row that breaks the schema is rejected with a reason code and a message.
+
+Beyond the schema, a row must be what it says: no text field holds a harmony control token
+(``<|end|>``, ``<|start|>``â€¦: rendered and tokenized, it would forge a turn), the reasoning has
+letters (not only emoji or digits), and reasoning of ``CHECKED_REASONING_LETTERS`` letters or
+more is written in the ``reasoning_language`` the row claims (the project's language
+identifier, ``core.language_id``).
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from core.languages import UnknownLanguageError, normalize_language
+from core.harmony import find_control_token
+from core.language_id import identify_language
+from core.languages import UNDETERMINED, UnknownLanguageError, normalize_language
 
 TEXT_FIELDS = ("reasoning_language", "developer", "user", "analysis", "final")
 REQUIRED_FIELDS = (*TEXT_FIELDS, "messages")
@@ -29,6 +37,9 @@ INVALID_TEXT = "invalid_text"
 UNKNOWN_LANGUAGE = "unknown_language"
 BROKEN_MESSAGES = "broken_messages"
 DUPLICATE = "duplicate"
+CONTROL_TOKEN = "control_token"
+NO_LETTERS = "no_letters"
+WRONG_LANGUAGE = "wrong_language"
 REASONS = (
     INVALID_JSON,
     NOT_AN_OBJECT,
@@ -40,7 +51,17 @@ REASONS = (
     UNKNOWN_LANGUAGE,
     BROKEN_MESSAGES,
     DUPLICATE,
+    CONTROL_TOKEN,
+    NO_LETTERS,
+    WRONG_LANGUAGE,
 )
+
+CHECKED_REASONING_LETTERS = 20
+"""Reasoning with at least this many letters must be identified as its labelled language
+(shorter text is too little to judge: ``core.language_id.CONFIDENT_LETTERS``)."""
+CHECKED_REASONING_CHARS = 1_000
+"""The head of the reasoning that is identified: enough to tell its language, and the cost
+per row stays bounded whatever the reasoning's length."""
 
 # C0/C1 control characters other than tab, newline and carriage return, and lone surrogates
 # (text that is not valid Unicode and cannot be written as UTF-8).
@@ -75,12 +96,14 @@ def validate_row(data: Any, max_field_chars: int) -> ValidRow | Rejection:
     for field in TEXT_FIELDS:
         value = data[field]
         if not _is_good_text(value, max_field_chars):
-            return _check_text(field, value, max_field_chars)
+            return check_text(field, value, max_field_chars)
     try:
         reasoning_language = normalize_language(data["reasoning_language"])
     except UnknownLanguageError as exc:
         return Rejection(UNKNOWN_LANGUAGE, f"field 'reasoning_language': {exc}")
-    problem = _check_messages(data, max_field_chars)
+    problem = _check_messages(data, max_field_chars) or _check_language(
+        data["analysis"], data["final"], reasoning_language
+    )
     if problem:
         return problem
     return ValidRow(
@@ -92,16 +115,36 @@ def validate_row(data: Any, max_field_chars: int) -> ValidRow | Rejection:
     )
 
 
+def _check_language(analysis: str, final: str, language: str) -> Rejection | None:
+    """The reasoning and answer hold words, and the reasoning is in its labelled language."""
+    if not any(ch.isalpha() for ch in analysis):
+        return Rejection(NO_LETTERS, "field 'analysis' has no letters (only symbols or emoji)")
+    if not any(ch.isalnum() for ch in final):
+        return Rejection(NO_LETTERS, "field 'final' has no letters or digits (only symbols)")
+    if sum(ch.isalpha() for ch in analysis) < CHECKED_REASONING_LETTERS:
+        return None
+    found = identify_language(analysis[:CHECKED_REASONING_CHARS])
+    if found not in (language, UNDETERMINED):
+        return Rejection(
+            WRONG_LANGUAGE,
+            f"field 'analysis' is written in {found!r}, not in its reasoning_language {language!r}",
+        )
+    return None
+
+
 def _is_good_text(value: Any, max_chars: int) -> bool:
-    """What _check_text accepts, decided fast (the usual case)."""
+    """What check_text accepts, decided fast (the usual case)."""
     if not isinstance(value, str) or not 0 < len(value) <= max_chars or value.isspace():
+        return False
+    if "<|" in value and find_control_token(value):
         return False
     # isprintable() is a fast C loop, true for most text; the regex decides the rest
     return value.isprintable() or _INVALID_CHAR.search(value) is None
 
 
-def _check_text(field: str, value: Any, max_chars: int, where: str = "field") -> Rejection | None:
-    """The first problem of a text value, or None."""
+def check_text(field: str, value: Any, max_chars: int, where: str = "field") -> Rejection | None:
+    """The first problem of a text value (not a string, empty, too long, a control character
+    or lone surrogate, a harmony control token), or None."""
     if _is_good_text(value, max_chars):
         return None
     if not isinstance(value, str):
@@ -121,6 +164,13 @@ def _check_text(field: str, value: Any, max_chars: int, where: str = "field") ->
         return Rejection(
             INVALID_TEXT,
             f"{where} {field!r} holds {kind} U+{code:04X} at offset {bad.start()}",
+        )
+    token = find_control_token(value)
+    if token:
+        return Rejection(
+            CONTROL_TOKEN,
+            f"{where} {field!r} holds the harmony control token {token.group()} at offset "
+            f"{token.start()} (control tokens are never text: it would forge a turn)",
         )
     return None
 
@@ -146,9 +196,13 @@ def _check_messages(data: dict, max_chars: int) -> Rejection | None:
         problem = _messages_text_problem(data, user, assistant)
         if problem:
             return problem
-    problem = _check_text("content", system.get("content"), max_chars, where="messages[0] (system)")
+    problem = check_text("content", system.get("content"), max_chars, where="messages[0] (system)")
     if problem:
-        return Rejection(BROKEN_MESSAGES, problem.detail)
+        return (
+            problem
+            if problem.reason == CONTROL_TOKEN
+            else Rejection(BROKEN_MESSAGES, problem.detail)
+        )
     if data["developer"].strip() not in system["content"]:
         return Rejection(BROKEN_MESSAGES, "messages[0] (system) does not hold the 'developer' text")
     return None

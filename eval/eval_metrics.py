@@ -148,6 +148,27 @@ def _estimates(outcomes: Sequence[Outcome]) -> dict[str, Estimate]:
     }
 
 
+def response_values(outcome: Outcome) -> dict[str, float | None]:
+    """What one scored response counts for in each metric (``None``: not counted, as
+    ``summarize`` leaves it out): 1.0/0.0 for the proportions, the value for the means.
+    The gate's per-question scores are means of these (``eval.paired``)."""
+
+    def number(value: float) -> float | None:
+        return None if math.isnan(value) else float(value)
+
+    return {
+        "reasoning_language_accuracy": float(outcome.reasoning_ok),
+        "answer_language_accuracy": float(outcome.answer_ok),
+        "both_language_accuracy": float(outcome.both_ok),
+        "brevity": float(outcome.brief_ok),
+        "answer_correct": None if outcome.correct is None else float(outcome.correct),
+        "loop_rate": float(LOOP in (outcome.reasoning_detected, outcome.answer_detected)),
+        "mean_reward": number(outcome.reward),
+        "real_word_share": number(outcome.real_word_share),
+        "repeated_ngram_rate": number(outcome.repeated_ngram_rate),
+    }
+
+
 def confusion_matrix(
     pairs: Iterable[tuple[str, str]],
 ) -> dict[str, dict[str, int]]:

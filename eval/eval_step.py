@@ -14,7 +14,7 @@ from pathlib import Path
 
 from core.tracking import log_artifact, log_metrics, mlflow_run
 from eval.eval_config import EvalConfig
-from eval.gate import GateConfig, GateDecision, apply_gate, evaluate_gate
+from eval.gate import GateConfig, GateDecision, apply_gate, check_data, evaluate_gate
 from eval.report import kfp_metrics, load_results
 from eval.runner import ModelSpec, run_eval
 
@@ -57,17 +57,22 @@ def run_gate_step(
     config: Mapping,
     report_path: str | Path | None = None,
     apply: bool = False,
+    data_fingerprint: str = "",
 ) -> GateDecision:
-    """Decide (``apply=False``) or decide and register (``apply=True``); write the gate
-    report to ``report_path`` when given."""
+    """Decide (``apply=False``) or decide and register (``apply=True``, the version tagged
+    with ``data_fingerprint``); write the gate report to ``report_path`` when given. The
+    decision is one ``decision |`` line of the step's output (the deciding step's: the
+    ``register`` step logs its own at debug level)."""
     gate_config = GateConfig.model_validate(dict(config))
     results = load_results(results_path)
-    gate = apply_gate if apply else evaluate_gate
-    decision = gate(results, candidate_dir, gate_config)
+    if apply:
+        decision = apply_gate(results, candidate_dir, gate_config, data_fingerprint)
+    else:
+        decision = evaluate_gate(results, candidate_dir, gate_config)
     if report_path is not None:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         Path(report_path).write_text(decision.to_markdown(), encoding="utf-8")
-    log.info("gate: %s: %s", decision.decision.value, decision.reason)
+    log.log(logging.DEBUG if apply else logging.INFO, "%s", decision.line())
     params = {
         "decision": decision.decision.value,
         "metric": decision.metric,
@@ -84,3 +89,41 @@ def run_gate_step(
             if report_path is not None:
                 log_artifact(report_path, artifact_path="gate")
     return decision
+
+
+def run_data_check_step(fingerprint: str, config: Mapping) -> str:
+    """``retrain`` or ``unchanged data``: the data fingerprint against the champion's
+    (``eval.gate.check_data``)."""
+    return check_data(fingerprint, GateConfig.model_validate(dict(config)))
+
+
+def run_champion_step(config: Mapping, destination: str | Path) -> str:
+    """Download the champion's files into ``destination`` for the eval; returns its version,
+    or ``""`` (``destination`` then holds only ``NO_CHAMPION``: no tracking URI, no champion).
+    """
+    from core.tracking import tracking_enabled
+    from eval.registry import aliased_version, download_version
+
+    gate_config = GateConfig.model_validate(dict(config))
+    champion = None
+    if tracking_enabled():
+        champion = aliased_version(gate_config.registered_model, gate_config.alias)
+    if champion is None:
+        Path(destination).mkdir(parents=True, exist_ok=True)
+        (Path(destination) / NO_CHAMPION).write_text("no champion to evaluate\n")
+        log.info("no %s of %s: nothing to evaluate beside the candidate", gate_config.alias,
+                 gate_config.registered_model)  # fmt: skip
+        return ""
+    download_version(champion, destination)
+    return champion.version
+
+
+NO_CHAMPION = "NO_CHAMPION"
+"""The file the champion step leaves in its model folder when there is no champion."""
+
+
+def champion_location(model_dir: str | Path | None) -> str | None:
+    """The champion's model folder for the eval, or ``None`` (no champion was downloaded)."""
+    if model_dir is None or (Path(model_dir) / NO_CHAMPION).exists():
+        return None
+    return str(model_dir)

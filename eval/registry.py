@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 
 HASH_TAG = "lingo.content_sha256"
 METRIC_TAG_PREFIX = "lingo.eval."
+FOOTING_TAG = "lingo.eval_footing"
+"""SHA-256 of the eval footing (questions, limit, languages, sampling, prompts) the version
+was promoted on (``eval.gate.EvalFooting``)."""
+FOOTING_TEXT_TAG = "lingo.eval_footing_text"
+DATA_FINGERPRINT_TAG = "lingo.data_fingerprint"
+"""The data fingerprint of the run that trained the version (``data_prep.fingerprint``)."""
 _CHUNK = 1 << 20
 
 
@@ -60,12 +66,18 @@ class RegisteredVersion:
         content_sha256: Its content hash tag, if any.
         metrics: Its ``lingo.eval.<metric>`` tags as floats.
         source: Where its files are.
+        eval_footing: The ``FOOTING_TAG`` it was promoted on, if recorded.
+        eval_footing_text: Its readable form.
+        data_fingerprint: The ``DATA_FINGERPRINT_TAG`` of its training data, if recorded.
     """
 
     version: str
     content_sha256: str | None
     metrics: dict[str, float]
     source: str
+    eval_footing: str | None = None
+    eval_footing_text: str | None = None
+    data_fingerprint: str | None = None
 
 
 def _metric_tags(metrics: dict[str, float | None]) -> dict[str, str]:
@@ -92,11 +104,15 @@ def _as_version(model_version) -> RegisteredVersion:
                 log.warning(
                     "version %s: tag %s=%r is not a number", model_version.version, key, value
                 )
+    tags = model_version.tags or {}
     return RegisteredVersion(
         version=str(model_version.version),
-        content_sha256=(model_version.tags or {}).get(HASH_TAG),
+        content_sha256=tags.get(HASH_TAG),
         metrics=metrics,
         source=model_version.source,
+        eval_footing=tags.get(FOOTING_TAG),
+        eval_footing_text=tags.get(FOOTING_TEXT_TAG),
+        data_fingerprint=tags.get(DATA_FINGERPRINT_TAG),
     )
 
 
@@ -171,8 +187,36 @@ def set_alias(name: str, alias: str, version: str) -> None:
     _client().set_registered_model_alias(name, alias, version)
 
 
-def update_metric_tags(name: str, version: str, metrics: dict[str, float | None]) -> None:
-    """Overwrite the ``lingo.eval.<metric>`` tags of a version with newer eval values."""
+def update_metric_tags(
+    name: str, version: str, metrics: dict[str, float | None], tags: dict[str, str] | None = None
+) -> None:
+    """Overwrite the ``lingo.eval.<metric>`` tags of a version with newer eval values, and
+    set ``tags``."""
     client = _client()
-    for key, value in _metric_tags(metrics).items():
+    for key, value in (_metric_tags(metrics) | (tags or {})).items():
         client.set_model_version_tag(name, version, key, value)
+
+
+def download_version(version: RegisteredVersion, destination: str | Path) -> Path:
+    """Download a version's files (its ``source``) into the directory ``destination``
+    (created; it must be empty or absent).
+
+    Raises:
+        FileExistsError: ``destination`` holds files.
+    """
+    import shutil
+    import tempfile
+
+    from mlflow.artifacts import download_artifacts
+
+    target = Path(destination)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target}: not empty; the champion is downloaded into a new folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".champion-", dir=target.parent) as work:
+        local = Path(download_artifacts(artifact_uri=version.source, dst_path=work))
+        if target.exists():
+            target.rmdir()
+        shutil.move(str(local), target)  # same file system: a rename
+    log.info("downloaded version %s (%s) to %s", version.version, version.source, target)
+    return target

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -397,13 +398,31 @@ def write_reports(results: dict, output_dir: str | Path) -> ReportPaths:
     URL's password, a signed URL's query)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    safe = redact_data(json_safe(results))
+    safe = _redacted(json_safe(results))
     paths = ReportPaths.under(output_dir)
     atomic_write_text(paths.results, json.dumps(safe, ensure_ascii=False, indent=1))
     atomic_write_text(paths.markdown, render_markdown(safe))
     atomic_write_text(paths.html, render_html(safe, language_chart_png(safe)))
     record_output_files(paths.files())
     return paths
+
+
+MODEL_TEXT_FIELDS = ("text", "reasoning_field", "reasoning", "final")
+"""A response's fields that hold the model's own words: kept as the model wrote them."""
+
+
+def _redacted(results: dict) -> dict:
+    """``results`` with what the project says about configuration and environment redacted
+    (locations, errors, settings), and the model's words left as they are: redaction is for
+    credentials the project holds, and "a bearer of news" is no token."""
+    responses = results.get("responses", [])
+    safe = redact_data({k: v for k, v in results.items() if k != "responses"})
+    safe["responses"] = []
+    for response in responses:
+        kept = {k: response[k] for k in MODEL_TEXT_FIELDS if k in response}
+        record = redact_data({k: v for k, v in response.items() if k not in kept})
+        safe["responses"].append({k: kept.get(k, record.get(k)) for k in response})
+    return safe
 
 
 def load_results(path: str | Path) -> dict:
@@ -414,19 +433,37 @@ def load_results(path: str | Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _metric_key(name: str) -> str:
-    return name.replace("-vs-", "_vs_")
+_MLFLOW_UNSAFE = re.compile(r"[^\w.\- ]")
+
+
+def mlflow_label(label: str) -> str:
+    """A model label as one part of an MLflow key: MLflow takes only letters, digits, ``_``,
+    ``-``, ``.``, spaces (and ``/``, ``:``, which split or confuse keys here), and no key that
+    starts with ``.`` or ``..``: anything else becomes ``_`` (``127.0.0.1:8000`` →
+    ``127.0.0.1_8000``, ``..`` → ``_..``)."""
+    safe = _MLFLOW_UNSAFE.sub("_", label) or "_"
+    return "_" + safe if safe.startswith(".") else safe
 
 
 def log_eval_run(results: dict, paths: ReportPaths, run_name: str = "eval") -> str | None:
     """Log the eval to MLflow; returns the run id, or ``None`` when tracking is off."""
     params = {f"sampling.{k}": v for k, v in results["sampling"].items()}
-    params.update({f"model.{m['label']}": m["location"] for m in results["models"]})
+    params.update({f"model.{mlflow_label(m['label'])}": m["location"] for m in results["models"]})
     params["questions_sha256"] = results["questions_sha256"]
     with mlflow_run(run_name, params) as run:
         if run is None:
             return None
-        log_metrics({_metric_key(k): v for k, v in kfp_metrics(results).items()})
+        labels = {m["label"] for m in results["models"]}
+        metrics = {}
+        for key, value in kfp_metrics(results).items():
+            model, _, metric = key.rpartition("/")
+            left, vs, right = model.partition("-vs-")
+            if vs and left in labels and right in labels:
+                model = f"{mlflow_label(left)}_vs_{mlflow_label(right)}"
+            else:
+                model = mlflow_label(model)
+            metrics[f"{model}/{metric}"] = value
+        log_metrics(metrics)
         for path in paths.files():
             log_artifact(path, artifact_path="eval")
         log.info("eval logged to MLflow run %s", run.info.run_id)

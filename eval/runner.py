@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,15 +27,16 @@ from pydantic import ValidationError
 
 from core.atomic import check_output_files, check_writable
 from core.errors import describe_validation_error
-from core.harmony import task_prompt
+from core.harmony import find_control_token, task_prompt
 from core.languages import LANGUAGE_NAMES, LanguageLabels, normalize_language
 from core.model_files import nonfinite_weights
 from core.redact import redact
 from core.seeds import sample_seed
 from eval.engines import make_engine
 from eval.eval_config import EvalConfig
-from eval.eval_metrics import Summary, deltas, summarize
+from eval.eval_metrics import Summary, deltas, response_values, summarize
 from eval.report import ReportPaths, log_eval_run, write_reports
+from generation.endpoint import DEFAULT_MAX_REPLY_BYTES
 from generation.engines import Engine, ModelNotFoundError, is_endpoint, require_model_dir
 from generation.requests import Generation, GenerationRequest
 from reward.degeneracy import measure_degeneracy
@@ -70,34 +72,78 @@ def load_questions(
 ) -> list[Question]:
     """Read the eval set, optionally only some languages and the first ``limit`` questions.
 
+    Every line of the file is checked, whatever the filters: an ``id`` and a ``question``
+    that are non-blank strings (a number is not a question), no id twice (it would be scored
+    twice), no harmony control token in any text (``<|end|>``…: it would forge a turn of the
+    prompt), a numeric ``expected_answer`` or none.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: A line is not a valid question (the line number is named).
+        ValueError: A line is not a valid question (the line number and the id are named).
     """
     path = Path(path) if path is not None else BUNDLED_QUESTIONS
     wanted = {normalize_language(code) for code in languages} if languages else None
     questions = []
+    first_line: dict[str, int] = {}
     for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            question = Question(
-                id=str(row["id"]),
-                problem_id=str(row.get("problem_id", row["id"])),
-                language=normalize_language(row["language"]),
-                category=str(row.get("category", "")),
-                question=str(row["question"]),
-                expected_answer=row.get("expected_answer"),
-                unit=str(row.get("unit", "")),
-            )
+            question = _question(json.loads(line))
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path}:{number}: not a valid eval question: {err}") from err
+        if question.id in first_line:
+            raise ValueError(
+                f"{path}:{number}: question id {question.id!r} is already on line "
+                f"{first_line[question.id]}; ids must be unique (each is scored once)"
+            )
+        first_line[question.id] = number
         if wanted is None or question.language in wanted:
             questions.append(question)
     if not questions:
         raise ValueError(f"{path}: no questions (languages filter: {languages})")
     return questions[:limit] if limit else questions
+
+
+def _question(row: object) -> Question:
+    """A question from one parsed line (see ``load_questions`` for the rules)."""
+    if not isinstance(row, dict):
+        raise TypeError(f"a line is a JSON object, not a {type(row).__name__}")
+    texts = {}
+    for key in ("id", "question", "problem_id", "category", "unit"):
+        value = row.get(key)
+        if value is None and key not in ("id", "question"):
+            continue
+        if not isinstance(value, str):
+            shown = "missing" if value is None else f"a {type(value).__name__}, not a string"
+            raise TypeError(f"{key!r} is {shown}")
+        if key in ("id", "question") and not value.strip():
+            where = f" (id {row['id']!r})" if key == "question" else ""
+            raise ValueError(f"{key!r} is blank{where}")
+        if token := find_control_token(value):
+            raise ValueError(
+                f"{key!r} holds the harmony control token {token.group()} (id "
+                f"{row.get('id')!r}); control tokens are never text"
+            )
+        texts[key] = value
+    expected = row.get("expected_answer")
+    if expected is not None and (
+        isinstance(expected, bool)
+        or not isinstance(expected, int | float)
+        or not math.isfinite(expected)
+    ):
+        raise TypeError(
+            f"'expected_answer' is {expected!r}, not a finite number (id {texts['id']!r})"
+        )
+    return Question(
+        id=texts["id"],
+        problem_id=texts.get("problem_id", texts["id"]),
+        language=normalize_language(row.get("language")),
+        category=texts.get("category", ""),
+        question=texts["question"],
+        expected_answer=expected,
+        unit=texts.get("unit", ""),
+    )
 
 
 @dataclass(frozen=True)
@@ -116,7 +162,8 @@ class ModelSpec:
 
     @classmethod
     def parse(cls, spec: str) -> ModelSpec:
-        """``[label=]location[#served-name]``; the label defaults to the directory name or host.
+        """``[label=]location[#served-name]``; the label defaults to the directory name or
+        the URL's ``host:port`` (never its ``user:password@``).
 
         ``sft=/models/sft``, ``/models/grpo``, ``grpo=http://vllm:8000/v1#gpt-oss-20b``.
         """
@@ -129,7 +176,9 @@ class ModelSpec:
         if not label:
             trimmed = location.rstrip("/")
             if trimmed.startswith(("http://", "https://")):
-                label = trimmed.split("//", 1)[1].split("/", 1)[0]
+                # the host and port only: a label is printed and logged, a password never
+                authority = trimmed.split("//", 1)[1].split("/", 1)[0]
+                label = authority.rpartition("@")[2]
             else:
                 label = Path(trimmed).name or trimmed
         return cls(label=label, location=location, served_model=served or None)
@@ -201,7 +250,9 @@ def score_response(
         "error": generation.error,
     }
     if generation.failed:
-        record.update(reasoning=None, final=None, truncated=None, score=None, degeneracy=None)
+        record.update(
+            reasoning=None, final=None, truncated=None, score=None, degeneracy=None, values=None
+        )
         return Outcome(language=question.language, failed=True), record
     parsed = generation.parsed()
     labels = LanguageLabels(question.language, question.language)
@@ -219,7 +270,9 @@ def score_response(
             "repeated_ngram_rate": degeneracy.repeated_ngram_rate,
         },
     )
-    return Outcome.scored(question.language, result, degeneracy), record
+    outcome = Outcome.scored(question.language, result, degeneracy)
+    record["values"] = response_values(outcome)  # the gate's per-question scores
+    return outcome, record
 
 
 @dataclass
@@ -276,8 +329,18 @@ def evaluate_model(
             f"{engine.description} returned {len(generations)} responses for {len(planned)}"
         )
     outcomes, records = [], []
-    for (question, sample, _), generation in zip(planned, generations, strict=True):
-        outcome, record = score_response(question, generation, scorer)
+    for (question, sample, request), generation in zip(planned, generations, strict=True):
+        try:
+            outcome, record = score_response(question, generation, scorer)
+        except Exception as exc:  # this response's failure, never the model's
+            log.error("%s: the reply could not be scored: %s", request.key, exc)
+            failed = Generation(
+                text=None,
+                latency_s=generation.latency_s,
+                attempts=generation.attempts,
+                error=f"the reply could not be scored: {type(exc).__name__}: {exc}",
+            )
+            outcome, record = score_response(question, failed, scorer)
         outcomes.append(outcome)
         records.append({"model": spec.label, "sample": sample, **record})
     summary = summarize(outcomes)
@@ -380,6 +443,7 @@ def run_eval(
         ValueError: No models.
         DuplicateLabelError: Two models have the same label.
         OutputNotOursError: ``output_dir`` holds a report file this project did not write.
+        OutputInsideModelError: ``output_dir`` is, or is inside, a model directory.
         ModelNotFoundError: A model directory does not exist, or lacks its config, tokenizer
             files or readable weights.
         NonFiniteWeightsError: A model's weights hold NaN or infinite values.
@@ -394,6 +458,7 @@ def run_eval(
     questions = load_questions(questions_path, config.languages, config.limit)
     if engine_factory is _default_engine:  # another factory gives locations its own meaning
         _check_locations(specs)
+        _check_output_outside_models(specs, output_dir)
     check_writable(output_dir)  # before hours of generation, not after
     scorer = ComplianceScorer()
     results = EvalResults(
@@ -417,6 +482,26 @@ def run_eval(
     log_eval_run(results.to_dict(), paths)
     check_failures(results)
     return results
+
+
+class OutputInsideModelError(ValueError):
+    """``--output-dir`` is, or is inside, a model directory being evaluated."""
+
+
+def _check_output_outside_models(specs: Sequence[ModelSpec], output_dir: str | Path) -> None:
+    """Refuse an output folder inside a model directory: the reports would change the
+    model's content (and its content hash, which names what was evaluated)."""
+    out = Path(output_dir).resolve()
+    for spec in specs:
+        if is_endpoint(spec.location):
+            continue
+        model = Path(spec.location).resolve()
+        if out == model or model in out.parents:
+            raise OutputInsideModelError(
+                f"--output-dir {output_dir} is {'' if out == model else 'inside '}the model "
+                f"directory of {spec.label!r} ({spec.location}): the reports would change the "
+                "model's files; write them elsewhere"
+            )
 
 
 class ModelEvalError(RuntimeError):
@@ -465,6 +550,7 @@ CLI_OPTIONS = {
     "endpoint.request_timeout_s": "--request-timeout",
     "endpoint.run_timeout_s": "--run-timeout",
     "endpoint.max_retries": "--retries",
+    "endpoint.max_reply_bytes": "--max-reply-bytes",
 }
 """``EvalConfig`` fields → the ``lingo eval`` options that set them (for error messages)."""
 
@@ -488,6 +574,7 @@ def run_eval_cli(
     request_timeout_s: float = 300.0,
     run_timeout_s: float | None = 3600.0,
     max_retries: int = 3,
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     concurrency: int = 8,
     api_key_env: str = "OPENAI_API_KEY",
     max_failure_fraction: float = 0.1,
@@ -512,6 +599,7 @@ def run_eval_cli(
         request_timeout_s: Bound on one endpoint request, its retries included.
         run_timeout_s: Bound on all of a model's endpoint requests (``None``: none).
         max_retries: Endpoint retries per request.
+        max_reply_bytes: Largest endpoint reply read; a larger one is that response's failure.
         concurrency: Endpoint requests in flight.
         api_key_env: Environment variable with the endpoint's API key.
         max_failure_fraction: Fail when more responses of a model failed.
@@ -537,6 +625,7 @@ def run_eval_cli(
             "request_timeout_s": request_timeout_s,
             "run_timeout_s": run_timeout_s,
             "max_retries": max_retries,
+            "max_reply_bytes": max_reply_bytes,
             "concurrency": concurrency,
             "api_key_env": api_key_env,
         },

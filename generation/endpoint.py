@@ -7,10 +7,13 @@ all are handled (see ``Generation.parsed``).
 
 Each request is retried on timeouts, connection errors, HTTP 429 and 5xx, with exponential
 backoff (``backoff_s · 2^k``, capped, honouring a numeric ``Retry-After``); other HTTP errors
-and malformed bodies are not retried. Every wait is bounded (``EndpointSettings``): an
-attempt's connect and read timeouts, the request's total (attempts, backoff and reading the
-answer) and the model's whole run. A request that still fails, or that a bound stopped, comes
-back as a ``Generation`` with ``error`` set. At most ``concurrency`` requests are in flight.
+and malformed bodies are not retried; redirects are not followed (a ``307`` to another host
+would send it the question). A reply is read up to ``max_reply_bytes`` and each of its fields
+checked (``read_reply``): a bad reply is that response's failure, never the model's. Every
+wait is bounded (``EndpointSettings``): an attempt's connect and read timeouts, the request's
+total (attempts, backoff and reading the answer) and the model's whole run. A request that
+still fails, or that a bound stopped, comes back as a ``Generation`` with ``error`` set. At
+most ``concurrency`` requests are in flight.
 """
 
 from __future__ import annotations
@@ -20,21 +23,26 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Literal
 
 import requests
 from pydantic import ConfigDict, Field
 
 from core.config_model import ConfigModel
+from core.harmony import neutralize_control_tokens
 from generation.requests import Generation, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+DEFAULT_MAX_REPLY_BYTES = 8 << 20
+"""8 MiB: a chat completion of 100k tokens is well under 1 MiB."""
 
 
 class EndpointSettings(ConfigModel):
@@ -58,6 +66,9 @@ class EndpointSettings(ConfigModel):
         backoff_s: First retry delay; doubles each retry (exponential backoff).
         max_backoff_s: Cap on one delay (also on a server's ``Retry-After``).
         concurrency: Requests in flight at once.
+        max_reply_bytes: Largest reply body read (after decompression); a larger one is that
+            response's failure, read no further (``--max-reply-bytes``), so that a reply
+            cannot take the client's memory (``concurrency`` of them at once at most).
         api_key_env: Environment variable holding the API key (sent as a Bearer token when
             set and non-empty).
         reasoning_effort: Sent as ``reasoning_effort`` when set (vLLM gpt-oss reads it);
@@ -74,6 +85,7 @@ class EndpointSettings(ConfigModel):
     backoff_s: float = Field(1.0, ge=0)
     max_backoff_s: float = Field(30.0, ge=0)
     concurrency: int = Field(8, ge=1)
+    max_reply_bytes: int = Field(DEFAULT_MAX_REPLY_BYTES, ge=1024)
     api_key_env: str = "OPENAI_API_KEY"
     reasoning_effort: Literal["low", "medium", "high"] | None = None
 
@@ -250,30 +262,30 @@ class ChatEndpointEngine:
             headers=self.headers,
             timeout=timeout,
             stream=True,
+            allow_redirects=False,  # a 307 would send the question (and body) to another host
         )
         with contextlib.closing(response):
-            content = _read_by(response, deadline)
-        text = content.decode("utf-8", errors="replace")
+            content = _read_by(response, deadline, self.settings.max_reply_bytes)
         if response.status_code in RETRY_STATUS:
             raise _Retryable(
-                f"HTTP {response.status_code}: {text[:200]}",
+                f"HTTP {response.status_code}: {_excerpt(content)}",
                 _retry_after(response.headers.get("Retry-After")),
             )
         if response.status_code >= 400:
-            raise _Fatal(f"HTTP {response.status_code}: {text[:200]}")
+            raise _Fatal(f"HTTP {response.status_code}: {_excerpt(content)}")
+        if response.status_code != 200:  # 1xx/2xx/3xx other than 200: no completion in it
+            raise _Fatal(f"HTTP {response.status_code} is not a completion: {_excerpt(content)}")
         try:
-            data = json.loads(content)
-            choice = data["choices"][0]
-            message = choice["message"]
-        except (ValueError, KeyError, IndexError, TypeError) as err:
-            raise _Fatal(f"malformed response ({type(err).__name__}): {text[:200]}") from err
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-        usage = data.get("usage") or {}
+            reply = read_reply(json.loads(content))
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as err:
+            raise _Fatal(
+                f"malformed response ({type(err).__name__}: {err}): {_excerpt(content)}"
+            ) from None
         return Generation(
-            text=message.get("content") or "",
-            reasoning=reasoning if isinstance(reasoning, str) else None,
-            finish_reason=choice.get("finish_reason"),
-            completion_tokens=usage.get("completion_tokens"),
+            text=reply.text,
+            reasoning=reply.reasoning,
+            finish_reason=reply.finish_reason,
+            completion_tokens=reply.completion_tokens,
             latency_s=time.perf_counter() - began,
             attempts=attempts,
         )
@@ -282,20 +294,108 @@ class ChatEndpointEngine:
         """Nothing to free (sessions close with their threads)."""
 
 
-def _read_by(response: requests.Response, deadline: float) -> bytes:
+@dataclass(frozen=True)
+class Reply:
+    """What a chat completion says, checked: every field its documented type."""
+
+    text: str
+    reasoning: str | None
+    finish_reason: str | None
+    completion_tokens: int | None
+
+
+def read_reply(data: object) -> Reply:
+    """The one choice of a parsed ``/chat/completions`` body, each field checked.
+
+    A reply is the server's (a model's) text, not structure: lone surrogates (which JSON
+    allows and UTF-8 cannot hold) become U+FFFD; when the server split the reasoning off
+    (``reasoning_content``/``reasoning``), harmony control tokens in the reasoning and the
+    answer are neutralised (``core.harmony.neutralize_control_tokens``), so text cannot
+    forge a channel; without that split, ``content`` is the raw harmony text and its channels
+    are parsed (``Generation.parsed``).
+
+    Raises:
+        TypeError, ValueError, KeyError, IndexError: the body is not a chat completion with
+            exactly one choice (the request asks for ``n = 1``), a string or null
+            ``content``, an object ``usage`` with an integer ``completion_tokens``…; the
+            message names the field.
+    """
+    if not isinstance(data, dict):
+        raise TypeError(f"the body is a JSON {type(data).__name__}, not an object")
+    choices = data["choices"]
+    if not isinstance(choices, list) or len(choices) != 1:
+        shown = f"{len(choices)} choices" if isinstance(choices, list) else type(choices).__name__
+        raise ValueError(f"'choices' holds {shown}; 1 was asked for (n=1)")
+    choice = choices[0]
+    if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
+        raise TypeError("'choices[0].message' is not an object")
+    message = choice["message"]
+    content = _text_field(message, "content")
+    reasoning = _text_field(message, "reasoning_content") or _text_field(message, "reasoning")
+    finish_reason = choice.get("finish_reason")
+    if finish_reason is not None and not isinstance(finish_reason, str):
+        raise TypeError(f"'finish_reason' is a {type(finish_reason).__name__}, not a string")
+    usage = data.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        raise TypeError(f"'usage' is a {type(usage).__name__}, not an object")
+    tokens = (usage or {}).get("completion_tokens")
+    if tokens is not None and (
+        isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+    ):
+        raise TypeError(f"'usage.completion_tokens' is {tokens!r}, not a count")
+    text = _valid_unicode(content or "")
+    if reasoning is not None and reasoning.strip():
+        reasoning = neutralize_control_tokens(_valid_unicode(reasoning))
+        text = neutralize_control_tokens(text)
+    else:
+        reasoning = None
+    return Reply(text, reasoning, finish_reason and _valid_unicode(finish_reason), tokens)
+
+
+def _text_field(message: dict, key: str) -> str | None:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"'message.{key}' is a {type(value).__name__}, not a string")
+    return value
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _valid_unicode(text: str) -> str:
+    """``text`` with lone surrogates replaced by U+FFFD (JSON's ``\\ud800`` is no character)."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _excerpt(content: bytes, limit: int = 200) -> str:
+    """The start of a reply body for an error message: decoded, valid Unicode, one line
+    (an HTML error page's lines joined)."""
+    return " ".join(content[:limit].decode("utf-8", errors="replace").split())
+
+
+def _read_by(response: requests.Response, deadline: float, max_bytes: int) -> bytes:
     """The body of a streamed response, read by ``deadline`` (a server that trickles its
     answer cannot hold a request past its bound; each read also waits at most the read
-    timeout). ``read1`` returns what has arrived, so the deadline is checked as bytes come.
+    timeout) and up to ``max_bytes`` (decompressed). ``read1`` returns what has arrived, so
+    the deadline and the size are checked as bytes come.
 
     Raises:
         requests.Timeout: the deadline or a read timeout passed before the body was whole.
         requests.ConnectionError: the connection broke off.
+        _Fatal: the body is larger than ``max_bytes`` (announced or read).
     """
     import urllib3
 
+    announced = response.headers.get("Content-Length", "")
+    if announced.isdigit() and int(announced) > max_bytes:
+        raise _Fatal(_too_large(f"announced {int(announced):,} bytes", max_bytes))
     chunks = []
+    size = 0
     try:
         while chunk := response.raw.read1(1 << 16, decode_content=True):
+            size += len(chunk)
+            if size > max_bytes:
+                raise _Fatal(_too_large(f"more than {max_bytes:,} bytes", max_bytes))
             chunks.append(chunk)
             if time.monotonic() > deadline:
                 raise requests.Timeout("the answer was still coming in when the bound was reached")
@@ -304,6 +404,13 @@ def _read_by(response: requests.Response, deadline: float) -> bytes:
     except (urllib3.exceptions.ProtocolError, urllib3.exceptions.DecodeError) as err:
         raise requests.ConnectionError(str(err)) from err
     return b"".join(chunks)
+
+
+def _too_large(what: str, max_bytes: int) -> str:
+    return (
+        f"reply too large: {what}, the limit is max_reply_bytes={max_bytes:,} "
+        "(--max-reply-bytes); read no further"
+    )
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -76,18 +76,16 @@ class Generation:
     def parsed(self) -> ParsedResponse:
         """The response split into reasoning and final answer.
 
-        A separately returned reasoning is the analysis channel and ``text`` the answer
-        (unless ``text`` itself carries channels); a ``length`` finish with a final answer
-        marks it truncated.
+        A separately returned reasoning is the analysis channel and ``text`` the answer, as
+        it is: text that looks like a channel marker (``analysis…``, ``assistantfinal``) is
+        words of the answer, never structure; a ``length`` finish with a final answer marks
+        it truncated.
         """
         if self.error is not None:
             return ParsedResponse(ResponseFormat.EMPTY, None, None)
         cut = self.finish_reason == "length"
         if self.reasoning is not None and self.reasoning.strip():
-            inner = parse_response(self.text)
-            if inner.reasoning is not None:  # content also carries channels: trust them
-                return inner
-            final = inner.final if inner.format is not ResponseFormat.EMPTY else None
+            final = self.text.strip() if self.text and self.text.strip() else None
             return ParsedResponse(
                 ResponseFormat.HARMONY,
                 reasoning=self.reasoning.strip(),

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from core.errors import describe_error
-from core.redact import configure_logging, redact
+from core.redact import configure_logging, for_console
 from pipelines.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -89,8 +89,9 @@ _options = _GlobalOptions()
 
 
 def echo(text: str, err: bool = False) -> None:
-    """Print a line, credentials redacted (``core.redact``): what every command prints."""
-    typer.echo(redact(text), err=err)
+    """Print a line, credentials redacted and terminal controls escaped (``core.redact``):
+    what every command prints."""
+    typer.echo(for_console(text), err=err)
 
 
 def clear_errors(command: Callable) -> Callable:
@@ -321,6 +322,12 @@ def eval_cmd(
         float, typer.Option(help="Endpoints: bound on all of one model's requests (s).")
     ] = 3600.0,
     retries: Annotated[int, typer.Option(help="Endpoints: retries of a failed request.")] = 3,
+    max_reply_bytes: Annotated[
+        int,
+        typer.Option(
+            help="Endpoints: largest reply read (bytes); a larger one is that response's failure."
+        ),
+    ] = 8 << 20,
 ) -> None:
     """Run the 50-question multilingual eval on one or more models; writes results.json and
     the Markdown/HTML reports. Every wait on an endpoint is bounded (--timeout,
@@ -340,6 +347,7 @@ def eval_cmd(
         request_timeout_s=request_timeout,
         run_timeout_s=run_timeout,
         max_retries=retries,
+        max_reply_bytes=max_reply_bytes,
     )
     echo(f"report: {report}")
     echo(headline(Path(report).parent / "results.json"))

@@ -25,6 +25,7 @@ def configure(
     grpo_prompts_per_step: int,
     eval_samples: int,
     gate_margin: float,
+    force: bool,
     overrides: str = "",
     job_platform: str = "",
     backend: Optional[str] = None,  # noqa: UP045 (KFP reads Optional[...]); both branches only

@@ -12,7 +12,9 @@ output and banners (about 1,650 lines for the demo). While a ``QuietConsole`` is
   (``pipelines.step_processes``);
 - the console gets one line when a step starts and one when it ends (status, seconds); a
   failing step's last output lines are printed below its line, and ``LocalStepFailedError``
-  names the step and the log.
+  names the step and the log;
+- a step's decision (an output line holding ``decision | ``: the data check's, the gate's) is
+  printed on the console too, one line each.
 
 It hooks into kfp.local at two points (kfp 2.17): the root logger (a filter that takes its
 records) and ``subprocess_task_handler.run_local_subprocess`` (the function that runs a task's
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import TextIO
 
 from core.redact import redact
+from eval.gate import DECISION_PREFIX
 from pipelines.step_processes import StepProcesses
 
 TRAINING_BARS = ("sft", "grpo")
@@ -200,6 +203,8 @@ class QuietConsole:
             self._bar_width = len(bar.group(0))
             if end == "\n" and not piece[bar.end() :].strip():  # tqdm closed the bar
                 self._end_bar()
+        if end == "\n" and (at := piece.find(DECISION_PREFIX)) >= 0:
+            self._say(f"          {piece[at:]}")  # the data check's and the gate's decision
         if piece.strip() and end == "\n":
             self._tail.append(piece)
             if piece.startswith(_TRACEBACK):

@@ -263,7 +263,17 @@ def tracking_summary(result: LocalRunResult, gate: GateConfig) -> list[str]:
             f"gate: {decision}: registered model '{gate.registered_model}' version {registered}"
             f" ({gate.alias} → version {aliases.get(gate.alias, '-')})"
         )
+    elif _data_check(result.run_dir) == "unchanged data":
+        lines.append("data: unchanged data (the champion's fingerprint): nothing trained")
     else:
         lines.append(f"gate: {decision}, nothing registered (why: {result.run_dir / 'gate'})")
     lines.append(f"open it: {mlflow_ui_command(uri)} (then http://127.0.0.1:5000)")
     return lines
+
+
+def _data_check(run_dir: Path) -> str | None:
+    """The data check's verdict in a local run (``retrain``, ``unchanged data``), if it ran."""
+    path = run_dir / "data-check" / "executor_output.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["parameterValues"]["Output"]

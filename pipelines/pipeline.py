@@ -12,8 +12,8 @@ import inspect
 
 from kfp import dsl
 
-from components.data_prep import data_prep
-from components.evaluate import evaluate, gate, register
+from components.data_prep import data_check, data_prep
+from components.evaluate import champion, evaluate, gate, register
 from components.grpo import grpo, grpo_megatron
 from components.images import CPU_IMAGE, GPU_IMAGE, MEGATRON_IMAGE
 from components.megatron import convert_megatron, export_hf
@@ -33,7 +33,7 @@ from pipelines.run_form import (
 PIPELINE_NAME = "lingo-rl"
 DESCRIPTION = (
     "GRPO post-training of gpt-oss to reason and answer in the user's language: "
-    "data prep → SFT → GRPO → eval."
+    "data prep → (new data?) SFT → GRPO → eval with the champion → gate → register, publish."
 )
 IMAGES = {"cpu_image": CPU_IMAGE, "gpu_image": GPU_IMAGE, "megatron_image": MEGATRON_IMAGE}
 """Each image parameter's default: the image ``components.images`` names (at compile time)."""
@@ -103,42 +103,10 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
             platform(task, name)
             return task
 
-        cleanup = finalize(
-            pipeline_run_id=run_id,
-            mlflow_tracking_uri=p["mlflow_tracking_uri"],
-            mlflow_experiment=p["mlflow_experiment"],
-            delete_jobs=settings.training_jobs,
-        )
-        step(cleanup, "finalize: jobs, MLflow run", "finalize")
-        with dsl.ExitHandler(cleanup, name="lingo-rl"):
-            configured = configure(
-                preset=carried,
-                overrides=p["overrides"],
-                job_platform=job_platform_json(settings),
-                **{name: p[name] for name in fields},
-            )
-            step(configured, "run config: the form on the preset", "configure")
-            config = configured.outputs
-            # the run as the pipeline run records it and as the capacity check estimates it
-            run = dict(
-                hardware=config["hardware"], sft_config=config["sft"], grpo_config=config["grpo"]
-            )
-            tracking = start_tracking(
-                pipeline_run_id=run_id,
-                pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
-                data_source=config["data_source"],
-                model_source=config["model_source"],
-                **run,
-                mlflow_tracking_uri=p["mlflow_tracking_uri"],
-                mlflow_experiment=p["mlflow_experiment"],
-            )
-            step(tracking, "MLflow run", "start-tracking")
-            # each step's MLflow run nests under the pipeline's
-            tracked = dict(
-                mlflow_tracking_uri=p["mlflow_tracking_uri"],
-                mlflow_parent_run_id=tracking.output,
-            )
-            prep = step(data_prep(config=config["data_prep"], **tracked), "data prep", "data-prep")
+        def train_and_promote(config, prep, fingerprint, run, tracked) -> None:
+            """Everything after data prep, run only on new data (or ``force``): base model,
+            capacity check, SFT, GRPO, the eval with the champion, the gate; register and
+            publish on promote."""
             base = step(
                 base_model(source=config["model_source"], tiny_config=config["tiny_config"]),
                 "base model",
@@ -186,17 +154,21 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
                 evaluate_and_promote(exported.outputs["model"])
 
             def evaluate_and_promote(policy_model) -> None:
-                """eval → gate → on promote: register, publish, deploy; in each backend's
-                branch (kfp.local 2.17 cannot resolve a dsl.OneOf of artifacts, so the
-                branches do not merge)."""
+                """champion → eval → gate → on promote register, then publish and deploy:
+                in each backend's branch (kfp.local 2.17 cannot resolve a dsl.OneOf of
+                artifacts, so the branches do not merge)."""
+                held = champion(config=config["gate"], mlflow_tracking_uri=p["mlflow_tracking_uri"])
+                step(held, "champion from the registry", "champion")
+                held.set_caching_options(False)  # the alias moves
                 evaluation = evaluate(
                     base_model=base.outputs["model"],
                     sft_model=tuned.outputs["model"],
                     grpo_model=policy_model,
+                    champion_model=held.outputs["model"],
                     config=config["eval"],
                     **tracked,
                 )
-                step(evaluation, "eval: base vs SFT vs GRPO", "evaluate")
+                step(evaluation, "eval: base vs SFT vs GRPO vs champion", "evaluate")
                 results = evaluation.outputs["results"]
                 decision = gate(
                     results=results, grpo_model=policy_model, config=config["gate"], **tracked
@@ -204,7 +176,11 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
                 step(decision, "promotion gate", "gate")
                 with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
                     registered = register(
-                        results=results, grpo_model=policy_model, config=config["gate"], **tracked
+                        results=results,
+                        grpo_model=policy_model,
+                        config=config["gate"],
+                        data_fingerprint=fingerprint,
+                        **tracked,
                     )
                     step(registered, "register champion", "register")
                     with dsl.If(p["export_uri"] != "", name="export-to-object-storage"):
@@ -215,14 +191,14 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
                             export_uri=p["export_uri"],
                             pipeline_run_id=run_id,
                         )
-                        step(published, "publish to object storage", "publish")
+                        step(published, "publish to object storage", "publish").after(registered)
                         if preset.serving.enabled:  # the champion on KServe (cluster/serving.py)
                             served = deploy(
                                 published_prefix=published.output,
                                 config=config["serving"],
                                 pipeline_run_id=run_id,
                             )
-                            step(served, "serve the champion (KServe)", "deploy").after(registered)
+                            step(served, "serve the champion (KServe)", "deploy")
 
             grpo_inputs = dict(  # the same GRPO inputs on both branches
                 sft_model=tuned.outputs["model"],
@@ -258,6 +234,54 @@ def build_pipeline(preset: Preset, platform_settings: ClusterSettings | None = N
                     grpo_on_hf_weights()
                 with dsl.Else(name="grpo-on-megatron"):
                     grpo_on_megatron()
+
+        cleanup = finalize(
+            pipeline_run_id=run_id,
+            mlflow_tracking_uri=p["mlflow_tracking_uri"],
+            mlflow_experiment=p["mlflow_experiment"],
+            delete_jobs=settings.training_jobs,
+        )
+        step(cleanup, "finalize: jobs, MLflow run", "finalize")
+        with dsl.ExitHandler(cleanup, name="lingo-rl"):
+            configured = configure(
+                preset=carried,
+                overrides=p["overrides"],
+                job_platform=job_platform_json(settings),
+                **{name: p[name] for name in fields},
+            )
+            step(configured, "run config: the form on the preset", "configure")
+            config = configured.outputs
+            # the run as the pipeline run records it and as the capacity check estimates it
+            run = dict(
+                hardware=config["hardware"], sft_config=config["sft"], grpo_config=config["grpo"]
+            )
+            tracking = start_tracking(
+                pipeline_run_id=run_id,
+                pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
+                data_source=config["data_source"],
+                model_source=config["model_source"],
+                **run,
+                mlflow_tracking_uri=p["mlflow_tracking_uri"],
+                mlflow_experiment=p["mlflow_experiment"],
+            )
+            step(tracking, "MLflow run", "start-tracking")
+            # each step's MLflow run nests under the pipeline's
+            tracked = dict(
+                mlflow_tracking_uri=p["mlflow_tracking_uri"],
+                mlflow_parent_run_id=tracking.output,
+            )
+            prep = step(data_prep(config=config["data_prep"], **tracked), "data prep", "data-prep")
+            prep.set_caching_options(False)  # its source can change under the same name
+            fingerprint = prep.outputs["Output"]
+            checked = data_check(
+                data_fingerprint=fingerprint,
+                gate_config=config["gate"],
+                mlflow_tracking_uri=p["mlflow_tracking_uri"],
+            )
+            step(checked, "new data? (fingerprint vs champion)", "data-check")
+            checked.set_caching_options(False)  # the champion's alias moves
+            with dsl.If(checked.outputs["Output"] == "retrain", name="new-data"):
+                train_and_promote(config, prep, fingerprint, run, tracked)
 
     signature = inspect.Signature(pipeline_parameters(preset))
 

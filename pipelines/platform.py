@@ -27,12 +27,14 @@ STEPS = (
     "configure",
     "start-tracking",
     "data-prep",
+    "data-check",
     "base-model",
     "capacity-check",
     "sft",
     "grpo",
     "convert-megatron",
     "export-hf",
+    "champion",
     "evaluate",
     "gate",
     "register",
@@ -295,12 +297,19 @@ DEFAULT_SECRETS = (
 GPU_STEPS = ("sft", "grpo", "convert-megatron", "export-hf", "evaluate")
 JOB_STEPS = ("sft", "grpo")
 """Steps that can run their training as a job (TrainJob or PyTorchJob)."""
-NETWORK_STEPS = ("start-tracking", "data-prep", "base-model", "evaluate", "register", "publish")
-# data prep and the capacity check are pure functions of their inputs; training, eval, the
-# gate (reads the current champion) and register (side effects) always run
+NETWORK_STEPS = (
+    "start-tracking", "data-prep", "data-check", "base-model", "champion", "evaluate",
+    "register", "publish",
+)  # fmt: skip
+# the capacity check is a pure function of its inputs; data prep reads a source that can
+# change under the same name (a hub id, an S3 prefix, a folder), the data check and the
+# champion read the registry's alias, training, eval, the gate (reads the current champion)
+# and register (side effects): these always run
 CLUSTER_CACHING = {
     "configure": True,
-    "data-prep": True,
+    "data-prep": False,
+    "data-check": False,
+    "champion": False,
     "capacity-check": True,
     "base-model": False,
     "sft": False,

@@ -92,6 +92,12 @@ FORM_FIELDS: tuple[FormField, ...] = (
         "for the model to be registered as champion.",
     ),
     FormField(
+        "force",
+        "gate.force",
+        "Retrain even when the data fingerprint equals the champion's (otherwise such a run "
+        "ends after data prep as 'unchanged data').",
+    ),
+    FormField(
         "backend",
         "backend",
         "GRPO branch: 'hf' trains the HF weights (grpo.optim.backend: torch or deepspeed); "

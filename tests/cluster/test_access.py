@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kube_emulator import kube_emulator
+from tests_helpers_cluster import DEDICATED_GRPO
 
 from cluster.access import (
     Access,
@@ -37,14 +38,6 @@ from trainer.grpo.config import GRPOConfig
 NAMESPACE = "team"
 RUN_ID = "3f1c2a9e-5b7d-4e0f-9a31-0c6f2d8e4b17"
 DSPO_ROLE = Path(__file__).parent / "fixtures" / "dspo_role_pipeline-runner.yaml"
-TWO_IMAGE_GRPO = {
-    "nproc": 16,
-    "prompts_per_step": 32,
-    "mini_batch_size": 256,
-    "micro_batch_size": 1,
-    "optim": {"backend": "deepspeed"},
-    "rollout": {"engine": "vllm", "colocate": False, "num_engines": 2, "tensor_parallel_size": 4},
-}
 
 
 def _dspo_rules() -> list[dict]:
@@ -122,7 +115,7 @@ def test_a_two_image_step_stops_before_it_stages_or_creates_anything(tmp_path, d
     """GRPO with Megatron trainers beside vLLM engines creates its own TrainingRuntime: a
     service account that may not is told so before a file is staged or an object created."""
     job = StepJob(
-        "grpo", "trainer.grpo", GRPOConfig.model_validate(TWO_IMAGE_GRPO), "sft-model",
+        "grpo", "trainer.grpo", GRPOConfig.model_validate(DEDICATED_GRPO), "sft-model",
         tmp_path / "m", tmp_path / "t", None,
     )  # fmt: skip
     execution = ExecutionConfig(

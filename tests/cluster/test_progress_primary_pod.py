@@ -30,6 +30,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kube_emulator import trainer_jobset
+from tests_helpers_cluster import DEDICATED_GRPO
 
 import cluster.trainjob
 from cluster.config import ClusterJobConfig, ExecutionConfig
@@ -45,14 +46,6 @@ JOBSET = "jobset.sigs.k8s.io/jobset-name"
 JOB_INDEX = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
-GRPO = {
-    "nproc": 16,
-    "prompts_per_step": 32,
-    "mini_batch_size": 256,
-    "micro_batch_size": 1,
-    "optim": {"backend": "deepspeed"},
-    "rollout": {"engine": "vllm", "colocate": False, "num_engines": 2, "tensor_parallel_size": 4},
-}
 
 
 def odh_primary_pod(pods: list[dict], job: str) -> dict | None:
@@ -92,7 +85,7 @@ def jobset_pods(jobset: dict, suffix) -> list[dict]:
 
 
 def _two_image_jobset(run_id: str = RUN_ID) -> dict:
-    config = GRPOConfig.model_validate(GRPO)
+    config = GRPOConfig.model_validate(DEDICATED_GRPO)
     job = StepJob("grpo", "trainer.grpo", config, "sft-model", "m", "t", "e")
     execution = ExecutionConfig(
         mode="job", reference="g5.12xlarge", job={"nodes": 6, "namespace": NAMESPACE}

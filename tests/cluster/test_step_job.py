@@ -25,6 +25,7 @@ import time
 import pytest
 from kube_emulator import SERVED_JOB_APIS, kube_emulator, trainer_jobset
 from kubernetes import client as k8s
+from tests_helpers_cluster import DEDICATED_GRPO
 
 import cluster.launcher
 from cluster.config import ExecutionConfig, JobLaunch
@@ -321,16 +322,7 @@ def test_a_grpo_job_counts_the_rollout_only_processes(kind, tmp_path, tiny_model
     from trainer.grpo.config import GRPOConfig
 
     cluster = _execution(tmp_path, nodes=6, gpus_per_node=4).cluster_job("img:1", NAMESPACE)
-    dedicated = {"colocate": False, "num_engines": 2, "tensor_parallel_size": 4}
-    grpo = {
-        "nproc": 16,
-        "prompts_per_step": 32,
-        "mini_batch_size": 256,
-        "micro_batch_size": 1,
-        "optim": {"backend": "deepspeed"},
-        "rollout": {"engine": "vllm", **dedicated},
-    }
-    cfg = GRPOConfig.model_validate(grpo)
+    cfg = GRPOConfig.model_validate(DEDICATED_GRPO)
     job = StepJob("grpo", "trainer.grpo", cfg, "sft-model", tiny_model_dir, "t", "e")
     spec = build_step_manifest(job, cluster, RUN_ID, [], kind)["spec"]
     if kind is TRAINJOB:
@@ -338,7 +330,9 @@ def test_a_grpo_job_counts_the_rollout_only_processes(kind, tmp_path, tiny_model
     else:
         assert spec["nprocPerNode"] == "4"
         assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 5
-    wrong = GRPOConfig.model_validate({**grpo, "rollout": {**grpo["rollout"], "num_engines": 1}})
+    wrong = GRPOConfig.model_validate(
+        {**DEDICATED_GRPO, "rollout": {**DEDICATED_GRPO["rollout"], "num_engines": 1}}
+    )
     job = StepJob("grpo", "trainer.grpo", wrong, "sft-model", tiny_model_dir, "t", "e")
     with pytest.raises(ValueError, match=r"nproc=16 \+ 4 rollout-only processes but"):
         build_step_manifest(job, cluster, RUN_ID, [], kind)

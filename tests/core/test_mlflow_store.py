@@ -7,15 +7,13 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import signal
 import subprocess
-import time
 import tomllib
 import urllib.request
 from pathlib import Path
 
-import pytest
 from conftest import free_port
+from mlflow_server import stop, wait_healthy
 
 from core import tracking
 
@@ -70,15 +68,7 @@ def test_the_printed_command_opens_the_store_in_the_full_mlflow(tmp_path, monkey
         )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"mlflow ui did not start:\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.5)
+        wait_healthy(url, proc, log_path)
         request = urllib.request.Request(
             f"{url}/api/2.0/mlflow/experiments/search",
             data=json.dumps({"max_results": 10}).encode(),
@@ -89,8 +79,4 @@ def test_the_printed_command_opens_the_store_in_the_full_mlflow(tmp_path, monkey
         assert tracking.DEFAULT_EXPERIMENT in names
         assert "out-of-date database schema" not in log_path.read_text()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)

@@ -10,12 +10,14 @@ stderr, every file under its output folder (results, reports, logs).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from chat_server import chat_server, completion
 from hypothesis import given
 from hypothesis import strategies as st
@@ -177,3 +179,109 @@ def test_a_local_run_prints_and_logs_no_secret(tmp_path):
     files = _files(tmp_path)
     assert any(name.endswith(".log") for name in files)
     assert not _leaks(result.stdout, result.stderr, *files.values())
+
+
+# -- issue #44 item 1: a password in an endpoint URL without a label -----------------------------
+
+
+def test_a_label_made_from_a_url_never_holds_its_password():
+    # on d393f04 the label of 'http://u:PW@127.0.0.1:1/v1#m' was 'u:PW@127.0.0.1:1': printed
+    # in the error line, written to report.md/html and results.json, and an MLflow param key
+    from eval.runner import ModelSpec
+
+    spec = ModelSpec.parse(f"http://dave:{PASSWORD}@127.0.0.1:8000/v1#m")
+    assert (spec.label, spec.served_model) == ("127.0.0.1:8000", "m")
+    assert ModelSpec.parse(f"https://{PASSWORD}@vllm:443/v1").label == "vllm:443"
+
+
+def test_user_and_password_without_a_scheme_are_redacted():
+    from core.redact import redact
+
+    assert redact("error: u:PW1@127.0.0.1:1: 1/1 failed") == "error: u:***@127.0.0.1:1: 1/1 failed"
+    assert redact('key "model.dave:p@ss@h:18095"') == 'key "model.dave:***@h:18095"'
+    assert redact("mail john@example.com at 12:30") == "mail john@example.com at 12:30"
+    assert redact("ssh://git@github.com/x") == "ssh://git@github.com/x"
+
+
+def test_mlflow_keys_made_from_labels_are_valid():
+    from mlflow.utils.validation import _validate_metric_name, _validate_param_name
+
+    from eval.report import mlflow_label
+
+    for label in ["127.0.0.1:8000", "a@b", "..", ".hidden", "sft v2", "x/y", "é"]:
+        key = mlflow_label(label)
+        _validate_param_name(f"model.{key}")
+        _validate_metric_name(f"{key}/mean_reward")
+    assert mlflow_label("gpt-oss-20b.v2") == "gpt-oss-20b.v2"
+
+
+def test_the_models_words_are_not_redacted_in_the_results(tmp_path):
+    # issue #44 item 9: on d393f04 results.json's "the bearer of good news" became
+    # "the bearer ***": redaction is for what the project says, not for the model's text
+    from eval.eval_config import EvalConfig
+    from eval.report import load_results
+    from eval.runner import run_eval
+
+    text = "He was the bearer of good news: password=hunter2 is what he said."
+    answer = completion({"content": text, "reasoning_content": "Je calcule."})
+    with chat_server(lambda body: (200, answer, {}, 0.0), ["m"]) as server:
+        url = f"http://dave:{PASSWORD}@127.0.0.1:{server.server_port}/v1#m"
+        run_eval([url], EvalConfig(limit=1), tmp_path)
+    written = load_results(tmp_path)
+    assert written["responses"][0]["final"] == text
+    assert written["models"][0]["location"].startswith("http://dave:***@127.0.0.1")
+    assert "bearer of good news" in (tmp_path / "report.md").read_text()
+
+
+def test_terminal_controls_are_escaped_in_what_the_project_prints():
+    from core.redact import for_console
+
+    assert for_console("HTTP 400: \x1b[2J\x1b[31mPWNED\r") == "HTTP 400: \\x1b[2J\\x1b[31mPWNED\\r"
+    assert for_console("a\tb\nc \u202eevil é") == "a\tb\nc \\u202eevil é"
+
+
+@pytest.mark.slow  # the CLI in its own process and an MLflow sqlite store: ~60 s
+def test_lingo_eval_with_a_password_and_mlflow_leaks_nothing_and_prints_no_escape(tmp_path):
+    # issue #44 item 1 end to end (and item 9's ANSI escapes and model text): on d393f04 the
+    # error line, report.md, report.html and results.json held the password, and with
+    # MLFLOW_TRACKING_URI set a 76-line traceback printed it three times
+    text = "La réponse est 168. He was the bearer of good news."
+    answer = completion({"content": text, "reasoning_content": "Je calcule 35 % de 480."})
+    calls = {"n": 0}
+
+    def reply(body):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            return (400, "\x1b[2J\x1b[31mPWNED\x1b[0m", {}, 0.0)
+        return (200, answer, {}, 0.0)
+
+    out, db = tmp_path / "out", tmp_path / "mlflow.db"
+    env = {**os.environ, **PLANTED, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
+    with chat_server(reply, ["m"]) as server:
+        url = f"http://dave:{PASSWORD}@127.0.0.1:{server.server_port}/v1#m"
+        args = ["eval", "-m", url, "--limit", "2", "--retries", "0", "-o", str(out)]
+        result = subprocess.run(
+            [sys.executable, "-m", "pipelines", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    label = f"127.0.0.1:{server.server_port}"
+    assert result.returncode == 1  # 1 of 2 responses failed: past the 10% threshold
+    assert result.stderr.splitlines()[-1].startswith(f"error: {label}: 1/2 responses failed")
+    assert "Traceback" not in result.stderr and "\x1b" not in result.stdout + result.stderr
+    assert "\\x1b[2J" in result.stderr  # shown, escaped, not obeyed
+    files = _files(out)
+    assert not _leaks(
+        result.stdout, result.stderr, *files.values(), db.read_bytes().decode("latin-1")
+    )
+    results = json.loads(files[str(out / "results.json")])
+    assert results["models"][0]["label"] == label
+    assert [r["final"] for r in results["responses"] if not r["error"]] == [text]
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert run.data.params[f"model.127.0.0.1_{server.server_port}"].startswith("http://dave:***@")

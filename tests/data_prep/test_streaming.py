@@ -26,12 +26,13 @@ OUTPUTS = ("train.jsonl", "eval.jsonl", "quarantine.jsonl", "card.md")
 # "Combien font 3/4 de 120 ?" (were undetermined, so the answer language came from the
 # reference answer) now get the user's language. train.jsonl and eval.jsonl changed again when
 # the prompt convention started naming the answer language always (core.harmony.task_prompt),
-# and all four when the bundled sample gained rows_in_language.jsonl (and lost 5 rows).
+# and all four when the bundled sample gained rows_in_language.jsonl (and lost 5 rows);
+# card.md when it started recording the data fingerprint (issue 41).
 EXPECTED_SHA256 = {
     "train.jsonl": "31f1374f120c86d53c73012ba09a6bf87842ce4ee87cfbd1fca1e501f590d359",
     "eval.jsonl": "c8b8f94b68e6f57d29bb0f63d1e50af80e955d1eeddb1f4a11f9c9833fdfd708",
     "quarantine.jsonl": "2cc8231593130647a8ebe9d59d8b47f17bd8f79c4705b6364ab030659eb74dee",
-    "card.md": "17c74b9ff18aa42beedd05a419c2677c664d42cecd34a8b93149a195aa1d1255",
+    "card.md": "fd641dce77f2b0ef6d77afe45902d6073084eaa502f60b89b28b18f8897e6f98",
 }
 
 

@@ -1,5 +1,5 @@
 import pytest
-from conftest import make_row
+from conftest import TEXTS, make_row
 
 from data_prep import validate as v
 
@@ -13,7 +13,7 @@ def _reason(row):
 
 
 def test_valid_row_is_normalized():
-    row = make_row("Français", developer="  Be kind.  ")
+    row = make_row("Français", developer="  Be kind.  ", analysis=TEXTS["French"][0])
     row["messages"][0]["content"] = "reasoning language: Français\n\nBe kind."
     result = v.validate_row(row, LIMIT)
     assert isinstance(result, v.ValidRow)

@@ -10,29 +10,56 @@ import pytest
 from kfp import dsl
 from mlflow_server import mlflow_server
 
+from components.evaluate import champion as champion_component
 from components.evaluate import evaluate, gate, register
-from eval.eval_metrics import Outcome, summarize
-from eval.gate import Decision, GateConfig, apply_gate, decide, evaluate_gate
-from eval.registry import RegisteredVersion, content_sha256
+from eval.eval_metrics import Outcome, response_values, summarize
+from eval.gate import (
+    RETRAIN,
+    UNCHANGED_DATA,
+    Decision,
+    EvalFooting,
+    GateConfig,
+    apply_gate,
+    check_data,
+    data_decision,
+    decide,
+    evaluate_gate,
+)
+from eval.paired import paired_bootstrap
+from eval.registry import RegisteredVersion, aliased_version, content_sha256
 from eval.report import json_safe
 from trainer.tiny_model import SMALLEST, build_tiny_model
 
 METRIC = "both_language_accuracy"
 
 
-def model_results(**accuracies: float) -> dict:
-    """results.json content where model ``label`` has the given both-language accuracy."""
-    models = []
+def model_results(questions: int = 40, limit: int | None = None, **accuracies: float) -> dict:
+    """results.json content where model ``label`` answers the first ``accuracy × questions``
+    questions right (both languages) and the rest wrong, one sample each."""
+    models, responses = [], []
     for label, accuracy in accuracies.items():
-        hits = round(accuracy * 20)
+        hits = round(accuracy * questions)
         outcomes = [
             Outcome(
                 "en", reasoning_ok=i < hits, answer_ok=i < hits, reward=0.0, real_word_share=0.9
             )
-            for i in range(20)
+            for i in range(questions)
         ]
         models.append({"label": label, "summary": summarize(outcomes).to_dict()})
-    data = {"models": models, "questions_sha256": "q" * 64, "created_at": "2026-01-01T00:00:00"}
+        responses += [
+            {"model": label, "id": f"q{i}", "sample": 0, "values": response_values(o)}
+            for i, o in enumerate(outcomes)
+        ]
+    sampling = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512, "seed": 0, "n": 1}
+    data = {
+        "models": models,
+        "responses": responses,
+        "questions": questions,
+        "questions_sha256": "q" * 64,
+        "config": {"limit": limit, "languages": None, "persona": "p", "reasoning_effort": "low"},
+        "sampling": sampling,
+        "created_at": "2026-01-01T00:00:00",
+    }
     return json.loads(json.dumps(json_safe(data)))
 
 
@@ -44,9 +71,15 @@ def model_dir(root: Path, name: str, weights: bytes) -> Path:
     return path
 
 
-def champion(version: str, value: float | None, sha: str = "c" * 64) -> RegisteredVersion:
+FULL = EvalFooting.of(model_results(grpo=0.5))
+"""The footing of a full eval (40 questions, no limit)."""
+
+
+def champion(
+    version: str, value: float | None, sha: str = "c" * 64, footing: str | None = FULL.sha256
+) -> RegisteredVersion:
     metrics = {} if value is None else {METRIC: value}
-    return RegisteredVersion(version, sha, metrics, "mlflow-artifacts:/x")
+    return RegisteredVersion(version, sha, metrics, "mlflow-artifacts:/x", footing, "full")
 
 
 # -- the rule --------------------------------------------------------------------------------
@@ -59,9 +92,6 @@ def champion(version: str, value: float | None, sha: str = "c" * 64) -> Register
         (0.40, None, 0.40, 0.0, Decision.KEEP, "sft"),  # a tie is not a win
         (0.45, None, 0.40, 0.05, Decision.KEEP, "sft"),  # must exceed the margin
         (0.46, None, 0.40, 0.05, Decision.PROMOTE, "sft"),
-        (0.70, champion("3", 0.60), 0.40, 0.0, Decision.PROMOTE, "champion v3"),
-        (0.55, champion("3", 0.60), 0.40, 0.0, Decision.KEEP, "champion v3"),
-        (0.90, champion("3", None), 0.40, 0.0, Decision.KEEP, "champion v3"),  # no value stored
         (0.30, None, None, 0.0, Decision.PROMOTE, "none"),  # nothing to compare with
     ],
 )
@@ -72,6 +102,66 @@ def test_decide(candidate, champ, baseline, margin, expected, reference):
     )
     assert (result.decision, result.reference) == (expected, reference)
     assert result.candidate_value == candidate
+
+
+@pytest.mark.parametrize(
+    ("differences", "margin", "expected"),
+    [
+        ([0.5] * 30 + [0.0] * 10, 0.0, Decision.PROMOTE),  # better on most questions
+        ([0.0] * 40, 0.0, Decision.KEEP),  # the same on every question
+        ([1.0, -1.0] * 20, 0.0, Decision.KEEP),  # equal on average
+        ([1.0] * 3 + [0.0] * 37, 0.0, Decision.KEEP),  # +0.075, but from 3 questions
+        ([0.2] * 40, 0.25, Decision.KEEP),  # sure, but below the margin
+    ],
+)
+def test_decide_against_the_champion_is_the_paired_test(differences, margin, expected):
+    paired = paired_bootstrap(differences, 0.95, margin)
+    config = GateConfig(margin=margin)
+    result = decide(
+        config, {METRIC: 0.7}, champion("3", 0.6), {METRIC: 0.1}, "a" * 64, paired, FULL,
+        {METRIC: 0.6},
+    )  # fmt: skip
+    assert (result.decision, result.reference) == (expected, "champion v3")
+    assert result.reason.startswith("paired bootstrap over 40 questions")
+    assert "questions detect a true difference of +0.10 with power 80%" in result.power
+
+
+def test_decide_refuses_when_the_champion_is_not_on_the_same_footing():
+    """The exploit of issue 41: a champion at 0.848 on the full eval, a candidate at 1.0 on
+    `--set eval.limit=1`: refused by the footing, whatever the scores."""
+    limited = EvalFooting.of(model_results(questions=1, limit=1, grpo=1.0))
+    paired = paired_bootstrap([1.0], 0.95)
+    args = ({METRIC: 1.0}, champion("1", 0.848), None, "a" * 64, paired)
+    result = decide(GateConfig(), *args, limited, {METRIC: 0.0})
+    assert result.decision is Decision.REFUSED
+    assert result.reason.startswith("refused to compare: this eval (1 questions (limit 1)")
+    assert "is not the footing champion v1 was promoted on (full)" in result.reason
+    other_sampling = model_results(grpo=0.5)
+    other_sampling["sampling"]["temperature"] = 1.0
+    result = decide(GateConfig(), *args, EvalFooting.of(other_sampling), {METRIC: 0.0})
+    assert result.decision is Decision.REFUSED
+    old = champion("1", 0.8, footing=None)  # promoted before footings were recorded
+    result = decide(GateConfig(), {METRIC: 1.0}, old, None, "a" * 64, paired, FULL, {})
+    assert (result.decision, "no recorded eval footing" in result.reason) == (
+        Decision.REFUSED, True,
+    )  # fmt: skip
+    unevaluated = decide(GateConfig(), {METRIC: 1.0}, champion("1", 0.8), None, "a", None, FULL)
+    assert unevaluated.decision is Decision.REFUSED
+    assert "was not evaluated in this run" in unevaluated.reason
+
+
+def test_data_decision():
+    config = GateConfig()
+    held = RegisteredVersion("2", "c", {}, "x", FULL.sha256, "full", data_fingerprint="f" * 64)
+    assert data_decision("f" * 64, held, config) == (
+        UNCHANGED_DATA,
+        "data fingerprint ffffffffffff equals champion v2's: SFT, GRPO and the eval do not run "
+        "(set force to retrain)",
+    )
+    assert data_decision("f" * 64, held, GateConfig(force=True))[0] == RETRAIN
+    assert data_decision("e" * 64, held, config)[0] == RETRAIN
+    assert data_decision("unknown", held, config)[0] == RETRAIN  # a hub revision not pinned
+    assert data_decision("f" * 64, None, config)[0] == RETRAIN
 
 
 def test_decide_same_content_as_champion_is_unchanged():
@@ -94,6 +184,26 @@ def test_gate_config_rejects_unknown_or_lower_is_better_metrics():
         GateConfig(metric="loop_rate")  # lower is better too
     with pytest.raises(ValueError, match="gate metric"):
         GateConfig(metric="accuracy")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("confidence", 1.0), ("confidence", 0.3), ("power", 0.0), ("effect", 0.0),
+     ("resamples", 10), ("champion_label", "")],
+)  # fmt: skip
+def test_gate_config_rejects_bad_test_settings_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        GateConfig(**{field: value})
+
+
+def test_the_decision_line_carries_the_power_figure():
+    paired = paired_bootstrap([0.5, 0.0] * 20, 0.95)
+    result = decide(
+        GateConfig(), {METRIC: 0.7}, champion("3", 0.6), None, "a", paired, FULL, {METRIC: 0.6}
+    )
+    line = result.line()
+    assert line.startswith("decision | gate: promote | paired bootstrap over 40 questions")
+    assert line.count("\n") == 0 and " | power: " in line and "these 40 detect +" in line
 
 
 def test_content_hash_follows_content_and_names(tmp_path):
@@ -184,28 +294,33 @@ def _alias(name: str) -> str | None:
 
 def test_gate_lifecycle_on_a_real_registry(tracking, tmp_path):
     import mlflow
+    from mlflow import MlflowClient
 
     config = GateConfig(registered_model="lifecycle", margin=0.02)
     first = model_dir(tmp_path, "first", b"weights-1")
     worse = model_dir(tmp_path, "worse", b"weights-2")
     better = model_dir(tmp_path, "better", b"weights-3")
 
-    # 1. no champion: the first model beats SFT and becomes champion
-    result = apply_gate(model_results(sft=0.40, grpo=0.60), first, config)
+    # 1. no champion: the first model beats SFT and becomes champion, its data and eval noted
+    result = apply_gate(model_results(sft=0.40, grpo=0.60), first, config, "d" * 64)
     assert (result.decision, result.reference, result.registered_version) == (
         Decision.PROMOTE,
         "sft",
         "1",
     )
     assert (_versions("lifecycle"), _alias("lifecycle")) == (["1"], "1")
+    held = aliased_version("lifecycle", "champion")
+    assert (held.data_fingerprint, held.eval_footing) == ("d" * 64, FULL.sha256)
+    assert check_data("d" * 64, config) == UNCHANGED_DATA
+    assert check_data("e" * 64, config) == RETRAIN
 
     # 2. the same model again: idempotent, no new version, alias unchanged
-    again = apply_gate(model_results(sft=0.40, grpo=0.60), first, config)
+    again = apply_gate(model_results(sft=0.40, grpo=0.60, champion=0.60), first, config)
     assert again.decision is Decision.UNCHANGED
     assert (_versions("lifecycle"), _alias("lifecycle")) == (["1"], "1")
 
-    # 3. a worse model (0.55 < 0.60 stored on the champion): not registered, alias unchanged
-    kept = apply_gate(model_results(sft=0.40, grpo=0.55), worse, config)
+    # 3. a worse model (0.55 < the champion's 0.60 in the same eval): not registered
+    kept = apply_gate(model_results(sft=0.40, grpo=0.55, champion=0.60), worse, config)
     assert (kept.decision, kept.reference, kept.reference_value) == (
         Decision.KEEP,
         "champion v1",
@@ -213,8 +328,8 @@ def test_gate_lifecycle_on_a_real_registry(tracking, tmp_path):
     )
     assert (_versions("lifecycle"), _alias("lifecycle")) == (["1"], "1")
 
-    # 4. a better one by more than the margin: new version, alias moves
-    moved = apply_gate(model_results(sft=0.40, grpo=0.75), better, config)
+    # 4. a better one, with confidence: new version, alias moves
+    moved = apply_gate(model_results(sft=0.40, grpo=0.75, champion=0.60), better, config)
     assert (moved.decision, moved.registered_version) == (Decision.PROMOTE, "2")
     assert (_versions("lifecycle"), _alias("lifecycle")) == (["1", "2"], "2")
 
@@ -223,14 +338,18 @@ def test_gate_lifecycle_on_a_real_registry(tracking, tmp_path):
     assert _versions("lifecycle") == ["1", "2"]
 
     # 6. an earlier version that wins again is reused (found by its hash), not re-uploaded
-    back = apply_gate(model_results(grpo=0.90), first, config)
+    back = apply_gate(model_results(grpo=0.90, champion=0.75), first, config)
     assert (back.decision, back.registered_version) == (Decision.PROMOTE, "1")
     assert (_versions("lifecycle"), _alias("lifecycle")) == (["1", "2"], "1")
-    from mlflow import MlflowClient
-
     assert MlflowClient().get_model_version("lifecycle", "1").tags[f"lingo.eval.{METRIC}"] == "0.9"
-    apply_gate(model_results(grpo=0.95), better, config)  # back to "better" for the checks below
 
+    # 7. issue 41's exploit: one question scores 1.0 against the champion's 0.0 on it; the
+    # eval is limited, the champion's was not: refused, nothing moves
+    limited = apply_gate(model_results(questions=1, limit=1, grpo=1.0, champion=0.0), worse, config)
+    assert limited.decision is Decision.REFUSED
+    assert (_versions("lifecycle"), _alias("lifecycle")) == (["1", "2"], "1")
+
+    apply_gate(model_results(grpo=0.95, champion=0.75), better, config)  # "better" again
     # the registry holds the real files: the champion downloads to the same content hash
     downloaded = mlflow.artifacts.download_artifacts(
         "models:/lifecycle@champion", dst_path=str(tmp_path / "download")
@@ -301,9 +420,31 @@ def test_components_end_to_end(tracking, tmp_path):
     assert decision == "keep"  # the GRPO model is the SFT model: no gain
     assert "does not beat sft" in (out / "gate").read_text()
 
-    first = {"registered_model": "e2e", "baseline": "none-in-results"}  # nothing to beat
+    first = {"registered_model": "e2e", "baseline": ""}  # nothing to beat
     assert decide(gate, first, "gate2") == "promote"
     version = decide(register, first, "register")
     assert version == "1"
     assert _alias("e2e") == "1"
     assert "**promote**" in (out / "register").read_text()
+
+    # the next run evaluates the champion, downloaded from the registry, beside the candidate
+    held = dsl.Model(uri=str(out / "champion"))
+    assert champion_component.python_func(first, held, tracking) == "1"
+    assert content_sha256(held.path) == content_sha256(tiny)
+    results = dsl.Artifact(uri=str(out / "results2"))
+    evaluate.python_func(
+        base_model=dsl.Model(uri=str(tiny)),
+        sft_model=dsl.Model(uri=str(tiny)),
+        grpo_model=dsl.Model(uri=str(tiny)),
+        champion_model=held,
+        config=config,
+        results=results,
+        report=dsl.Markdown(uri=str(out / "report2")),
+        report_html=dsl.HTML(uri=str(out / "html2")),
+        metrics=dsl.Metrics(uri=str(out / "metrics2")),
+        **matrices,
+        mlflow_tracking_uri=tracking,
+    )
+    data = json.loads(Path(results.path).read_text())
+    assert [m["label"] for m in data["models"]] == ["base", "sft", "grpo", "champion"]
+    assert decide(gate, first, "gate3") == "unchanged"  # the candidate is the champion

@@ -91,3 +91,32 @@ def test_a_long_exception_message_still_names_the_exception(tmp_path):
     assert e.value.tail[0] == "UserWarning: does not fit:" and e.value.tail[1] == "…"
     assert "  UserWarning: does not fit:" in console.getvalue()
     assert "| row 39 | 1.0 GiB |" in console.getvalue()  # and the tail after it
+
+
+@dsl.component(base_image="python:3.11", install_kfp_package=False)
+def decides():
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("eval.gate").info("decision | data: unchanged data | fingerprint equal")
+    print("not a decision", flush=True)
+
+
+@dsl.pipeline
+def one_decision():
+    decides()
+
+
+def test_a_steps_decision_line_is_printed_under_it(tmp_path):
+    """Issue 41: the data check's and the gate's decisions are one console line each."""
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
+    console = io.StringIO()
+    with QuietConsole(tmp_path / "logs" / "run.log", console):
+        one_decision()
+    lines = [line.strip() for line in console.getvalue().splitlines() if line.strip()]
+    assert lines[1] == "decision | data: unchanged data | fingerprint equal"
+    assert [line.split()[1:3] for line in (lines[0], lines[2])] == [
+        ["decides", "started"],
+        ["decides", "SUCCESS"],
+    ]
+    assert "not a decision" not in console.getvalue()

@@ -155,8 +155,9 @@ def test_g5_settings_compile_to_a_strict_platform_spec(tmp_path):
             assert resources[step].resource_cpu_limit == "8"
 
     tasks = _all_tasks(spec)
-    assert tasks["data-prep"].caching_options.enable_cache
-    for step in ("sft", "grpo", "evaluate", "register", "base-model"):
+    # issue 41: data prep's source can change under the same name (a cached data prep would
+    # hand a run the old data)
+    for step in ("data-prep", "sft", "grpo", "evaluate", "register", "base-model"):
         assert not tasks[step].caching_options.enable_cache, step
     for step in STEPS:
         retries = tasks[step].retry_policy.max_retry_count
@@ -242,3 +243,38 @@ def test_accelerator_type_and_count_go_together():
         StepResources(accelerator_type="nvidia.com/gpu")
     with pytest.raises(ValidationError, match="go together"):
         StepResources(accelerator_count=4)
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu", "gpt-oss-20b"])
+def test_the_compiled_pipeline_retrains_only_on_new_data_and_publishes_only_on_promote(preset):
+    """Issue 41, read from the compiled spec: data prep, the data check and the champion are
+    never served from cache; everything after the data check runs under ``retrain``; publish
+    runs only under the gate's ``promote``."""
+    from pipelines.compile import compiled_path
+
+    docs = list(yaml.safe_load_all(compiled_path(preset).read_text()))
+    spec = pipeline_spec_pb2.PipelineSpec()
+    json_format.ParseDict(docs[0], spec, ignore_unknown_fields=False)
+    tasks = _all_tasks(spec)
+    for step in ("data-prep", "data-check", "champion"):
+        assert not tasks[step].caching_options.enable_cache, step
+    owner = {  # task name → the component whose DAG holds it
+        name: component
+        for component, spec_component in spec.components.items()
+        for name in spec_component.dag.tasks
+    }
+    conditions = {
+        name: task.trigger_policy.condition
+        for name, task in tasks.items()
+        if task.trigger_policy.condition
+    }
+    new_data = next(n for n, c in conditions.items() if "data-check-Output" in c)
+    assert conditions[new_data].endswith("== 'retrain'")
+    assert owner["base-model"] == tasks[new_data].component_ref.name
+    beats = next(n for n, c in conditions.items() if "gate-Output" in c)
+    assert conditions[beats].endswith("== 'promote'")
+    assert owner["register"] == tasks[beats].component_ref.name
+    export = owner["publish"]  # the export_uri condition, itself inside beats-champion
+    assert owner[next(n for n, t in tasks.items() if t.component_ref.name == export)] == (
+        tasks[beats].component_ref.name
+    )

@@ -116,6 +116,7 @@ CHANGES = [  # (form field, its value in the form, the text a user gives --set)
     ("grpo_prompts_per_step", 64, "64"),
     ("eval_samples", 3, "3"),
     ("gate_margin", 0.05, "0.05"),
+    ("force", True, "true"),
     ("backend", "megatron", "megatron"),
 ]
 

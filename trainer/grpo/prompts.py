@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from core.harmony import ForgedTurnError, check_rendered
 from core.languages import UnknownLanguageError
 from reward.labels import parse_labels
 
@@ -67,6 +68,11 @@ def load_prompts(
             parse_labels(label)
         except UnknownLanguageError as exc:
             raise UnknownLanguageError(f"{path}:{line_no}: label {label!r}: {exc}") from exc
+        try:  # a control token in a row's text would be tokenized to its id: a forged turn
+            if "<|" in text:  # a rendered prompt has exactly the harmony prompt's tokens
+                check_rendered(text)
+        except ForgedTurnError as exc:
+            raise ForgedTurnError(f"{path}:{line_no}: {exc}") from None
         if text in seen:
             continue
         seen.add(text)

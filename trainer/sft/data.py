@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from core.harmony import ForgedTurnError, check_rendered
+
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
@@ -56,7 +58,13 @@ class LoadStats:
 
 
 def encode_record(record: dict, tokenizer) -> Example:
-    """Token ids and labels of one data-prep record (see the module docstring)."""
+    """Token ids and labels of one data-prep record (see the module docstring).
+
+    Raises:
+        ForgedTurnError: the record's text holds a control token its structure does not (a
+            row's text would be tokenized to a control id: a forged turn).
+    """
+    check_rendered(record["prompt"], record["completion"])
     prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
     completion = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
     return Example(prompt + completion, [IGNORE_INDEX] * len(prompt) + completion)
@@ -93,6 +101,8 @@ def load_examples(
                     f"{path}:{line_no}: not a data-prep record with 'prompt' and "
                     f"'completion' ({exc})"
                 ) from exc
+            except ForgedTurnError as exc:
+                raise ForgedTurnError(f"{path}:{line_no}: {exc}") from None
             if len(example.input_ids) > max_seq_len:
                 prompt_len = len(example.labels) - example.target_tokens
                 if overlong == "drop":

@@ -234,8 +234,8 @@ def test_schedule_needs_a_cron_and_checks_it_before_uploading(kfp_server):
 
 
 def test_list_reads_every_page(kfp_server, conn):
-    for i in range(3):
-        _schedule(conn, name=f"s{i}")
+    for i in range(3):  # different content: version names are <time to the second>-<sha>
+        _schedule(conn, name=f"s{i}", sets={"eval.sampling.seed": str(i + 1)})
     original = kfp_server._list
 
     def small_pages(items, query, field, id_key):

@@ -7,7 +7,9 @@ resources (PyTorchJobs) but nothing in ``trainer.kubeflow.org``, so a TrainJob (
 job's own TrainingRuntime) would be refused with HTTP 403 after the step had staged its
 inputs. ``check_access`` asks the API server first, one ``SelfSubjectAccessReview`` per verb
 and resource the step needs (``step_access``), and fails with one line naming what is missing;
-``lingo cluster setup`` creates the Role that grants it (``job_role_rules``).
+``lingo cluster setup`` creates the Role that grants it (``job_role_rules``). The ``deploy``
+step, which applies the champion's KServe InferenceService, is checked the same way
+(``DEPLOY_ACCESS``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ answered with get and patch)."""
 POD_ACCESS = (Access("list", "", "pods"), Access("get", "", "pods", "log"))
 """Rank 0's log and the pods' termination reasons (``JobLauncher.pods``, ``primary_logs``)."""
 READ = ("get", "list", "watch")
+SERVING_GROUP, SERVING_PLURAL = "serving.kserve.io", "inferenceservices"
+DEPLOY_VERBS = ("create", "get", "patch")
+"""On the champion's KServe InferenceService (``cluster.serving``): create it, read it (the
+one there, its readiness), patch it to the next revision."""
+DEPLOY_ACCESS = tuple(Access(verb, SERVING_GROUP, SERVING_PLURAL) for verb in DEPLOY_VERBS)
+"""What the ``deploy`` step needs in the InferenceService's namespace."""
 
 
 def step_access(kind: JobKind, own_runtime: bool = False) -> list[Access]:
@@ -72,8 +80,9 @@ def step_access(kind: JobKind, own_runtime: bool = False) -> list[Access]:
 
 def job_role_rules() -> list[dict]:
     """The rules of the Role ``lingo cluster setup`` grants the pipeline's service account:
-    what ``step_access`` lists for both job APIs and a two-image job, and read access to the
-    JobSets, pods, logs and events that explain a job (``kubectl describe``)."""
+    what ``step_access`` lists for both job APIs and a two-image job, what ``deploy`` needs
+    on InferenceServices (``DEPLOY_ACCESS``), and read access to the JobSets, pods, logs and
+    events that explain a job (``kubectl describe``)."""
     trainer, pytorch = JOB_KINDS["trainjob"], JOB_KINDS["pytorchjob"]
     return [
         {
@@ -85,6 +94,11 @@ def job_role_rules() -> list[dict]:
             "apiGroups": [pytorch.group],
             "resources": [pytorch.plural],
             "verbs": sorted({*JOB_VERBS, "watch"}),
+        },
+        {
+            "apiGroups": [SERVING_GROUP],
+            "resources": [SERVING_PLURAL],
+            "verbs": sorted({*DEPLOY_VERBS, "list", "watch"}),
         },
         {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": list(READ)},
         {"apiGroups": [""], "resources": ["pods", "pods/log", "events"], "verbs": list(READ)},

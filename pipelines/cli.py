@@ -357,6 +357,65 @@ def eval_cmd(
 
 
 @app.command()
+@clear_errors
+def serve(
+    model: Annotated[
+        Path,
+        typer.Argument(
+            help="A model folder: a run's exported GRPO model (the grpo_model path `lingo run "
+            "--local` prints), the champion."
+        ),
+    ],
+    port: Annotated[int, typer.Option(help="Port of the OpenAI-compatible API.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    name: Annotated[
+        str, typer.Option(help="The served model name (the cluster's InferenceService name).")
+    ] = "lingo-gpt-oss",
+    max_model_len: Annotated[int, typer.Option(help="vLLM's context length.")] = 2048,
+    python: Annotated[
+        str | None,
+        typer.Option(
+            help="A Python with vLLM [default: $LINGO_VLLM_PYTHON, else .venv-vllm (make "
+            "test-vllm builds it), else this one]."
+        ),
+    ] = None,
+    log_file: Annotated[
+        Path, typer.Option("--log-file", help="Where the server's output goes.")
+    ] = Path("runs/serve/vllm.log"),
+) -> None:
+    """Serve a model folder with vLLM's OpenAI-compatible server (gpt-oss's reasoning parser,
+    as the cluster's InferenceService does); print the endpoint and the `lingo eval` command
+    that scores it; run until interrupted (Ctrl-C)."""
+    import torch
+
+    from pipelines.serve_local import model_folder, server_command, start_server, vllm_python
+
+    command = server_command(
+        model_folder(model),
+        vllm_python(python),
+        host=host,
+        port=port,
+        name=name,
+        max_model_len=max_model_len,
+        cpu=not torch.cuda.is_available(),
+        dtype="auto" if torch.cuda.is_available() else "float32",
+    )
+    base = f"http://{host}:{port}/v1"
+    echo(f"starting vLLM on {model} (log: {log_file}) …")
+    server = start_server(command, base, name, log_file)
+    echo(f"serving {model} as {name!r} at {base} (OpenAI API; reasoning parser openai_gptoss)")
+    echo(f"score it: lingo eval -m {server.eval_model}")
+    try:
+        server.process.wait()
+    except KeyboardInterrupt:
+        echo("stopping")
+    finally:
+        server.stop()
+    if server.process.returncode not in (0, -15, None):
+        raise typer.Exit(1)
+
+
+@app.command()
 def presets() -> None:
     """List the named configurations."""
     for name, preset in PRESETS.items():
@@ -482,30 +541,179 @@ def submit(
         raise typer.Exit(1) from exc
 
 
-@app.command()
+schedule_app = typer.Typer(
+    help="Schedule the pipeline (a recurring run pinned to the version uploaded now), or list, "
+    "pause, resume and delete schedules.",
+    no_args_is_help=False,
+)
+app.add_typer(schedule_app, name="schedule")
+ExperimentOption = Annotated[str, typer.Option(help="KFP experiment, created if missing.")]
+OptionalEndpoint = Annotated[
+    str | None,
+    typer.Option(
+        "--endpoint",
+        envvar="KFP_ENDPOINT",
+        help="KFP API base URL (bearer token, if needed, from $KFP_TOKEN).",
+    ),
+]
+
+
+@schedule_app.callback(invoke_without_command=True)
 @clear_errors
 def schedule(
-    endpoint: EndpointOption,
-    cron: Annotated[str, typer.Option(help='Cron, 5 fields ("30 2 * * *") or KFP\'s 6.')],
+    ctx: typer.Context,
+    endpoint: OptionalEndpoint = None,
+    cron: Annotated[
+        str | None, typer.Option(help='Cron, 5 fields ("30 2 * * *") or KFP\'s 6.')
+    ] = None,
     preset: PresetOption = DEFAULT_PRESET,
     sets: SetOption = None,
-    experiment: Annotated[
-        str, typer.Option(help="KFP experiment, created if missing.")
-    ] = "lingo-rl",
+    experiment: ExperimentOption = "lingo-rl",
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="The schedule's name [default: <preset>-recurring]; an existing "
+            "schedule of that name in the experiment is replaced."
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print what would be created and replaced; change nothing."),
+    ] = False,
 ) -> None:
-    """Schedule a recurring run that always uses the pipeline's latest version."""
-    from pipelines.kfp_client import CronError, KfpApiError, KfpConnection, schedule_preset
+    """Upload the preset's pipeline as a new version and schedule it on --cron, pinned to that
+    version (another preset's submit does not change what it runs); the same name again
+    replaces the schedule."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if endpoint is None:
+        raise typer.BadParameter(
+            "give the KFP API URL (or set $KFP_ENDPOINT)", param_hint="--endpoint"
+        )
+    if cron is None:
+        raise typer.BadParameter('give the schedule, e.g. --cron "30 2 * * *"', param_hint="--cron")
+    from pipelines.kfp_client import CronError, KfpApiError, KfpConnection
+    from pipelines.schedules import plan_schedule, schedule_preset
 
-    connection = KfpConnection.from_env(endpoint)  # a bad endpoint: one line naming it
+    conn = KfpConnection.from_env(endpoint)  # a bad endpoint: one line naming it
     config = _load_preset(preset, sets)
     try:
-        recurring_id = schedule_preset(connection, config, cron, experiment=experiment)
+        plan = plan_schedule(conn, config, cron, name=name, experiment=experiment)
+        if dry_run:
+            echo(f"dry run, nothing created:\n{plan.render()}")
+            return
+        created, version = schedule_preset(conn, config, plan)
     except CronError as exc:
         raise typer.BadParameter(str(exc), param_hint="--cron") from exc
     except KfpApiError as exc:
         echo(str(exc), err=True)
         raise typer.Exit(1) from exc
-    echo(f"recurring run {recurring_id} on {cron!r}")
+    echo(plan.render(version))
+    echo(f"recurring run {created.recurring_run_id} {created.status} on {plan.cron!r}")
+
+
+def _schedule_connection(endpoint: str | None):
+    from pipelines.kfp_client import KfpConnection
+
+    if endpoint is None:
+        raise typer.BadParameter(
+            "give the KFP API URL (or set $KFP_ENDPOINT)", param_hint="--endpoint"
+        )
+    return KfpConnection.from_env(endpoint)
+
+
+@schedule_app.command("list")
+@clear_errors
+def schedule_list(
+    endpoint: OptionalEndpoint = None,
+    experiment: Annotated[
+        str | None, typer.Option(help="Only this KFP experiment's schedules [default: all].")
+    ] = None,
+) -> None:
+    """List the schedules: name, id, status, cron, pipeline version (pinned or latest)."""
+    from pipelines.kfp_client import KfpApiError
+    from pipelines.schedules import find_experiment, list_schedules
+
+    conn = _schedule_connection(endpoint)
+    try:
+        experiment_id = find_experiment(conn, experiment) if experiment else None
+        if experiment and experiment_id is None:
+            echo(f"no experiment {experiment!r}: no schedules")
+            return
+        schedules = list_schedules(conn, experiment_id)
+    except KfpApiError as exc:
+        echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+    if not schedules:
+        echo("no schedules")
+    for s in schedules:
+        version = s.pipeline_version_id or "latest (not pinned)"
+        echo(
+            f"{s.display_name}  {s.recurring_run_id}  {s.status}  {s.cron!r}  "
+            f"pipeline {s.pipeline_id} version {version}"
+        )
+
+
+def _schedule_action(name: str, endpoint: str | None, experiment: str, action: str) -> None:
+    """pause, resume or delete every schedule called ``name`` (or the one with that id)."""
+    from pipelines.kfp_client import KfpApiError
+    from pipelines.schedules import (
+        ScheduleNotFoundError,
+        delete_schedule,
+        resolve_schedules,
+        set_enabled,
+    )
+
+    conn = _schedule_connection(endpoint)
+    try:
+        for found in resolve_schedules(conn, name, experiment):
+            if action == "delete":
+                delete_schedule(conn, found)
+            else:
+                set_enabled(conn, found, action == "resume")
+            done = {"pause": "paused", "resume": "resumed", "delete": "deleted"}[action]
+            echo(f"{done} {found.display_name} ({found.recurring_run_id})")
+    except ScheduleNotFoundError as exc:
+        raise typer.BadParameter(str(exc), param_hint="NAME") from exc
+    except KfpApiError as exc:
+        echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+
+
+ScheduleName = Annotated[str, typer.Argument(help="The schedule's name (or its recurring run id).")]
+
+
+@schedule_app.command("pause")
+@clear_errors
+def schedule_pause(
+    name: ScheduleName,
+    endpoint: OptionalEndpoint = None,
+    experiment: ExperimentOption = "lingo-rl",
+) -> None:
+    """Pause a schedule (it starts no runs until resumed)."""
+    _schedule_action(name, endpoint, experiment, "pause")
+
+
+@schedule_app.command("resume")
+@clear_errors
+def schedule_resume(
+    name: ScheduleName,
+    endpoint: OptionalEndpoint = None,
+    experiment: ExperimentOption = "lingo-rl",
+) -> None:
+    """Resume a paused schedule (missed intervals are not caught up)."""
+    _schedule_action(name, endpoint, experiment, "resume")
+
+
+@schedule_app.command("delete")
+@clear_errors
+def schedule_delete(
+    name: ScheduleName,
+    endpoint: OptionalEndpoint = None,
+    experiment: ExperimentOption = "lingo-rl",
+) -> None:
+    """Delete a schedule (the runs it started stay)."""
+    _schedule_action(name, endpoint, experiment, "delete")
 
 
 @app.command()

@@ -40,6 +40,7 @@ def configure(
         ("grpo", dict),
         ("eval", dict),
         ("gate", dict),
+        ("serving", dict),
         ("hardware", dict),
         ("layout_overrides", dict),
         ("backend", str),

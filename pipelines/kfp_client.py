@@ -1,4 +1,5 @@
-"""Submit, schedule and watch the pipeline on a Kubeflow Pipelines server (REST API v2beta1).
+"""Submit and watch the pipeline on a Kubeflow Pipelines server (REST API v2beta1); schedules:
+``pipelines.schedules``.
 
 Plain ``requests`` calls rather than ``kfp.Client``: the client loads kube config and
 ``~/.config/kfp/context.json`` on construction, health-checks the server and raises
@@ -148,7 +149,7 @@ def _error_message(response: requests.Response) -> str:
     return str(data)[:500]
 
 
-def _name_filter(name: str) -> str:
+def name_filter(name: str) -> str:
     """A v2beta1 list filter (``filter.proto``) matching ``display_name == name``."""
     predicate = {"operation": "EQUALS", "key": "display_name", "string_value": name}
     return json.dumps({"predicates": [predicate]})
@@ -168,7 +169,7 @@ class PipelineVersionRef:
 
 def find_pipeline(conn: KfpConnection, name: str) -> str | None:
     """The id of the pipeline called ``name``, or None when there is none."""
-    params = {"filter": _name_filter(name), "page_size": "2"}
+    params = {"filter": name_filter(name), "page_size": "2"}
     if conn.namespace:
         params["namespace"] = conn.namespace
     pipelines = conn.request("GET", "/pipelines", params=params).get("pipelines") or []
@@ -233,7 +234,7 @@ def upload_pipeline(
 
 def get_or_create_experiment(conn: KfpConnection, name: str = DEFAULT_EXPERIMENT) -> str:
     """The id of the experiment called ``name``, created when missing."""
-    params = {"filter": _name_filter(name), "page_size": "2"}
+    params = {"filter": name_filter(name), "page_size": "2"}
     if conn.namespace:
         params["namespace"] = conn.namespace
     experiments = conn.request("GET", "/experiments", params=params).get("experiments") or []
@@ -347,38 +348,6 @@ def _cron_field_problem(
     return None
 
 
-def create_recurring_run(
-    conn: KfpConnection,
-    pipeline_id: str,
-    experiment_id: str,
-    cron: str,
-    parameters: dict[str, Any],
-    display_name: str,
-    max_concurrency: int = 1,
-) -> str:
-    """A recurring run on ``cron`` that always runs the pipeline's latest version.
-
-    The version reference holds only ``pipeline_id``; v2beta1 then resolves the latest
-    version at each trigger. Missed intervals are not caught up (``no_catchup``).
-
-    Returns:
-        The recurring run id.
-    """
-    body = {
-        "display_name": display_name,
-        "experiment_id": experiment_id,
-        "pipeline_version_reference": {"pipeline_id": pipeline_id},
-        "runtime_config": {"parameters": parameters},
-        "trigger": {"cron_schedule": {"cron": cron_with_seconds(cron)}},
-        "mode": "ENABLE",
-        "max_concurrency": str(max_concurrency),
-        "no_catchup": True,
-    }
-    recurring_run_id = conn.request("POST", "/recurringruns", body=body)["recurring_run_id"]
-    logger.info("created recurring run %s (%s)", display_name, recurring_run_id)
-    return recurring_run_id
-
-
 @dataclass(frozen=True)
 class RunStatus:
     """What ``GET /runs/{id}`` says about a run."""
@@ -460,7 +429,8 @@ class SubmittedRun:
     url: str
 
 
-def _compile(preset: Preset, workdir: Path) -> Path:
+def compile_preset(preset: Preset, workdir: Path) -> Path:
+    """The pipeline YAML of ``preset``, written to ``workdir/lingo_pipeline.yaml``."""
     from pipelines.compile import compile_pipeline
 
     return compile_pipeline(workdir / "lingo_pipeline.yaml", preset)
@@ -479,7 +449,7 @@ def submit_preset(
     left them); every other ``--set`` value is in the version's preset.
     """
     with tempfile.TemporaryDirectory(prefix="lingo-submit-") as tmp:
-        version = upload_pipeline(conn, _compile(preset, Path(tmp)), pipeline_name)
+        version = upload_pipeline(conn, compile_preset(preset, Path(tmp)), pipeline_name)
     experiment_id = get_or_create_experiment(conn, experiment)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_id = create_run(
@@ -490,33 +460,3 @@ def submit_preset(
         run_name or f"{preset.name}-{stamp}",
     )
     return SubmittedRun(run_id, version, experiment_id, run_url(conn, run_id))
-
-
-def schedule_preset(
-    conn: KfpConnection,
-    preset: Preset,
-    cron: str,
-    experiment: str = DEFAULT_EXPERIMENT,
-    pipeline_name: str = DEFAULT_PIPELINE_NAME,
-    name: str | None = None,
-) -> str:
-    """Upload the pipeline for ``preset`` and schedule it on ``cron`` (latest version each time).
-
-    Returns:
-        The recurring run id.
-
-    Raises:
-        CronError: ``cron`` is not a cron expression KFP's scheduler accepts.
-    """
-    cron = cron_with_seconds(cron)  # a bad cron fails before anything is uploaded
-    with tempfile.TemporaryDirectory(prefix="lingo-schedule-") as tmp:
-        version = upload_pipeline(conn, _compile(preset, Path(tmp)), pipeline_name)
-    experiment_id = get_or_create_experiment(conn, experiment)
-    return create_recurring_run(
-        conn,
-        version.pipeline_id,
-        experiment_id,
-        cron,
-        form_arguments(preset),
-        name or f"{preset.name}-recurring",
-    )

@@ -18,6 +18,7 @@ from components.grpo import grpo, grpo_megatron
 from components.images import CPU_IMAGE, GPU_IMAGE, MEGATRON_IMAGE
 from components.megatron import convert_megatron, export_hf
 from components.models import base_model, capacity_check, sft
+from components.serving import deploy
 from components.tracking import finalize, publish, start_tracking
 from pipelines.configure import configure
 from pipelines.platform import ClusterSettings, get_platform, with_platform
@@ -175,9 +176,9 @@ def build_pipeline(
                 evaluate_and_promote(exported.outputs["model"])
 
             def evaluate_and_promote(policy_model) -> None:
-                """champion → eval → gate → on promote register, then publish: in each
-                backend's branch (kfp.local 2.17 cannot resolve a dsl.OneOf of artifacts, so
-                the branches do not merge)."""
+                """champion → eval → gate → on promote register, then publish and deploy:
+                in each backend's branch (kfp.local 2.17 cannot resolve a dsl.OneOf of
+                artifacts, so the branches do not merge)."""
                 held = champion(config=config["gate"], mlflow_tracking_uri=p["mlflow_tracking_uri"])
                 step(held, "champion from the registry", "champion")
                 held.set_caching_options(False)  # the alias moves
@@ -213,6 +214,13 @@ def build_pipeline(
                             pipeline_run_id=run_id,
                         )
                         step(published, "publish to object storage", "publish").after(registered)
+                        if preset.serving.enabled:  # the champion on KServe (cluster/serving.py)
+                            served = deploy(
+                                published_prefix=published.output,
+                                config=config["serving"],
+                                pipeline_run_id=run_id,
+                            )
+                            step(served, "serve the champion (KServe)", "deploy")
 
             grpo_inputs = dict(  # the same GRPO inputs on both branches
                 sft_model=tuned.outputs["model"],

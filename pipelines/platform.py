@@ -39,6 +39,7 @@ STEPS = (
     "gate",
     "register",
     "publish",
+    "deploy",
     "finalize",
 )
 """The task names of ``lingo_pipeline``; ``apply_platform`` refuses any other step."""
@@ -320,6 +321,7 @@ CLUSTER_CACHING = {
     "register": False,
     "start-tracking": False,
     "publish": False,
+    "deploy": False,
     "finalize": False,
 }
 CPU_STEP = StepResources(cpu_request="2", cpu_limit="8", memory_request="8Gi", memory_limit="32Gi")

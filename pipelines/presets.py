@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster.config import ClusterConfig, ExecutionConfig
 from cluster.hardware import Hardware, Step
+from cluster.serving import ServingConfig
 from components.config_fields import config_dict
 from core.config_model import ConfigModel
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
@@ -63,6 +64,9 @@ class Preset(BaseModel):
     """How the training steps' jobs are submitted on a cluster: the job API (``auto``,
     ``trainjob``, ``pytorchjob``), the Trainer runtime, the Kueue queue, OpenShift AI's
     progress tracking. Unused where ``hardware`` is ``local``."""
+    serving: ServingConfig = ServingConfig()
+    """How the champion is served: a KServe InferenceService running vLLM, applied by the
+    ``deploy`` step on promote (``enabled``: cluster presets); ``lingo serve`` locally."""
     layout_overrides: dict[str, str] = Field(default_factory=dict)
     """Capacity-planner layout fields the run's configs do not decide (``vllm_max_num_seqs``,
     ``attn_implementation`` ...); not the machines (``hardware``)."""
@@ -222,6 +226,9 @@ GPT_OSS_20B = Preset(
     # SFT on 2 nodes, GRPO's 16 training processes on 4; its 2 dedicated vLLM engines (TP 4)
     # on the 2 nodes after them (OpenRLHF's 6-node layout)
     hardware=Hardware(node_type="g5.12xlarge", sft_nodes=2, grpo_nodes=4, storage_gib=2000),
+    # on promote, the champion served by vLLM on one g5.12xlarge's 4 A10G (TP 4, as the GRPO
+    # engines), ~42 GB of bf16 weights, 8 k context
+    serving=ServingConfig(enabled=True, cpu="16", memory="96Gi"),
     data_prep=DataPrepConfig(source=HUB_DATASET_ID),
     model=ModelSource(source="openai/gpt-oss-20b"),
     sft=SFTConfig(
@@ -296,6 +303,8 @@ GPT_OSS_20B_VERL = Preset.model_validate(
         "hardware": Hardware(
             node_type="p5en.48xlarge", sft_nodes=1, grpo_nodes=1, storage_gib=8000
         ),
+        # one H200 (141 GB) holds the 20b model's bf16 weights and its KV cache
+        "serving": ServingConfig(enabled=True, gpus=1, cpu="16", memory="128Gi"),
         # both GRPO branches: the form's backend parameter picks DeepSpeed or Megatron-Core
         "grpo_branches": ("hf", "megatron"),
         # verl's gpt-oss Megatron layout (TP 8, EP 8, PP = nodes) on the one 8x H200 node
@@ -554,6 +563,7 @@ def step_configs(
         "grpo": config_dict(preset.grpo),
         "eval": config_dict(preset.eval),
         "gate": config_dict(preset.gate),
+        "serving": config_dict(serving_config(preset)),
         "hardware": config_dict(preset.hardware),
         "layout_overrides": dict(preset.layout_overrides),
         "backend": preset.backend,
@@ -564,6 +574,14 @@ def step_configs(
             step_execution(preset, "grpo", _platform(job_platform, "grpo"))
         ),
     }
+
+
+def serving_config(preset: Preset) -> ServingConfig:
+    """``preset.serving`` with its GPUs resolved: where not given, the tensor parallel size
+    of the preset's GRPO engines (they served this model on these machines)."""
+    if preset.serving.gpus is not None:
+        return preset.serving
+    return preset.serving.model_copy(update={"gpus": preset.grpo.rollout.tensor_parallel_size})
 
 
 def _platform(job_platform: Mapping[str, Mapping[str, Any]] | None, step: str):

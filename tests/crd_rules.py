@@ -35,6 +35,7 @@ CRD_FILES = {
     "TrainJob": "v2.3.0_trainer.kubeflow.org_trainjobs.yaml",
     "ClusterTrainingRuntime": "v2.3.0_trainer.kubeflow.org_clustertrainingruntimes.yaml",
     "TrainingRuntime": "v2.3.0_trainer.kubeflow.org_trainingruntimes.yaml",
+    "InferenceService": "v0.20.0_serving.kserve.io_inferenceservices.trimmed.yaml",
 }
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")

@@ -28,7 +28,9 @@ How runs progress is set by ``run_states``: each ``GET /runs/{id}`` of a run ret
 entry (the last one repeats), e.g. ``[{"state": "RUNNING"}, {"state": "SUCCEEDED"}]`` or
 ``[{"state": "FAILED", "error": {"code": 2, "message": "sft OOMKilled"}}]``. ``on_run_done(run)``
 is called once when a run first reaches a terminal state (to write what the run outputs, e.g.
-a ``training_metrics.jsonl`` on a "shared volume" folder).
+a ``training_metrics.jsonl`` on a "shared volume" folder). ``trigger_recurring_run(id)`` starts
+the run a recurring run's cron would start (the server's ScheduledWorkflow controller has no
+REST route): its pinned version, or the pipeline's latest version at that moment.
 
 Use:
 
@@ -716,6 +718,37 @@ class KfpEmulator:
         self.get_recurring_run(recurring_run_id)
         del self.recurring_runs[recurring_run_id]
         return {}
+
+    def trigger_recurring_run(self, recurring_run_id: str) -> dict:
+        """Start the run a trigger of the recurring run starts, as the server's
+        ScheduledWorkflow controller does (no REST route: the cron fires it): the version its
+        reference pins, else the pipeline's latest version *now*; its parameters; its
+        experiment; ``recurring_run_id`` set. A paused (DISABLED) one starts nothing.
+
+        Returns:
+            The run.
+
+        Raises:
+            ApiError: it is paused (DISABLED): a paused schedule fires nothing.
+        """
+        with self._lock:
+            recurring = self.get_recurring_run(recurring_run_id)
+            if recurring["status"] != "ENABLED":
+                raise ApiError(
+                    INVALID_ARGUMENT, f"recurring run {recurring_run_id} is {recurring['status']}"
+                )
+            run = {
+                key: copy.deepcopy(recurring[key])
+                for key in ("experiment_id", "runtime_config", "pipeline_spec", "service_account")
+                if key in recurring
+            }
+            if "pipeline_version_reference" in recurring:
+                run["pipeline_version_reference"] = dict(recurring["pipeline_version_reference"])
+            stamp = datetime.now(UTC).strftime("%Y%m%d%H%M%S")
+            run["display_name"] = f"{recurring['display_name']}-{stamp}"
+            created = self.create_run(run)
+            created["recurring_run_id"] = recurring_run_id
+            return created
 
 
 _ID = r"([^/:]+)"

@@ -30,6 +30,7 @@ JOB_RESOURCES = {
         "jobset.x-k8s.io/v1alpha2/jobsets": ("JobSet", True),
     },
     "pytorchjob": {"kubeflow.org/v1/pytorchjobs": ("PyTorchJob", True)},
+    "kserve": {"serving.kserve.io/v1beta1/inferenceservices": ("InferenceService", True)},
 }
 CORE_RESOURCES = {
     "v1/pods": ("Pod", True),

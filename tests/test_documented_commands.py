@@ -23,7 +23,8 @@ with one of them. Each becomes a test, ``test_documented_command[README.md:411]`
 
 The ``lingo`` commands that compute (compile, estimate, data prep, eval, submit, schedule,
 cluster) run under ``-m slow`` (20-60 s each on a busy machine, and each has tests of its
-own); the ``kfp`` commands, ``lingo status`` and every check run by default.
+own); the ``kfp`` commands, ``lingo status``, ``lingo schedule list|pause|resume|delete`` and every
+check run by default.
 
 Both kinds refuse a ``kfp`` option given a ``KEY=VALUE``: run parameters are the positional
 ``KEY=VALUE`` arguments after the options (``-p`` is ``--pipeline-id`` in kfp 2.17).
@@ -63,6 +64,11 @@ NOT_RUN: dict[str, str] = {
         "rewrites the repo's kept pipelines/compiled/*.yaml (here it would hide their drift); "
         "tests/pipelines/test_compile.py runs it into a temporary folder and compares"
     ),
+    r"^lingo serve ": (
+        "starts vLLM's OpenAI-compatible server and runs until interrupted; vLLM is not in "
+        "this environment (make test-vllm runs tests/vllm_engines/test_vllm_serve.py: "
+        "lingo serve's server scored by lingo eval's client)"
+    ),
     r"^lingo eval -m sft=runs/…/sft/model -m grpo=runs/…/grpo/model": (
         "generates the 50 questions with two trained models (the demo's SFT and GRPO output), "
         "minutes on CPU; tests/eval/test_eval_engines.py runs the same eval on tiny models"
@@ -79,6 +85,7 @@ PLACEHOLDERS: list[tuple[str, str]] = [
     (r"path/to/rows\.jsonl", "{rows}"),
     (r"/models/my-sft", "{model_dir}"),
     (r"http://vllm:8000", "{chat}"),
+    (r"http://127\.0\.0\.1:8000", "{chat}"),  # docs/serving.md's `lingo serve` endpoint
     (r"http://127\.0\.0\.1:8888", "{kfp}"),  # docs/submit.md's standalone emulator
     (r"(?<= )NAME(?=\s|$)", "gpt-oss-20b"),
     (r"(?<= )LAYOUT(?=\s|$)", "g5.12xlarge-x6-openrlhf"),
@@ -312,7 +319,13 @@ def runs_slowly(command: DocCommand) -> bool:
         and not is_mention(command)
         and not_run_reason(command) is None
         and command.argv[1:2] != ["status"]
+        and command.argv[1:3] not in QUICK_SCHEDULE_COMMANDS
     )
+
+
+QUICK_SCHEDULE_COMMANDS = [["schedule", verb] for verb in ("list", "pause", "resume", "delete")]
+"""``lingo schedule`` subcommands that compile nothing: quick, run by default (on the
+``nightly`` schedule the work folder's emulator starts with)."""
 
 
 def compile_outputs(commands: list[DocCommand]) -> list[tuple[str, str]]:
@@ -468,6 +481,7 @@ def docs_env(tmp_path_factory):
         get_or_create_experiment,
         upload_pipeline,
     )
+    from pipelines.schedules import create_recurring_run
 
     workdir = tmp_path_factory.mktemp("docs")
     bin_dir = workdir / "bin"
@@ -488,11 +502,14 @@ def docs_env(tmp_path_factory):
     with (
         kfp_emulator(run_states=[{"state": "SUCCEEDED"}]) as kfp,
         kube_emulator(namespace=NAMESPACE) as kube,
-        chat_server(_served_answer, [SERVED_MODEL]) as chat,
+        chat_server(_served_answer, [SERVED_MODEL, "lingo-gpt-oss"]) as chat,
     ):
         conn = KfpConnection(kfp.endpoint, token=TOKEN)
         version = upload_pipeline(conn, kept / "tiny-cpu.yaml", "seeded")
-        run_id = create_run(conn, version, get_or_create_experiment(conn), {}, "seeded-run")
+        experiment_id = get_or_create_experiment(conn)
+        run_id = create_run(conn, version, experiment_id, {}, "seeded-run")
+        # what `lingo schedule pause nightly` and its siblings act on
+        create_recurring_run(conn, version, experiment_id, "30 2 * * *", {}, "nightly")
         environ = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("KFP_", "KUBE"))},
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",

@@ -77,6 +77,58 @@ def test_a_recurring_run_is_stored_with_the_server_s_output_fields(kfp_client):
     assert server.recurring_runs[recurring.recurring_run_id]["status"] == "DISABLED"
 
 
+def test_recurring_runs_are_listed_filtered_paused_resumed_and_deleted_as_the_client_asks(
+    kfp_client,
+):
+    client, server = kfp_client
+    pipeline = client.upload_pipeline(str(COMPILED), pipeline_name="lingo-rl")
+    version = client.list_pipeline_versions(pipeline.pipeline_id).pipeline_versions[0]
+    nightly, weekly = client.create_experiment("nightly"), client.create_experiment("weekly")
+    made = {
+        (experiment.display_name, name): client.create_recurring_run(
+            experiment.experiment_id,
+            name,
+            cron_expression="0 30 2 * * *",
+            pipeline_id=pipeline.pipeline_id,
+            version_id=version.pipeline_version_id,
+        )
+        for experiment in (nightly, weekly)
+        for name in ("a", "b")
+    }
+    only_a = json.dumps(
+        {"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": "a"}]}
+    )
+    listed = client.list_recurring_runs(experiment_id=nightly.experiment_id, filter=only_a)
+    assert [r.recurring_run_id for r in listed.recurring_runs] == [
+        made["nightly", "a"].recurring_run_id
+    ]
+    assert listed.total_size == 1
+    pinned = listed.recurring_runs[0].pipeline_version_reference
+    assert (pinned.pipeline_id, pinned.pipeline_version_id) == (
+        pipeline.pipeline_id,
+        version.pipeline_version_id,
+    )
+    page = client.list_recurring_runs(page_size=3, sort_by="created_at desc")
+    assert len(page.recurring_runs) == 3 and page.next_page_token
+    assert page.recurring_runs[0].recurring_run_id == made["weekly", "b"].recurring_run_id
+
+    target = made["weekly", "a"].recurring_run_id
+    client.disable_recurring_run(target)
+    disabled = json.dumps(
+        {"predicates": [{"operation": "EQUALS", "key": "status", "stringValue": "DISABLED"}]}
+    )
+    assert [
+        r.recurring_run_id for r in client.list_recurring_runs(filter=disabled).recurring_runs
+    ] == [target]
+    client.enable_recurring_run(target)
+    assert client.get_recurring_run(target).status == "ENABLED"
+    client.delete_recurring_run(target)
+    assert target not in server.recurring_runs
+    with pytest.raises(kfp_server_api.ApiException) as info:
+        client.get_recurring_run(target)
+    assert info.value.status == 404
+
+
 def test_an_unfinished_run_has_the_zero_finish_time(kfp_client):
     client, server = kfp_client
     experiment = client.create_experiment("e")

@@ -18,9 +18,7 @@ from pipelines.kfp_client import (
     KfpApiError,
     KfpConnection,
     RunFailedError,
-    cron_with_seconds,
     get_run,
-    schedule_preset,
     submit_preset,
     wait_for_run,
 )
@@ -107,20 +105,6 @@ def test_second_submit_uploads_a_new_version_and_reuses_the_experiment(kfp_serve
     assert kfp_server.calls[3]["body"]["pipeline_version_reference"] == second.version.as_body()
 
 
-def test_schedule_creates_an_enabled_cron_recurring_run_on_the_latest_version(kfp_server, conn):
-    recurring_id = schedule_preset(conn, get_preset("tiny-cpu"), "30 2 * * *")
-
-    assert recurring_id.startswith("recurring-")
-    assert _calls(kfp_server)[-1] == ("POST", "/apis/v2beta1/recurringruns")
-    body = kfp_server.calls[-1]["body"]
-    assert body["trigger"] == {"cron_schedule": {"cron": "0 30 2 * * *"}}
-    assert body["mode"] == "ENABLE"
-    pipeline_id = next(iter(kfp_server.pipelines))
-    assert body["pipeline_version_reference"] == {"pipeline_id": pipeline_id}
-    assert body["experiment_id"] in kfp_server.experiments
-    assert body["runtime_config"]["parameters"]["data_source"] == "bundled"
-
-
 @pytest.mark.parametrize(
     "kfp_server",
     [[{"state": "RUNNING"}, {"state": "FAILED", "error": {"code": 2, "message": "sft OOMKilled"}}]],
@@ -168,19 +152,6 @@ def test_no_token_sends_no_authorization_header(kfp_server, monkeypatch):
 def test_endpoint_needs_a_scheme():
     with pytest.raises(ValueError, match="is not an http:// or https:// URL with a host"):
         KfpConnection("kfp.example.com")
-
-
-@pytest.mark.parametrize(
-    ("cron", "expected"),
-    [("0 3 * * 1-5", "0 0 3 * * 1-5"), ("15 0 3 * * *", "15 0 3 * * *")],
-)
-def test_cron_gets_kfp_seconds_field(cron, expected):
-    assert cron_with_seconds(cron) == expected
-
-
-def test_cron_with_wrong_field_count_is_rejected():
-    with pytest.raises(ValueError, match="expected 5 fields"):
-        cron_with_seconds("daily")
 
 
 def test_a_run_id_is_sent_encoded(kfp_server, conn):

@@ -160,7 +160,7 @@ def run_grpo(
         engines.serve_rollouts(site, store, channel, weights, start)
         return None
     info = init_distributed(cfg.device, cfg.cpu_threads, plan.training_ranks, store, timeout)
-    remote = engines.remote_engines(cfg, leads, channel, weights, info)
+    remote = engines.remote_engines(cfg, plan, channel, weights, info)
 
     def engines_ready() -> None:
         dedicated.announce_ready(store, job.rank)

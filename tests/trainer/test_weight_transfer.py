@@ -15,7 +15,6 @@ prefix, gloo) and receive as it receives (one broadcast of the bucket's bytes).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from datetime import timedelta

@@ -6,19 +6,22 @@ device. The trainer's coordinator (rank 0) drives them over ``torch.distributed`
 CPU, NCCL on GPU) with ``RemoteRolloutEngine``, which has the rollout-engine interface the
 loop already uses (``generate``, ``sync_weights``, ``token_log_probs``): prompts and seeds go
 out, each engine generates its contiguous share of the prompt slots, the rollouts come back;
-after each update the policy's weights go to each engine once, to its first process (the
-one that loads them: an engine of several processes has one loader), in buckets of at most
-``bucket_bytes``, streamed (a bucket is sent as soon as it is full, and the engine loads it
-before the next arrives). A rollout process runs ``serve`` until the coordinator says stop.
+after each update the policy's weights go to each engine once, in buckets of at most
+``bucket_bytes``, the next drawn while one is on the wire (``weight_transfer.pipelined``):
+to a vLLM engine's TP workers straight from the coordinator (``DirectTransfer``: NCCL on
+GPUs, gloo without; the engine's first process only relays the RPCs), to an HF engine's
+process (the one that loads them) over a channel. A rollout process runs ``serve`` until
+the coordinator says stop.
 
 The job is split in two worlds (``run_grpo``): the training processes' default process
 group holds only them, so DeepSpeed, checkpoints and every barrier see exactly the world
 they would see without engines; the coordinator and the rollout processes talk over a
 ``Channel``, a gloo process group of their own built from the job's store, outside every
-default group; the weights travel on a second one, of the coordinator and each engine's first
-process only (``open_channels``), so no process receives weights it drops. Every message is
-a collective over its channel, in the same order on every member, so a lost member stops the
-others: torchrun then ends the job (a failing process ends all of them, exit non-zero). With
+default group; an HF engine's weights travel on a second one, of the coordinator and each
+engine's first process only (``open_channels``), so no process receives weights it drops.
+Every message is a collective over its channel, in the same order on every member, so a lost
+member stops the others: torchrun then ends the job (a failing process ends all of them, exit
+non-zero). With
 several training processes, only the coordinator talks to the engines; ``SharedRemote``
 hands the rollouts (and the sync check's scores) to the other training processes over their
 own group, and has them take part in the weight stream (ZeRO-3 gathers each parameter

@@ -286,18 +286,21 @@ class NcclSender(GlooSender):
                 "the nccl weight transport needs vLLM in the trainer's image (pip install "
                 "'lingo-rl[vllm]'), or select lingo_gloo"
             ) from exc
+        self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = trainer_init(
             {"master_address": self.host, "master_port": self.port, "world_size": self.world_size},
             rank=0,
         )
 
     def send(self, flat: torch.Tensor) -> None:
+        """Broadcast one bucket's bytes from the GPU the group was opened on (from any
+        thread: a new thread starts on device 0)."""
         started = time.monotonic()
-        device = torch.device("cuda", torch.cuda.current_device())
-        on_device = flat.to(device, non_blocking=True)
-        stream = torch.cuda.current_stream()
-        self.group.broadcast(on_device, src=0, stream=stream)
-        stream.synchronize()
+        with torch.cuda.device(self.device):
+            on_device = flat.to(self.device, non_blocking=True)
+            stream = torch.cuda.current_stream()
+            self.group.broadcast(on_device, src=0, stream=stream)
+            stream.synchronize()
         self._count(flat, started)
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from capacity.quantities import (
 )
 from capacity.rollout_memory import VLLM_CONTEXT_GIB, KvCapacity, rollout_gpu_terms
 from capacity.storage import storage_terms
+from capacity.sync_time import SyncTime, model_sync
 from capacity.training_memory import (
     CUDA_RUNTIME_GIB,
     gpu_resident_state,
@@ -44,6 +45,7 @@ class Estimate:
         layout: the layout, overrides applied.
         resources: training GPU, rollout GPU, host per node kind, storage (those that apply).
         kv: the rollout engines' KV-cache capacity, when there are rollout GPUs.
+        sync: one weight sync's modeled time (dedicated engines on a stated interconnect).
     """
 
     model: ModelSpec
@@ -52,6 +54,7 @@ class Estimate:
     layout: Layout
     resources: tuple[Resource, ...]
     kv: KvCapacity | None
+    sync: SyncTime | None = None
 
     @property
     def verdict(self) -> Verdict:
@@ -190,6 +193,7 @@ def estimate_layout(spec: ModelSpec, layout: Layout) -> Estimate:
         layout=layout,
         resources=tuple(resources),
         kv=kv,
+        sync=model_sync(counts, layout),
     )
 
 

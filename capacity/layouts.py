@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cluster.nodes import NODE_TYPES
+from cluster.nodes import NODE_TYPES, sender_network_gbps
 
 
 class LayoutError(ValueError):
@@ -80,6 +80,10 @@ class Layout(BaseModel):
         reduce_bucket_size: DeepSpeed gradient reduce bucket, in elements (its default).
         max_ckpt_num: training checkpoints kept on the volume.
         hf_ckpt_num: HF exports kept on the volume.
+        network_gbps: a node's network, Gb/s (``cluster.nodes.NodeType``); None: not stated.
+        sender_network_gbps: what one GPU's process reaches of it (``sender_network_gbps``).
+        intra_node_gbps: one GPU's bandwidth to the node's other GPUs, Gb/s.
+        sync_bucket_mb: the weight sync's bucket (``rollout.sync_bucket_mb``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -126,6 +130,10 @@ class Layout(BaseModel):
     reduce_bucket_size: int = Field(500_000_000, ge=1)
     max_ckpt_num: int = Field(3, ge=0)
     hf_ckpt_num: int = Field(1, ge=0)
+    network_gbps: float | None = Field(None, gt=0)
+    sender_network_gbps: float | None = Field(None, gt=0)
+    intra_node_gbps: float | None = Field(None, gt=0)
+    sync_bucket_mb: int = Field(64, ge=1)
 
     @model_validator(mode="after")
     def _check_placement(self) -> Layout:
@@ -185,6 +193,9 @@ def node_fields(node_type: str, nodes: int = 1) -> dict[str, object]:
     A CPU node keeps the default ``gpu_memory_gib``, which a CPU layout ignores."""
     node = NODE_TYPES[node_type]
     return {
+        "network_gbps": node.network_gbps,
+        "sender_network_gbps": sender_network_gbps(node),
+        "intra_node_gbps": node.intra_node_gbps,
         "device": node.device,
         "nodes": nodes,
         "gpus_per_node": node.gpus,

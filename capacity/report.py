@@ -10,6 +10,7 @@ from typing import Any
 from capacity.estimate import Estimate, estimate
 from capacity.layouts import Layout
 from capacity.quantities import GIB, MIB, Verdict, format_count
+from capacity.sync_time import describe_sync
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,9 @@ def format_table(result: Estimate) -> str:
             lines.append(f"  {resource.detail}")
         for advice in resource.advice:
             lines.append(f"  advice: {advice}")
+    if result.sync is not None:
+        lines.append("")
+        lines.append(describe_sync(result.sync))
     lines.append("")
     lines.append(f"verdict: {result.verdict.value}")
     return "\n".join(lines)

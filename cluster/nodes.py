@@ -84,6 +84,14 @@ class NodeType(ConfigModel):
         job_cpu: CPU a training job's pod requests on this node.
         job_memory: memory a training job's pod requests on this node.
         job_shm: size of a training job pod's memory-backed ``/dev/shm``.
+        network_gbps: the node's network bandwidth, all its interfaces together, Gb/s, as
+            the instance type's published figure states it; ``None``: none stated (the local
+            run: one host, no network between its processes).
+        network_links: network interfaces that bandwidth is spread over (EFA cards); one
+            GPU's process reaches ``network_gbps / network_links`` per interface it is
+            nearest to (``network_links // gpus`` of them, at least one).
+        intra_node_gbps: one GPU's bandwidth to the node's other GPUs, Gb/s (NVLink, or PCIe
+            where the GPUs have no NVLink); ``None`` on CPU.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -98,6 +106,9 @@ class NodeType(ConfigModel):
     job_cpu: str = "4"
     job_memory: str = "16Gi"
     job_shm: str = "8Gi"
+    network_gbps: float | None = Field(None, gt=0)
+    network_links: int = Field(1, ge=1)
+    intra_node_gbps: float | None = Field(None, gt=0)
 
     @property
     def device(self) -> Literal["cuda", "cpu"]:
@@ -118,6 +129,12 @@ NODE_TYPES: dict[str, NodeType] = {
         job_cpu="44",
         job_memory="160Gi",
         job_shm="32Gi",
+        # https://aws.amazon.com/ec2/instance-types/g5/ : g5.12xlarge "Network Bandwidth
+        # (Gbps) 40" (100 is g5.48xlarge's); the A10Gs have no NVLink: PCIe 4.0 x16, 16 GT/s
+        # × 16 lanes ≈ 31.5 GB/s ≈ 252 Gb/s each way (PCI-SIG PCIe 4.0 base specification)
+        network_gbps=40.0,
+        network_links=1,
+        intra_node_gbps=252.0,
     ),
     # 192 vCPU, 2 TiB, 8x H200 141 GB
     "p5en.48xlarge": NodeType(
@@ -131,6 +148,12 @@ NODE_TYPES: dict[str, NodeType] = {
         job_cpu="180",
         job_memory="1800Gi",
         job_shm="256Gi",
+        # https://aws.amazon.com/ec2/instance-types/p5/ : p5en.48xlarge "3200 Gbps" EFAv3,
+        # 16 × 200 Gb/s cards (two per GPU); NVLink within the node: H200 "NVLink 900 GB/s"
+        # per GPU (NVIDIA H200 Tensor Core GPU datasheet) = 7200 Gb/s
+        network_gbps=3200.0,
+        network_links=16,
+        intra_node_gbps=7200.0,
     ),
 }
 
@@ -147,3 +170,13 @@ def job_fields(node_type: str) -> dict:
         "node_selector": {"node.kubernetes.io/instance-type": node.name},
         "tolerations": [{"key": "nvidia.com/gpu"}],
     }
+
+
+def sender_network_gbps(node: NodeType) -> float | None:
+    """What one GPU's process (the trainer's weight sender) reaches of ``node``'s network:
+    its share of the interfaces nearest to it, at least one interface (p5en: two 200 Gb/s
+    EFA cards per GPU, 400 Gb/s; g5.12xlarge: its one 40 Gb/s interface)."""
+    if node.network_gbps is None:
+        return None
+    per_link = node.network_gbps / node.network_links
+    return per_link * max(1, node.network_links // node.gpus)

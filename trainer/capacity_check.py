@@ -145,6 +145,7 @@ def grpo_layout(
         "vllm_gpu_memory_utilization": grpo.rollout.gpu_memory_utilization,
         "rollout_dtype": "bf16",  # the engine is built with dtype=bfloat16
         "max_ckpt_num": grpo.max_ckpt_num,
+        "sync_bucket_mb": grpo.rollout.sync_bucket_mb,
     }
     return _validated(base, f"{base.name} (GRPO as configured)", fields, overrides)
 

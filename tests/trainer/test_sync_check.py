@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import HFRolloutEngine, vllm_engine_kwargs
 from trainer.grpo.sync_check import (
     ProbeText,
+    SyncBudget,
     SyncCheck,
     SyncGap,
     SyncReport,
@@ -94,6 +96,25 @@ def test_the_metrics_line_holds_the_worst_sync_and_the_floor():
         "sync_s": 0.75,
     }
     assert sync_metrics([]) == {}
+
+
+def test_the_metrics_line_holds_the_budget_beside_the_time():
+    floor = SyncGap(0.01, 0.02, 0.1, 64)
+    reports = [SyncReport(SyncGap(0.01, 0.03, 0.2, 64), floor, 100, 0.5, 0.25)] * 2
+    metrics = sync_metrics(reports)
+    assert (metrics["sync_s"], metrics["sync_budget_s"]) == (1.0, 0.5)
+
+
+def test_a_sync_over_twice_its_budget_is_warned_about_once(caplog):
+    budget = SyncBudget(10.0)
+    with caplog.at_level(logging.WARNING, logger="trainer.grpo.sync_check"):
+        assert not budget.observe(20.0, 1)  # twice: still within
+        assert budget.observe(20.5, 2)
+        assert budget.observe(30.0, 3)
+    warnings = [r.getMessage() for r in caplog.records if "weight sync" in r.getMessage()]
+    assert len(warnings) == 1 and "step 2 took 20.5 s" in warnings[0]
+    assert "rollout.sync_budget_s" in warnings[0]
+    assert not SyncBudget(None).observe(1e9, 1)
 
 
 def test_vllm_kwargs_never_split_prompts_on_cpu():

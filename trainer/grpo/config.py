@@ -51,9 +51,13 @@ class RolloutConfig(ConfigModel):
     dedicated engines (``colocate: false``), which work while the trainer trains; see
     ``trainer.grpo.producer``."""
     sync_bucket_mb: int = Field(64, ge=1)
-    """vLLM engines: the weight sync loads the policy in buckets of at most this many MiB (one
-    bucket held at a time; a larger tensor is a bucket of its own); dedicated engines receive
-    them on each engine's first process."""
+    """vLLM engines: the weight sync loads the policy in buckets of at most this many MiB (a
+    larger tensor is a bucket of its own); dedicated vLLM engines receive them on every TP
+    worker straight from the trainer, the next bucket gathered while one is on the wire."""
+    sync_budget_s: float | None = Field(None, gt=0)
+    """The modeled time of one weight sync (``lingo estimate`` prints it: "weight sync per
+    step"); each sync's ``sync_s`` is logged beside it (``sync_budget_s``), and the run warns
+    once when a sync takes over twice as long. None: no budget."""
     start_timeout_s: int = Field(3600, ge=1)
     """Dedicated engines: how long the training and the rollout processes wait for each other
     to be ready (the engines built: vLLM at 20B loads, compiles and captures CUDA graphs; the

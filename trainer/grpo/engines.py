@@ -11,6 +11,7 @@ HF and vLLM), ``vllm_dedicated`` and ``remote`` (the engines in processes of the
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +24,12 @@ from trainer.backends import DataParallel, TrainingBackend
 from trainer.distributed import DistInfo
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.rollout import HFRolloutEngine, RolloutEngine
+from trainer.grpo.weight_transfer import (
+    TransferChoice,
+    log_transfer,
+    select_transfer,
+    vllm_importable,
+)
 from trainer.placement import PlacementPlan
 
 log = logging.getLogger(__name__)
@@ -139,10 +146,22 @@ def engine_builders(name: str) -> EngineBuilders:
     return ENGINES[name]
 
 
+def weight_transport(cfg: GRPOConfig, device: torch.device, rank: int) -> TransferChoice:
+    """The run's weight-sync transport (``trainer.grpo.weight_transfer.select_transfer``),
+    logged once by the process that chose it when it is rank 0."""
+    choice = select_transfer(
+        device.type, cfg.rollout.colocate, cfg.rollout.engine, vllm_importable()
+    )
+    if rank == 0:
+        log_transfer(choice)
+    return choice
+
+
 def colocated_engine(
     site: EngineSite, policy: torch.nn.Module, backend: TrainingBackend
 ) -> RolloutEngine:
     """The engine a training process samples with when the engines are colocated."""
+    weight_transport(site.cfg, site.info.device, site.info.rank)
     return engine_builders(site.cfg.rollout.engine).colocated(site, policy, backend)
 
 
@@ -180,15 +199,30 @@ def serve_rollouts(site: EngineSite, store, channel, weights, start: timedelta) 
     remote.serve(engine, index, len(site.plan.engines), channel, weights)
 
 
-def remote_engines(cfg: GRPOConfig, leads: list[int], channel, weights, info: DistInfo):
+def remote_engines(cfg: GRPOConfig, plan: PlacementPlan, channel, weights, info: DistInfo):
     """A training process's handle on the dedicated engines: the coordinator's
     ``RemoteRolloutEngine`` (None on the other training processes), shared with them over
-    their default group when there are several (``SharedRemote``)."""
+    their default group when there are several (``SharedRemote``). vLLM engines get the
+    weights from the coordinator directly (``weight_transport``: every TP worker in one
+    group with it); HF engines over ``weights``."""
     from trainer.grpo import remote
 
     handle = None
     if channel is not None:
+        choice = weight_transport(cfg, info.device, 0)
+        direct = None
+        if choice.transport in ("nccl", "lingo_gloo"):
+            direct = remote.DirectTransfer(
+                choice,
+                tuple(e.tensor_parallel_size for e in plan.engines),
+                os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                cfg.collective_timeout,
+            )
         handle = remote.RemoteRolloutEngine(
-            leads, channel, cfg.rollout.sync_bucket_mb << 20, weights
+            [e.ranks[0] for e in plan.engines],
+            channel,
+            cfg.rollout.sync_bucket_mb << 20,
+            weights,
+            direct,
         )
     return remote.SharedRemote(handle, info) if info.world_size > 1 else handle

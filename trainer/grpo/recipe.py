@@ -55,7 +55,7 @@ from trainer.grpo.mismatch import MismatchGate
 from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompt_sets, step_prompts
 from trainer.grpo.rollout import RolloutEngine, keep_share, share_request
-from trainer.grpo.sync_check import SyncCheck, SyncGap, sync_metrics, sync_probe
+from trainer.grpo.sync_check import SyncBudget, SyncCheck, SyncGap, sync_metrics, sync_probe
 from trainer.grpo.update import (
     backend_request,
     decode,
@@ -160,7 +160,7 @@ def run_grpo(
         engines.serve_rollouts(site, store, channel, weights, start)
         return None
     info = init_distributed(cfg.device, cfg.cpu_threads, plan.training_ranks, store, timeout)
-    remote = engines.remote_engines(cfg, leads, channel, weights, info)
+    remote = engines.remote_engines(cfg, plan, channel, weights, info)
 
     def engines_ready() -> None:
         dedicated.announce_ready(store, job.rank)
@@ -446,10 +446,13 @@ def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
         prompts = [p.ids for p in run.step_prompts(step)]
         return share_request(prompts, seeds, share, per_rank)
 
+    budget = SyncBudget(cfg.rollout.sync_budget_s)
     producer = RolloutProducer(
         run.engine,
         requests,
-        lambda version: sync_engine(run.engine, run.backend, probe, check, pad_id, info, version),
+        lambda version: sync_engine(
+            run.engine, run.backend, probe, check, pad_id, info, version, budget
+        ),
         cfg.rollout.async_steps,
         cfg.max_steps,
         select=lambda out: keep_share(out, share, run.dp.rank, per_rank),

@@ -6,19 +6,22 @@ device. The trainer's coordinator (rank 0) drives them over ``torch.distributed`
 CPU, NCCL on GPU) with ``RemoteRolloutEngine``, which has the rollout-engine interface the
 loop already uses (``generate``, ``sync_weights``, ``token_log_probs``): prompts and seeds go
 out, each engine generates its contiguous share of the prompt slots, the rollouts come back;
-after each update the policy's weights go to each engine once, to its first process (the
-one that loads them: an engine of several processes has one loader), in buckets of at most
-``bucket_bytes``, streamed (a bucket is sent as soon as it is full, and the engine loads it
-before the next arrives). A rollout process runs ``serve`` until the coordinator says stop.
+after each update the policy's weights go to each engine once, in buckets of at most
+``bucket_bytes``, the next drawn while one is on the wire (``weight_transfer.pipelined``):
+to a vLLM engine's TP workers straight from the coordinator (``DirectTransfer``: NCCL on
+GPUs, gloo without; the engine's first process only relays the RPCs), to an HF engine's
+process (the one that loads them) over a channel. A rollout process runs ``serve`` until
+the coordinator says stop.
 
 The job is split in two worlds (``run_grpo``): the training processes' default process
 group holds only them, so DeepSpeed, checkpoints and every barrier see exactly the world
 they would see without engines; the coordinator and the rollout processes talk over a
 ``Channel``, a gloo process group of their own built from the job's store, outside every
-default group; the weights travel on a second one, of the coordinator and each engine's first
-process only (``open_channels``), so no process receives weights it drops. Every message is
-a collective over its channel, in the same order on every member, so a lost member stops the
-others: torchrun then ends the job (a failing process ends all of them, exit non-zero). With
+default group; an HF engine's weights travel on a second one, of the coordinator and each
+engine's first process only (``open_channels``), so no process receives weights it drops.
+Every message is a collective over its channel, in the same order on every member, so a lost
+member stops the others: torchrun then ends the job (a failing process ends all of them, exit
+non-zero). With
 several training processes, only the coordinator talks to the engines; ``SharedRemote``
 hands the rollouts (and the sync check's scores) to the other training processes over their
 own group, and has them take part in the weight stream (ZeRO-3 gathers each parameter
@@ -62,10 +65,11 @@ from trainer.grpo.rollout import (
     tensor_bytes,
 )
 from trainer.grpo.vllm_weights import weight_buckets
+from trainer.grpo.weight_transfer import GlooSender, TransferChoice, open_sender, pipelined
 
 log = logging.getLogger(__name__)
 
-GENERATE, SYNC, LOG_PROBS, STOP = "generate", "sync", "log_probs", "stop"
+GENERATE, SYNC, LOG_PROBS, STOP, CONNECT = "generate", "sync", "log_probs", "stop", "connect"
 BUCKET, END = "bucket", "end"
 
 
@@ -132,12 +136,15 @@ class Channel:
         self.broadcast_bytes = 0
         """Bytes of the broadcasts so far: received (a member), or sent to every other member
         (the leader, counted once per receiver)."""
+        self.broadcasts = 0
+        """Broadcast collectives so far (an object is two: its size, then its bytes)."""
 
     def broadcast_tensor(self, tensor: torch.Tensor) -> None:
         """The leader's ``tensor`` into every member's (same shape and dtype)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
+        self.broadcasts += 1
         receivers = len(self.members) - 1 if self.index == 0 else 1
         self.broadcast_bytes += tensor_bytes(tensor) * receivers
 
@@ -381,6 +388,45 @@ def _unflat(spec: list, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]
         offset += count
 
 
+@dataclass(frozen=True)
+class DirectTransfer:
+    """The coordinator's direct weight transport to dedicated vLLM engines
+    (``trainer.grpo.weight_transfer``): one group of the coordinator (rank 0) and every TP
+    worker of every engine, engine after engine.
+
+    Attributes:
+        choice: ``nccl`` or ``lingo_gloo``.
+        workers: each engine's TP workers, engine order.
+        host: the address the workers reach the coordinator at.
+        timeout: how long a broadcast waits for the workers.
+    """
+
+    choice: TransferChoice
+    workers: tuple[int, ...]
+    host: str
+    timeout: timedelta
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.workers)
+
+    def init_infos(self, port: int) -> list[dict]:
+        """Each engine's ``init_weight_transfer_engine`` payload (``vllm_transfer``'s init
+        info): the group's address, its size, and where the engine's workers start in it."""
+        transport = "nccl" if self.choice.transport == "nccl" else "gloo"
+        return [
+            {
+                "master_address": self.host,
+                "master_port": port,
+                "world_size": self.world_size,
+                "rank_offset": 1 + sum(self.workers[:engine]),
+                "transport": transport,
+                "timeout_s": self.timeout.total_seconds(),
+            }
+            for engine in range(len(self.workers))
+        ]
+
+
 class RemoteRolloutEngine:
     """The coordinator's handle on the dedicated engines (rank 0 of the job).
 
@@ -390,7 +436,10 @@ class RemoteRolloutEngine:
         channel: the coordinator's (leader) and every rollout rank's ``Channel``.
         bucket_bytes: largest weight bucket sent at once.
         weights: the channel of the coordinator and the engines' lead ranks, on which the
-            weights travel (``open_channels``; None: ``channel``).
+            weights travel (``open_channels``; None: ``channel``); with ``direct``, only the
+            buckets' names, dtypes and shapes.
+        direct: send the weights to every engine worker from here (vLLM engines); None: over
+            ``weights`` to the engines' lead ranks, which load them (HF engines).
     """
 
     overlaps = True
@@ -401,8 +450,11 @@ class RemoteRolloutEngine:
         channel: Channel,
         bucket_bytes: int = 64 << 20,
         weights: Channel | None = None,
+        direct: DirectTransfer | None = None,
     ) -> None:
         self.engine_ranks = list(engine_ranks)
+        self.direct = direct
+        self.sender: GlooSender | None = None
         self.channel = channel
         self.weights = weights or channel
         self.bucket_bytes = bucket_bytes
@@ -457,20 +509,50 @@ class RemoteRolloutEngine:
         return out
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Each bucket to every engine's lead rank, once; returns the weight bytes sent (per
-        receiving engine)."""
-        self._send((SYNC,))
+        """Each bucket to every engine once: to each vLLM worker straight from here
+        (``direct``), or to each engine's lead rank; the next bucket is drawn (gathered) while
+        one is on the wire (``pipelined``). Returns the weight bytes sent (each receiving
+        process counted)."""
+        if self.direct is not None and self.sender is None:
+            self._connect()
+        self._send((SYNC, self.sender is not None))
         sent = 0
-        for bucket in buckets(named_tensors, self.bucket_bytes):
+        for bucket in pipelined(buckets(named_tensors, self.bucket_bytes)):
             spec, flat = _flat(bucket, torch.device("cpu"))
             self.weights.broadcast_object((BUCKET, spec, flat.numel()))
-            self.weights.broadcast_tensor(flat)
-            sent += tensor_bytes(flat) * (len(self.weights.members) - 1)
+            if self.sender is not None:
+                self.sender.send(flat)
+                sent += tensor_bytes(flat) * (self.sender.world_size - 1)
+            else:
+                self.weights.broadcast_tensor(flat)
+                sent += tensor_bytes(flat) * (len(self.weights.members) - 1)
         self.weights.broadcast_object((END,))
         failures = [a for a in self._engine_answers() if isinstance(a, BaseException)]
         if failures:
             raise RuntimeError(f"a rollout engine failed to load the weights: {failures[0]!r}")
         return sent
+
+    def _connect(self) -> None:
+        """Open the direct group: each engine's lead has its workers join it (at their
+        ``rank_offset``) while this process joins as rank 0."""
+        direct = self.direct
+        sender = open_sender(direct.choice, direct.host, direct.world_size, direct.timeout)
+        self._send((CONNECT, direct.init_infos(sender.port)))
+        sender.connect()
+        answers = self._engine_answers()
+        failures = [a for a in answers if isinstance(a, BaseException)]
+        if failures:
+            raise RuntimeError(
+                f"a rollout engine's workers failed to join the {direct.choice.transport} "
+                f"weight group: {failures[0]!r}"
+            )
+        self.sender = sender
+        log.info(
+            "weight group: the coordinator and %d vLLM workers of %d engines over %s",
+            direct.world_size - 1,
+            len(direct.workers),
+            direct.choice.transport,
+        )
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
         """Engine 0's log-probs of ``response`` after ``prompt``."""
@@ -501,6 +583,8 @@ class RemoteRolloutEngine:
             self.channel.close()
             if self.weights is not self.channel:
                 self.weights.close()
+            if self.sender is not None:
+                self.sender.close()
 
 
 class EngineFollower(LocalRequests):
@@ -565,8 +649,15 @@ def serve(
                 answer = Generated(answer, time.monotonic() - started, idle)
                 idle = 0.0
             served += 1
+        elif kind == CONNECT and weights is None:
+            answer = None  # its engine's lead has the workers join
+        elif kind == CONNECT:
+            (infos,) = args
+            answer = _attempt(engine.join_transfer, infos[engine_index])
         elif kind == SYNC and weights is None:
             answer = _attempt(engine.sync_weights, ())  # its engine's lead loads them
+        elif kind == SYNC and args[0]:  # the trainer sends to the workers: relay the RPCs
+            answer = _attempt(engine.receive_weights, weights)
         elif kind == SYNC:
             received = _ReceivedWeights(weights)
             answer = _attempt(engine.sync_weights, received)

@@ -21,11 +21,14 @@ stops the run before the first step.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
 """The dtype floor (nats per token) when ``rollout.sync_check_tolerance`` is unset;
@@ -207,6 +210,8 @@ class SyncReport:
     """Weight bytes delivered to the engines (each receiving copy counted)."""
     seconds: float
     """Wall time of sending and loading the weights (the check not included)."""
+    budget_s: float | None = None
+    """The modeled time of a sync (``rollout.sync_budget_s``), None: no budget."""
 
 
 def sync_metrics(reports: Sequence[SyncReport]) -> dict[str, float]:
@@ -223,4 +228,40 @@ def sync_metrics(reports: Sequence[SyncReport]) -> dict[str, float]:
         "sync_floor_p95_diff": floor.p95,
         "sync_bytes": sum(r.bytes for r in reports),
         "sync_s": sum(r.seconds for r in reports),
+        **(
+            {"sync_budget_s": sum(r.budget_s for r in reports)}
+            if all(r.budget_s is not None for r in reports)
+            else {}
+        ),
     }
+
+
+OVER_BUDGET = 2.0
+"""A sync over this many times its modeled time is warned about (once a run)."""
+
+
+class SyncBudget:
+    """``rollout.sync_budget_s``: each sync's time against the modeled one; one warning the
+    first time a sync takes over ``OVER_BUDGET`` times as long."""
+
+    def __init__(self, budget_s: float | None) -> None:
+        self.budget_s = budget_s
+        self.warned = False
+
+    def observe(self, seconds: float, step: int) -> bool:
+        """True when this sync is over ``OVER_BUDGET`` × the budget (warned the first time)."""
+        if self.budget_s is None or seconds <= OVER_BUDGET * self.budget_s:
+            return False
+        if not self.warned:
+            self.warned = True
+            log.warning(
+                "the weight sync of step %d took %.1f s, over %g× its modeled %.1f s "
+                "(rollout.sync_budget_s, from lingo estimate): the interconnect is slower than "
+                "the node type states, or the sync is not on its fast path (the transport is "
+                "logged at the start: 'weight sync transport'); said once per run",
+                step,
+                seconds,
+                OVER_BUDGET,
+                self.budget_s,
+            )
+        return True

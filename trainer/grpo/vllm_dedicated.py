@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 
 import torch
@@ -39,6 +38,7 @@ from trainer.grpo.rollout import (
     refuse_quantized_reload,
     vllm_engine_kwargs,
 )
+from trainer.grpo.weight_transfer import GlooSender, TransferChoice, open_sender, pipelined
 from trainer.placement import EnginePlacement
 
 log = logging.getLogger(__name__)
@@ -104,46 +104,86 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
         kwargs["worker_extension_cls"] = vllm_transfer.WORKER_EXTENSION
         VLLMGenerator.__init__(self, LLM(**kwargs), model_dir, tokenizer)
-        self.group = self._connect()
+        self.transport = "gloo" if current_platform.is_cpu() else "nccl"
+        self.sender: GlooSender | None = None
+        """This process's end of the group when it sends the weights itself (``sync_weights``);
+        None when the trainer does (``join_transfer``, ``receive_weights``)."""
+        self.joined = False
 
-    def _connect(self):
-        """The gloo group of this process (rank 0) and the engine's workers; they join it in
-        ``init_weight_transfer_engine``, which returns once they have.
+    def join_transfer(self, init_info: dict) -> None:
+        """Have the engine's workers join the trainer's transfer group (``trainer.grpo.
+        weight_transfer``: the trainer rank 0, these workers from ``init_info['rank_offset']``);
+        returns once they have, which is once the trainer has joined too."""
+        if self.joined:
+            raise RuntimeError("the vLLM engine's workers already joined a weight-transfer group")
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self.joined = True
 
-        This process binds the group's store itself: under torchrun
-        (``TORCHELASTIC_USE_AGENT_STORE=True``) torch's tcp:// rendezvous makes every rank a
-        client of a store it expects torchrun's agent to host, and nobody would host this one.
-        """
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    def receive_weights(self, messages) -> int:
+        """One sync sent by the trainer itself: per bucket, its names, dtypes and shapes come
+        on ``messages`` (a ``Channel``: ``(BUCKET, spec, size)``, then ``(END,)``) and this
+        process asks the workers to take it (``update_weights``), which they do from the
+        trainer's broadcast; no weight byte passes through this process. Returns 0 (the
+        bytes this process received)."""
+        from trainer.grpo.remote import END
 
-        host, size = "127.0.0.1", 1 + self.workers
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((host, 0))
-        listener.listen()
-        port = listener.getsockname()[1]
+        ended = False
+        try:
+            refuse_quantized_reload(self.quantization, self.model_dir)
+            self.llm.start_weight_update()
+            while True:
+                message = messages.broadcast_object()
+                if message[0] == END:
+                    ended = True
+                    break
+                _, spec, _ = message
+                self.llm.update_weights({"update_info": _update_info(spec)})
+            self.llm.finish_weight_update()
+        except Exception:
+            while not ended:  # read the rest of the headers, to stay in step with the trainer
+                ended = messages.broadcast_object()[0] == END
+            raise
+        self.llm.reset_prefix_cache()
+        return 0
+
+    def worker_bytes_received(self) -> list[int]:
+        """Weight bytes each of the engine's workers has received, worker order."""
+        return [int(n) for n in self.llm.collective_rpc("weight_bytes_received")]
+
+    def _connect(self) -> GlooSender:
+        """This process as the sender (rank 0) of a group with the engine's workers."""
+        host = "127.0.0.1"
+        sender = open_sender(
+            TransferChoice("lingo_gloo" if self.transport == "gloo" else "nccl", True, "client"),
+            host,
+            1 + self.workers,
+            timedelta(minutes=5),
+        )
         info = {
             "master_address": host,
-            "master_port": port,
-            "world_size": size,
+            "master_port": sender.port,
+            "world_size": 1 + self.workers,
             "client_pid": os.getpid(),
+            "transport": self.transport,
         }
         with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(self.llm.init_weight_transfer_engine, {"init_info": info})
-            group = stateless_init_torch_distributed_process_group(
-                host, port, 0, size, "gloo", listen_socket=listener
-            )
+            joined = pool.submit(self.join_transfer, info)
+            sender.connect()
             joined.result()
-        return group
+        return sender
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Send the policy's weights to the workers in buckets; they load them with vLLM's
-        layerwise reload (``trainer.grpo.vllm_transfer``). Returns the bytes sent (each
-        worker counted: every one receives the whole bucket, its loaders keep its shard)."""
+        """Send the policy's weights to the workers from this process, in buckets (the next
+        drawn while one is on the wire); they load them with vLLM's layerwise reload
+        (``trainer.grpo.vllm_transfer``). Returns the bytes sent (each worker counted: every
+        one receives the whole bucket, its loaders keep its shard)."""
         refuse_quantized_reload(self.quantization, self.model_dir)
+        if self.sender is None:
+            self.sender = self._connect()
         self.llm.start_weight_update()
         count = sent = 0
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            for bucket in buckets(named_tensors, self.bucket_bytes):
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for bucket in pipelined(buckets(named_tensors, self.bucket_bytes)):
                 sent += self._send(pool, bucket) * self.workers
                 count += len(bucket)
         self.llm.finish_weight_update()
@@ -152,23 +192,18 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         return sent
 
     def _send(self, pool: ThreadPoolExecutor, bucket: list[tuple[str, torch.Tensor]]) -> int:
-        """One bucket: the workers' ``update_weights`` (which waits for the bytes) on a side
-        thread, the bytes broadcast from here; an error of the workers raises here rather than
-        leave this process waiting on a broadcast they will not join. Returns its bytes."""
+        """One bucket: the workers' ``update_weights`` (which waits for the bytes) and the
+        broadcast on side threads; an error of the workers raises here rather than leave this
+        process waiting on a broadcast they will not join. Returns its bytes."""
         spec, flat = _flat(bucket, torch.device("cpu"))
-        info = {
-            "names": [name for name, _, _ in spec],
-            "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in spec],
-            "shapes": [list(shape) for _, _, shape in spec],
-        }
+        info = _update_info(spec)
         loaded = pool.submit(self.llm.update_weights, {"update_info": info})
-        sent = self.group.broadcast(flat, 0)
-        while not (sent.is_completed() or loaded.done()):
-            wait([loaded], timeout=0.05)
+        sent = pool.submit(self.sender.send, flat)
+        wait([loaded, sent], return_when=FIRST_EXCEPTION, timeout=300)
         try:
             if loaded.done():
                 loaded.result()  # the workers' error, if they failed before the broadcast
-            sent.wait(timedelta(minutes=5))
+            sent.result(timeout=300)
             loaded.result()
         except Exception as exc:
             raise RuntimeError(
@@ -179,5 +214,16 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
 
     def close(self) -> None:
         """Stop the engine's processes (``serve`` calls it when the run ends)."""
-        self.group = None
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _update_info(spec: list) -> dict:
+    """A bucket's ``update_weights`` payload: its tensors' names, dtypes and shapes."""
+    return {
+        "names": [name for name, _, _ in spec],
+        "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in spec],
+        "shapes": [list(shape) for _, _, shape in spec],
+    }

@@ -1,4 +1,6 @@
-"""A vLLM weight-transfer backend over host memory (gloo), for dedicated vLLM engines.
+"""The project's vLLM weight-transfer backend, for dedicated vLLM engines: gloo over host
+memory (``lingo_gloo``, no GPU) or NCCL from GPU to GPU (``nccl``), with the GPT-OSS reload
+rules; registered as ``lingo``.
 
 vLLM's weight-transfer API (``vllm/distributed/weight_transfer/``: ``init_weight_transfer_engine``,
 then per update ``start_weight_update``, ``update_weights`` once per bucket,
@@ -6,12 +8,17 @@ then per update ``start_weight_update``, ``update_weights`` once per bucket,
 in other processes. vLLM 0.32 ships CUDA-only backends (``nccl``: ``PyNcclCommunicator``;
 ``ipc``: CUDA IPC handles); its factory takes backends of one's own
 (``WeightTransferEngineFactory.register_engine``). This one, ``BACKEND``, moves each bucket as
-one byte tensor broadcast over a gloo group of the sender and the engine's workers, built with
-vLLM's ``stateless_init_torch_distributed_process_group`` (a group outside every default
-group, so neither side's torch.distributed world is touched). The RPC carries names, dtypes
-and shapes (vLLM's msgpack); the bytes go over the group: nothing is pickled. It runs on CPU
-and on GPUs alike (on a GPU the bucket is staged in host memory, and each worker's weight
-loaders copy it onto its device).
+one byte tensor broadcast over a group of the sender and the engine's workers (the init
+info's ``transport``): ``gloo``, built with vLLM's
+``stateless_init_torch_distributed_process_group`` (a group outside every default group, so
+neither side's torch.distributed world is touched), or ``nccl``, built as vLLM's own ``nccl``
+backend builds its group (``nccl_common.stateless_init_process_group``: a
+``StatelessProcessGroup`` store, then a ``PyNcclCommunicator`` on the worker's GPU). The sender
+is the trainer itself (``trainer.grpo.weight_transfer``), rank 0, with every TP worker of every
+engine after it (``rank_offset``): each worker receives each bucket once, straight from it.
+The RPC carries names, dtypes and shapes (vLLM's msgpack); the bytes go over the group:
+nothing is pickled. Over gloo the bucket is staged in host memory (each worker's weight loaders
+copy it onto its device); over NCCL it arrives in the worker's GPU memory.
 
 The workers load as vLLM's in-place reload does (layerwise reload: ``start`` saves the
 kernel tensors, each bucket goes through the model's ``load_weights``, ``finish`` runs the
@@ -33,6 +40,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
@@ -46,7 +54,7 @@ from trainer.grpo.vllm_weights import PolicyReload, VLLMWeights
 
 log = logging.getLogger(__name__)
 
-BACKEND = "lingo_gloo"
+BACKEND = "lingo"
 WORKER_EXTENSION = f"{__name__}.HostTransferExtension"
 
 
@@ -61,6 +69,14 @@ class HostTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int = 1
     client_pid: int | None = None
     """The process that drives the engine: when it dies, the engine's processes end too."""
+    transport: str = "gloo"
+    """``gloo`` (host memory) or ``nccl`` (GPU to GPU)."""
+    timeout_s: float | None = None
+    """How long a broadcast waits (gloo; None: torch's default)."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("gloo", "nccl"):
+            raise ValueError(f"weight transfer transport {self.transport!r}: gloo or nccl")
 
 
 @dataclass
@@ -89,16 +105,39 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.group = None
+        self.transport = "gloo"
         self.reload: PolicyReload | None = None
+        self.received_bytes = 0
+        """Weight bytes this worker received (the relay-factor check reads it)."""
 
     def init_transfer_engine(self, init_info: HostTransferInitInfo) -> None:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         config = self.parallel_config
         rank = init_info.rank_offset + config.data_parallel_index * config.world_size + config.rank
-        self.group = stateless_init_torch_distributed_process_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, "gloo"
-        )
+        self.transport = init_info.transport
+        if self.transport == "nccl":
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+            self.group = stateless_init_process_group(
+                init_info.master_address,
+                init_info.master_port,
+                rank,
+                init_info.world_size,
+                torch.accelerator.current_device_index(),
+            )
+        else:
+            timeout = (
+                None if init_info.timeout_s is None else timedelta(seconds=init_info.timeout_s)
+            )
+            self.group = stateless_init_torch_distributed_process_group(
+                init_info.master_address,
+                init_info.master_port,
+                rank,
+                init_info.world_size,
+                "gloo",
+                timeout=timeout,
+            )
         if init_info.client_pid is not None:
             threading.Thread(
                 target=_end_with, args=(init_info.client_pid,), name="end-with-client", daemon=True
@@ -125,8 +164,13 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
             math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             for shape, dtype in zip(update_info.shapes, dtypes, strict=True)
         ]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        self.group.broadcast(flat, 0).wait()
+        if self.transport == "nccl":
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            self.group.broadcast(flat, src=0, stream=torch.cuda.current_stream())
+        else:
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            self.group.broadcast(flat, 0).wait()
+        self.received_bytes += flat.numel()
         named = [
             (name, _view(chunk, dtype, shape))
             for name, dtype, shape, chunk in zip(
@@ -141,6 +185,8 @@ class HostWeightTransferEngine(WeightTransferEngine[HostTransferInitInfo, HostTr
             reload.finish()
 
     def shutdown(self) -> None:
+        if self.transport == "nccl" and self.group is not None:
+            self.group.destroy()
         self.group = None
 
 
@@ -178,7 +224,13 @@ def _view(chunk: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Te
 class HostTransferExtension:
     """vLLM's ``worker_extension_cls`` for engines that use ``BACKEND``: vLLM imports this
     class in each worker process before the model loads (``WorkerWrapperBase.init_worker``),
-    and importing this module registers the backend there. It adds no methods."""
+    and importing this module registers the backend there (it is mixed into the worker)."""
+
+    def weight_bytes_received(self) -> int:
+        """Weight bytes this worker received since its transfer engine started (called over
+        ``collective_rpc``: every worker answers for itself)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return int(getattr(engine, "received_bytes", 0))
 
 
 # once per process (a module is imported once): vLLM's workers find the backend by name

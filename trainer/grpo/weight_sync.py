@@ -12,7 +12,15 @@ from trainer.distributed import DistInfo, all_reduce_max
 from trainer.grpo.micro_batch import sequences
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import HFRolloutEngine, Rollout, RolloutEngine
-from trainer.grpo.sync_check import SyncCheck, SyncGap, SyncProbe, SyncReport, sync_gap, worst
+from trainer.grpo.sync_check import (
+    SyncBudget,
+    SyncCheck,
+    SyncGap,
+    SyncProbe,
+    SyncReport,
+    sync_gap,
+    worst,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +33,12 @@ def sync_engine(
     pad_id: int,
     info: DistInfo,
     step: int,
+    budget: SyncBudget | None = None,
 ) -> SyncReport | None:
     """Push the policy's weights (version ``step``) to an engine that does not share them
     (streamed by name), then check that it took them: the engine's and the policy's
     log-probs of ``probe``, compared over all processes and engines (None: the engine is the
-    policy, nothing to sync).
+    policy, nothing to sync). Its time is held against ``budget`` (warned once when over).
 
     Before the first sync of a run that starts from the SFT model (``step`` 0) the engine
     holds the weights the policy loaded: that difference is the check's noise floor. A
@@ -55,7 +64,11 @@ def sync_engine(
         )
         check.learn_floor(gap, name)
     check.check(gap, step, name)
-    return SyncReport(gap, check.floor, sent, seconds)
+    budget_s = None
+    if budget is not None and info.rank == 0:
+        budget.observe(seconds, step)
+        budget_s = budget.budget_s
+    return SyncReport(gap, check.floor, sent, seconds, budget_s)
 
 
 def probe_gap(

@@ -173,3 +173,41 @@ def test_the_verl_preset_runs_whole_on_deepspeed(verl_report):
 @pytest.mark.timeout(3600)
 def test_the_verl_rehearsal_passes(verl_report):
     assert verl_report.passed, verl_report.table()
+
+
+def test_a_pytorchjob_cluster_runs_the_verl_jobs_as_master_and_workers(tmp_path):
+    """``--job-api pytorchjob``: the verl preset's jobs as its steps build them for a cluster
+    serving only PyTorchJob: SFT one Master of 8 ranks, GRPO the training Master (the GPU
+    image) and one rollout Worker, rank 0 the Master's; gpt-oss-20b's one-image jobs a
+    Master and Workers (SFT 2 nodes, GRPO 4 training + 2 rollout-only nodes); in each the
+    primary-pod rule picks the Master."""
+    import json
+
+    from pipelines.platform import get_platform
+    from pipelines.presets import job_platform_json, step_configs
+    from pipelines.rehearsal import primary_pod_check, static_job_pods
+
+    for name, expected in (
+        ("gpt-oss-20b-verl", {"sft": ["master-0"], "grpo": ["master-0", "worker-0"]}),
+        (
+            "gpt-oss-20b",
+            {
+                "sft": ["master-0", "worker-0"],
+                "grpo": ["master-0"] + [f"worker-{i}" for i in range(5)],
+            },
+        ),
+    ):
+        preset, _ = rehearsal_preset(name)
+        settings = get_platform(preset.hardware.platform)
+        configs = step_configs(preset, json.loads(job_platform_json(settings)))
+        jobs = static_job_pods(preset, configs, None, "pytorchjob")
+        names = {
+            label.split("-")[1]: [p.name.split("-static-")[1] for p in pods]
+            for label, pods in jobs.items()
+        }
+        assert names == expected, (name, names)
+        for pods in jobs.values():
+            env = {e["name"]: e.get("value") for e in pods[0].container["env"]}
+            assert env["RANK"] == "0"
+            assert env["WORLD_SIZE"] == str(len(pods) * int(env["PET_NPROC_PER_NODE"]))
+        assert primary_pod_check(jobs).passed, name

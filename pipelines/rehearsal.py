@@ -101,6 +101,11 @@ def substitutions(preset: Preset) -> tuple[dict[str, str], list[Substitution]]:
     """The overrides (``apply_overrides``) that fit ``preset`` on a CPU, and what each
     replaces. The machines (``hardware``: nodes, processes per node) are kept."""
     grpo, rollout = preset.grpo, preset.grpo.rollout
+    # two micro-batches a rank in each mini-batch (gradient accumulation still runs): ZeRO-3
+    # gathers the weights at each micro-batch's forward and backward, so their count is most
+    # of a CPU step's time (the verl job's first step: 1,078 of 1,136 s in training at
+    # micro-batch 1, 32 a rank)
+    micro = max(1, grpo.mini_batch_size // (2 * grpo.nproc))
     overrides: dict[str, str] = {
         "model.source": "tiny",
         **{f"model.tiny.{k}": json.dumps(v) for k, v in SCALED_MODEL.items()},
@@ -110,8 +115,11 @@ def substitutions(preset: Preset) -> tuple[dict[str, str], list[Substitution]]:
         "sft.gradient_accumulation_steps": "1",
         "sft.eval_every": "0",
         "sft.checkpoint_every": "0",
+        "sft.eval_max_examples": str(preset.sft.nproc),
         "sft.dtype": "float32",
         "grpo.max_steps": "3",
+        "grpo.prompts_per_step": str(grpo.nproc),
+        "grpo.micro_batch_size": str(micro),
         "grpo.eval_every": "0",
         "grpo.checkpoint_every": "0",
         "grpo.rollout.max_new_tokens": "16",
@@ -134,14 +142,20 @@ def substitutions(preset: Preset) -> tuple[dict[str, str], list[Substitution]]:
             "SFT length",
             f"{preset.sft.max_steps or preset.sft.num_epochs} steps/epochs, seq "
             f"{preset.sft.max_seq_len}, accumulation {preset.sft.gradient_accumulation_steps}",
-            "2 steps, seq 384, accumulation 1",
-            "a rehearsal, not a run",
+            f"2 steps, seq 384, accumulation 1; final eval loss on {preset.sft.nproc} examples",
+            "a rehearsal, not a run; one eval example a rank still runs the final evaluation "
+            f"(its {preset.sft.eval_max_examples} examples: ~9 of the verl SFT job's 12 min)",
         ),
         Substitution(
             "GRPO length",
-            f"{grpo.max_steps} steps, {rollout.max_new_tokens} new tokens",
-            "3 steps, 16 new tokens",
-            "a rehearsal; 3 steps so one-step-off-policy has on- and off-policy steps",
+            f"{grpo.max_steps} steps of {grpo.prompts_per_step} prompts, "
+            f"{rollout.max_new_tokens} new tokens, micro-batch {grpo.micro_batch_size}",
+            f"3 steps of {grpo.nproc} prompts (one a training rank), 16 new tokens, "
+            f"micro-batch {micro}",
+            "a rehearsal; 3 steps so one-step-off-policy has on- and off-policy steps; the "
+            "preset's samples a prompt and mini-batch, so each step still takes "
+            f"{grpo.nproc * rollout.n_samples // grpo.mini_batch_size} optimizer steps of 2 "
+            "micro-batches a rank",
         ),
         Substitution("eval", "50 questions", "4 questions, 1 sample, 16 tokens", "a rehearsal"),
         Substitution("dtype", "bfloat16", "float32", "CPU"),

@@ -43,8 +43,33 @@ def test_the_rehearsal_keeps_the_machines_and_lists_what_it_substitutes():
             assert tiny.num_key_value_heads % size == 0
             assert tiny.num_local_experts % size == 0
         assert {s.what for s in subs} >= {"model", "data", "rollout engine", "dtype"}
+        # CI time (issue #39): each GRPO step still runs the preset's samples a prompt, more
+        # than one optimizer step and gradient accumulation over 2 micro-batches a rank;
+        # every training rank gets a prompt, and SFT's final evaluation one example a rank
+        grpo = preset.grpo
+        rollouts = grpo.prompts_per_step * grpo.rollout.n_samples
+        assert grpo.rollout.n_samples == original.grpo.rollout.n_samples
+        assert rollouts // grpo.mini_batch_size >= 2
+        assert grpo.mini_batch_size // (grpo.micro_batch_size * grpo.nproc) == 2
+        assert grpo.prompts_per_step == grpo.nproc
+        assert preset.sft.eval_max_examples == preset.sft.nproc
     overrides, _ = substitutions(PRESETS["tiny-cpu"])
     assert "grpo.rollout.engine" not in overrides  # only a vLLM engine is substituted
+
+
+def test_the_megatron_branch_trains_at_the_closest_layout_a_cpu_runs():
+    """verl's TP 8 / EP 8 / sequence-parallel bf16 layout becomes TP 1 / EP 1 fp32 over the
+    same 8 training processes (data-parallel), and the report says so."""
+    from trainer.megatron.layout import resolve_megatron_layout
+
+    preset, subs = rehearsal_preset("gpt-oss-20b-verl", "megatron")
+    layout = resolve_megatron_layout(preset.megatron_layout)
+    assert (layout.tp, layout.pp, layout.ep, layout.sequence_parallel) == (1, 1, 1, False)
+    assert layout.name == "verl-gpt-oss-8x8-h100" and preset.grpo.nproc == 8
+    (sub,) = [s for s in subs if s.what == "Megatron layout"]
+    assert "tp 8, ep 8" in sub.preset and "Transformer Engine" in sub.why
+    _, hf_subs = rehearsal_preset("gpt-oss-20b-verl", "hf")
+    assert "Megatron layout" not in {s.what for s in hf_subs}
 
 
 def test_a_local_preset_or_an_unknown_backend_is_refused(tmp_path):
@@ -53,6 +78,7 @@ def test_a_local_preset_or_an_unknown_backend_is_refused(tmp_path):
     for args, hint in (
         (["--preset", "tiny-cpu"], "--preset"),
         (["--backend", "deepspeed"], "--backend"),
+        (["--job-api", "mpijob"], "--job-api"),
     ):
         result = CliRunner().invoke(app, ["rehearse", *args, "-o", str(tmp_path)])
         assert result.exit_code == 2 and hint in result.output, result.output

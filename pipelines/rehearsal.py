@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -422,7 +423,8 @@ class _PodRunner:
         label = self.executor_of(command)
         task = label.removeprefix("exec-")
         container = self.executors[label]["container"]
-        python = self.pythons.get(container["image"], sys.executable)
+        image = resolve_image(container["image"], command)
+        python = self.pythons.get(image, sys.executable)
         substituted = [f"image → {Path(python).parent.parent.name}"]
         env = {**self.env, **env_vars}
         platform = self.platform.get(label, {})
@@ -435,7 +437,7 @@ class _PodRunner:
                 raise RuntimeError(f"{task}: PVC {mount['constant']} at {mount['mountPath']}")
             substituted.append(f"PVC {mount['constant']} → {mount['mountPath']}")
         command = [part.replace("python3", python) for part in command]
-        record = TaskRecord(task, container["image"], python, "kfp executor_main", substituted)
+        record = TaskRecord(task, image, python, "kfp executor_main", substituted)
         record.log_path = self.logs / f"{task}.log"
         self.records.append(record)
         started = time.monotonic()
@@ -448,6 +450,20 @@ class _PodRunner:
         record.seconds = time.monotonic() - started
         log.info("%s: exit %s in %.0f s", task, record.returncode, record.seconds)
         return record.returncode
+
+
+def resolve_image(image: str, command: list[str]) -> str:
+    """The image a task's pod runs: its executor's ``image``, where that is a placeholder of
+    a pipeline parameter (``{{$.inputs.parameters['pipelinechannel--megatron_image']}}``:
+    the images are run parameters) the value the task got, from its executor input."""
+    match = re.fullmatch(r"\{\{\$\.inputs\.parameters\['([^']+)'\]\}\}", image)
+    if match is None:
+        return image
+    executor_input = json.loads(command[command.index("--executor_input") + 1])
+    values = executor_input.get("inputs", {}).get("parameterValues", {})
+    if match.group(1) not in values:
+        raise RuntimeError(f"the task's image {image} names no parameter it was given")
+    return str(values[match.group(1)])
 
 
 def _task_root(command: list[str]) -> str:
@@ -702,16 +718,26 @@ def _flag(command: list[str]) -> str | None:
 
 def primary_pod_check(jobs: dict[str, list]) -> Check:
     """OpenShift AI's primary-pod rule (``cluster.local_cluster.PRIMARY_POD_RULE``) on each
-    job's pods: exactly one pod, the trainer's ``node-0-0`` (a PyTorchJob's ``master-0``:
-    global rank 0), may match."""
+    job's pods: the pod it picks must be the trainer's ``node-0-0`` (a PyTorchJob's
+    ``master-0``: global rank 0). Where several match (the two-image job's ``rollout-0-0``
+    carries the same labels, issue #39 defect 6), the controller takes the first the API lists,
+    by name: passes only when every other match's replicated job sorts after the trainers'
+    (``cluster.trainjob.sorts_after_trainers``, the rule docs/cluster.md quotes)."""
     from cluster.local_cluster import primary_pod_matches
+    from cluster.trainjob import sorts_after_trainers
 
     problems, fine = [], []
     for name, pods in jobs.items():
         matches = primary_pod_matches(pods)
         trainer = [p.name for p in pods if p.name.endswith(("-node-0-0", "-master-0"))]
-        if matches != trainer:
+        others = [p.replicated_job for p in pods if p.name in matches[1:]]
+        if matches[:1] != trainer or not all(sorts_after_trainers(o) for o in others):
             problems.append(f"{name}: {len(matches)} pods match ({', '.join(matches)})")
+        elif others:
+            fine.append(
+                f"{name}: {len(matches)} pods match, the trainer's {matches[0]} sorts first "
+                "(sorts_after_trainers)"
+            )
         else:
             fine.append(f"{name}: {matches[0]}")
     if problems:

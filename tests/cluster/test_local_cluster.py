@@ -62,12 +62,19 @@ def test_the_one_image_grpo_job_has_one_primary_pod_with_pet_env():
 def test_the_two_image_grpo_job_has_two_pods_the_primary_rule_matches():
     """gpt-oss-20b-verl on Megatron: trainers in ``node``, engines in ``rollout``; both
     ``node-0-0`` and ``rollout-0-0`` carry job index 0 and completion index 0 (defect 6 of
-    issue #39), which the rehearsal's check reports."""
+    issue #39), which the rehearsal's check reports; it passes because the trainer's pod sorts
+    first by name (``sorts_after_trainers``, the fix), and fails a rollout job named
+    ``launch``, which would sort first."""
+    import dataclasses
+
     pods = _grpo_pods("gpt-oss-20b-verl", "megatron")
     assert [p.replicated_job for p in pods] == ["node", "rollout"]
     assert {p.container["image"] for p in pods} == {MEGATRON_IMAGE, GPU_IMAGE}
     assert primary_pod_matches(pods) == ["lingo-grpo-run-node-0-0", "lingo-grpo-run-rollout-0-0"]
     check = primary_pod_check({"grpo": pods})
+    assert check.passed is True and "2 pods match" in check.detail
+    launch = dataclasses.replace(pods[1], name="lingo-grpo-run-launch-0-0", replicated_job="launch")
+    check = primary_pod_check({"grpo": [pods[0], launch]})
     assert check.passed is False and "2 pods match" in check.detail
     # the rollout pod gets no PET_* (the torch plugin's env goes to the trainer's node only)
     rollout_env = {e["name"] for e in pods[1].container["env"]}

@@ -133,8 +133,13 @@ def test_the_megatron_branch_reaches_the_conversion(megatron_report):
     before = ("data-prep", "base-model", "capacity-check", "sft")
     assert all(results[task] == 0 for task in before), table
     assert "convert-megatron" in results, table
-    assert [p.name.rsplit("-", 3)[1:] for p in report.pods] == [["node", "0", "0"]], table
-    assert report.pods[0].nproc_per_node == 8
+    sft = [p for p in report.pods if p.job.startswith("lingo-sft-")]
+    assert [p.name.rsplit("-", 3)[1:] for p in sft] == [["node", "0", "0"]], table
+    assert sft[0].nproc_per_node == 8
+    # the Megatron image's steps ran in the Megatron env with the CPU patches (its image is a
+    # run parameter the rehearsal resolves), not in the project's venv
+    (convert,) = [t for t in report.tasks if t.task == "convert-megatron"]
+    assert convert.python.endswith(".venv-megatron-cpu/bin/python"), table
     checks = {c.name: c for c in report.checks}
     assert checks["convert-megatron processes = layout world size"].passed is not None
     assert checks["primary pod (job-index 0, completion-index 0)"].passed is not None
@@ -149,6 +154,27 @@ def test_the_megatron_branch_reaches_the_conversion(megatron_report):
 )
 def test_the_megatron_rehearsal_passes(megatron_report):
     assert megatron_report.passed, megatron_report.table()
+
+
+def test_a_tasks_image_given_as_a_run_parameter_is_the_value_it_got(tmp_path):
+    """The images are run parameters, so the compiled IR's convert-megatron executor names a
+    placeholder; its pod runs the image the task got (else the Megatron image's steps would
+    run in the project's venv, as they did before: 'No module named megatron')."""
+    import json
+
+    from components.images import MEGATRON_IMAGE
+    from pipelines.rehearsal import resolve_image
+
+    preset, _ = rehearsal_preset("gpt-oss-20b-verl", "megatron")
+    spec, *_ = compile_rehearsal(preset, tmp_path / "p.yaml", tmp_path)
+    image = spec["deploymentSpec"]["executors"]["exec-convert-megatron"]["container"]["image"]
+    assert image.startswith("{{$.inputs.parameters[")
+    name = image.split("'")[1]
+    given = {"inputs": {"parameterValues": {name: MEGATRON_IMAGE}}}
+    assert resolve_image(image, ["--executor_input", json.dumps(given)]) == MEGATRON_IMAGE
+    with pytest.raises(RuntimeError, match="names no parameter"):
+        resolve_image(image, ["--executor_input", json.dumps({"inputs": {}})])
+    assert resolve_image(MEGATRON_IMAGE, []) == MEGATRON_IMAGE
 
 
 def test_the_compiled_pods_get_every_secret_key_and_the_local_volume(tmp_path):

@@ -263,3 +263,19 @@ def test_a_pytorchjob_cluster_runs_the_verl_jobs_as_master_and_workers(tmp_path)
             assert env["RANK"] == "0"
             assert env["WORLD_SIZE"] == str(len(pods) * int(env["PET_NPROC_PER_NODE"]))
         assert primary_pod_check(jobs).passed, name
+
+
+def test_the_megatron_image_needs_the_megatron_env_with_the_project(tmp_path, monkeypatch):
+    """Without megatron-core (here: the project's own venv as the Megatron env) the rehearsal
+    refuses to start, naming the command that builds the env."""
+    import sys
+    from pathlib import Path
+
+    from pipelines import rehearsal
+
+    monkeypatch.setattr(rehearsal, "MEGATRON_PYTHON", Path(sys.executable))
+    with pytest.raises(RuntimeError, match="megatron_env.sh --with-project"):
+        rehearsal.megatron_cpu_python(tmp_path)
+    monkeypatch.setattr(rehearsal, "MEGATRON_PYTHON", tmp_path / "missing" / "python")
+    with pytest.raises(RuntimeError, match="megatron_env.sh --with-project"):
+        rehearsal.megatron_cpu_python(tmp_path)

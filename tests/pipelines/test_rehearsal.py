@@ -149,8 +149,11 @@ def test_the_megatron_branch_reaches_the_conversion(megatron_report):
 @pytest.mark.timeout(1800)
 @pytest.mark.xfail(
     strict=True,
-    reason="the conversion and the Megatron GRPO job need the Megatron env with the project "
-    "(kfp, lingo-rl) installed, which the rehearsal's Megatron image does not have yet",
+    reason="not yet seen passing whole: since issue #39's second round the Megatron image's "
+    "steps run in .venv-megatron (tools/megatron_env.sh --with-project) with the CPU patches "
+    "at TP 1 / EP 1, and convert-megatron passes there (precision check max |Δ logit| 3e-07), "
+    "but the Megatron GRPO job (8 patched Megatron ranks + 8 HF engines) did not finish on "
+    "the shared 2-core machine (load 30-60) before the branch's deadline",
 )
 def test_the_megatron_rehearsal_passes(megatron_report):
     assert megatron_report.passed, megatron_report.table()

@@ -336,12 +336,13 @@ def megatron_cpu_python(root: Path) -> Path:
     Raises:
         RuntimeError: ``.venv-megatron`` is missing or lacks the project's dependencies.
     """
-    check = [str(MEGATRON_PYTHON), "-c", "import kfp, mlflow, megatron.core"]
+    modules = "kfp, mlflow, megatron.core, kubeflow.training, kubeflow_trainer_api"
+    check = [str(MEGATRON_PYTHON), "-c", f"import {modules}"]
     if not MEGATRON_PYTHON.exists() or subprocess.run(check, capture_output=True).returncode:
         raise RuntimeError(
             f"rehearse --backend megatron: {MEGATRON_PYTHON} must have megatron-core, "
-            "megatron-bridge and the project's dependencies; run: bash tools/megatron_env.sh "
-            "--with-project"
+            "megatron-bridge, the project's dependencies and its cluster extra (as the Megatron "
+            "image: .[megatron,cluster]); run: bash tools/megatron_env.sh --with-project"
         )
     site = root / "megatron-site"
     site.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,11 @@ Kubeflow Trainer and JobSet controllers:
   ``numProcPerNode``, ``PET_NODE_RANK`` = the pod's completion index, ``PET_MASTER_ADDR`` =
   ``<job>-node-0-0.<job>``, ``PET_MASTER_PORT`` = 29500.
 
+With ``job_apis=("pytorchjob",)`` it serves Training Operator v1's PyTorchJob instead (a
+cluster without Trainer v2, where ``job_api: auto`` picks PyTorchJob) and plays its controller
+(``pytorchjob_pods``: v1.9.0 ``pkg/controller.v1/pytorch``): a Master pod and the Workers,
+``<job>-master-0``, ``<job>-worker-<i>``, with the env the operator sets.
+
 Each pod is one process group (a "process kubelet"): its container's command with the image's
 Python in place of ``python``, its env (plain values, Secrets key by key from ``secrets``),
 run from the repository root. What a machine cannot give is substituted and recorded on the
@@ -47,7 +52,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.jobs import JOB_RUNTIME_PLURAL, TRAINJOB
+from cluster.jobs import JOB_RUNTIME_PLURAL, PYTORCHJOB, TRAINJOB, JobKind
 from cluster.trainjob import ANCESTOR_LABEL, NODE, RUNTIME_PLURAL, TORCH_MASTER_PORT, master_addr
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,22 @@ RESOURCES = {
 }
 """What Kubeflow Trainer v2 serves (and the JobSet operator it runs on): the API this cluster
 serves, so ``job_api: auto`` picks TrainJob as on OpenShift AI 3.x."""
+PYTORCHJOB_RESOURCES = {"kubeflow.org/v1/pytorchjobs": ("PyTorchJob", True)}
+"""What Training Operator v1 serves (``job_apis=("pytorchjob",)``)."""
+PYTORCHJOB_PORT_NAME, PYTORCHJOB_DEFAULT_PORT = "pytorchjob-port", 23456
+"""The Master container's port the operator's defaulting adds when the manifest has none
+(v1.9.0 ``pkg/apis/kubeflow.org/v1/pytorch_types.go`` lines 25-29, ``pytorch_defaults.go``
+``setPyTorchDefaultPort``): ``MASTER_PORT`` is that port."""
+PYTORCHJOB_LABELS = {
+    "job": "training.kubeflow.org/job-name",
+    "operator": "training.kubeflow.org/operator-name",
+    "type": "training.kubeflow.org/replica-type",
+    "index": "training.kubeflow.org/replica-index",
+    "role": "training.kubeflow.org/job-role",
+}
+"""The labels the operator puts on each pod (v1.9.0 ``pkg/apis/kubeflow.org/v1/common_types.go``
+lines 25-37; ``pkg/controller.v1/common/pod.go`` ``createNewPod``: job role ``master`` on the
+Master)."""
 VERBS = {"create", "get", "list", "watch", "update", "patch", "delete"}
 
 
@@ -249,6 +270,89 @@ def jobset_pods(jobset: dict, trainjob: dict) -> list[ExpandedPod]:
     return pods
 
 
+def pytorchjob_pods(job: dict) -> list[ExpandedPod]:
+    """The pods Training Operator v1.9.0 makes of a PyTorchJob: the Master, then the Workers,
+    each named ``<job>-<type>-<index>`` (``common/pod.go`` ``GenGeneralName``), its
+    ``pytorch`` container with the env ``pytorch/envvar.go`` ``setPodEnv`` and ``master.go``
+    append to the container's own (the last of a name wins in a pod):
+
+    - ``PYTHONUNBUFFERED=1``;
+    - with a Master: ``MASTER_PORT`` and ``PET_MASTER_PORT`` (the Master's ``pytorchjob-port``,
+      23456 by default), ``MASTER_ADDR`` and ``PET_MASTER_ADDR`` (``<job>-master-0``),
+      ``WORLD_SIZE`` = all replicas × ``nprocPerNode`` (1 when not an integer: ``auto``),
+      ``RANK`` and ``PET_NODE_RANK`` = 0 on the Master, the Worker's index + 1 on a Worker;
+    - ``PET_NPROC_PER_NODE`` = ``spec.nprocPerNode`` (defaulted to ``auto``);
+    - ``PET_NNODES`` = all replicas (elastic jobs get a range instead: not expanded here).
+
+    Raises:
+        LocalClusterError: an elastic job, or a replica without a ``pytorch`` container.
+    """
+    name = job["metadata"]["name"]
+    spec = job["spec"]
+    if spec.get("elasticPolicy"):
+        raise LocalClusterError(f"PyTorchJob {name}: elasticPolicy is not expanded here")
+    replicas = spec["pytorchReplicaSpecs"]
+    total = sum(int(r.get("replicas", 1)) for r in replicas.values())
+    nproc = str(spec.get("nprocPerNode") or "auto")
+    world = total * (int(nproc) if nproc.isdigit() else 1)
+    master_env: list[dict] = []
+    if "Master" in replicas:
+        containers = replicas["Master"]["template"]["spec"]["containers"]
+        ports = next((c.get("ports") or [] for c in containers if c["name"] == "pytorch"), [])
+        port = next(
+            (p["containerPort"] for p in ports if p.get("name") == PYTORCHJOB_PORT_NAME),
+            PYTORCHJOB_DEFAULT_PORT,
+        )
+        addr = f"{name}-master-0"
+        master_env = [
+            {"name": "MASTER_PORT", "value": str(port)},
+            {"name": "PET_MASTER_PORT", "value": str(port)},
+            {"name": "MASTER_ADDR", "value": addr},
+            {"name": "PET_MASTER_ADDR", "value": addr},
+        ]
+    pods = []
+    for rtype in ("Master", "Worker"):
+        if rtype not in replicas:
+            continue
+        replica = replicas[rtype]
+        for index in range(int(replica.get("replicas", 1))):
+            template = copy.deepcopy(replica["template"])
+            pod_spec = template["spec"]
+            container = next((c for c in pod_spec["containers"] if c["name"] == "pytorch"), None)
+            if container is None:
+                raise LocalClusterError(f"PyTorchJob {name}: {rtype} has no 'pytorch' container")
+            rank = index + (1 if rtype == "Worker" else 0)
+            env = [*(container.get("env") or []), {"name": "PYTHONUNBUFFERED", "value": "1"}]
+            if master_env:
+                env += [
+                    *master_env,
+                    {"name": "WORLD_SIZE", "value": str(world)},
+                    {"name": "RANK", "value": str(rank)},
+                    {"name": "PET_NODE_RANK", "value": str(rank)},
+                ]
+            env += [
+                {"name": "PET_NPROC_PER_NODE", "value": nproc},
+                {"name": "PET_NNODES", "value": str(total)},
+            ]
+            container["env"] = env
+            labels = {
+                **((template.get("metadata") or {}).get("labels") or {}),
+                PYTORCHJOB_LABELS["job"]: name,
+                PYTORCHJOB_LABELS["operator"]: "pytorchjob-controller",
+                PYTORCHJOB_LABELS["type"]: rtype.lower(),
+                PYTORCHJOB_LABELS["index"]: str(index),
+            }
+            if rtype == "Master":
+                labels[PYTORCHJOB_LABELS["role"]] = "master"
+            pods.append(
+                ExpandedPod(
+                    f"{name}-{rtype.lower()}-{index}", rtype.lower(), labels, container,
+                    pod_spec.get("volumes") or [], index,
+                )
+            )  # fmt: skip
+    return pods
+
+
 PRIMARY_POD_RULE = {JOB_INDEX_LABEL: "0", COMPLETION_INDEX_LABEL: "0"}
 """How OpenShift AI's progress tracking picks a TrainJob's primary pod, the one it polls
 (``GetPrimaryPod``, as issue #39 quotes it): the pod whose job index and completion index are
@@ -257,8 +361,11 @@ both 0, whatever its replicated job. With a second replicated job (a two-image j
 
 
 def primary_pod_matches(pods: list[ExpandedPod]) -> list[str]:
-    """The pods ``PRIMARY_POD_RULE`` matches, by name order."""
-    return sorted(p.name for p in pods if PRIMARY_POD_RULE.items() <= p.labels.items())
+    """The pods ``PRIMARY_POD_RULE`` matches (a PyTorchJob's: ``PYTORCHJOB.primary_labels``,
+    its Master), by name order."""
+    pytorchjob = any(PYTORCHJOB_LABELS["job"] in p.labels for p in pods)
+    rule = dict(PYTORCHJOB.primary_labels) if pytorchjob else PRIMARY_POD_RULE
+    return sorted(p.name for p in pods if rule.items() <= p.labels.items())
 
 
 def cpu_cores(quantity: str | int | float | None) -> float | None:
@@ -293,6 +400,8 @@ class LocalCluster:
         secrets: Secret name → its data (key → value), as the cluster would hold them.
         namespace: the namespace the steps create their jobs in.
         repo_root: the pods' working directory (the images hold the project installed).
+        job_apis: the job APIs served: ``trainjob`` (Trainer v2 and JobSet) or ``pytorchjob``
+            (Training Operator v1).
     """
 
     def __init__(
@@ -302,7 +411,12 @@ class LocalCluster:
         secrets: dict[str, dict[str, str]],
         repo_root: Path,
         namespace: str = "lingo",
+        job_apis: tuple[str, ...] = ("trainjob",),
     ) -> None:
+        unknown = set(job_apis) - {TRAINJOB.api, PYTORCHJOB.api}
+        if unknown or not job_apis:
+            raise LocalClusterError(f"job_apis {job_apis}: serve trainjob and/or pytorchjob")
+        self.kinds = [k for k in (TRAINJOB, PYTORCHJOB) if k.api in job_apis]
         self.root = root
         self.pythons = pythons
         self.secrets = secrets
@@ -340,7 +454,11 @@ class LocalCluster:
 
         async def serve() -> None:
             async with Emulator() as api, kmock.Server(api) as server:
-                for resource, (kind, namespaced) in RESOURCES.items():
+                served = {
+                    **(RESOURCES if TRAINJOB in self.kinds else {}),
+                    **(PYTORCHJOB_RESOURCES if PYTORCHJOB in self.kinds else {}),
+                }
+                for resource, (kind, namespaced) in served.items():
                     api.resources[resource] = kmock.ResourceInfo(
                         kind=kind, namespaced=namespaced, verbs=VERBS, subresources={"status"}
                     )
@@ -408,19 +526,22 @@ class LocalCluster:
 
     def _control(self) -> None:
         while not self._stop.wait(0.5):
-            try:
-                jobs = self.custom.list_namespaced_custom_object(
-                    TRAINJOB.group, TRAINJOB.version, self.namespace, TRAINJOB.plural
-                )["items"]
-            except Exception as error:  # noqa: BLE001 (the API is ours; keep controlling)
-                log.warning("local cluster: cannot list TrainJobs: %s", error)
-                continue
-            for job in jobs:
-                name = job["metadata"]["name"]
-                if name in self._handled:
+            for kind in self.kinds:
+                try:
+                    jobs = self.custom.list_namespaced_custom_object(
+                        kind.group, kind.version, self.namespace, kind.plural
+                    )["items"]
+                except Exception as error:  # noqa: BLE001 (the API is ours; keep controlling)
+                    log.warning("local cluster: cannot list %ss: %s", kind.kind, error)
                     continue
-                self._handled.add(name)
-                threading.Thread(target=self._run_trainjob, args=(job,), daemon=True).start()
+                for job in jobs:
+                    name = job["metadata"]["name"]
+                    if name in self._handled:
+                        continue
+                    self._handled.add(name)
+                    threading.Thread(
+                        target=self._run_trainjob, args=(job, kind), daemon=True
+                    ).start()
 
     def _runtime(self, trainjob: dict) -> dict:
         ref = trainjob["spec"]["runtimeRef"]
@@ -433,23 +554,26 @@ class LocalCluster:
         )
 
     def expand(self, trainjob: dict) -> list[ExpandedPod]:
-        """The pods of ``trainjob`` as the Trainer and JobSet controllers make them."""
+        """The pods of ``trainjob`` as the Trainer and JobSet controllers make them (a
+        PyTorchJob: as the Training Operator makes them)."""
+        if trainjob.get("kind") == PYTORCHJOB.kind:
+            return pytorchjob_pods(trainjob)
         jobset = trainer_jobset(trainjob, self._runtime(trainjob))
         return jobset_pods(jobset, trainjob)
 
-    def _run_trainjob(self, trainjob: dict) -> None:
+    def _run_trainjob(self, trainjob: dict, kind: JobKind = TRAINJOB) -> None:
         name = trainjob["metadata"]["name"]
         try:
             pods = self.expand(trainjob)
         except Exception as error:  # noqa: BLE001 (reported on the job, as a controller does)
             self._set_status(
-                name, "Failed", "JobSetCreationFailed", f"{type(error).__name__}: {error}"
+                name, "Failed", "JobSetCreationFailed", f"{type(error).__name__}: {error}", kind
             )
             return
         self.expanded[name] = pods
         port = free_port()
         records = [self._start_pod(name, trainjob, pod, port) for pod in pods]
-        self._set_status(name, "Running", "Running", "the pods run as local processes")
+        self._set_status(name, "Running", "Running", "the pods run as local processes", kind)
         failed = None
         while failed is None and any(r.returncode is None for r in records):
             for record in records:
@@ -472,9 +596,10 @@ class LocalCluster:
                 "Failed",
                 "FailedJobs",
                 f"pod {failed.name} exited with code {failed.returncode} (log {failed.log_path})",
+                kind,
             )
         else:
-            self._set_status(name, TRAINJOB.succeeded, "JobsCompleted", "all pods succeeded")
+            self._set_status(name, kind.succeeded, "JobsCompleted", "all pods succeeded", kind)
 
     def _start_pod(self, job: str, trainjob: dict, pod: ExpandedPod, port: int) -> PodRecord:
         container = pod.container
@@ -496,6 +621,8 @@ class LocalCluster:
                 f"rendezvous {env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']} → 127.0.0.1:{port}"
             )
             env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"] = "127.0.0.1", str(port)
+            if "MASTER_ADDR" in env:  # a PyTorchJob's pods carry both spellings
+                env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(port)
         command = list(container["command"])
         if "--master-addr" in command:  # a two-image job's rollout pod spells it out
             at = command.index("--master-addr")
@@ -596,7 +723,9 @@ class LocalCluster:
         if record.returncode is None:
             record.returncode = process.returncode
 
-    def _set_status(self, name: str, condition: str, reason: str, message: str) -> None:
+    def _set_status(
+        self, name: str, condition: str, reason: str, message: str, kind: JobKind = TRAINJOB
+    ) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         status = {
             "conditions": [
@@ -611,8 +740,7 @@ class LocalCluster:
         }
         try:
             self.custom.patch_namespaced_custom_object_status(
-                TRAINJOB.group, TRAINJOB.version, self.namespace, TRAINJOB.plural, name,
-                {"status": status},
+                kind.group, kind.version, self.namespace, kind.plural, name, {"status": status},
             )  # fmt: skip
         except Exception as error:  # noqa: BLE001 (the step then times out, and says so)
             log.warning("local cluster: cannot set %s's status: %s", name, error)

@@ -760,21 +760,31 @@ def rehearse(
     output_dir: Annotated[
         Path, typer.Option("--output-dir", "-o", help="Where the rehearsal's run goes.")
     ] = Path("runs/rehearsal"),
+    job_api: Annotated[
+        str,
+        typer.Option(
+            help="The job API the rehearsal's cluster serves: trainjob (Trainer v2) or "
+            "pytorchjob (Training Operator v1); the preset's job_api: auto picks it."
+        ),
+    ] = "trainjob",
 ) -> None:
     """Run a cluster preset's compiled pipeline on this machine as a cluster runs it: each
-    step as its pod, each TrainJob expanded into pods (local processes), a scaled-down model;
-    print what ran, what was substituted and the result; exit 1 when anything failed."""
+    step as its pod, each TrainJob (or PyTorchJob) expanded into pods (local processes), a
+    scaled-down model; print what ran, what was substituted and the result; exit 1 when
+    anything failed."""
     from pipelines.rehearsal import rehearse as run_rehearsal
 
     if backend not in (None, "hf", "megatron"):
         raise typer.BadParameter(f"{backend!r}: use hf or megatron", param_hint="--backend")
+    if job_api not in ("trainjob", "pytorchjob"):
+        raise typer.BadParameter(f"{job_api!r}: use trainjob or pytorchjob", param_hint="--job-api")
     if _load_preset(preset, None).hardware.node_type == "local":
         raise typer.BadParameter(
             f"{preset!r} runs on this machine already (lingo run --local); rehearse a cluster "
             "preset: gpt-oss-20b, gpt-oss-20b-verl",
             param_hint="--preset",
         )
-    report = run_rehearsal(preset, output_dir, backend)
+    report = run_rehearsal(preset, output_dir, backend, job_api)
     echo(report.table())
     if not report.passed:
         raise typer.Exit(1)

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,6 +43,29 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MEGATRON_PYTHON = REPO_ROOT / ".venv-megatron" / "bin" / "python"
+MEGATRON_CPU_LAYOUT = {
+    "tp": 1, "pp": 1, "ep": 1, "sequence_parallel": False, "params_dtype": "fp32",
+}  # fmt: skip
+"""The Megatron layout a CPU trains: TP > 1 on MoE needs Transformer Engine, and EP > 1's
+all-to-all dispatcher copies on a CUDA stream (``tests/megatron/cpu_patches.py``, patch 6); the
+training processes stay the preset's, as data-parallel ranks."""
+MEGATRON_SITE = """\
+# Written by lingo rehearse: the Megatron image's processes on a CPU (no Transformer Engine,
+# no CUDA) get the test-only patches tests/megatron/cpu_patches.py and
+# tests/megatron/test_megatron_grpo_step.py document, patch by patch, for the whole process.
+import contextlib
+import sys
+
+sys.path[:0] = [{megatron_tests!r}, {tests!r}, {root!r}]
+import cpu_patches  # noqa: E402
+
+cpu_patches.import_megatron_bridge()
+from test_megatron_grpo_step import training_cpu_patches  # noqa: E402
+
+_LINGO_REHEARSAL_PATCHES = contextlib.ExitStack()
+_LINGO_REHEARSAL_PATCHES.enter_context(cpu_patches.cpu_patches())
+_LINGO_REHEARSAL_PATCHES.enter_context(training_cpu_patches())
+"""
 
 SCALED_MODEL = {
     # gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention, 64 query
@@ -78,6 +102,11 @@ def substitutions(preset: Preset) -> tuple[dict[str, str], list[Substitution]]:
     """The overrides (``apply_overrides``) that fit ``preset`` on a CPU, and what each
     replaces. The machines (``hardware``: nodes, processes per node) are kept."""
     grpo, rollout = preset.grpo, preset.grpo.rollout
+    # two micro-batches a rank in each mini-batch (gradient accumulation still runs): ZeRO-3
+    # gathers the weights at each micro-batch's forward and backward, so their count is most
+    # of a CPU step's time (the verl job's first step: 1,078 of 1,136 s in training at
+    # micro-batch 1, 32 a rank)
+    micro = max(1, grpo.mini_batch_size // (2 * grpo.nproc))
     overrides: dict[str, str] = {
         "model.source": "tiny",
         **{f"model.tiny.{k}": json.dumps(v) for k, v in SCALED_MODEL.items()},
@@ -87,8 +116,11 @@ def substitutions(preset: Preset) -> tuple[dict[str, str], list[Substitution]]:
         "sft.gradient_accumulation_steps": "1",
         "sft.eval_every": "0",
         "sft.checkpoint_every": "0",
+        "sft.eval_max_examples": str(preset.sft.nproc),
         "sft.dtype": "float32",
         "grpo.max_steps": "3",
+        "grpo.prompts_per_step": str(grpo.nproc),
+        "grpo.micro_batch_size": str(micro),
         "grpo.eval_every": "0",
         "grpo.checkpoint_every": "0",
         "grpo.rollout.max_new_tokens": "16",
@@ -111,14 +143,20 @@ def substitutions(preset: Preset) -> tuple[dict[str, str], list[Substitution]]:
             "SFT length",
             f"{preset.sft.max_steps or preset.sft.num_epochs} steps/epochs, seq "
             f"{preset.sft.max_seq_len}, accumulation {preset.sft.gradient_accumulation_steps}",
-            "2 steps, seq 384, accumulation 1",
-            "a rehearsal, not a run",
+            f"2 steps, seq 384, accumulation 1; final eval loss on {preset.sft.nproc} examples",
+            "a rehearsal, not a run; one eval example a rank still runs the final evaluation "
+            f"(its {preset.sft.eval_max_examples} examples: ~9 of the verl SFT job's 12 min)",
         ),
         Substitution(
             "GRPO length",
-            f"{grpo.max_steps} steps, {rollout.max_new_tokens} new tokens",
-            "3 steps, 16 new tokens",
-            "a rehearsal; 3 steps so one-step-off-policy has on- and off-policy steps",
+            f"{grpo.max_steps} steps of {grpo.prompts_per_step} prompts, "
+            f"{rollout.max_new_tokens} new tokens, micro-batch {grpo.micro_batch_size}",
+            f"3 steps of {grpo.nproc} prompts (one a training rank), 16 new tokens, "
+            f"micro-batch {micro}",
+            "a rehearsal; 3 steps so one-step-off-policy has on- and off-policy steps; the "
+            "preset's samples a prompt and mini-batch, so each step still takes "
+            f"{grpo.nproc * rollout.n_samples // grpo.mini_batch_size} optimizer steps of 2 "
+            "micro-batches a rank",
         ),
         Substitution("eval", "50 questions", "4 questions, 1 sample, 16 tokens", "a rehearsal"),
         Substitution("dtype", "bfloat16", "float32", "CPU"),
@@ -263,7 +301,63 @@ def rehearsal_preset(name: str, backend: str | None = None) -> tuple[Preset, lis
     if backend is not None:
         preset = Preset.model_validate({**dict(preset), "backend": backend})
     overrides, subs = substitutions(preset)
+    if preset.backend == "megatron":
+        preset, layout_sub = megatron_cpu_layout(preset)
+        subs.append(layout_sub)
     return apply_overrides(preset, overrides), subs
+
+
+def megatron_cpu_layout(preset: Preset) -> tuple[Preset, Substitution]:
+    """The Megatron branch's layout as a CPU trains it (``MEGATRON_CPU_LAYOUT``): the same
+    training processes, data-parallel."""
+    from trainer.megatron.layout import resolve_megatron_layout
+
+    layout = resolve_megatron_layout(preset.megatron_layout)
+    changed = {k: v for k, v in MEGATRON_CPU_LAYOUT.items() if getattr(layout, k) != v}
+    preset = Preset.model_validate(
+        {**dict(preset), "megatron_layout": {**preset.megatron_layout, **changed}}
+    )
+    before = ", ".join(f"{k} {getattr(layout, k)}" for k in changed)
+    after = ", ".join(f"{k} {v}" for k, v in changed.items())
+    return preset, Substitution(
+        "Megatron layout",
+        f"{layout.name}: {before}",
+        f"{after} (the {preset.grpo.nproc} training processes data-parallel)",
+        "TP > 1 on MoE needs Transformer Engine; EP > 1's all-to-all dispatcher needs a CUDA "
+        "stream (tests/megatron/cpu_patches.py patch 6)",
+    )
+
+
+def megatron_cpu_python(root: Path) -> Path:
+    """A Python for the Megatron image on this CPU: ``.venv-megatron``'s, every process of it
+    with the test-only CPU patches (``MEGATRON_SITE``, a ``sitecustomize`` on its
+    ``PYTHONPATH``; the ranks torchrun and Megatron's checkpoint writers start inherit it).
+
+    Raises:
+        RuntimeError: ``.venv-megatron`` is missing or lacks the project's dependencies.
+    """
+    modules = "kfp, mlflow, megatron.core, kubeflow.training, kubeflow_trainer_api"
+    check = [str(MEGATRON_PYTHON), "-c", f"import {modules}"]
+    if not MEGATRON_PYTHON.exists() or subprocess.run(check, capture_output=True).returncode:
+        raise RuntimeError(
+            f"rehearse --backend megatron: {MEGATRON_PYTHON} must have megatron-core, "
+            "megatron-bridge, the project's dependencies and its cluster extra (as the Megatron "
+            "image: .[megatron,cluster]); run: bash tools/megatron_env.sh --with-project"
+        )
+    site = root / "megatron-site"
+    site.mkdir(parents=True, exist_ok=True)
+    tests = REPO_ROOT / "tests"
+    text = MEGATRON_SITE.format(
+        megatron_tests=str(tests / "megatron"), tests=str(tests), root=str(REPO_ROOT)
+    )
+    (site / "sitecustomize.py").write_text(text)
+    python = root / ".venv-megatron-cpu" / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(
+        f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec {MEGATRON_PYTHON} "$@"\n'
+    )
+    python.chmod(0o755)
+    return python
 
 
 def rehearsal_secrets(tracking_uri: str) -> dict[str, dict[str, str]]:
@@ -310,11 +404,13 @@ class _PodRunner:
     """Runs each kfp.local task as its pod would run (installed as kfp.local's subprocess
     task handler while the rehearsal runs)."""
 
-    def __init__(self, spec: dict, platform: dict, env: dict[str, str], secrets, logs: Path):
+    def __init__(
+        self, spec: dict, platform: dict, env: dict[str, str], secrets, logs: Path, pythons
+    ):
         self.executors = spec["deploymentSpec"]["executors"]
         self.platform = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
         self.env, self.secrets, self.logs = env, secrets, logs
-        self.pythons = image_pythons()
+        self.pythons = pythons
         self.records: list[TaskRecord] = []
 
     def executor_of(self, command: list[str]) -> str:
@@ -328,7 +424,8 @@ class _PodRunner:
         label = self.executor_of(command)
         task = label.removeprefix("exec-")
         container = self.executors[label]["container"]
-        python = self.pythons.get(container["image"], sys.executable)
+        image = resolve_image(container["image"], command)
+        python = self.pythons.get(image, sys.executable)
         substituted = [f"image → {Path(python).parent.parent.name}"]
         env = {**self.env, **env_vars}
         platform = self.platform.get(label, {})
@@ -341,7 +438,7 @@ class _PodRunner:
                 raise RuntimeError(f"{task}: PVC {mount['constant']} at {mount['mountPath']}")
             substituted.append(f"PVC {mount['constant']} → {mount['mountPath']}")
         command = [part.replace("python3", python) for part in command]
-        record = TaskRecord(task, container["image"], python, "kfp executor_main", substituted)
+        record = TaskRecord(task, image, python, "kfp executor_main", substituted)
         record.log_path = self.logs / f"{task}.log"
         self.records.append(record)
         started = time.monotonic()
@@ -354,6 +451,20 @@ class _PodRunner:
         record.seconds = time.monotonic() - started
         log.info("%s: exit %s in %.0f s", task, record.returncode, record.seconds)
         return record.returncode
+
+
+def resolve_image(image: str, command: list[str]) -> str:
+    """The image a task's pod runs: its executor's ``image``, where that is a placeholder of
+    a pipeline parameter (``{{$.inputs.parameters['pipelinechannel--megatron_image']}}``:
+    the images are run parameters) the value the task got, from its executor input."""
+    match = re.fullmatch(r"\{\{\$\.inputs\.parameters\['([^']+)'\]\}\}", image)
+    if match is None:
+        return image
+    executor_input = json.loads(command[command.index("--executor_input") + 1])
+    values = executor_input.get("inputs", {}).get("parameterValues", {})
+    if match.group(1) not in values:
+        raise RuntimeError(f"the task's image {image} names no parameter it was given")
+    return str(values[match.group(1)])
 
 
 def _task_root(command: list[str]) -> str:
@@ -383,8 +494,11 @@ def _pods_as_handler(runner: _PodRunner) -> Iterator[None]:
         subprocess_task_handler.SubprocessTaskHandler = original
 
 
-def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> RehearsalReport:
-    """Run ``preset_name``'s compiled pipeline as a cluster would, on this machine."""
+def rehearse(
+    preset_name: str, output_dir: Path, backend: str | None = None, job_api: str = "trainjob"
+) -> RehearsalReport:
+    """Run ``preset_name``'s compiled pipeline as a cluster would, on this machine (its
+    cluster serving ``job_api``: ``trainjob`` or ``pytorchjob``)."""
     from google.protobuf import json_format
     from kfp import local
     from kfp.local import pipeline_orchestrator
@@ -424,16 +538,36 @@ def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> 
         )  # fmt: skip
     )
     pythons = image_pythons()
+    if preset.backend == "megatron":
+        from components.images import MEGATRON_IMAGE
+
+        pythons[MEGATRON_IMAGE] = str(megatron_cpu_python(output_dir))
+        subs.append(
+            Substitution(
+                "Transformer Engine",
+                "the Megatron image's TE layers and CUDA",
+                "megatron-core's local layer spec and the test-only CPU patches "
+                "(tests/megatron/cpu_patches.py, test_megatron_grpo_step.py), every process",
+                "TE and CUDA need a GPU; each patch says why it cannot change a number",
+            )
+        )
     subs += [
         Substitution("image", image, python, "the image's Python environment on this machine")
         for image, python in pythons.items()
     ]
-    with LocalCluster(output_dir / "cluster", pythons, secrets, REPO_ROOT, "default") as cluster:
-        cluster.install_runtime(rehearsal_runtime(configs, GPU_IMAGE))
+    controllers = {
+        "trainjob": "Trainer v2.3.0 and JobSet controllers",
+        "pytorchjob": "Training Operator v1.9.0 (PyTorchJob) controller",
+    }[job_api]
+    with LocalCluster(
+        output_dir / "cluster", pythons, secrets, REPO_ROOT, "default", job_apis=(job_api,)
+    ) as cluster:
+        if job_api == "trainjob":
+            cluster.install_runtime(rehearsal_runtime(configs, GPU_IMAGE))
         subs.append(
             Substitution(
                 "Kubernetes API",
-                "the cluster's API server, Trainer and JobSet controllers",
+                f"the cluster's API server, {controllers}",
                 f"kmock emulator + cluster.local_cluster (kubeconfig {cluster.kubeconfig})",
                 "no API server runs here; pods are local process groups, gloo for NCCL",
             )  # fmt: skip
@@ -446,7 +580,7 @@ def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> 
         }
         logs = output_dir / "logs"
         logs.mkdir(exist_ok=True)
-        runner = _PodRunner(spec, platform, pod_env, secrets, logs)
+        runner = _PodRunner(spec, platform, pod_env, secrets, logs, pythons)
         local.init(
             runner=local.SubprocessRunner(use_venv=False),
             pipeline_root=str(output_dir / "kfp"),
@@ -457,7 +591,7 @@ def rehearse(preset_name: str, output_dir: Path, backend: str | None = None) -> 
             pipeline_orchestrator.run_local_pipeline(pipeline_spec, arguments)
         pods = list(cluster.pods)
         expanded = dict(cluster.expanded)
-        static = static_job_pods(preset, configs, cluster)
+        static = static_job_pods(preset, configs, cluster, job_api)
     ran = {r.task for r in runner.records}
     not_run = sorted(
         label.removeprefix("exec-") for label in spec["deploymentSpec"]["executors"]
@@ -492,14 +626,22 @@ def preset_mount(preset: Preset) -> str:
     return get_platform(preset.hardware.platform).workspace_mount
 
 
-def static_job_pods(preset: Preset, configs: dict, cluster) -> dict[str, list]:
+def static_job_pods(
+    preset: Preset, configs: dict, cluster, job_api: str = "trainjob"
+) -> dict[str, list]:
     """Each training step's job as its step would create it (``cluster.step_job``), expanded
     by the controller into pods without running them: the checks see the GRPO job even where
     an earlier step fails."""
     from cluster.config import ExecutionConfig
-    from cluster.jobs import TRAINJOB
-    from cluster.local_cluster import jobset_pods, trainer_jobset
-    from cluster.step_job import StepJob, build_step_manifest, build_step_runtime, step_cluster
+    from cluster.jobs import JOB_KINDS
+    from cluster.local_cluster import jobset_pods, pytorchjob_pods, trainer_jobset
+    from cluster.step_job import (
+        StepJob,
+        build_step_manifest,
+        build_step_runtime,
+        job_name,
+        step_cluster,
+    )
     from components.images import GPU_IMAGE, MEGATRON_IMAGE
     from pipelines.presets import grpo_branch_config
 
@@ -519,12 +661,19 @@ def static_job_pods(preset: Preset, configs: dict, cluster) -> dict[str, list]:
         job_cluster = step_cluster(execution, image, "default", rollout_image)
         job = StepJob(step, f"trainer.{step}", config, "model", "m", "t", "e")
         args = ["--config", f"{job_cluster.shared_mount}/{step}_config.json"]
-        manifest = build_step_manifest(job, job_cluster, "static", args, TRAINJOB)
-        runtime = build_step_runtime(job, job_cluster, "static", args, TRAINJOB)
+        kind = JOB_KINDS[job_api]
+        label = f"{job_name(step, 'static')} (as built)"
+        try:
+            manifest = build_step_manifest(job, job_cluster, "static", args, kind)
+        except ValueError as error:  # the step fails the same way; its report says why
+            log.warning("%s: %s", label, error)
+            continue
+        if job_api == "pytorchjob":
+            pods[label] = pytorchjob_pods(manifest)
+            continue
+        runtime = build_step_runtime(job, job_cluster, "static", args, kind)
         runtime = runtime or rehearsal_runtime(configs, image)
-        pods[f"{manifest['metadata']['name']} (as built)"] = jobset_pods(
-            trainer_jobset(manifest, runtime), manifest
-        )
+        pods[label] = jobset_pods(trainer_jobset(manifest, runtime), manifest)
     return pods
 
 
@@ -570,15 +719,26 @@ def _flag(command: list[str]) -> str | None:
 
 def primary_pod_check(jobs: dict[str, list]) -> Check:
     """OpenShift AI's primary-pod rule (``cluster.local_cluster.PRIMARY_POD_RULE``) on each
-    job's pods: exactly one pod, the trainer's ``node-0-0`` (global rank 0), may match."""
+    job's pods: the pod it picks must be the trainer's ``node-0-0`` (a PyTorchJob's
+    ``master-0``: global rank 0). Where several match (the two-image job's ``rollout-0-0``
+    carries the same labels, issue #39 defect 6), the controller takes the first the API lists,
+    by name: passes only when every other match's replicated job sorts after the trainers'
+    (``cluster.trainjob.sorts_after_trainers``, the rule docs/cluster.md quotes)."""
     from cluster.local_cluster import primary_pod_matches
+    from cluster.trainjob import sorts_after_trainers
 
     problems, fine = [], []
     for name, pods in jobs.items():
         matches = primary_pod_matches(pods)
-        trainer = [p.name for p in pods if p.name.endswith("-node-0-0")]
-        if matches != trainer:
+        trainer = [p.name for p in pods if p.name.endswith(("-node-0-0", "-master-0"))]
+        others = [p.replicated_job for p in pods if p.name in matches[1:]]
+        if matches[:1] != trainer or not all(sorts_after_trainers(o) for o in others):
             problems.append(f"{name}: {len(matches)} pods match ({', '.join(matches)})")
+        elif others:
+            fine.append(
+                f"{name}: {len(matches)} pods match, the trainer's {matches[0]} sorts first "
+                "(sorts_after_trainers)"
+            )
         else:
             fine.append(f"{name}: {matches[0]}")
     if problems:

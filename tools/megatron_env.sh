@@ -5,8 +5,10 @@
 #
 #   bash tools/megatron_env.sh                 # create it if missing
 #   bash tools/megatron_env.sh --force         # rebuild from scratch
-#   bash tools/megatron_env.sh --with-project  # also lingo-rl's own dependencies (pip -e .),
-#                                              # for tests/trainer/test_megatron_gpu.py
+#   bash tools/megatron_env.sh --with-project  # also lingo-rl's own dependencies and its
+#                                              # cluster extra (pip -e ".[cluster]"), for
+#                                              # tests/trainer/test_megatron_gpu.py and
+#                                              # lingo rehearse --backend megatron
 #
 # Why it is curated: megatron-bridge 0.6.2 declares ~30 hard requirements (wandb, mlflow,
 # diffusers, timm, open-clip-torch, flashinfer, nvidia-resiliency-ext, megatron-core[dev,mlm],
@@ -175,8 +177,10 @@ printf '%s\n' "$CONSTRAINTS" "${PINS[@]}" "${MEGATRON_PINS[@]}" >"$CONSTRAINTS_F
 "${PIP[@]}" install -c "$CONSTRAINTS_FILE" "${PINS[@]}"
 "${PIP[@]}" install --no-deps "${MEGATRON_PINS[@]}"
 if [ "$WITH_PROJECT" = 1 ]; then
-  # lingo-rl's own dependencies, keeping the pins above (torch, transformers, ...)
-  "${PIP[@]}" install -c "$CONSTRAINTS_FILE" -e .
+  # lingo-rl's own dependencies, keeping the pins above (torch, transformers, ...), and the
+  # cluster extra the Megatron image installs too (images/Dockerfile.megatron: the GRPO step's
+  # pod launches its job with kubeflow-training / kubeflow-trainer-api; lingo rehearse)
+  "${PIP[@]}" install -c "$CONSTRAINTS_FILE" -e ".[cluster]"
 fi
 CHECK_LOG="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS_FILE" "$CHECK_LOG"' EXIT

@@ -62,12 +62,19 @@ def test_the_one_image_grpo_job_has_one_primary_pod_with_pet_env():
 def test_the_two_image_grpo_job_has_two_pods_the_primary_rule_matches():
     """gpt-oss-20b-verl on Megatron: trainers in ``node``, engines in ``rollout``; both
     ``node-0-0`` and ``rollout-0-0`` carry job index 0 and completion index 0 (defect 6 of
-    issue #39), which the rehearsal's check reports."""
+    issue #39), which the rehearsal's check reports; it passes because the trainer's pod sorts
+    first by name (``sorts_after_trainers``, the fix), and fails a rollout job named
+    ``launch``, which would sort first."""
+    import dataclasses
+
     pods = _grpo_pods("gpt-oss-20b-verl", "megatron")
     assert [p.replicated_job for p in pods] == ["node", "rollout"]
     assert {p.container["image"] for p in pods} == {MEGATRON_IMAGE, GPU_IMAGE}
     assert primary_pod_matches(pods) == ["lingo-grpo-run-node-0-0", "lingo-grpo-run-rollout-0-0"]
     check = primary_pod_check({"grpo": pods})
+    assert check.passed is True and "2 pods match" in check.detail
+    launch = dataclasses.replace(pods[1], name="lingo-grpo-run-launch-0-0", replicated_job="launch")
+    check = primary_pod_check({"grpo": [pods[0], launch]})
     assert check.passed is False and "2 pods match" in check.detail
     # the rollout pod gets no PET_* (the torch plugin's env goes to the trainer's node only)
     rollout_env = {e["name"] for e in pods[1].container["env"]}
@@ -232,3 +239,82 @@ def test_access_reviews_are_answered_from_the_role_cluster_setup_binds(tmp_path)
         assert missing_access(cluster.api_client, "default", needs) == []  # asked again
         secret = Access("delete", "", "secrets")
         assert missing_access(cluster.api_client, "default", [secret]) == [secret]
+
+
+def _pytorchjob(name: str, shared, script: str, nodes: int = 3) -> dict:
+    from cluster.pytorchjob import build_pytorchjob
+
+    execution = ExecutionConfig(
+        mode="job",
+        reference="g5.12xlarge",
+        job={"nodes": nodes, "shared_mount": str(shared), "job_api": "pytorchjob"},
+    )
+    manifest = build_pytorchjob(name, execution.cluster_job(GPU_IMAGE, "default"), "m", [])
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        replica["template"]["spec"]["containers"][0]["command"] = ["python", "-c", script]
+    return manifest
+
+
+def test_a_pytorchjobs_pods_get_the_training_operators_env():
+    """Training Operator v1.9.0 (``pytorch/envvar.go`` ``setPodEnv``, ``master.go``): a Master
+    and 2 Workers named ``<job>-<type>-<index>``; MASTER_*/PET_MASTER_* at the Master's
+    default port, RANK = PET_NODE_RANK = the Worker's index + 1, WORLD_SIZE = replicas ×
+    nprocPerNode; only the Master has the job role torchrun's rank 0 runs in."""
+    from cluster.local_cluster import PYTORCHJOB_DEFAULT_PORT, pytorchjob_pods
+
+    manifest = _pytorchjob("lingo-sft-pt", "/mnt/shared", "")
+    nproc = manifest["spec"]["nprocPerNode"]
+    pods = pytorchjob_pods(manifest)
+    assert [p.name for p in pods] == [
+        "lingo-sft-pt-master-0",
+        "lingo-sft-pt-worker-0",
+        "lingo-sft-pt-worker-1",
+    ]
+    for rank, pod in enumerate(pods):
+        env = {e["name"]: e.get("value") for e in pod.container["env"]}
+        assert env["RANK"] == env["PET_NODE_RANK"] == str(rank)
+        assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "lingo-sft-pt-master-0"
+        assert env["MASTER_PORT"] == env["PET_MASTER_PORT"] == str(PYTORCHJOB_DEFAULT_PORT)
+        assert (env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("3", nproc)
+        assert env["WORLD_SIZE"] == str(3 * int(nproc))
+        assert env["PYTHONUNBUFFERED"] == "1"
+    assert primary_pod_matches(pods) == ["lingo-sft-pt-master-0"]
+    manifest["spec"]["elasticPolicy"] = {"minReplicas": 1, "maxReplicas": 3}
+    with pytest.raises(Exception, match="elasticPolicy"):
+        pytorchjob_pods(manifest)
+
+
+@pytest.mark.parametrize("outcome", ["Succeeded", "Failed"])
+def test_a_pytorchjob_runs_as_local_pods_on_a_training_operator_cluster(tmp_path, outcome):
+    """A cluster serving only PyTorchJob (``job_apis=("pytorchjob",)``): discovery finds no
+    Trainer API, the job created through the client runs as its Master and Workers, each
+    with its rank, and gets the operator's ``Succeeded`` or ``Failed`` condition."""
+    from cluster.jobs import PYTORCHJOB, served_job_apis
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    script = (
+        "import os, pathlib; rank = os.environ['RANK']; "
+        f"pathlib.Path('{shared}', rank).write_text(os.environ['MASTER_ADDR']); "
+        f"raise SystemExit({1 if outcome == 'Failed' else 0} if rank == '2' else 0)"
+    )
+    manifest = _pytorchjob("lingo-sft-ptrun", shared, script)
+    path = (PYTORCHJOB.group, PYTORCHJOB.version, "default", PYTORCHJOB.plural)
+    pythons = {GPU_IMAGE: sys.executable}
+    with LocalCluster(
+        tmp_path / "cluster", pythons, {}, tmp_path, "default", job_apis=("pytorchjob",)
+    ) as cluster:
+        assert served_job_apis(cluster.api_client) == ["pytorchjob"]
+        api = k8s.CustomObjectsApi(cluster.api_client)
+        api.create_namespaced_custom_object(*path, manifest)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            job = api.get_namespaced_custom_object(*path, "lingo-sft-ptrun")
+            if job_state(PYTORCHJOB, job) in ("succeeded", "failed"):
+                break
+            time.sleep(0.5)
+        pods = cluster.pods
+    assert job_state(PYTORCHJOB, job) == outcome.lower()
+    assert sorted(p.replicated_job for p in pods) == ["master", "worker", "worker"]
+    if outcome == "Succeeded":
+        assert {(shared / r).read_text() for r in ("0", "1", "2")} == {"127.0.0.1"}

@@ -205,7 +205,7 @@ def score_response(
         return Outcome(language=question.language, failed=True), record
     parsed = generation.parsed()
     labels = LanguageLabels(question.language, question.language)
-    result = scorer.score(parsed, labels, question.expected_answer)
+    result = scorer.score(parsed, labels, question.expected_answer, question.question)
     degeneracy = measure_degeneracy(parsed.reasoning, parsed.final, question.language)
     record.update(
         reasoning=parsed.reasoning,

@@ -112,7 +112,8 @@ def evaluate_policy(
     seeds = group_seeds(seed, "held-out", range(len(prompts)), samples)
     rollouts = engine.generate([p.ids for p in prompts], seeds)
     texts = [decode(tokenizer, r.response_ids) for r in rollouts]
-    results = scorer.score_batch(texts, [prompts[r.prompt_index].label for r in rollouts])
+    asked = [prompts[r.prompt_index] for r in rollouts]
+    results = scorer.score_batch(texts, [p.label for p in asked], prompts=[p.text for p in asked])
     outcomes = []
     for result in results:  # per language of the prompt: its reasoning label
         language = result.labels.answer if result.labels else "en"

@@ -81,7 +81,8 @@ def score_rollouts(
     group advantages (``algorithm.advantage_estimator``), and which samples are kept (the
     groups whose rewards differ, when ``algorithm.filter_no_signal_groups``)."""
     texts = [decode(tokenizer, r.response_ids) for r in rollouts]
-    scored = reward_fn(texts, [prompts[r.prompt_index].label for r in rollouts])
+    asked = [prompts[r.prompt_index] for r in rollouts]
+    scored = reward_fn(texts, [p.label for p in asked], prompts=[p.text for p in asked])
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
     groups = torch.tensor([r.prompt_index for r in rollouts])
     advantages = algo.get_advantage_estimator(cfg.algorithm.advantage_estimator)(rewards, groups)

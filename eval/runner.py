@@ -33,7 +33,13 @@ from core.redact import redact
 from core.seeds import sample_seed
 from eval.engines import make_engine
 from eval.eval_config import EvalConfig
-from eval.eval_metrics import Summary, deltas, summarize
+from eval.eval_metrics import (
+    REASONING_LENGTH_REFERENCE,
+    Summary,
+    deltas,
+    reasoning_length_ratios,
+    summarize,
+)
 from eval.report import ReportPaths, log_eval_run, write_reports
 from generation.engines import Engine, ModelNotFoundError, is_endpoint, require_model_dir
 from generation.requests import Generation, GenerationRequest
@@ -309,6 +315,13 @@ class EvalResults:
         """Label of the model the deltas are taken against."""
         return self.runs[0].spec.label
 
+    @property
+    def reasoning_length_reference(self) -> str:
+        """The model ``reasoning_length_ratio`` compares with: ``sft`` when one is so labelled,
+        else the baseline."""
+        labels = [run.spec.label for run in self.runs]
+        return REASONING_LENGTH_REFERENCE if REASONING_LENGTH_REFERENCE in labels else labels[0]
+
     def to_dict(self) -> dict:
         """The content of ``results.json``."""
         summaries = {run.spec.label: run.summary for run in self.runs}
@@ -326,6 +339,10 @@ class EvalResults:
                 label: {"overall": d.overall, "per_language": d.per_language}
                 for label, d in deltas(summaries, self.baseline).items()
             },
+            "reasoning_length_reference": self.reasoning_length_reference,
+            "reasoning_length_ratio": reasoning_length_ratios(
+                summaries, self.reasoning_length_reference
+            ),
             "responses": [r for run in self.runs for r in run.responses],
         }
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from core.languages import OTHER, SUPPORTED_LANGUAGES, UNDETERMINED
-from reward.outcome import LOOP, MISSING, Outcome
+from reward.outcome import LOOP, MISSING, Outcome, median_reasoning_words, reasoning_length_ratio
 
 Z_95 = 1.959963984540054
 DETECTED_COLUMNS: tuple[str, ...] = (*SUPPORTED_LANGUAGES, OTHER, UNDETERMINED, MISSING, LOOP)
@@ -36,7 +36,12 @@ PROPORTIONS: tuple[str, ...] = (
     "answer_correct",
     "loop_rate",
 )
-MEANS: tuple[str, ...] = ("mean_reward", "real_word_share", "repeated_ngram_rate")
+MEANS: tuple[str, ...] = (
+    "mean_reward",
+    "real_word_share",
+    "repeated_ngram_rate",
+    "median_reasoning_words",
+)
 METRICS: tuple[str, ...] = PROPORTIONS + MEANS
 """Every metric of a summary, in report order. All but ``loop_rate`` and
 ``repeated_ngram_rate`` are better when higher."""
@@ -145,6 +150,9 @@ def _estimates(outcomes: Sequence[Outcome]) -> dict[str, Estimate]:
         "mean_reward": t_interval([o.reward for o in outcomes]),
         "real_word_share": t_interval([o.real_word_share for o in outcomes]),
         "repeated_ngram_rate": t_interval([o.repeated_ngram_rate for o in outcomes]),
+        "median_reasoning_words": Estimate(
+            median_reasoning_words(outcomes) if n else math.nan, math.nan, math.nan, n, "median"
+        ),
     }
 
 
@@ -245,6 +253,35 @@ class Delta:
 
     overall: dict[str, float] = field(default_factory=dict)
     per_language: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+REASONING_LENGTH_REFERENCE = "sft"
+"""The model whose median reasoning length ``reasoning_length_ratio`` divides by, when one has
+this label (else the baseline)."""
+
+
+def reasoning_length_ratios(
+    summaries: Mapping[str, Summary], reference: str
+) -> dict[str, dict[str, object]]:
+    """``reasoning_length_ratio`` of each model: its median reasoning words ÷ ``reference``'s
+    (the SFT model's), on the same questions, overall and per language (NaN where the
+    reference's median is 0).
+
+    Raises:
+        KeyError: ``reference`` is not one of the summaries.
+    """
+    base = summaries[reference]
+    metric = "median_reasoning_words"
+    return {
+        label: {
+            "overall": reasoning_length_ratio(summary.value(metric), base.value(metric)),
+            "per_language": {
+                code: reasoning_length_ratio(summary.value(metric, code), base.value(metric, code))
+                for code in SUPPORTED_LANGUAGES
+            },
+        }
+        for label, summary in summaries.items()
+    }
 
 
 def deltas(summaries: Mapping[str, Summary], baseline: str) -> dict[str, Delta]:

@@ -33,6 +33,7 @@ METRIC_TITLES: dict[str, str] = {
     "mean_reward": "mean reward",
     "real_word_share": "real-word share (low = degenerate text)",
     "repeated_ngram_rate": "repeated 3-gram rate (high = degenerate text)",
+    "median_reasoning_words": "median reasoning length (words)",
 }
 CHART_METRICS = (
     "reasoning_language_accuracy",
@@ -170,6 +171,30 @@ def _sections(results: dict) -> list[Section]:
             )
         )
     sections.append(per_language)
+
+    if "reasoning_length_ratio" in results:
+        reference = results["reasoning_length_reference"]
+        lengths = Section(
+            "Reasoning length",
+            [
+                f"Median reasoning words ÷ {reference}'s on the same questions "
+                "(`reasoning_length_ratio`; below 1: the model reasons less)."
+            ],
+        )
+        lengths.tables.append(
+            Table(
+                ["model", "overall", *SUPPORTED_LANGUAGES],
+                [
+                    [
+                        label,
+                        _number(ratio["overall"]),
+                        *(_number(ratio["per_language"][code]) for code in SUPPORTED_LANGUAGES),
+                    ]
+                    for label, ratio in results["reasoning_length_ratio"].items()
+                ],
+            )
+        )
+        sections.append(lengths)
 
     confusion = Section(
         "Confusion matrices",

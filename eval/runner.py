@@ -34,7 +34,14 @@ from core.redact import redact
 from core.seeds import sample_seed
 from eval.engines import make_engine
 from eval.eval_config import EvalConfig
-from eval.eval_metrics import Summary, deltas, response_values, summarize
+from eval.eval_metrics import (
+    REASONING_LENGTH_REFERENCE,
+    Summary,
+    deltas,
+    reasoning_length_ratios,
+    response_values,
+    summarize,
+)
 from eval.report import ReportPaths, log_eval_run, write_reports
 from generation.endpoint import DEFAULT_MAX_REPLY_BYTES
 from generation.engines import Engine, ModelNotFoundError, is_endpoint, require_model_dir
@@ -256,7 +263,7 @@ def score_response(
         return Outcome(language=question.language, failed=True), record
     parsed = generation.parsed()
     labels = LanguageLabels(question.language, question.language)
-    result = scorer.score(parsed, labels, question.expected_answer)
+    result = scorer.score(parsed, labels, question.expected_answer, question.question)
     degeneracy = measure_degeneracy(parsed.reasoning, parsed.final, question.language)
     record.update(
         reasoning=parsed.reasoning,
@@ -372,6 +379,13 @@ class EvalResults:
         """Label of the model the deltas are taken against."""
         return self.runs[0].spec.label
 
+    @property
+    def reasoning_length_reference(self) -> str:
+        """The model ``reasoning_length_ratio`` compares with: ``sft`` when one is so labelled,
+        else the baseline."""
+        labels = [run.spec.label for run in self.runs]
+        return REASONING_LENGTH_REFERENCE if REASONING_LENGTH_REFERENCE in labels else labels[0]
+
     def to_dict(self) -> dict:
         """The content of ``results.json``."""
         summaries = {run.spec.label: run.summary for run in self.runs}
@@ -389,6 +403,10 @@ class EvalResults:
                 label: {"overall": d.overall, "per_language": d.per_language}
                 for label, d in deltas(summaries, self.baseline).items()
             },
+            "reasoning_length_reference": self.reasoning_length_reference,
+            "reasoning_length_ratio": reasoning_length_ratios(
+                summaries, self.reasoning_length_reference
+            ),
             "responses": [r for run in self.runs for r in run.responses],
         }
 

@@ -71,9 +71,10 @@ class LanguageComplianceReward:
         responses: Sequence[str | ParsedResponse | None],
         labels: LabelsLike | Sequence[LabelsLike],
         expected_answers: Sequence[float | str | None] | None = None,
+        prompts: Sequence[str | None] | None = None,
     ) -> RewardBatch:
         """Score a rollout batch; see ``ComplianceScorer.score_batch``."""
-        results = self.scorer.score_batch(responses, labels, expected_answers)
+        results = self.scorer.score_batch(responses, labels, expected_answers, prompts)
         return RewardBatch([r.reward for r in results], results)
 
 
@@ -115,7 +116,13 @@ def openrlhf_reward_func(
             query = query[len(prompt) :]
         responses.append(query)
     pairs = [_split_label(label) for label in labels]
-    results = scorer.score_batch(responses, [p[0] for p in pairs], [p[1] for p in pairs])  # type: ignore[misc]
+    asked = [prompts[i] if i < len(prompts) else None for i in range(len(responses))]
+    results = scorer.score_batch(
+        responses,
+        [p[0] for p in pairs],  # type: ignore[misc]
+        [p[1] for p in pairs],  # type: ignore[misc]
+        asked,
+    )
     low, high = scorer.bounds
     span = (high - low) or 1.0
     rewards = torch.tensor([r.reward for r in results], dtype=torch.float32).reshape(-1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from reward.degeneracy import Degeneracy
+from reward.degeneracy import Degeneracy, loop_words
 from reward.scoring import ComplianceResult, Verdict
 
 MISSING = "missing"
@@ -50,6 +50,8 @@ class Outcome:
         answer_detected: Same for the final answer.
         real_word_share: See ``reward.degeneracy`` (NaN: no words).
         repeated_ngram_rate: See ``reward.degeneracy`` (NaN: too short).
+        reasoning_words: Words and numbers of the reasoning (``reward.degeneracy.loop_words``;
+            0 when missing): what ``reasoning_length_ratio`` compares.
     """
 
     language: str | None
@@ -63,6 +65,13 @@ class Outcome:
     answer_detected: str = MISSING
     real_word_share: float = math.nan
     repeated_ngram_rate: float = math.nan
+    reasoning_words: int = 0
+
+    @property
+    def loop(self) -> bool:
+        """The reasoning or the answer got the LOOP verdict (a loop, a stopword salad or a copy
+        of the question)."""
+        return LOOP in (self.reasoning_detected, self.answer_detected)
 
     @property
     def both_ok(self) -> bool:
@@ -86,6 +95,7 @@ class Outcome:
             answer_detected=detected(result.answer_verdict, result.answer_language),
             real_word_share=degeneracy.real_word_share,
             repeated_ngram_rate=degeneracy.repeated_ngram_rate,
+            reasoning_words=len(loop_words(result.parsed.reasoning)),
         )
 
 
@@ -95,6 +105,19 @@ class LanguageResult:
 
     mean_reward: float
     both_language_accuracy: float
+    loop_rate: float = 0.0
+    median_reasoning_words: float = 0.0
+
+
+def median_reasoning_words(outcomes: Sequence[Outcome]) -> float:
+    """The median of the responses' reasoning words (0.0 for none)."""
+    return float(np.median([o.reasoning_words for o in outcomes])) if outcomes else 0.0
+
+
+def reasoning_length_ratio(words: float, baseline_words: float) -> float:
+    """``words / baseline_words``: a policy's median reasoning length against the SFT model's
+    on the same questions (NaN when the baseline reasons in 0 words)."""
+    return words / baseline_words if baseline_words > 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -109,6 +132,8 @@ class HeldOutResult:
         real_word_share: Mean real-word share of the responses that have words (0: none).
         repeated_ngram_rate: Mean repeated n-gram rate of those long enough (0: none).
         finished_fraction: Share of responses that ended with a stop token.
+        loop_rate: Share of responses with a part that got the LOOP verdict.
+        median_reasoning_words: Median reasoning length in words (``Outcome.reasoning_words``).
         per_language: Requested (reasoning) language → its result, languages sorted.
         step: The step of the policy evaluated (0: the SFT model); None when not placed.
     """
@@ -121,6 +146,8 @@ class HeldOutResult:
     repeated_ngram_rate: float
     finished_fraction: float
     per_language: dict[str, LanguageResult] = field(default_factory=dict)
+    loop_rate: float = 0.0
+    median_reasoning_words: float = 0.0
     step: int | None = None
 
     @classmethod
@@ -142,10 +169,15 @@ class HeldOutResult:
             finished_fraction=_mean(finished),
             per_language={
                 language: LanguageResult(
-                    _mean([o.reward for o in group]), _mean([o.both_ok for o in group])
+                    _mean([o.reward for o in group]),
+                    _mean([o.both_ok for o in group]),
+                    _mean([o.loop for o in group]),
+                    median_reasoning_words(group),
                 )
                 for language, group in sorted(by_language.items())
             },
+            loop_rate=_mean([o.loop for o in outcomes]),
+            median_reasoning_words=median_reasoning_words(outcomes),
         )
 
     def at_step(self, step: int) -> HeldOutResult:
@@ -154,7 +186,8 @@ class HeldOutResult:
 
     def metrics(self) -> dict[str, float]:
         """The flat metrics the run logs (``eval_<name>``): the means, then
-        ``mean_reward_<language>`` and ``both_language_accuracy_<language>`` per language."""
+        ``mean_reward_<language>``, ``both_language_accuracy_<language>``,
+        ``loop_rate_<language>`` and ``median_reasoning_words_<language>`` per language."""
         out = {
             "mean_reward": self.mean_reward,
             "answer_language_accuracy": self.answer_language_accuracy,
@@ -163,10 +196,29 @@ class HeldOutResult:
             "real_word_share": self.real_word_share,
             "repeated_ngram_rate": self.repeated_ngram_rate,
             "finished_fraction": self.finished_fraction,
+            "loop_rate": self.loop_rate,
+            "median_reasoning_words": self.median_reasoning_words,
         }
         for language, result in self.per_language.items():
             out[f"mean_reward_{language}"] = result.mean_reward
             out[f"both_language_accuracy_{language}"] = result.both_language_accuracy
+            out[f"loop_rate_{language}"] = result.loop_rate
+            out[f"median_reasoning_words_{language}"] = result.median_reasoning_words
+        return out
+
+    def reasoning_length_ratios(self, baseline: HeldOutResult) -> dict[str, float]:
+        """``reasoning_length_ratio`` overall and ``reasoning_length_ratio_<language>`` against
+        ``baseline`` (the SFT model's held-out result, on the same prompts)."""
+        out = {
+            "reasoning_length_ratio": reasoning_length_ratio(
+                self.median_reasoning_words, baseline.median_reasoning_words
+            )
+        }
+        for language, result in self.per_language.items():
+            base = baseline.per_language.get(language)
+            out[f"reasoning_length_ratio_{language}"] = reasoning_length_ratio(
+                result.median_reasoning_words, base.median_reasoning_words if base else 0.0
+            )
         return out
 
     def to_json(self) -> dict[str, float]:
@@ -193,11 +245,16 @@ class HeldOutResult:
             finished_fraction=data["finished_fraction"],
             per_language={
                 language: LanguageResult(
-                    data[f"mean_reward_{language}"], data[f"both_language_accuracy_{language}"]
+                    data[f"mean_reward_{language}"],
+                    data[f"both_language_accuracy_{language}"],
+                    data.get(f"loop_rate_{language}", 0.0),  # absent in states before #43
+                    data.get(f"median_reasoning_words_{language}", 0.0),
                 )
                 for language in languages
             },
             step=data.get("step"),
+            loop_rate=data.get("loop_rate", 0.0),
+            median_reasoning_words=data.get("median_reasoning_words", 0.0),
         )
 
 

@@ -60,7 +60,13 @@ from core.language_id import LanguageIdentifier, LanguageProfile, default_identi
 from core.languages import LanguageLabels, UnknownLanguageError
 from core.parsing import ParsedResponse, parse_response
 from core.sentences import count_sentences
-from reward.degeneracy import LoopDetector, LoopSignal
+from reward.degeneracy import (
+    LoopDetector,
+    LoopSignal,
+    function_words,
+    known_word_share,
+    loop_words,
+)
 from reward.labels import LabelsLike, parse_labels
 from reward.numbers import extract_numeric_answer, numbers_match
 
@@ -72,6 +78,15 @@ MAX_ANSWER_CHARS_FOR_SENTENCES = 20_000
 MIN_LANGUAGE_FRACTION = 0.65
 """Share of a part (by letters, over the judged sentences) that must be in the requested
 language: a quote or a term in another language passes, a half-and-half text does not."""
+
+REASONING_MIN_WORDS = 5
+"""A reasoning with fewer words (numbers count) is undetermined: too little evidence that the
+model reasoned in a language. The bundled training rows' reasonings: 98.5 % have more."""
+
+REASONING_MIN_REAL_WORDS = 3
+"""… or with fewer words that the reasoning language's word list knows."""
+
+_USER_MESSAGE = re.compile(r"<\|start\|>user<\|message\|>(.*?)(?:<\|end\|>|$)", re.DOTALL)
 
 _CONTENT = re.compile(r"[^\W_]")  # a letter or digit: a part without one is missing
 
@@ -107,6 +122,9 @@ class Judgement:
     brief_ok: bool
     correct: bool | None
     """Whether the numeric answer equals the expected one; None when none was expected."""
+    degenerate: bool = False
+    """A part (reasoning or answer, in any language) is a loop, a stopword salad or a copy of
+    the question."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +262,13 @@ def _brevity(judged: Judgement, w: RewardWeights) -> float:
     return w.brief_answer if judged.brief_ok else w.long_answer
 
 
+@reward_term("degeneracy", clean_text=0.0, degenerate_text=-2.0)
+def _degeneracy(judged: Judgement, w: RewardWeights) -> float:
+    """A loop, a stopword salad or a copy of the question anywhere costs more than the part
+    could gain: the part already scores as the wrong language, and this comes on top."""
+    return w.degenerate_text if judged.degenerate else w.clean_text
+
+
 @reward_term("correctness", can_be_zero=True, correct_answer=0.0, wrong_answer=0.0)
 def _correctness(judged: Judgement, w: RewardWeights) -> float:
     if judged.correct is None:  # no expected answer: nothing to judge
@@ -372,6 +397,7 @@ class ComplianceScorer:
         response: str | ParsedResponse | None,
         labels: LabelsLike,
         expected_answer: float | str | None = None,
+        prompt: str | None = None,
     ) -> ComplianceResult:
         """Score one response. Never raises.
 
@@ -381,15 +407,18 @@ class ComplianceScorer:
             labels: ``LanguageLabels`` or a label string ``"fr"`` / ``"fr/en"``.
             expected_answer: The expected numeric answer, if the problem has one (a number,
                 or a string such as ``"42"`` or ``"1,5"``); non-numeric values are ignored.
+            prompt: The question (or the whole prompt: its last user message is taken); a
+                reasoning or answer that copies it is degenerate. None: not checked.
         """
         parsed = response if isinstance(response, ParsedResponse) else parse_response(response)
-        return self._score_one(parsed, labels, expected_answer, None)
+        return self._score_one(parsed, labels, expected_answer, None, prompt)
 
     def score_batch(
         self,
         responses: Sequence[str | ParsedResponse | None],
         labels: LabelsLike | Sequence[LabelsLike],
         expected_answers: Sequence[float | str | None] | None = None,
+        prompts: Sequence[str | None] | None = None,
     ) -> list[ComplianceResult]:
         """Score a batch (e.g. one GRPO rollout batch). Never raises on bad items.
 
@@ -397,10 +426,11 @@ class ComplianceScorer:
             responses: The responses.
             labels: One label for all responses, or one per response.
             expected_answers: One expected numeric answer (or ``None``) per response.
+            prompts: One question or prompt (or ``None``) per response (``score``).
 
         Raises:
-            ValueError: ``labels`` or ``expected_answers`` is a sequence whose length differs
-                from ``responses`` (a caller bug, caught on the first batch).
+            ValueError: ``labels``, ``expected_answers`` or ``prompts`` is a sequence whose
+                length differs from ``responses`` (a caller bug, caught on the first batch).
         """
         n = len(responses)
         if isinstance(labels, str | LanguageLabels | Mapping):
@@ -415,16 +445,23 @@ class ComplianceScorer:
             expected = expected_answers
             if len(expected) != n:
                 raise ValueError(f"got {n} responses but {len(expected)} expected answers")
+        if prompts is None:
+            asked: Sequence[str | None] = [None] * n
+        else:
+            asked = prompts
+            if len(asked) != n:
+                raise ValueError(f"got {n} responses but {len(asked)} prompts")
         parsed = [r if isinstance(r, ParsedResponse) else parse_response(r) for r in responses]
         try:
             profiles = self._profiles(parsed)
         except Exception:  # noqa: BLE001 - score one by one, so only the bad item is unscored
             logger.exception("batch language identification failed; scoring one by one")
-            triples = zip(parsed, label_list, expected, strict=True)
-            return [self.score(p, lab, e) for p, lab, e in triples]  # type: ignore[arg-type]
+            items = zip(parsed, label_list, expected, asked, strict=True)
+            return [self.score(p, lab, e, q) for p, lab, e, q in items]  # type: ignore[arg-type]
+        items = zip(parsed, label_list, expected, profiles, asked, strict=True)
         return [
-            self._score_one(p, lab, e, profile)  # type: ignore[arg-type]
-            for p, lab, e, profile in zip(parsed, label_list, expected, profiles, strict=True)
+            self._score_one(p, lab, e, profile, q)  # type: ignore[arg-type]
+            for p, lab, e, profile, q in items
         ]
 
     # -- internals -------------------------------------------------------------------------
@@ -454,6 +491,7 @@ class ComplianceScorer:
         labels: LabelsLike,
         expected_answer: object,
         profiles: _PartProfiles | None,
+        prompt: str | None = None,
     ) -> ComplianceResult:
         """``score`` for a parsed response, with its parts' profiles if already computed."""
         try:
@@ -463,7 +501,7 @@ class ComplianceScorer:
         try:
             if profiles is None:
                 profiles = self._profiles([parsed])[0]
-            return self._score(parsed, parsed_labels, expected_answer, profiles)
+            return self._score(parsed, parsed_labels, expected_answer, profiles, prompt)
         except Exception as err:  # noqa: BLE001 - the batch API must not stop training
             logger.exception("scoring failed; giving the neutral reward")
             return self._unscored(parsed, f"internal error: {type(err).__name__}: {err}")
@@ -481,6 +519,20 @@ class ComplianceScorer:
             reasoning_verdict=Verdict.UNDETERMINED,
             error=message,
         )
+
+    def _loop(
+        self, words: Sequence[str], verdict: Verdict, language: str, asked: Sequence[str]
+    ) -> tuple[Verdict, LoopSignal | None]:
+        """A part's verdict after the loop check, and the signal found. A part in the
+        requested language is checked on every signal, one in another language (or whose
+        language is undetermined) on those that need no language (repetition, copying): a loop
+        costs the same in any language."""
+        assert self.loop_detector is not None
+        if verdict in (Verdict.MISSING, Verdict.NEUTRAL) or not words:
+            return verdict, None
+        checked = language if verdict is Verdict.MATCH else None
+        signal = self.loop_detector.signal(None, checked, asked, tokens=words)
+        return (Verdict.LOOP, signal) if signal else (verdict, None)
 
     def _judge(
         self, profile: LanguageProfile | None, target: str, text: str | None = None
@@ -501,6 +553,7 @@ class ComplianceScorer:
         labels: LanguageLabels,
         expected_answer: object,
         profiles: _PartProfiles,
+        prompt: str | None = None,
     ) -> ComplianceResult:
         w = self.weights
         answer_profile, reasoning_profile = profiles
@@ -517,14 +570,22 @@ class ComplianceScorer:
             # Scored on its text, a policy gains by never stopping: a longer answer is easier
             # to identify (seen in the demo: GRPO stopped ending its answers, 77% -> 23%)
             answer_verdict = Verdict.MISSING
+        answer_words, reasoning_words = loop_words(parsed.final), loop_words(parsed.reasoning)
+        if reasoning_verdict is Verdict.MATCH and not _enough_reasoning(
+            reasoning_words, labels.reasoning
+        ):
+            reasoning_verdict = Verdict.UNDETERMINED  # too few words to be reasoning
+        if answer_verdict is Verdict.MATCH and not _has_content(answer_words, labels.answer):
+            answer_verdict = Verdict.UNDETERMINED  # function words only: "et par."
         answer_loop = reasoning_loop = None
         if self.loop_detector is not None:
-            if answer_verdict is Verdict.MATCH:
-                answer_loop = self.loop_detector.signal(parsed.final, labels.answer)
-                answer_verdict = Verdict.LOOP if answer_loop else answer_verdict
-            if reasoning_verdict is Verdict.MATCH:
-                reasoning_loop = self.loop_detector.signal(parsed.reasoning, labels.reasoning)
-                reasoning_verdict = Verdict.LOOP if reasoning_loop else reasoning_verdict
+            asked = loop_words(_question(prompt)) if prompt else ()
+            answer_verdict, answer_loop = self._loop(
+                answer_words, answer_verdict, labels.answer, asked
+            )
+            reasoning_verdict, reasoning_loop = self._loop(
+                reasoning_words, reasoning_verdict, labels.reasoning, asked
+            )
         has_answer = answer_verdict is not Verdict.MISSING
         final = parsed.final or ""
         sentences = count_sentences(final[:MAX_ANSWER_CHARS_FOR_SENTENCES]) if has_answer else 0
@@ -538,7 +599,8 @@ class ComplianceScorer:
         if expected is not None:
             predicted = extract_numeric_answer(parsed.final, labels.answer) if has_answer else None
             correct = numbers_match(predicted, expected)
-        judged = Judgement(answer_verdict, reasoning_verdict, brief_ok, correct)
+        degenerate = answer_loop is not None or reasoning_loop is not None
+        judged = Judgement(answer_verdict, reasoning_verdict, brief_ok, correct, degenerate)
         components = {name: term.price(judged, w) for name, term in REWARD_TERMS.items()}
         low, high = self._bounds
         reward = min(max(math.fsum(components.values()), low), high)
@@ -576,6 +638,30 @@ def _verdict_reward(
 
 _LETTER = re.compile(r"[^\W\d_]")
 _DIGIT = re.compile(r"\d")
+
+
+def _question(prompt: str) -> str:
+    """The question of a prompt: its last user message when it is a harmony prompt."""
+    asked = _USER_MESSAGE.findall(prompt)
+    return asked[-1] if asked else prompt
+
+
+def _enough_reasoning(tokens: Sequence[str], language: str) -> bool:
+    """At least ``REASONING_MIN_WORDS`` words (``loop_words``), ``REASONING_MIN_REAL_WORDS``
+    of them known in ``language``'s word list."""
+    if len(tokens) < REASONING_MIN_WORDS:
+        return False
+    words = [token for token in tokens if not token.isdigit()]
+    return len(words) >= REASONING_MIN_REAL_WORDS and (
+        known_word_share(words, language) * len(words) >= REASONING_MIN_REAL_WORDS
+    )
+
+
+def _has_content(tokens: Sequence[str], language: str) -> bool:
+    """A number, or a word that is not one of ``language``'s function words (``tokens``:
+    ``loop_words``; numbers are never function words)."""
+    common = function_words(language)
+    return any(token not in common for token in tokens)
 
 
 def _is_language_neutral(text: str) -> bool:

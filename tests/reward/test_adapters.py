@@ -31,7 +31,7 @@ def test_grpo_trainer_reward_scores_a_batch_with_its_results() -> None:
     assert batch.rewards == [7.0, 5.0 - 1.5 + 0.5, -7.5]
     assert [r.correct for r in batch.results] == [True, True, None]
     assert [r.metrics()["answer_missing"] for r in batch.results] == [0.0, 0.0, 1.0]
-    assert reward.bounds == (-7.5, 7.0)
+    assert reward.bounds == (-9.5, 7.0)
 
 
 def test_openrlhf_returns_one_dimensional_tensors_even_for_one_sample() -> None:
@@ -104,7 +104,7 @@ def test_trl_bad_completions_do_not_raise() -> None:
     rewards = language_compliance_reward(
         ["p"] * 4, [None, [], [{"role": "user", "content": "hi"}], 42], label=["fr"] * 4
     )
-    assert len(rewards) == 4 and all(-7.5 <= r <= 7.0 for r in rewards)
+    assert len(rewards) == 4 and all(-9.5 <= r <= 7.0 for r in rewards)
 
 
 def test_trl_without_a_label_column_is_a_clear_error() -> None:
@@ -144,8 +144,9 @@ LOOPING_ANSWER = (
 
 def test_every_adapter_scores_a_loop_as_the_wrong_language() -> None:
     """The demo GRPO policy's Italian loop (issue #29): -5.0 for the answer in each engine's
-    convention, where the identifier alone gave +5.0; the loop is logged where logs exist."""
-    expected = 1.5 - 5.0 + 0.5
+    convention, where the identifier alone gave +5.0, and the degeneracy term's -2.0 (issue
+    #43); the loop is logged where logs exist."""
+    expected = 1.5 - 5.0 + 0.5 - 2.0
     assert LanguageComplianceReward()([LOOPING_ANSWER], ["it"]).rewards == [expected]
     openrlhf = openrlhf_reward_func([LOOPING_ANSWER], [""], ["it"])
     assert openrlhf["rewards"].tolist() == [expected]

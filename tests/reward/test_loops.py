@@ -28,21 +28,27 @@ def test_the_demo_loop_scores_as_the_wrong_language(scorer: ComplianceScorer) ->
     assert result.answer_loop is LoopSignal.REPEATED_NGRAMS
     assert not result.answer_language_ok
     assert result.components["answer_language"] == -5.0  # the wrong language's weight
-    assert result.reward == 1.5 - 5.0 + 0.5
+    assert result.components["degeneracy"] == -2.0  # and a loop costs more (issue #43)
+    assert result.reward == 1.5 - 5.0 + 0.5 - 2.0
     assert result.metrics()["answer_loop"] == 1.0
     assert result_to_dict(result)["answer_loop"] == "repeated_ngrams"
     # as the reasoning too
     both = scorer.score(respond(DEMO_LOOP, DEMO_LOOP), "it")
     assert (both.reasoning_verdict, both.answer_verdict) == (Verdict.LOOP, Verdict.LOOP)
-    assert both.reward == -1.5 - 5.0 + 0.5
+    assert both.reward == -1.5 - 5.0 + 0.5 - 2.0
     # it scored the whole reward with the identifier alone
     assert ComplianceScorer(loop_detector=None).score(respond(IT_REASONING, DEMO_LOOP), "it").reward
     assert scorer.score(respond(IT_REASONING, IT_ANSWER), "it").reward == 7.0
 
 
-def test_a_loop_in_the_wrong_language_keeps_its_verdict(scorer: ComplianceScorer) -> None:
+def test_a_loop_in_the_wrong_language_costs_as_much(scorer: ComplianceScorer) -> None:
+    """A loop is degenerate in any language (issue #43): the repetition signals, which need
+    no language, judge a part in the wrong language too; it scores the wrong language's weight
+    and the degeneracy cost, as in the right language."""
     result = scorer.score(respond(IT_REASONING, DEMO_LOOP), "es")
-    assert result.answer_verdict is Verdict.MISMATCH and result.answer_loop is None
+    assert result.answer_verdict is Verdict.LOOP
+    assert result.answer_loop is LoopSignal.REPEATED_NGRAMS
+    assert result.reward == -1.5 - 5.0 + 0.5 - 2.0
 
 
 @pytest.mark.parametrize(

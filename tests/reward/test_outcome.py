@@ -106,8 +106,9 @@ def test_a_run_state_written_before_the_type_loads_and_writes_back_the_same():
     assert state.in_flight[0].rollouts[0].response_ids == [5, 6, 2]
     written = state.to_json()
     # a field added since (the stale steps' mismatch floor, issue #39) is written as None
-    assert json.loads(json.dumps(written)) == OLD_STATE | {"stale_mismatch_floor": None}
-    assert list(written["best"]) == list(OLD_BEST)  # the same keys in the same order
+    expected = OLD_STATE | {"stale_mismatch_floor": None}
+    assert _without_43(json.loads(json.dumps(written))) == expected
+    assert list(_without_43(written["best"])) == list(OLD_BEST)  # the same keys, same order
 
 
 def test_an_empty_state_is_a_fresh_run():
@@ -128,4 +129,13 @@ def test_the_summary_file_keeps_its_form():
     result = GRPOResult.from_json(old)
     assert result.exported.step == result.exported_step == 3
     assert result.exported.mean_reward - result.baseline.mean_reward == 0.0
-    assert json.loads(json.dumps(result.to_json())) == old
+    assert _without_43(json.loads(json.dumps(result.to_json()))) == old
+
+
+def _without_43(data):
+    """``data`` without the held-out keys issue #43 added (``loop_rate``,
+    ``median_reasoning_words``, overall and per language: 0.0 when read from an old state)."""
+    if isinstance(data, dict):
+        new = ("loop_rate", "median_reasoning_words")
+        return {k: _without_43(v) for k, v in data.items() if not (k.startswith(new) and v == 0.0)}
+    return data

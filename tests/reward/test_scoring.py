@@ -33,6 +33,7 @@ def test_fully_compliant_response_gets_the_maximum(scorer: ComplianceScorer) -> 
         "answer_language": 5.0,
         "reasoning_language": 1.5,
         "brevity": 0.5,
+        "degeneracy": 0.0,
         "correctness": 0.0,
     }
     assert (result.answer_language, result.reasoning_language) == ("fr", "fr")
@@ -125,7 +126,7 @@ def test_reasoning_cut_off_before_the_answer_scores_as_missing(scorer: Complianc
     result = scorer.score(respond(FR_REASONING, None), "fr")
     assert result.parsed.truncated
     assert result.reasoning_verdict is Verdict.MISSING
-    assert result.reward == scorer.bounds[0] == -7.5
+    assert result.reward == -7.5  # the worst a response without a loop gets
 
 
 def test_an_answer_cut_off_by_the_token_limit_scores_as_the_wrong_language(
@@ -179,7 +180,7 @@ def test_no_refuge_shortening_a_compliant_response_never_raises_its_reward(
     assert max(rewards) <= full
     # and the gain of the full answer over any unidentifiable shortening is the whole margin
     dropped = scorer.score(respond(reasoning, None), label).reward
-    assert dropped == scorer.bounds[0]
+    assert dropped == scorer.bounds[0] - scorer.weights.degenerate_text  # the worst, loops aside
 
 
 @settings(max_examples=150, deadline=None)
@@ -243,7 +244,7 @@ def test_correctness_is_reported_but_not_rewarded_by_default(scorer: ComplianceS
 def test_correctness_can_be_rewarded() -> None:
     weights = RewardWeights(correct_answer=2.0, wrong_answer=-2.0)
     scorer = ComplianceScorer(weights=weights)
-    assert scorer.bounds == (-9.5, 9.0)
+    assert scorer.bounds == (-11.5, 9.0)
     right = scorer.score(respond(FR_REASONING, "C'est 12."), "fr", 12)
     wrong = scorer.score(respond(FR_REASONING, "C'est 13."), "fr", 12)
     assert right.components["correctness"] == 2.0
@@ -251,12 +252,12 @@ def test_correctness_can_be_rewarded() -> None:
 
 
 def test_default_bounds() -> None:
-    assert RewardWeights().bounds() == (-7.5, 7.0)
+    assert RewardWeights().bounds() == (-7.5 - 2.0, 7.0)  # the degeneracy term: -2.0
 
 
 def test_worst_response_gets_the_minimum(scorer: ComplianceScorer) -> None:
     result = scorer.score(respond(EN_REASONING, None), "de")
-    assert result.reward == -7.5 == scorer.bounds[0]
+    assert result.reward == -7.5 == scorer.bounds[0] - scorer.weights.degenerate_text
 
 
 def test_settings_are_validated_at_construction() -> None:
@@ -397,7 +398,7 @@ def test_a_new_reward_term_is_one_function_and_one_registration(monkeypatch) -> 
         )
 
     default = ComplianceScorer()
-    assert default.bounds == (-7.5 - 0.75, 7.0 + 0.25)
+    assert default.bounds == (-9.5 - 0.75, 7.0 + 0.25)
     result = default.score(respond(FR_REASONING, FR_ANSWER), "fr")
     assert result.components["finished"] == 0.25 and result.reward == 7.25
     assert default.score(respond(FR_REASONING, None), "fr").components["finished"] == -0.75

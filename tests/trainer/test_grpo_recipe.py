@@ -66,7 +66,7 @@ def test_grpo_steps_write_every_metric_and_export_a_loadable_policy(
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
         assert set(m) >= REQUIRED, REQUIRED - set(m)
-        assert -7.5 <= m["mean_reward"] <= 7.0 and m["max_steps"] == 3
+        assert -9.5 <= m["mean_reward"] <= 7.0 and m["max_steps"] == 3
     evals = [m for m in lines if "eval_mean_reward" in m]
     assert [m["step"] for m in evals] == [0, 3]  # the SFT baseline, then the end
     assert {"eval_real_word_share", "eval_answer_language_accuracy"} <= set(evals[0])
@@ -92,6 +92,49 @@ def test_several_ppo_epochs_and_kl_to_the_reference(tmp_path, tiny_model_dir, pr
     assert len(steps) == 2
     # the second epoch and second mini-batch update a policy that moved: KL > 0
     assert steps[-1]["kl"] > 0
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"policy_loss": "gspo", "clip_ratio_low": 0.0003, "clip_ratio_high": 0.0004},
+        {
+            "advantage_estimator": "dr_grpo",
+            "loss_agg_mode": "seq-mean-token-sum-norm",
+            "overlong_buffer": 8,
+        },
+    ],
+    ids=["gspo", "dr_grpo+overlong"],
+)
+def test_each_loss_variant_trains_on_the_torch_backend(
+    tmp_path, tiny_model_dir, prepared_data, algorithm
+):
+    """Issue #43: a tiny run of each variant updates the policy and logs every metric."""
+    result = _run(tmp_path, tiny_model_dir, prepared_data, algorithm=algorithm, eval_every=0)
+    steps = [m for m in read_metrics(result.metrics_file) if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(set(m) >= REQUIRED and torch.isfinite(torch.tensor(m["loss"])) for m in steps)
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "work" / "final_policy").state_dict()
+    assert any(not torch.equal(before[k], final[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_gspo_on_deepspeed_zero3_two_processes(tmp_path, tiny_model_dir, prepared_data):
+    pytest.importorskip("deepspeed")
+    cfg = {
+        **SMALL,
+        "nproc": 2,
+        "micro_batch_size": 4,
+        "max_steps": 2,
+        "eval_every": 0,
+        "algorithm": {"policy_loss": "gspo", "overlong_buffer": 8},
+        "optim": {**SMALL["optim"], "backend": "deepspeed", "zero_stage": 3},
+    }
+    args = grpo_cli_args(tmp_path, "ds", cfg, tiny_model_dir, prepared_data)
+    subprocess.run(torchrun_command("trainer.grpo", args, 2), check=True)
+    lines = read_metrics(tmp_path / "ds" / "work" / "training_metrics.jsonl")
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2]
 
 
 def test_config_errors_are_raised_at_start():

@@ -12,8 +12,12 @@ Registries (validate config names once with the ``get_*`` functions):
   ``seq-mean-token-sum-norm``.
 - ``ROLLOUT_CORRECTIONS``: ``none``, ``token_tis``, ``seq_tis``, ``seq_mask`` (how the gap
   between the engine that sampled and the trainer is corrected).
-- ``POLICY_LOSSES``: ``ppo`` (``policy_loss``), ``decoupled`` (``decoupled_policy_loss``),
-  each called as ``loss(PolicyLossInputs, PolicyLossSettings)``.
+- ``POLICY_LOSSES``: ``ppo_clip`` (``ppo`` on-policy, ``decoupled`` when the engine recorded
+  its log-probs), ``gspo`` (``gspo_policy_loss``: the sequence-level ratio), ``ppo``
+  (``policy_loss``), ``decoupled`` (``decoupled_policy_loss``), each called as
+  ``loss(PolicyLossInputs, PolicyLossSettings)``; ``algorithm.policy_loss`` names one.
+
+``overlong_penalty`` is DAPO's soft overlong punishment, added to the rewards.
 """
 
 from __future__ import annotations
@@ -673,6 +677,127 @@ def decoupled_loss(x: PolicyLossInputs, settings: PolicyLossSettings) -> tuple[T
     )
 
 
+def ppo_clip_loss(x: PolicyLossInputs, settings: PolicyLossSettings) -> tuple[Tensor, dict]:
+    """PPO-clip: ``decoupled_loss`` when the engine recorded its log-probs (the sampling
+    policy is not the proximal one: other kernels, or a step behind), else ``ppo_loss``."""
+    if x.behaviour_log_probs is None:
+        return ppo_loss(x, settings)
+    return decoupled_loss(x, settings)
+
+
+def gspo_policy_loss(
+    x: PolicyLossInputs, settings: PolicyLossSettings
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): the importance ratio of
+    a whole sequence, clipped per sequence, designed for MoE routing instability.
+
+    With ``|y_i|`` the response tokens of sequence ``i``::
+
+        s_i   = exp( (1/|y_i|) Σ_t (log π_θ(y_it) − log π_old(y_it)) )
+        s_it  = sg[s_i] · π_θ(y_it) / sg[π_θ(y_it)]        (= s_i in value; per-token grad)
+        l_it  = max(−A_i · s_it, −A_i · clip(s_it, 1 − ε_low, 1 + ε_high))
+
+    reduced with ``aggregate_loss(w · l, mask, loss_agg_mode)`` (GSPO's paper averages per
+    sequence: ``seq-mean-token-mean``; any mode works). ``∂l_it/∂log π_θ(y_it) = −A_i · s_i``
+    where the sequence is unclipped, 0 where it is clipped: every token of a sequence is kept
+    or clipped together. ``ε`` are the settings' clip ratios (the paper uses 3e-4 / 4e-4;
+    ratios near 1 are the sequence's geometric mean, so token-level values clip nothing).
+    With the engine's log-probs recorded (``behaviour_log_probs``), ``π_old`` is the proximal
+    policy and ``w`` the settings' rollout correction (``rollout_weights``), as in
+    ``decoupled_policy_loss``; else ``w = 1``. No dual clip (a sequence ratio cannot explode
+    by one token). Log-ratios are clamped to ±20.
+
+    Returns:
+        ``(loss, stats)``: ``clip_fraction`` (share of tokens whose sequence is clipped),
+        ``dual_clip_fraction`` (0), ``approx_kl``, ``ratio_mean`` and ``ratio_max`` (of the
+        sequence ratios, over tokens), plus ``correction_stats`` when corrected.
+
+    Raises:
+        ValueError: as ``policy_loss``.
+    """
+    log_probs, old, behaviour, advantages, mask = x
+    shapes_ok = log_probs.shape == old.shape == mask.shape and log_probs.dim() == 2
+    if not shapes_ok:
+        raise ValueError(
+            f"log_probs {tuple(log_probs.shape)}, old_log_probs {tuple(old.shape)} and "
+            f"response_mask {tuple(mask.shape)} must all be the same [B, T]"
+        )
+    if advantages.dim() == 2:
+        advantages = advantages[:, 0] if advantages.shape == log_probs.shape else advantages
+    if advantages.shape != log_probs.shape[:1]:
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T]")
+    low, high = settings.clip_ratio_low, settings.clip_ratio_high
+    if not (0 <= low < 1 and high >= 0):
+        raise ValueError(
+            f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {low} and {high}"
+        )
+    m = mask.to(log_probs.dtype)
+    tokens = m.sum(-1)
+    log_ratio = (log_probs - old) * m
+    seq_log_ratio = log_ratio.sum(-1) / torch.where(tokens > 0, tokens, torch.ones_like(tokens))
+    token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    a = advantages.to(ratio.dtype).unsqueeze(-1)
+    unclipped = -a * ratio
+    clipped = -a * ratio.clamp(1 - low, 1 + high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    stats_extra: dict[str, Tensor] = {}
+    if behaviour is not None:
+        bounds = CorrectionBounds(settings.tis_cap, settings.seq_mask_low, settings.seq_mask_high)
+        corrected = rollout_weights(old, behaviour, mask, settings.correction, bounds)
+        loss_mat = corrected.weights.to(loss_mat.dtype) * loss_mat
+        stats_extra = correction_stats(corrected, mask)
+    loss = aggregate_loss(
+        loss_mat,
+        mask,
+        settings.loss_agg_mode,
+        norm_length=settings.norm_length,
+        global_normalizer=settings.global_normalizer,
+    )
+    with torch.no_grad():
+        seq_ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        per_token = seq_ratio.unsqueeze(-1).expand_as(m)
+        stats = {
+            "clip_fraction": _masked_mean((clipped > unclipped).to(m.dtype), m),
+            "dual_clip_fraction": m.new_zeros(()),
+            "approx_kl": _masked_mean(old - log_probs.detach(), m),
+            "ratio_mean": _masked_mean(per_token, m),
+            "ratio_max": (per_token * m).max() if m.numel() else m.new_zeros(()),
+        }
+    return loss, {k: v.detach() for k, v in stats.items()} | stats_extra
+
+
+def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to each reward.
+
+    With ``L_max = max_length`` (the generation limit) and ``L_cache = buffer``::
+
+        R(y) = 0                                   |y| <= L_max − L_cache
+        R(y) = ((L_max − L_cache) − |y|) / L_cache  L_max − L_cache < |y| <= L_max
+        R(y) = −1                                  L_max < |y|
+
+    times ``factor``: a response is pushed back gradually as it nears the limit instead of
+    being cut off with no signal. ``buffer = 0`` turns it off (all 0).
+
+    Args:
+        lengths: ``[B]`` response lengths in tokens.
+        max_length: ``L_max``.
+        buffer: ``L_cache``, ``0 <= buffer < max_length``.
+        factor: the penalty's scale (the reward's units per 1).
+
+    Raises:
+        ValueError: ``buffer`` out of range.
+    """
+    if not 0 <= buffer < max_length:
+        raise ValueError(f"overlong buffer must be in [0, max_length={max_length}), got {buffer}")
+    lengths = lengths.to(torch.float32)
+    if buffer == 0:
+        return torch.zeros_like(lengths)
+    expected = max_length - buffer
+    ramp = ((expected - lengths) / buffer).clamp(max=0.0)
+    return factor * torch.where(lengths > max_length, torch.full_like(lengths, -1.0), ramp)
+
+
 def correction_stats(corrected: RolloutWeights, response_mask: Tensor) -> dict[str, Tensor]:
     """Token means over ``response_mask`` of a correction's ratio and flags, and the largest
     ratio (all 0 when the mask is empty): ``importance_ratio_mean``, ``importance_ratio_max``,
@@ -922,6 +1047,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, Tensor | int], Tensor]] = {
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": ppo_clip_loss,
+    "gspo": gspo_policy_loss,
     "ppo": ppo_loss,
     "decoupled": decoupled_loss,
 }

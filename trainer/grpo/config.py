@@ -14,6 +14,7 @@ from trainer.grpo.algorithm import (
     get_advantage_estimator,
     get_kl_estimator,
     get_loss_agg_mode,
+    get_policy_loss,
     get_rollout_correction,
 )
 
@@ -137,7 +138,18 @@ class AlgorithmConfig(ConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    policy_loss: str = "ppo_clip"
+    """``algorithm.POLICY_LOSSES``: ``ppo_clip`` (token ratios; the decoupled loss when the
+    engine recorded its log-probs) or ``gspo`` (one ratio per sequence, clipped per sequence;
+    its paper clips at ``clip_ratio_low: 0.0003``, ``clip_ratio_high: 0.0004``)."""
     advantage_estimator: str = "grpo"
+    """``grpo`` (group mean and std) or ``dr_grpo`` (group mean only; Dr. GRPO pairs it with
+    ``loss_agg_mode: seq-mean-token-sum-norm``, the sum over a constant normaliser)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment (``algorithm.overlong_penalty``): responses longer than
+    ``rollout.max_new_tokens − overlong_buffer`` tokens lose up to ``overlong_penalty_factor``
+    reward as they near the limit; 0: off."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
     clip_ratio_low: float = Field(0.2, ge=0, lt=1)
     clip_ratio_high: float = Field(0.28, ge=0)
     clip_ratio_c: float = Field(10.0, gt=1)
@@ -171,6 +183,7 @@ class AlgorithmConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _known_names(self) -> AlgorithmConfig:
+        get_policy_loss(self.policy_loss)
         get_advantage_estimator(self.advantage_estimator)
         get_kl_estimator(self.kl_estimator)
         get_loss_agg_mode(self.loss_agg_mode)
@@ -189,6 +202,13 @@ class GuardConfig(ConfigModel):
     starting model's is not kept (the reward cannot see made-up words)."""
     keep_best: bool = True
     """Export the best held-out checkpoint under the guard rather than the last one."""
+    min_reasoning_length_ratio: float = Field(0.5, ge=0, le=1)
+    """A policy whose held-out median reasoning length (overall or in any language) falls below
+    this share of the SFT model's on the same prompts has collapsed its reasoning (issue #43:
+    4-7 words after GRPO against SFT's 10-16): it is flagged (``eval_reasoning_collapsed``) and
+    not kept as the best; 0: never."""
+    reasoning_collapse: Literal["flag", "stop"] = "flag"
+    """On a collapse: ``flag`` (a warning, the run goes on) or ``stop`` the run."""
 
 
 class GRPOConfig(ProcessSettings):
@@ -230,6 +250,17 @@ class GRPOConfig(ProcessSettings):
             return 0
         per_engine = self.rollout.tensor_parallel_size if self.rollout.engine == "vllm" else 1
         return self.rollout.num_engines * per_engine
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> GRPOConfig:
+        limit = self.rollout.max_new_tokens
+        if self.algorithm.overlong_buffer >= limit:
+            raise ValueError(
+                f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be below "
+                f"rollout.max_new_tokens={limit} (the penalty ramps over the last "
+                "overlong_buffer tokens before the limit)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _router_replay_on_hf_modules(self) -> GRPOConfig:

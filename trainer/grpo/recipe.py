@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -112,7 +113,8 @@ def evaluate_policy(
     seeds = group_seeds(seed, "held-out", range(len(prompts)), samples)
     rollouts = engine.generate([p.ids for p in prompts], seeds)
     texts = [decode(tokenizer, r.response_ids) for r in rollouts]
-    results = scorer.score_batch(texts, [prompts[r.prompt_index].label for r in rollouts])
+    asked = [prompts[r.prompt_index] for r in rollouts]
+    results = scorer.score_batch(texts, [p.label for p in asked], prompts=[p.text for p in asked])
     outcomes = []
     for result in results:  # per language of the prompt: its reasoning label
         language = result.labels.answer if result.labels else "en"
@@ -400,12 +402,17 @@ def _train(
             progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
                 held_out = _evaluate(run, producer.ready_engine())
+                ratios = held_out.reasoning_length_ratios(state.baseline)
+                collapsed = reasoning_collapsed(cfg, ratios)
                 # merged onto this step's line: the last line always carries the train loss
                 writer.log(
                     done,
-                    **{f"eval_{k}": v for k, v in held_out.metrics().items()},
+                    **{f"eval_{k}": v for k, v in (held_out.metrics() | ratios).items()},
+                    eval_reasoning_collapsed=float(collapsed),
                     **sync_metrics(producer.sync_reports()),
                 )
+                if collapsed:
+                    _on_collapse(cfg, ratios, done)
                 state.last_eval = held_out.at_step(done)
                 # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
                 if broadcast_object(_better(cfg, held_out, state.baseline, state.best), info):
@@ -508,9 +515,42 @@ def _finish(
 def _better(
     cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult, best: HeldOutResult
 ) -> bool:
-    """A held-out result beats the best so far without its text degenerating (the guard)."""
+    """A held-out result beats the best so far without its text degenerating or its reasoning
+    collapsing (the guard)."""
     floor = (1.0 - cfg.guard.max_real_word_drop) * baseline.real_word_share
-    return held_out.real_word_share >= floor and held_out.mean_reward > best.mean_reward
+    collapsed = reasoning_collapsed(cfg, held_out.reasoning_length_ratios(baseline))
+    return (
+        held_out.real_word_share >= floor
+        and not collapsed
+        and held_out.mean_reward > best.mean_reward
+    )
+
+
+class ReasoningCollapsedError(RuntimeError):
+    """The held-out reasoning shrank below ``guard.min_reasoning_length_ratio`` of the SFT
+    model's, and ``guard.reasoning_collapse`` is ``stop``."""
+
+
+def reasoning_collapsed(cfg: GRPOConfig, ratios: dict[str, float]) -> bool:
+    """Whether the held-out reasoning collapsed: overall or in a language, the median
+    reasoning length fell below ``guard.min_reasoning_length_ratio`` of the SFT model's
+    (``HeldOutResult.reasoning_length_ratios``; NaN ratios, where the SFT model did not
+    reason, are not judged)."""
+    floor = cfg.guard.min_reasoning_length_ratio
+    return any(ratio < floor for ratio in ratios.values() if not math.isnan(ratio))
+
+
+def _on_collapse(cfg: GRPOConfig, ratios: dict[str, float], step: int) -> None:
+    """Flag (a warning; the policy is not kept as the best) or stop the run."""
+    low = {k: round(v, 3) for k, v in ratios.items() if v < cfg.guard.min_reasoning_length_ratio}
+    message = (
+        f"step {step}: the held-out reasoning collapsed below "
+        f"guard.min_reasoning_length_ratio={cfg.guard.min_reasoning_length_ratio} of the SFT "
+        f"model's median length: {low}"
+    )
+    if cfg.guard.reasoning_collapse == "stop":
+        raise ReasoningCollapsedError(message + " (guard.reasoning_collapse=stop)")
+    log.warning("%s; this policy is not kept as the best", message)
 
 
 def read_summary(work_dir: str | Path) -> GRPOResult:

@@ -1,8 +1,9 @@
 """The GRPO update of one step: score the rollouts (rewards, group advantages, the groups
 that carry signal), then PPO epochs over mini-batches through the training backend, with the
-policy loss picked by name from ``algorithm.POLICY_LOSSES`` (the decoupled loss when the engine
-recorded its log-probs), KL to the reference, entropy, and the rollout-correction and mismatch
-statistics; and the step's reward metrics.
+policy loss picked by name from ``algorithm.POLICY_LOSSES`` (``algorithm.policy_loss``; each
+corrects for the engine's policy when the engine recorded its log-probs), KL to the
+reference, entropy, and the rollout-correction and mismatch statistics; and the step's reward
+metrics.
 
 Nothing here builds anything: the recipe (``trainer.grpo.recipe``) hands in the config, the
 backend and the batch. Every rank calls it; normalizers and metrics are summed over the
@@ -77,12 +78,20 @@ def backend_request(
 def score_rollouts(
     cfg: GRPOConfig, tokenizer, reward_fn, prompts: list[Prompt], rollouts: list[Rollout]
 ) -> Batch:
-    """This rank's rollouts scored: each response's reward against its prompt's label, the
-    group advantages (``algorithm.advantage_estimator``), and which samples are kept (the
-    groups whose rewards differ, when ``algorithm.filter_no_signal_groups``)."""
+    """This rank's rollouts scored: each response's reward against its prompt's label (with
+    DAPO's overlong penalty when ``algorithm.overlong_buffer``), the group advantages
+    (``algorithm.advantage_estimator``), and which samples are kept (the groups whose rewards
+    differ, when ``algorithm.filter_no_signal_groups``)."""
     texts = [decode(tokenizer, r.response_ids) for r in rollouts]
-    scored = reward_fn(texts, [prompts[r.prompt_index].label for r in rollouts])
+    asked = [prompts[r.prompt_index] for r in rollouts]
+    scored = reward_fn(texts, [p.label for p in asked], prompts=[p.text for p in asked])
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    a = cfg.algorithm
+    if a.overlong_buffer:
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts])
+        rewards = rewards + algo.overlong_penalty(
+            lengths, cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty_factor
+        )
     groups = torch.tensor([r.prompt_index for r in rollouts])
     advantages = algo.get_advantage_estimator(cfg.algorithm.advantage_estimator)(rewards, groups)
     stats = algo.group_stats(rewards, groups)
@@ -302,8 +311,9 @@ def _loss_fn(
     returned with its statistics (``"mismatch"``, a ``MismatchMeter``), which every backend
     brings back to every rank (Megatron runs the loss on the last pipeline stage only)."""
     a = cfg.algorithm
-    # the engine's log-probs recorded: the decoupled loss corrects for the engine's policy
-    policy_loss = algo.get_policy_loss("ppo" if behaviour is None else "decoupled")
+    # algorithm.policy_loss; with the engine's log-probs recorded (behaviour), each loss
+    # corrects for the engine's policy (ppo_clip: the decoupled loss)
+    policy_loss = algo.get_policy_loss(a.policy_loss)
     settings = algo.PolicyLossSettings(
         clip_ratio_low=a.clip_ratio_low,
         clip_ratio_high=a.clip_ratio_high,

@@ -143,12 +143,12 @@ def stream(shapes, dtype, device, seed: int = 0):
 
 
 def run(transport: str, shapes, dtype, device: str, workers: int, bucket_mb: int) -> dict:
-    from trainer.grpo.remote import _flat
+    from trainer.grpo.remote import flatten_bucket
 
     plan = [
         flat.numel()
         for _, flat in (
-            _flat(b, "cpu") for b in buckets(stream(shapes, dtype, "cpu"), bucket_mb << 20)
+            flatten_bucket(b, "cpu") for b in buckets(stream(shapes, dtype, "cpu"), bucket_mb << 20)
         )
     ]
     host, world = "127.0.0.1", 1 + workers
@@ -168,7 +168,7 @@ def run(transport: str, shapes, dtype, device: str, workers: int, bucket_mb: int
     started = time.monotonic()
     last_sum = 0
     for bucket in pipelined(buckets(stream(shapes, dtype, device), bucket_mb << 20)):
-        _, flat = _flat(bucket, "cpu" if transport == "lingo_gloo" else device)
+        _, flat = flatten_bucket(bucket, "cpu" if transport == "lingo_gloo" else device)
         sender.send(flat)
         last_sum = int(flat.sum().item())
     seconds = time.monotonic() - started

@@ -592,9 +592,13 @@ def schedule(
         )
     if cron is None:
         raise typer.BadParameter('give the schedule, e.g. --cron "30 2 * * *"', param_hint="--cron")
-    from pipelines.kfp_client import CronError, KfpApiError, KfpConnection
+    from pipelines.kfp_client import CronError, KfpApiError, KfpConnection, cron_with_seconds
     from pipelines.schedules import plan_schedule, schedule_preset
 
+    try:
+        cron_with_seconds(cron)  # a bad cron fails before any request
+    except CronError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--cron") from exc
     conn = KfpConnection.from_env(endpoint)  # a bad endpoint: one line naming it
     config = _load_preset(preset, sets)
     try:
@@ -603,8 +607,6 @@ def schedule(
             echo(f"dry run, nothing created:\n{plan.render()}")
             return
         created, version = schedule_preset(conn, config, plan)
-    except CronError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--cron") from exc
     except KfpApiError as exc:
         echo(str(exc), err=True)
         raise typer.Exit(1) from exc

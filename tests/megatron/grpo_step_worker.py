@@ -19,7 +19,7 @@ do.
 
 ``--wire FILE`` also records the updated weights as the dedicated engines receive them: the
 stream cut into buckets (``remote.buckets``) and each flattened to its spec and one byte
-tensor (``remote._flat``), what ``RemoteRolloutEngine.sync_weights`` broadcasts; the vLLM
+tensor (``remote.flatten_bucket``), what ``RemoteRolloutEngine.sync_weights`` broadcasts; the vLLM
 tests load that file into a vLLM engine (this env cannot hold vLLM, docs/megatron.md).
 ``--convert`` first converts HF_DIR into CHECKPOINT (one rank).
 """
@@ -91,9 +91,12 @@ def grpo_step(
         if rank == 0:
             torch.save({"before": before, "after": after, "stats": stats}, out)
         if wire is not None:
-            from trainer.grpo.remote import _flat, buckets
+            from trainer.grpo.remote import buckets, flatten_bucket
 
-            sent = [_flat(b, torch.device("cpu")) for b in buckets(backend.hf_weights(), 16 << 10)]
+            sent = [
+                flatten_bucket(b, torch.device("cpu"))
+                for b in buckets(backend.hf_weights(), 16 << 10)
+            ]
             if rank == 0:
                 torch.save(sent, wire)
     finally:

@@ -23,7 +23,7 @@ from tests_helpers_trainer import (
 from cluster.torchrun import torchrun_command
 from trainer.distributed import DistInfo
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.remote import _flat, _unflat, buckets, engine_slots
+from trainer.grpo.remote import _unflat, buckets, engine_slots, flatten_bucket
 from trainer.metrics import METRICS_FILE
 from trainer.placement import PlacementError, run_placement
 
@@ -46,7 +46,9 @@ def test_weight_buckets_are_bounded_ordered_and_round_trip():
     ]
     out = list(buckets(iter(tensors), bucket_bytes=64))
     assert [[name for name, _ in b] for b in out] == [["a", "b"], ["c"], ["d"]]
-    back = [item for bucket in out for item in _unflat(*_flat(bucket, torch.device("cpu")))]
+    back = [
+        item for bucket in out for item in _unflat(*flatten_bucket(bucket, torch.device("cpu")))
+    ]
     assert [n for n, _ in back] == ["a", "b", "c", "d"]
     for (_, want), (_, got) in zip(tensors, back, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)

@@ -369,7 +369,7 @@ def buckets(
     return weight_buckets(copies, bucket_bytes)
 
 
-def _flat(bucket: list[tuple[str, torch.Tensor]], device) -> tuple[list, torch.Tensor]:
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], device) -> tuple[list, torch.Tensor]:
     """One byte tensor holding the bucket, and how to cut it back: (name, dtype, shape)."""
     spec = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
     flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
@@ -518,7 +518,7 @@ class RemoteRolloutEngine:
         self._send((SYNC, self.sender is not None))
         sent = 0
         for bucket in pipelined(buckets(named_tensors, self.bucket_bytes)):
-            spec, flat = _flat(bucket, torch.device("cpu"))
+            spec, flat = flatten_bucket(bucket, torch.device("cpu"))
             self.weights.broadcast_object((BUCKET, spec, flat.numel()))
             if self.sender is not None:
                 self.sender.send(flat)

@@ -30,7 +30,7 @@ import torch
 
 from generation.vllm import VLLMGenerator
 from trainer.grpo.config import RolloutConfig
-from trainer.grpo.remote import _flat, buckets
+from trainer.grpo.remote import buckets, flatten_bucket
 from trainer.grpo.rollout import (
     VLLM_MISSING,
     VLLMRolloutEngine,
@@ -195,7 +195,7 @@ class DedicatedVLLMEngine(VLLMRolloutEngine):
         """One bucket: the workers' ``update_weights`` (which waits for the bytes) and the
         broadcast on side threads; an error of the workers raises here rather than leave this
         process waiting on a broadcast they will not join. Returns its bytes."""
-        spec, flat = _flat(bucket, torch.device("cpu"))
+        spec, flat = flatten_bucket(bucket, torch.device("cpu"))
         info = _update_info(spec)
         loaded = pool.submit(self.llm.update_weights, {"update_info": info})
         sent = pool.submit(self.sender.send, flat)

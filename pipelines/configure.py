@@ -28,6 +28,7 @@ def configure(
     force: bool,
     overrides: str = "",
     job_platform: str = "",
+    export_uri: str = "",
     backend: Optional[str] = None,  # noqa: UP045 (KFP reads Optional[...]); both branches only
 ) -> NamedTuple(
     "RunConfig",
@@ -55,15 +56,16 @@ def configure(
     branches) and then ``overrides`` (``--set`` syntax) applied, checked; a value that does not
     hold fails this step with a message naming the field (``run_form.resolve_run``).
     ``job_platform``: the training jobs' volume and Secrets as the pipeline was compiled
-    (``pipelines.presets.job_platform_json``)."""
+    (``pipelines.presets.job_platform_json``). ``export_uri``: the run's, checked here."""
     given = dict(locals())  # first: the parameters only
-    run = ("preset", "overrides", "job_platform")
+    run = ("preset", "overrides", "job_platform", "export_uri")
     form = {k: v for k, v in given.items() if k not in run and v is not None}
     from collections import namedtuple
 
     from core.processes import start_step_process
-    from pipelines.run_form import configure_outputs
+    from pipelines.run_form import check_export_uri, configure_outputs
 
     start_step_process()  # dies with its parent; every log line redacted
+    check_export_uri(export_uri)  # read by `publish` at the end: checked before any training
     outputs = configure_outputs(preset, form, overrides, job_platform)
     return namedtuple("RunConfig", list(outputs))(**outputs)

@@ -269,6 +269,7 @@ def build_pipeline(
                 preset=carried,
                 overrides=p["overrides"],
                 job_platform=job_platform_json(settings),
+                export_uri=p["export_uri"],
                 **{name: p[name] for name in fields},
             )
             step(configured, "run config: the form on the preset", "configure")

@@ -276,6 +276,22 @@ def _does_not_apply(preset: Preset, path: str) -> str | None:
     return None
 
 
+def check_export_uri(uri: str) -> None:
+    """Refuse an ``export_uri`` that ``publish`` could not upload to (``''``: not published).
+
+    Raises:
+        ValueError: not ``s3://bucket[/prefix]``; the message names the field.
+    """
+    if not uri:
+        return
+    from core.storage import parse_s3_uri
+
+    try:
+        parse_s3_uri(uri)
+    except ValueError as exc:
+        raise ValueError(f"export_uri: {exc}") from None
+
+
 def configure_outputs(
     carried: str, form: Mapping[str, Any], overrides: str, job_platform: str = ""
 ) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pipelines.presets import (
     preset_json,
     step_configs,
 )
-from pipelines.run_form import FORM_FIELDS, RunFormError, form_fields
+from pipelines.run_form import FORM_FIELDS, RunFormError, check_export_uri, form_fields
 
 GPT = compiled_path("gpt-oss-20b")
 VERL = compiled_path("gpt-oss-20b-verl")
@@ -205,7 +205,7 @@ def test_the_carried_preset_reads_back_equal_and_derives_as_the_original(name):
 
 def test_the_configure_component_takes_the_form_and_gives_every_step_config():
     spec = configure.component_spec
-    run = {"preset", "overrides", "job_platform"}
+    run = {"preset", "overrides", "job_platform", "export_uri"}
     assert set(spec.inputs) == {f.name for f in FORM_FIELDS} | run
     assert list(spec.outputs) == list(step_configs(PRESETS["tiny-cpu"]))
 
@@ -237,3 +237,27 @@ def test_docs_run_form_describes_every_parameter():
     text = (Path(__file__).resolve().parents[2] / "docs" / "run-form.md").read_text()
     names = [f.name for f in FORM_FIELDS] + [f.name for f in RUN_FIELDS] + list(IMAGES)
     assert [name for name in names if f"| `{name}` |" not in text] == []
+
+
+@pytest.mark.parametrize("uri", ["ftp://bucket/x", "bucket/prefix", "s3://", "s3:// b/x"])
+def test_an_export_uri_publish_could_not_use_is_refused_naming_the_field(uri):
+    """Issue #44 item 7: ``export_uri`` is read only by ``publish``, after SFT and GRPO; the
+    ``configure`` step checks it first."""
+    with pytest.raises(
+        ValueError, match=r"^export_uri: .*(expected s3://bucket|whitespace)"
+    ) as raised:
+        check_export_uri(uri)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("uri", ["", "s3://bucket", "s3://bucket/runs/"])
+def test_an_export_uri_publish_can_use_passes(uri):
+    check_export_uri(uri)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_the_compiled_configure_step_receives_the_runs_export_uri(name):
+    spec = next(yaml.safe_load_all(compiled_path(name).read_text()))
+    configure_task = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]["configure"]
+    given = configure_task["inputs"]["parameters"]["export_uri"]
+    assert given == {"componentInputParameter": "pipelinechannel--export_uri"}

@@ -63,7 +63,7 @@ class NoManifestError(StorageError):
 def _list_prefix(client: S3Client, bucket: str, prefix: str, uri_prefix: str) -> list[dict]:
     """Manifest-like entries (``sha256`` None) for every object under the prefix."""
     entries = []
-    with _wrap_errors(uri_prefix, "list objects"):
+    with s3_errors(uri_prefix, "list objects"):
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for item in page.get("Contents", []):
                 rel = item["Key"][len(prefix) :]
@@ -196,7 +196,7 @@ def upload_dir(
         raise StorageError(f"{local_dir}: holds a file named {MANIFEST_NAME}, which is reserved")
     client = client or s3_client()
     manifest_key = prefix + MANIFEST_NAME
-    with _wrap_errors(f"s3://{bucket}/{manifest_key}", "delete stale manifest"):
+    with s3_errors(f"s3://{bucket}/{manifest_key}", "delete stale manifest"):
         client.delete_object(Bucket=bucket, Key=manifest_key)
     entries = []
     for file in files:
@@ -212,7 +212,7 @@ def upload_dir(
     manifest = {"version": 1, "files": entries}
     body = json.dumps(manifest, indent=1).encode()
     manifest_uri = f"s3://{bucket}/{manifest_key}"
-    with _wrap_errors(manifest_uri, "write manifest"):
+    with s3_errors(manifest_uri, "write manifest"):
         response = client.put_object(
             Bucket=bucket,
             Key=manifest_key,
@@ -260,7 +260,7 @@ def download_file(
     partial = path.with_name(path.name + ".partial")
     etag_file = path.with_name(path.name + ".partial.etag")
     client = client or s3_client()
-    with _wrap_errors(uri, "head object"):
+    with s3_errors(uri, "head object"):
         head = client.head_object(Bucket=bucket, Key=key)
     etag, size = head["ETag"], head["ContentLength"]
     expected_sha256 = expected_sha256 or head.get("Metadata", {}).get(SHA256_METADATA_KEY)
@@ -276,7 +276,7 @@ def download_file(
     else:
         log.info("resuming %s at byte %d of %d", uri, offset, size)
     if offset < size:
-        with _wrap_errors(uri, f"read bytes {offset}-"):
+        with s3_errors(uri, f"read bytes {offset}-"):
             response = client.get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={offset}-", IfMatch=etag
             )
@@ -384,7 +384,7 @@ def list_objects(uri: str, *, client: S3Client | None = None) -> list[str]:
     bucket, prefix = parse_s3_uri(uri)
     client = client or s3_client()
     keys = []
-    with _wrap_errors(uri, "list objects"):
+    with s3_errors(uri, "list objects"):
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for item in page.get("Contents", []):
                 key = item["Key"]
@@ -430,7 +430,7 @@ def _prefix_key(uri_prefix: str) -> tuple[str, str]:
 def _put_single(client: S3Client, f: BinaryIO, bucket: str, key: str, uri: str, sha256: str) -> str:
     body = f.read()
     md5 = hashlib.md5(body, usedforsecurity=False)
-    with _wrap_errors(uri, "put object"):
+    with s3_errors(uri, "put object"):
         response = client.put_object(
             Bucket=bucket,
             Key=key,
@@ -444,7 +444,7 @@ def _put_single(client: S3Client, f: BinaryIO, bucket: str, key: str, uri: str, 
 def _put_multipart(
     client: S3Client, f: BinaryIO, bucket: str, key: str, uri: str, sha256: str, part_size: int
 ) -> str:
-    with _wrap_errors(uri, "start multipart upload"):
+    with s3_errors(uri, "start multipart upload"):
         upload_id = client.create_multipart_upload(
             Bucket=bucket, Key=key, Metadata={SHA256_METADATA_KEY: sha256}
         )["UploadId"]
@@ -454,7 +454,7 @@ def _put_multipart(
         parts = []
         for number, data in enumerate(iter(lambda: f.read(part_size), b""), start=1):
             md5 = hashlib.md5(data, usedforsecurity=False)
-            with _wrap_errors(uri, f"upload part {number}"):
+            with s3_errors(uri, f"upload part {number}"):
                 response = client.upload_part(
                     Bucket=bucket,
                     Key=key,
@@ -466,7 +466,7 @@ def _put_multipart(
             etag = _check_etag(response, md5.hexdigest(), f"{uri} part {number}")
             digests.append(md5.digest())
             parts.append({"PartNumber": number, "ETag": f'"{etag}"'})
-        with _wrap_errors(uri, "complete multipart upload"):
+        with s3_errors(uri, "complete multipart upload"):
             response = client.complete_multipart_upload(
                 Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
             )
@@ -512,7 +512,7 @@ def _read_manifest(client: S3Client, bucket: str, prefix: str, uri_prefix: str) 
 
 
 @contextmanager
-def _wrap_errors(uri: str, action: str) -> Iterator[None]:
+def s3_errors(uri: str, action: str) -> Iterator[None]:
     """Re-raise boto3/botocore errors as :class:`StorageError` naming ``uri`` and ``action``
     (no credentials at all: naming where they come from)."""
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError

@@ -189,6 +189,21 @@ def _find(client, experiment_id: str, pipeline_run_id: str) -> str | None:
     return found[0].info.run_id if found else None
 
 
+LOCAL_RUN_TAG = "lingo.local_run"
+"""``<host>:<pid>`` of the ``lingo run --local`` process whose step made the run: a run still
+RUNNING whose process is gone was left by a killed local run (``close_abandoned_runs``)."""
+
+
+def local_run_tags() -> dict[str, str]:
+    """``{LOCAL_RUN_TAG: "<host>:<pid>"}`` in a step of ``lingo run --local``, else ``{}``."""
+    import socket
+
+    from core.processes import LOCAL_RUN_PID_ENV
+
+    pid = os.environ.get(LOCAL_RUN_PID_ENV, "")
+    return {LOCAL_RUN_TAG: f"{socket.gethostname()}:{pid}"} if pid.isdigit() else {}
+
+
 def start_pipeline_run(
     pipeline_run_id: str, run_name: str, params: Mapping[str, object]
 ) -> str | None:
@@ -211,7 +226,9 @@ def start_pipeline_run(
         )
         return found[0].info.run_id
     run = client.create_run(
-        experiment_id, run_name=run_name, tags={PIPELINE_RUN_TAG: pipeline_run_id}
+        experiment_id,
+        run_name=run_name,
+        tags={PIPELINE_RUN_TAG: pipeline_run_id, **local_run_tags()},
     )
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in _params(params).items()])
     log.info("MLflow: pipeline run %s is run %s", pipeline_run_id, run.info.run_id)
@@ -244,7 +261,7 @@ def mlflow_run(run_name: str, params: Mapping[str, object], is_main: bool = True
     import mlflow
 
     parent = os.environ.get(PARENT_RUN_ENV)
-    tags = {STEP_TAG: run_name}
+    tags = {STEP_TAG: run_name, **local_run_tags()}
     if mlflow.active_run() is None and parent:
         experiment_id = mlflow.tracking.MlflowClient().get_run(parent).info.experiment_id
         run = mlflow.start_run(

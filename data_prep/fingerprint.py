@@ -88,18 +88,19 @@ def _local_state(path: Path) -> dict[str, Any]:
 
 
 def _s3_state(uri: str, client=None) -> dict[str, Any]:
-    from core.storage import s3_client
+    from core.storage import s3_client, s3_errors
     from data_prep.sources import SUPPORTED_SUFFIXES, split_s3_uri
 
     bucket, prefix = split_s3_uri(uri)
     client = client or s3_client()
     objects = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for item in page.get("Contents", []):
-            if item["Key"].endswith(SUPPORTED_SUFFIXES):
-                objects.append(
-                    {"key": item["Key"], "etag": item["ETag"].strip('"'), "size": item["Size"]}
-                )
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    with s3_errors(uri, "list objects"):  # a StorageError naming the URI, not a traceback
+        for page in pages:
+            for item in page.get("Contents", []):
+                if item["Key"].endswith(SUPPORTED_SUFFIXES):
+                    etag = item["ETag"].strip('"')
+                    objects.append({"key": item["Key"], "etag": etag, "size": item["Size"]})
     return {"kind": "s3", "objects": sorted(objects, key=lambda o: o["key"])}
 
 

@@ -49,7 +49,9 @@ _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit)\b:")
 _TRACEBACK = "Traceback (most recent call last):"
 # the line a traceback ends with: the exception's (dotted) class name, a colon, its message
 _RAISED = re.compile(r"^(?:\w+\.)*[A-Z]\w*: ")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# kfp.local colours its lines; log records reach us with ESC already written out as the text
+# ``\x1b`` (core.redact.for_console escapes terminal controls when a record is made)
+_ANSI = re.compile(r"(?:\x1b|\\x1b)\[[0-9;]*m")
 _STARTED = re.compile(r"^Executing task '([^']+)'")
 _FINISHED = re.compile(r"^Task '([^']+)' finished with status (\w+)")
 

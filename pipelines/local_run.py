@@ -87,7 +87,7 @@ def run_local(
         try:
             return _run_steps(local, preset, output_dir, enable_caching, quiet, on_log)
         except (KeyboardInterrupt, SystemExit):  # SIGINT, SIGTERM: no exit handler ran
-            close_abandoned_runs(output_dir)
+            close_abandoned_runs(output_dir, interrupted=True)
             raise
 
 
@@ -153,33 +153,69 @@ def _fingerprint(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def close_abandoned_runs(output_dir: Path) -> list[str]:
-    """Mark the MLflow runs still RUNNING in ``output_dir``'s own store (``mlflow.db``, no
-    ``MLFLOW_TRACKING_URI``) ``KILLED``, and return their ids.
+def close_abandoned_runs(output_dir: Path, interrupted: bool = False) -> list[str]:
+    """Mark the MLflow runs an interrupted or killed local run left RUNNING ``KILLED``, and
+    return their ids.
 
-    Called holding the folder's lock (no other local run tracks there): when a run is
-    interrupted (SIGINT, SIGTERM: kfp.local runs no exit handler), and when the next run into
-    the folder starts (a run killed with SIGKILL closed nothing). A store the user named
-    (``MLFLOW_TRACKING_URI``) is shared with others: its runs are left alone.
+    Called holding the folder's lock: when a run is interrupted (SIGINT, SIGTERM: kfp.local
+    runs no exit handler; ``interrupted``), and when the next run into the folder starts (a
+    run killed with SIGKILL closed nothing). In the folder's own store (``mlflow.db``, no
+    ``MLFLOW_TRACKING_URI``) that is every RUNNING run. A store the user named may be shared:
+    there only the runs a local run's steps tagged ``lingo.local_run = <this host>:<pid>``
+    are closed, when that process is this one (``interrupted``) or is gone; anyone else's runs,
+    and a live local run's, are left alone.
     """
-    if os.environ.get("MLFLOW_TRACKING_URI") or not (output_dir / "mlflow.db").is_file():
+    named = os.environ.get("MLFLOW_TRACKING_URI")
+    if not named and not (output_dir / "mlflow.db").is_file():
         return []
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=local_store_uri(output_dir))
-    experiments = [e.experiment_id for e in client.search_experiments()]
+    from core import tracking
+
+    if named:
+        client = MlflowClient()
+        experiment = client.get_experiment_by_name(
+            os.environ.get("MLFLOW_EXPERIMENT_NAME") or tracking.DEFAULT_EXPERIMENT
+        )
+        experiments = [experiment.experiment_id] if experiment is not None else []
+    else:
+        client = MlflowClient(tracking_uri=local_store_uri(output_dir))
+        experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:
         return []
     running = client.search_runs(experiments, filter_string="attributes.status = 'RUNNING'")
+    if named:
+        running = [r for r in running if _left_by_a_gone_local_run(r.data.tags, interrupted)]
     for run in running:
         client.set_terminated(run.info.run_id, "KILLED")
     if running:
         log.warning(
             "marked %d MLflow run(s) of an interrupted local run KILLED in %s",
             len(running),
-            output_dir / "mlflow.db",
+            redact(named) if named else output_dir / "mlflow.db",
         )
     return [run.info.run_id for run in running]
+
+
+def _left_by_a_gone_local_run(tags: dict[str, str], interrupted: bool) -> bool:
+    """Whether a RUNNING run's ``lingo.local_run`` tag names a local run on this host that is
+    this interrupted process or no longer exists."""
+    import socket
+
+    from core.tracking import LOCAL_RUN_TAG
+
+    host, _, pid = tags.get(LOCAL_RUN_TAG, "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return interrupted
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
 
 
 class OutputDirBusyError(RuntimeError):

@@ -8,7 +8,7 @@ BIN = $(VENV)/bin
 # DeepSpeed (dev extra, CPU tests) installs without compiling its CUDA ops.
 export DS_BUILD_OPS = 0
 
-.PHONY: setup setup-runtime demo test test-megatron test-vllm rehearse gpu-check-dry-run gpu-wheels lint format bench clean
+.PHONY: setup setup-runtime demo test test-megatron test-vllm rehearse rehearse-ci gpu-check-dry-run gpu-wheels lint format bench clean
 
 # the demo needs only the runtime dependencies and CPU torch; the tests add the `dev` extra
 setup-runtime: $(VENV)/.runtime-installed
@@ -42,6 +42,9 @@ test-vllm:  ## the vLLM engines on vLLM's CPU build (tests/vllm_engines), in the
 
 rehearse: setup  ## lingo rehearse of the 20b presets on CPU, each step as its pod, each TrainJob's pods as processes (issue #39; slow)
 	$(BIN)/python -m pytest -q -m slow tests/pipelines/test_rehearsal.py -k "not megatron"
+
+rehearse-ci: setup  ## the rehearsal CI runs: gpt-oss-20b-verl on DeepSpeed (two-image job, dedicated engines)
+	$(BIN)/python -m pytest -q -m slow tests/pipelines/test_rehearsal.py -k "verl"
 
 gpu-check-dry-run: setup  ## bench/gpu_check.py on CPU with tiny shapes, as the GPU machine's Python would see it (~3 min)
 	$(BIN)/python -m pytest -q -m slow tests/bench/test_gpu_check.py

@@ -728,7 +728,7 @@ def test_both_policy_losses_are_registered_under_one_signature():
     """``POLICY_LOSSES`` entries, called as the update calls them, give the functions'
     values (the hand-checked case: ``_decoupled_case``), clipping and correction from the
     settings."""
-    assert set(POLICY_LOSSES) == {"ppo", "decoupled"}
+    assert {"ppo", "decoupled"} <= set(POLICY_LOSSES)  # and issue #43's ppo_clip, gspo
     log_probs, old, behaviour, advantages, mask = _decoupled_case()
     clipping = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.3, "clip_ratio_c": 3.0}
     clipping |= {"loss_agg_mode": "seq-mean-token-sum-norm", "norm_length": 6}
@@ -748,5 +748,5 @@ def test_both_policy_losses_are_registered_under_one_signature():
     }
     with pytest.raises(ValueError, match="behaviour policy's log-probs"):
         get_policy_loss("decoupled")(inputs._replace(behaviour_log_probs=None), settings)
-    with pytest.raises(ValueError, match="policy loss 'grpo'; valid names: decoupled, ppo"):
+    with pytest.raises(ValueError, match="policy loss 'grpo'; valid names: decoupled, gspo, ppo, ppo_clip"):
         get_policy_loss("grpo")

@@ -210,6 +210,11 @@ class GuardConfig(ConfigModel):
     reasoning_collapse: Literal["flag", "stop"] = "flag"
     """On a collapse: ``flag`` (a warning, the run goes on) or ``stop`` the run."""
 
+    @property
+    def stops_on_collapse(self) -> bool:
+        """Whether a reasoning collapse ends the run (``reasoning_collapse: stop``)."""
+        return self.reasoning_collapse == "stop"
+
 
 class GRPOConfig(ProcessSettings):
     """How the GRPO step trains.

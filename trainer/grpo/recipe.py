@@ -548,7 +548,7 @@ def _on_collapse(cfg: GRPOConfig, ratios: dict[str, float], step: int) -> None:
         f"guard.min_reasoning_length_ratio={cfg.guard.min_reasoning_length_ratio} of the SFT "
         f"model's median length: {low}"
     )
-    if cfg.guard.reasoning_collapse == "stop":
+    if cfg.guard.stops_on_collapse:
         raise ReasoningCollapsedError(message + " (guard.reasoning_collapse=stop)")
     log.warning("%s; this policy is not kept as the best", message)
 

@@ -3,6 +3,7 @@ and the command line of a GRPO run in a process of its own."""
 
 import json
 import os
+import threading
 import weakref
 from pathlib import Path
 
@@ -151,3 +152,24 @@ class AliveBytes:
             self.largest = max(self.largest, nbytes)
             yield name, fresh
             del fresh
+
+
+def run_threads(*targets) -> None:
+    """Run each of ``targets`` in a thread of its own (the members of one process group); raise
+    the first error one raised, or fail when one is still running after 120 s."""
+    errors: list[BaseException] = []
+
+    def guarded(target):
+        try:
+            target()
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not [t for t in threads if t.is_alive()], "a member hung"
+    if errors:
+        raise errors[0]

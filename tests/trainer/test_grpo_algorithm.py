@@ -748,5 +748,6 @@ def test_both_policy_losses_are_registered_under_one_signature():
     }
     with pytest.raises(ValueError, match="behaviour policy's log-probs"):
         get_policy_loss("decoupled")(inputs._replace(behaviour_log_probs=None), settings)
-    with pytest.raises(ValueError, match="policy loss 'grpo'; valid names: decoupled, gspo, ppo, ppo_clip"):
+    valid = "decoupled, gspo, ppo, ppo_clip"
+    with pytest.raises(ValueError, match=f"policy loss 'grpo'; valid names: {valid}"):
         get_policy_loss("grpo")

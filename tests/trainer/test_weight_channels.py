@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from tests_helpers_trainer import run_threads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.grpo.config import RolloutConfig
@@ -28,25 +29,6 @@ from trainer.grpo.rollout import HFRolloutEngine
 
 TIMEOUT = timedelta(seconds=60)
 ROLLOUT_RANKS, LEADS = [1, 2], [1]  # one engine of two processes: rank 1 leads, 2 follows
-
-
-def _run(*targets) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(target):
-        try:
-            target()
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not [t for t in threads if t.is_alive()], "a member hung"
-    if errors:
-        raise errors[0]
 
 
 def test_each_engine_receives_the_weights_once_and_followers_none(tiny_model_dir):
@@ -79,7 +61,7 @@ def test_each_engine_receives_the_weights_once_and_followers_none(tiny_model_dir
         seen["follower"] = (messages, weights)
         serve(EngineFollower(), 0, 1, messages, weights)
 
-    _run(coordinator, lead, follower)
+    run_threads(coordinator, lead, follower)
     assert seen["sent"] == model_bytes  # one engine, one copy
     assert model_bytes <= seen["coordinator"] < model_bytes + (64 << 10)  # + the buckets' headers
     lead_messages, lead_weights = seen["lead"]
@@ -99,7 +81,7 @@ def test_one_process_engines_share_one_channel():
     def member(rank):
         out[rank] = open_channels(store, [1, 2], [1, 2], rank, TIMEOUT)
 
-    _run(*(lambda r=r: member(r) for r in range(3)))
+    run_threads(*(lambda r=r: member(r) for r in range(3)))
     for messages, weights in out.values():
         assert messages is weights and messages.members == [0, 1, 2]
 

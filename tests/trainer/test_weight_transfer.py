@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from tests_helpers_trainer import run_threads
 
 from trainer.grpo.remote import (
     DirectTransfer,
@@ -230,25 +231,6 @@ def _lead_engine(workers: int) -> DedicatedVLLMEngine:
     return engine
 
 
-def _run(*targets) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(target):
-        try:
-            target()
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not [t for t in threads if t.is_alive()], "a member hung"
-    if errors:
-        raise errors[0]
-
-
 def test_every_tp_worker_receives_each_bucket_from_the_trainer_and_nothing_is_relayed():
     """One engine of tensor parallel 2 (ranks 1 lead, 2 follower; two vLLM workers)."""
     torch.manual_seed(0)
@@ -284,7 +266,7 @@ def test_every_tp_worker_receives_each_bucket_from_the_trainer_and_nothing_is_re
         seen["follower"] = (messages, weights)
         serve(EngineFollower(), 0, 1, messages, weights)
 
-    _run(coordinator, engine_lead, follower)
+    run_threads(coordinator, engine_lead, follower)
 
     workers = lead.llm.workers
     stats = seen["stats"]
@@ -323,8 +305,8 @@ def test_the_gloo_sender_delivers_the_bytes_identical():
     }
     bucket = torch.randint(0, 255, (123_457,), dtype=torch.uint8)
     spec = {"names": ["w"], "dtype_names": ["uint8"], "shapes": [[123_457]]}
-    _run(sender.connect, lambda: worker.join(info))
-    _run(lambda: sender.send(bucket), lambda: worker.update_weights(spec))
+    run_threads(sender.connect, lambda: worker.join(info))
+    run_threads(lambda: sender.send(bucket), lambda: worker.update_weights(spec))
     sender.close()
     assert torch.equal(worker.loaded["w"], bucket)
     assert sender.stats.bytes == bucket.numel() and sender.stats.collectives == 1

@@ -27,6 +27,12 @@ def _overall(results_dir, label: str) -> dict:
     return model["summary"]["overall"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue #41, open: vLLM's server answers every request of the tiny 64-head-dim model "
+    "with HTTP 400 'Token id 200008 is out of vocabulary' (a harmony control id above the tiny "
+    "model's vocabulary, sent by the server's chat path); measured 2026-12-06 from a clean clone",
+)
 def test_the_served_model_scores_what_the_in_process_eval_scores(tmp_path, vllm_model_dir):
     sampling = SamplingSettings(max_tokens=48, n=2, seed=3)
     in_process = EvalConfig(

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
-from s3_server import moto_s3_server, s3_env
-
 from data_prep.config import DataPrepConfig
 from data_prep.fingerprint import UNKNOWN, data_fingerprint, source_state
 from data_prep.prepare import prepare_dataset
@@ -50,28 +47,23 @@ def test_the_bundled_sample_and_the_question_sets_are_pinned(tmp_path):
     assert data_fingerprint(with_set).sha256 != pinned != bundled.sha256
 
 
-def test_an_s3_prefix_is_pinned_by_etags_and_sizes(monkeypatch):
-    boto3 = pytest.importorskip("boto3")
-    with moto_s3_server() as endpoint:
-        for key, value in s3_env(endpoint).items():
-            monkeypatch.setenv(key, value)
-        client = boto3.client("s3")
-        client.create_bucket(Bucket="datasets")
-        client.put_object(Bucket="datasets", Key="mt/part-1.jsonl", Body=b'{"a": 1}\n')
-        client.put_object(Bucket="datasets", Key="mt/readme.md", Body=b"not data")
-        state = source_state("s3://datasets/mt/")
-        (only,) = state["objects"]
-        assert (only["key"], only["size"]) == ("mt/part-1.jsonl", 9)
-        assert only["etag"] == client.head_object(Bucket="datasets", Key="mt/part-1.jsonl")[
-            "ETag"
-        ].strip('"')
-        first = fingerprint("s3://datasets/mt/")
-        client.put_object(Bucket="datasets", Key="mt/readme.md", Body=b"still not data")
-        assert fingerprint("s3://datasets/mt/") == first
-        client.put_object(Bucket="datasets", Key="mt/part-1.jsonl", Body=b'{"a": 2}\n')
-        assert fingerprint("s3://datasets/mt/") != first  # same size, new ETag
-        client.put_object(Bucket="datasets", Key="mt/part-2.jsonl", Body=b'{"a": 3}\n')
-        assert len(source_state("s3://datasets/mt/")["objects"]) == 2
+def test_an_s3_prefix_is_pinned_by_etags_and_sizes(datasets_bucket):
+    client = datasets_bucket
+    client.put_object(Bucket="datasets", Key="mt/part-1.jsonl", Body=b'{"a": 1}\n')
+    client.put_object(Bucket="datasets", Key="mt/readme.md", Body=b"not data")
+    state = source_state("s3://datasets/mt/")
+    (only,) = state["objects"]
+    assert (only["key"], only["size"]) == ("mt/part-1.jsonl", 9)
+    assert only["etag"] == client.head_object(Bucket="datasets", Key="mt/part-1.jsonl")[
+        "ETag"
+    ].strip('"')
+    first = fingerprint("s3://datasets/mt/")
+    client.put_object(Bucket="datasets", Key="mt/readme.md", Body=b"still not data")
+    assert fingerprint("s3://datasets/mt/") == first
+    client.put_object(Bucket="datasets", Key="mt/part-1.jsonl", Body=b'{"a": 2}\n')
+    assert fingerprint("s3://datasets/mt/") != first  # same size, new ETag
+    client.put_object(Bucket="datasets", Key="mt/part-2.jsonl", Body=b'{"a": 3}\n')
+    assert len(source_state("s3://datasets/mt/")["objects"]) == 2
 
 
 def test_a_hub_dataset_without_a_revision_is_unknown_and_never_unchanged(monkeypatch):

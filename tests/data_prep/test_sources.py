@@ -114,22 +114,17 @@ def test_bundled_source_is_the_sample_directory():
     assert rows and all(r.error is None for r in rows)
 
 
-def test_s3_prefix_against_a_real_s3_compatible_server(tmp_path, monkeypatch):
-    boto3 = pytest.importorskip("boto3")
-    with moto_s3_server() as endpoint:
-        for key, value in s3_env(endpoint).items():
-            monkeypatch.setenv(key, value)
-        client = boto3.client("s3")
-        client.create_bucket(Bucket="datasets")
-        body = "\n".join(json.dumps(r) for r in make_rows(1))
-        client.put_object(Bucket="datasets", Key="mt/part-1.jsonl", Body=body.encode())
-        client.put_object(Bucket="datasets", Key="mt/readme.md", Body=b"not data")
-        client.put_object(Bucket="datasets", Key="other/x.jsonl", Body=b"{}")
-        rows = [parse_row(r) for r in iter_source("s3://datasets/mt/")]
-        assert [r.data for r in rows] == make_rows(1)
-        assert rows[0].origin == "mt/part-1.jsonl:1"
-        with pytest.raises(SourceError, match="no .jsonl"):
-            list(iter_source("s3://datasets/missing/"))
+def test_s3_prefix_against_a_real_s3_compatible_server(datasets_bucket):
+    client = datasets_bucket
+    body = "\n".join(json.dumps(r) for r in make_rows(1))
+    client.put_object(Bucket="datasets", Key="mt/part-1.jsonl", Body=body.encode())
+    client.put_object(Bucket="datasets", Key="mt/readme.md", Body=b"not data")
+    client.put_object(Bucket="datasets", Key="other/x.jsonl", Body=b"{}")
+    rows = [parse_row(r) for r in iter_source("s3://datasets/mt/")]
+    assert [r.data for r in rows] == make_rows(1)
+    assert rows[0].origin == "mt/part-1.jsonl:1"
+    with pytest.raises(SourceError, match="no .jsonl"):
+        list(iter_source("s3://datasets/missing/"))
 
 
 class TamperedBodies:

@@ -204,6 +204,15 @@ def local_run_tags() -> dict[str, str]:
     return {LOCAL_RUN_TAG: f"{socket.gethostname()}:{pid}"} if pid.isdigit() else {}
 
 
+def local_run_pid(tags: Mapping[str, str]) -> int | None:
+    """The pid of the local run on this host whose step made a run with ``tags``
+    (``local_run_tags``), or None: no such tag, or another host's."""
+    import socket
+
+    host, _, pid = tags.get(LOCAL_RUN_TAG, "").rpartition(":")
+    return int(pid) if host == socket.gethostname() and pid.isdigit() else None
+
+
 def start_pipeline_run(
     pipeline_run_id: str, run_name: str, params: Mapping[str, object]
 ) -> str | None:

@@ -200,17 +200,15 @@ def close_abandoned_runs(output_dir: Path, interrupted: bool = False) -> list[st
 def _left_by_a_gone_local_run(tags: dict[str, str], interrupted: bool) -> bool:
     """Whether a RUNNING run's ``lingo.local_run`` tag names a local run on this host that is
     this interrupted process or no longer exists."""
-    import socket
+    from core.tracking import local_run_pid
 
-    from core.tracking import LOCAL_RUN_TAG
-
-    host, _, pid = tags.get(LOCAL_RUN_TAG, "").rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
+    pid = local_run_pid(tags)
+    if pid is None:
         return False
-    if int(pid) == os.getpid():
+    if pid == os.getpid():
         return interrupted
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:  # alive, someone else's

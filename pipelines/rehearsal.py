@@ -336,9 +336,7 @@ def megatron_cpu_python(root: Path) -> Path:
     Raises:
         RuntimeError: ``.venv-megatron`` is missing or lacks the project's dependencies.
     """
-    modules = "kfp, mlflow, megatron.core, kubeflow.training, kubeflow_trainer_api"
-    check = [str(MEGATRON_PYTHON), "-c", f"import {modules}"]
-    if not MEGATRON_PYTHON.exists() or subprocess.run(check, capture_output=True).returncode:
+    if not megatron_env_has_project():
         raise RuntimeError(
             f"rehearse --backend megatron: {MEGATRON_PYTHON} must have megatron-core, "
             "megatron-bridge, the project's dependencies and its cluster extra (as the Megatron "
@@ -371,11 +369,30 @@ def rehearsal_secrets(tracking_uri: str) -> dict[str, dict[str, str]]:
     }
 
 
+def megatron_env_has_project(python: Path | None = None) -> bool:
+    """Whether ``python`` (``.venv-megatron``'s) can run the project's steps as the Megatron
+    image does: the image installs ``.[megatron,cluster]``, so kfp's executor, mlflow and the
+    cluster clients import there. ``make test-megatron`` builds the env without them
+    (``tools/megatron_env.sh``; ``--with-project`` adds them)."""
+    python = python or MEGATRON_PYTHON
+    modules = "kfp, mlflow, megatron.core, kubeflow.training, kubeflow_trainer_api"
+    if not python.exists():
+        return False
+    return (
+        subprocess.run([str(python), "-c", f"import {modules}"], capture_output=True).returncode
+        == 0
+    )
+
+
 def image_pythons() -> dict[str, str]:
-    """Each image → the Python that runs its containers here (the project's venvs)."""
+    """Each image → the Python that runs its containers here (the project's venvs).
+
+    The Megatron image → ``.venv-megatron`` when that env holds the project (as the image
+    does), else the project's own venv: the DeepSpeed branch runs only ``export-hf`` in that
+    image, and it needs the project's dependencies, not Megatron's."""
     from components.images import CPU_IMAGE, GPU_IMAGE, MEGATRON_IMAGE
 
-    megatron = str(MEGATRON_PYTHON) if MEGATRON_PYTHON.exists() else sys.executable
+    megatron = str(MEGATRON_PYTHON) if megatron_env_has_project() else sys.executable
     return {CPU_IMAGE: sys.executable, GPU_IMAGE: sys.executable, MEGATRON_IMAGE: megatron}
 
 

@@ -283,3 +283,29 @@ def test_the_megatron_image_needs_the_megatron_env_with_the_project(tmp_path, mo
     monkeypatch.setattr(rehearsal, "MEGATRON_PYTHON", tmp_path / "missing" / "python")
     with pytest.raises(RuntimeError, match="megatron_env.sh --with-project"):
         rehearsal.megatron_cpu_python(tmp_path)
+
+
+def test_the_megatron_image_runs_in_the_projects_venv_when_the_megatron_env_lacks_it(
+    tmp_path, monkeypatch
+):
+    """`make test-megatron` builds .venv-megatron without the project (no kfp): the DeepSpeed
+    branch's export-hf, which runs in the Megatron image, then runs in the project's venv
+    (reproduces CI: 'No module named kfp' from .venv-megatron's python, the verl rehearsal
+    failed at export-hf); an env holding the project is used as the image."""
+    import sys
+
+    from components.images import MEGATRON_IMAGE
+    from pipelines import rehearsal
+
+    bare = tmp_path / "bare" / "bin" / "python"
+    bare.parent.mkdir(parents=True)
+    bare.write_text("#!/bin/sh\nexit 1\n")  # every import fails, as kfp does there
+    bare.chmod(0o755)
+    monkeypatch.setattr(rehearsal, "MEGATRON_PYTHON", bare)
+    assert rehearsal.image_pythons()[MEGATRON_IMAGE] == sys.executable
+    full = tmp_path / "full" / "bin" / "python"
+    full.parent.mkdir(parents=True)
+    full.write_text("#!/bin/sh\nexit 0\n")  # every import succeeds
+    full.chmod(0o755)
+    monkeypatch.setattr(rehearsal, "MEGATRON_PYTHON", full)
+    assert rehearsal.image_pythons()[MEGATRON_IMAGE] == str(full)

@@ -89,13 +89,6 @@ def test_each_exception_is_still_needed(rel, other):
 # Two-file import circles (a imports b, b imports a), lazy and TYPE_CHECKING imports included:
 # each is two modules that cannot be read, tested or moved apart. The bench scripts import one
 # another by their file names (``bench/`` is on their path), so they are read as modules too.
-KNOWN_CIRCLES = {
-    # the GRPO rollout engine and vLLM's weight reload, under rework (GRPO engines): drop
-    # the exception when trainer/grpo no longer has the circle
-    ("trainer.grpo.rollout", "trainer.grpo.vllm_weights"),
-}
-
-
 def module_files() -> dict[str, Path]:
     """Every product module (the packages, and bench's scripts), by its import name."""
     files = {}
@@ -132,13 +125,8 @@ def two_file_circles(files: dict[str, Path]) -> set[tuple[str, str]]:
 
 
 def test_no_two_modules_import_each_other():
-    circles = two_file_circles(module_files()) - KNOWN_CIRCLES
+    circles = two_file_circles(module_files())
     assert not circles, "import circles: " + ", ".join(f"{a} <-> {b}" for a, b in sorted(circles))
-
-
-@pytest.mark.parametrize("circle", sorted(KNOWN_CIRCLES))
-def test_each_known_circle_is_still_there(circle):
-    assert circle in two_file_circles(module_files()), f"{circle} is gone: drop it"
 
 
 def test_the_circle_check_sees_lazy_and_type_checking_imports(tmp_path):

@@ -56,13 +56,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from capacity.measured import tensor_bytes
 from trainer.distributed import DistInfo, broadcast_object
 from trainer.grpo.rollout import (
     LocalRequests,
     Rollout,
     RolloutEngine,
     group_size,
-    tensor_bytes,
 )
 from trainer.grpo.vllm_weights import weight_buckets
 from trainer.grpo.weight_transfer import GlooSender, TransferChoice, open_sender, pipelined
@@ -146,7 +146,7 @@ class Channel:
         self.group.broadcast([tensor], options).wait()
         self.broadcasts += 1
         receivers = len(self.members) - 1 if self.index == 0 else 1
-        self.broadcast_bytes += tensor_bytes(tensor) * receivers
+        self.broadcast_bytes += tensor_bytes([tensor]) * receivers
 
     def broadcast_object(self, obj=None):
         """The leader's ``obj`` on every member (others pass nothing)."""
@@ -522,10 +522,10 @@ class RemoteRolloutEngine:
             self.weights.broadcast_object((BUCKET, spec, flat.numel()))
             if self.sender is not None:
                 self.sender.send(flat)
-                sent += tensor_bytes(flat) * (self.sender.world_size - 1)
+                sent += tensor_bytes([flat]) * (self.sender.world_size - 1)
             else:
                 self.weights.broadcast_tensor(flat)
-                sent += tensor_bytes(flat) * (len(self.weights.members) - 1)
+                sent += tensor_bytes([flat]) * (len(self.weights.members) - 1)
         self.weights.broadcast_object((END,))
         failures = [a for a in self._engine_answers() if isinstance(a, BaseException)]
         if failures:

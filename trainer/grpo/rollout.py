@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from capacity.measured import tensor_bytes
 from core.modeling import cache_keyword, output_cache
 from generation.engines import HFGenerator
 from generation.sampling import row_generators, sample_tokens
@@ -173,11 +174,6 @@ class LocalRequests:
         out = self.generate(prompts, seeds)
         self.last_busy_s = time.monotonic() - started
         return out
-
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """The bytes of ``tensor``'s elements."""
-    return tensor.numel() * tensor.element_size()
 
 
 def group_size(prompts: Sequence, seeds: Sequence[Sequence[int]]) -> int:
@@ -426,7 +422,7 @@ class HFRolloutEngine(LocalRequests, HFGenerator):
         with torch.no_grad():
             for name, tensor in named_tensors:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
-                sent += tensor_bytes(tensor)
+                sent += tensor_bytes([tensor])
         return sent
 
     @torch.no_grad()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.grpo.rollout import tensor_bytes
+from capacity.measured import tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class VLLMWeights:
     def checkpoint_format(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.named_tensors:
             self.count += 1
-            self.bytes += tensor_bytes(tensor)
+            self.bytes += tensor_bytes([tensor])
             head, _, last = name.rpartition(".")
             if head.endswith(".mlp.experts") and last in _STREAMED_EXPERT_NAMES:
                 for expert in range(tensor.shape[0]):
@@ -214,7 +214,7 @@ def weight_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
-        nbytes = tensor_bytes(tensor)
+        nbytes = tensor_bytes([tensor])
         if bucket and size + nbytes > bucket_bytes:
             synced.buckets += 1
             yield bucket

@@ -136,8 +136,9 @@ def grpo_layout(
             if megatron
             else grpo.gradient_checkpointing
         ),
-        "lora_rank": 0,  # GRPO trains every weight of the merged SFT model
-        "lora_experts": False,
+        # full GRPO trains every weight of the merged SFT model; LoRA GRPO an adapter on it
+        "lora_rank": grpo.lora.r,
+        "lora_experts": grpo.lora.experts,
         "kl": grpo.algorithm.kl_loss_coef > 0,
         "rollout_batch_size": grpo.prompts_per_step,
         "n_samples_per_prompt": grpo.rollout.n_samples,
@@ -146,6 +147,8 @@ def grpo_layout(
         "rollout_dtype": "bf16",  # the engine is built with dtype=bfloat16
         "max_ckpt_num": grpo.max_ckpt_num,
         "sync_bucket_mb": grpo.rollout.sync_bucket_mb,
+        # LoRA GRPO's export merges on rank 0: the model whole, and its reload for the check
+        "final_model_on_rank0": grpo.lora.r > 0,
     }
     return _validated(base, f"{base.name} (GRPO as configured)", fields, overrides)
 

@@ -296,8 +296,11 @@ def load_partitioned(
     return model
 
 
-def gathered_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for each parameter, gathered whole, one at a time.
+def gathered_parameters(
+    module: torch.nn.Module, trainable_only: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for each parameter (``trainable_only``: each one that requires a
+    gradient, a LoRA adapter's), gathered whole, one at a time.
 
     The tensor is valid only until the next item is requested: the parameter is released
     (re-partitioned) then, so the consumer copies it before moving on. Collective: every rank
@@ -306,6 +309,8 @@ def gathered_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Te
     import deepspeed
 
     for name, param in module.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             yield name, param.detach()
 

@@ -41,6 +41,24 @@ def test_gpt_oss_20b_checks_the_grpo_it_runs():
     assert layout.vllm_gpu_memory_utilization == 0.85 and layout.gpu_memory_gib == 22.49
 
 
+def test_lora_grpo_is_estimated_as_an_adapter_and_its_merge_on_rank_0():
+    """``grpo.lora``: the planner counts the adapter's gradients and optimizer state, not the
+    whole model's, and rank 0's host the merge (the model whole and its reload)."""
+    from trainer.sft.config import LoraSettings
+
+    preset = PRESETS["gpt-oss-20b"]
+    lora = preset.grpo.model_copy(update={"lora": LoraSettings(r=8, alpha=16, experts=True)})
+    full = grpo_layout(capacity_layout(preset), preset.grpo, grpo_plan(preset))
+    adapted = grpo_layout(capacity_layout(preset), lora, grpo_plan(preset))
+    assert (full.lora_rank, full.final_model_on_rank0) == (0, False)
+    assert (adapted.lora_rank, adapted.lora_experts, adapted.final_model_on_rank0) == (
+        8, True, True
+    )  # fmt: skip
+    assert _rank_bytes(estimate("gpt-oss-20b", adapted)) < _rank_bytes(
+        estimate("gpt-oss-20b", full)
+    )
+
+
 def test_verl_checks_one_training_node_and_one_engine_node_not_the_two_node_ep16_layout():
     preset = PRESETS["gpt-oss-20b-verl"]
     layout = grpo_layout(capacity_layout(preset), preset.grpo, grpo_plan(preset))

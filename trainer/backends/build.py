@@ -1,7 +1,7 @@
 """Building a step's training backend: ``make_backend`` picks one from ``BACKENDS`` by
 ``OptimConfig.backend``; ``build_backend`` also loads the model it trains (partitioned under
 DeepSpeed ZeRO-3: ``trainer.backends.loading``) and returns the Hugging Face policy an
-in-process rollout engine samples with."""
+in-process rollout engine samples with (wrapped by ``BackendRequest.adapt``: LoRA)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ class BackendRequest:
     """Keep the starting model, frozen, for KL (``log_probs(..., reference=True)``)."""
     seed: int = 0
     pad_id: int = 0
+    adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+    """Wraps the loaded module before the backend is built (LoRA GRPO: a peft adapter, the
+    base frozen, so the optimizer holds the adapter alone); None: trained as loaded."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,8 @@ def build_backend(request: BackendRequest) -> tuple[TrainingBackend, torch.nn.Mo
     )
     if r.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
+    if r.adapt is not None:
+        policy = r.adapt(policy)
     backend = make_backend(
         policy,
         r.optim,

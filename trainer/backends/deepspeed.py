@@ -11,7 +11,7 @@ import torch
 from trainer.backends.config import OptimConfig
 from trainer.backends.interface import DataParallel
 from trainer.backends.schedule import optimizer_factory, rebase_schedule, scheduler_factory
-from trainer.backends.torch import HFModuleBackend, frozen_copy
+from trainer.backends.torch import HFModuleBackend, frozen_copy, is_peft
 from trainer.distributed import DistInfo
 
 
@@ -143,15 +143,20 @@ class DeepSpeedBackend(HFModuleBackend):
     def unwrapped(self) -> torch.nn.Module:
         return self.engine.module
 
-    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """One parameter at a time; under ZeRO-3 gathered whole, valid only until the next
-        item (the consumer copies it). Collective: every rank iterates to the end."""
+    def hf_weights(self, trainable_only: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+        """One parameter at a time (``trainable_only``: those the update changes, a LoRA
+        adapter's); under ZeRO-3 gathered whole, valid only until the next item (the consumer
+        copies it). Collective: every rank iterates to the end."""
         if self.cfg.zero_stage == 3:
             from trainer.zero3 import gathered_parameters
 
             self._settle()
-            return gathered_parameters(self.engine.module)
-        return ((n, p.detach()) for n, p in self.engine.module.named_parameters())
+            return gathered_parameters(self.engine.module, trainable_only)
+        return (
+            (n, p.detach())
+            for n, p in self.engine.module.named_parameters()
+            if p.requires_grad or not trainable_only
+        )
 
     def _settle(self) -> None:
         """Before gathering outside a forward: wait for and release what ZeRO-3 still has in
@@ -163,6 +168,11 @@ class DeepSpeedBackend(HFModuleBackend):
         self.engine.empty_partition_cache()
 
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
+        if is_peft(self.engine.module):  # the adapter alone (adapter_config.json + tensors)
+            adapter = {n: t.detach().cpu().clone() for n, t in self.hf_weights(True)}
+            if self.engine.global_rank == 0:
+                self.engine.module.save_pretrained(directory, state_dict=adapter)
+            return
         if self.cfg.zero_stage == 3:  # streamed: no rank ever holds the whole model
             from transformers import AutoConfig
 

@@ -137,9 +137,11 @@ class TrainingBackend(Protocol):
         """The complete model weights on rank 0 (gathered for ZeRO-3); None on other ranks."""
         ...
 
-    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+    def hf_weights(self, trainable_only: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
         """The policy's weights under Hugging Face names, one tensor at a time, on every rank
-        (for a rollout engine's ``sync_weights``). Collective: every rank iterates it."""
+        (for a rollout engine's ``sync_weights``); ``trainable_only``: only those the update
+        changes (LoRA GRPO: the adapter's, under peft's names). Collective: every rank
+        iterates it."""
         ...
 
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:

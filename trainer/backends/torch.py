@@ -45,6 +45,11 @@ class HFModuleBackend:
         self.save_hf_pretrained(directory, base_model, dtype)
 
 
+def is_peft(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a peft model (a LoRA adapter on a frozen base)."""
+    return hasattr(module, "peft_config")
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The reference model: the starting policy, frozen (taken before any partitioning)."""
     return copy.deepcopy(model).eval().requires_grad_(False)
@@ -113,10 +118,15 @@ class TorchBackend(HFModuleBackend):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
 
-    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return ((n, p.detach()) for n, p in self.module.named_parameters())
+    def hf_weights(self, trainable_only: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+        return (
+            (n, p.detach())
+            for n, p in self.module.named_parameters()
+            if p.requires_grad or not trainable_only
+        )
 
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
+        """The model's directory; a peft model (LoRA) writes its adapter alone."""
         self.module.save_pretrained(directory)
 
     def unwrapped(self) -> torch.nn.Module:

@@ -17,6 +17,7 @@ from trainer.grpo.algorithm import (
     get_policy_loss,
     get_rollout_correction,
 )
+from trainer.sft.config import LoraSettings
 
 
 class RolloutConfig(ConfigModel):
@@ -230,6 +231,15 @@ class GRPOConfig(ProcessSettings):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     guard: GuardConfig = GuardConfig()
     optim: OptimConfig = OptimConfig(learning_rate=1e-6, lr_scheduler="constant")
+    lora: LoraSettings = LoraSettings(r=0)
+    """LoRA GRPO (``trainer.grpo.lora``): ``r > 0`` trains a peft adapter of rank ``r`` on
+    ``target_modules`` (and, ``experts: true``, GPT-OSS's 3-D expert weights), the base frozen;
+    each weight sync moves only the adapter's tensors and the export merges it into the base
+    (SFT's checked merge). ``r = 0`` (the default): full-parameter GRPO. HF rollout engines
+    and the torch and DeepSpeed backends only, for now."""
+    merge_check_prompts: int = Field(4, ge=1)
+    """LoRA: held-out prompts on which the merged export's logits are checked against base +
+    adapter (``trainer.sft.merge``)."""
     reward_weights: dict[str, float] = Field(default_factory=dict)
     """Overrides of reward.scoring.RewardWeights fields (reference defaults otherwise)."""
     prompt_filter: Literal["all", "in-language"] = "all"
@@ -275,6 +285,23 @@ class GRPOConfig(ProcessSettings):
                 "hook on the Hugging Face GPT-OSS router, which the Megatron backend does not "
                 "run (its MoE layers route in Megatron-Core, whose router replay is not wired "
                 "here yet); use optim.backend torch or deepspeed, or router_replay=off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_where_it_runs(self) -> GRPOConfig:
+        if not self.lora.r:
+            return self
+        if self.optim.backend == "megatron":
+            raise ValueError(
+                f"grpo.lora.r={self.lora.r}: LoRA GRPO trains a peft adapter on the Hugging Face "
+                "module, which the Megatron backend does not train; use optim.backend torch or "
+                "deepspeed, or lora.r=0"
+            )
+        if self.rollout.engine == "vllm":
+            raise ValueError(
+                f"grpo.lora.r={self.lora.r}: the vLLM rollout engine does not serve the adapter "
+                "yet (its LoRA requests are not wired here); use rollout.engine=hf, or lora.r=0"
             )
         return self
 

@@ -31,6 +31,7 @@ from trainer.grpo.weight_transfer import (
     vllm_importable,
 )
 from trainer.placement import PlacementPlan
+from trainer.sft.lora import apply_lora
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,11 @@ def _vllm_colocated(site: EngineSite, policy: torch.nn.Module, backend: Training
 
 
 def _hf_rollout_only(site: EngineSite):
+    """A frozen copy of the SFT model; LoRA GRPO: with the run's adapter on it (its ``B`` zero
+    until the first sync), so each sync moves the adapter's tensors alone, under the
+    trainer's names."""
     dtype = resolve_dtype(site.cfg.dtype, site.info.device)
-    model = load_causal_lm(site.sft_model, dtype, site.info.device)
+    model = apply_lora(load_causal_lm(site.sft_model, dtype, site.info.device), site.cfg.lora)
     return HFRolloutEngine(model.requires_grad_(False), site.tokenizer, site.cfg.rollout)
 
 

@@ -68,6 +68,7 @@ from trainer.grpo.weight_sync import sync_engine
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics
 from trainer.placement import PlacementPlan, run_placement
 from trainer.progress import serve_progress
+from trainer.sft.merge import load_adapter, merge_and_save
 
 log = logging.getLogger(__name__)
 
@@ -458,7 +459,7 @@ def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
         run.engine,
         requests,
         lambda version: sync_engine(
-            run.engine, run.backend, probe, check, pad_id, info, version, budget
+            run.engine, run.backend, probe, check, pad_id, info, version, budget, cfg.lora.r > 0
         ),
         cfg.rollout.async_steps,
         cfg.max_steps,
@@ -489,7 +490,7 @@ def _finish(
     last = state.last_eval or state.baseline
     exported = state.best if use_best else last
     source = work_dir / BEST_DIR if use_best else final_dir
-    export_policy(source, model_output)
+    _export(run, source, sft_model, model_output)
     plot = plot_metrics(
         work_dir / METRICS_FILE,
         work_dir / "grpo.png",
@@ -510,6 +511,21 @@ def _finish(
     if tracking is not None and plot:
         log_artifact(plot)
     return result
+
+
+def _export(run: _Run, source: Path, sft_model, model_output: Path) -> None:
+    """The policy directory ``source`` as the step's model output: copied, or (LoRA GRPO,
+    where it holds the adapter) merged into the SFT model and checked (``merge_and_save``:
+    the merged logits against base + adapter on ``merge_check_prompts`` held-out prompts)."""
+    if not run.cfg.lora.r:
+        export_policy(source, model_output)
+        return
+    prompts = [p.ids for p in (run.eval_prompts or run.train_prompts)]
+    adapted = load_adapter(sft_model, source, run.dtype)
+    report = merge_and_save(
+        adapted, run.tokenizer, prompts[: run.cfg.merge_check_prompts], model_output
+    )
+    log.info("LoRA adapter merged into %s: %s", model_output, report)
 
 
 def _better(

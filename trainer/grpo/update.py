@@ -12,6 +12,7 @@ data-parallel replicas, so N processes follow the single-process run.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from trainer.grpo.mismatch import MismatchMeter
 from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import Rollout
 from trainer.grpo.routing import RouterCounts
+from trainer.sft.lora import apply_lora
 
 
 @dataclass
@@ -72,6 +74,7 @@ def backend_request(
         with_reference=cfg.algorithm.kl_loss_coef > 0,
         seed=cfg.seed,
         pad_id=pad_id,
+        adapt=functools.partial(apply_lora, lora=cfg.lora) if cfg.lora.r else None,
     )
 
 

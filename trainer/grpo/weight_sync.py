@@ -34,11 +34,14 @@ def sync_engine(
     info: DistInfo,
     step: int,
     budget: SyncBudget | None = None,
+    adapter_only: bool = False,
 ) -> SyncReport | None:
     """Push the policy's weights (version ``step``) to an engine that does not share them
-    (streamed by name), then check that it took them: the engine's and the policy's
-    log-probs of ``probe``, compared over all processes and engines (None: the engine is the
-    policy, nothing to sync). Its time is held against ``budget`` (warned once when over).
+    (streamed by name; ``adapter_only``, LoRA GRPO: only the adapter's tensors, the one part
+    the update changes, into an engine serving the same frozen base + adapter), then check
+    that it took them: the engine's and the policy's log-probs of ``probe``, compared over
+    all processes and engines (None: the engine is the policy, nothing to sync). Its time
+    is held against ``budget`` (warned once when over).
 
     Before the first sync of a run that starts from the SFT model (``step`` 0) the engine
     holds the weights the policy loaded: that difference is the check's noise floor. A
@@ -53,7 +56,8 @@ def sync_engine(
     if check.floor is None and step == 0:
         check.learn_floor(probe_gap(engine, backend, probe, pad_id, info), name)
     started = time.monotonic()
-    sent = engine.sync_weights(backend.hf_weights())
+    weights = backend.hf_weights(trainable_only=True) if adapter_only else backend.hf_weights()
+    sent = engine.sync_weights(weights)
     seconds = time.monotonic() - started
     gap = probe_gap(engine, backend, probe, pad_id, info)
     if check.floor is None:  # resumed from a checkpoint written before floors were kept

@@ -507,8 +507,9 @@ class MegatronBackend:
 
     # weights out
 
-    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The actor's weights under HF names, one gathered tensor at a time, on every rank."""
+    def hf_weights(self, trainable_only: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+        """The actor's weights under HF names, one gathered tensor at a time, on every rank
+        (every one is trained here: ``trainable_only`` leaves none out)."""
         return self._export(cpu=False)
 
     def _export(self, cpu: bool) -> Iterable[tuple[str, torch.Tensor]]:

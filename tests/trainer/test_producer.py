@@ -166,7 +166,8 @@ def test_async_dynamic_sampling_resamples_before_the_next_step_starts():
         producer.start_next(step)  # a second call starts nothing
         seen.append((step, made.version, made.staleness))
         producer.updated(step + 1)
-    assert seen == [(0, 0, 0), (1, 0, 1), (2, 1, 1), (3, 2, 1)]  # the same staleness as without rounds
+    # the same versions and staleness as without rounds
+    assert seen == [(0, 0, 0), (1, 0, 1), (2, 1, 1), (3, 2, 1)]
     assert engine.log[:6] == [
         ("sync", 0),
         ("generate", 0, 0),

@@ -3,10 +3,11 @@
 A group whose rewards are all equal has advantage 0 for every response under both advantage
 estimators (``algorithm.group_advantages``): it adds nothing to the gradient, and as more
 prompts become always-solved (or never-solved) the batch's effective size shrinks. DAPO (Yu et
-al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", §3.3, eq. 11)
-trains only on groups that satisfy
+al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", arXiv 2503.14476,
+§3.2 "Dynamic Sampling") trains only on groups whose ``G`` outputs satisfy the constraint of
+its objective
 
-    0 < |{o_i : o_i is correct}| < G
+    0 < |{o_i : o_i is equivalent to the answer a}| < G
 
 — here: not every reward of the group is the same (``algorithm.GroupStats.all_equal``) — and
 over-samples until the batch holds enough of them. As built here (``fill_signal_groups``),

@@ -3,6 +3,7 @@ torch.distributed (trainer/grpo/remote.py), on CPU with gloo and the HF engine."
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -317,6 +318,26 @@ def test_one_step_off_policy_overlaps_and_corrects_the_stale_batches(
         assert m["rollout_time_s"] > 0 and m["train_time_s"] > 0
     assert "eval_mean_reward" in lines[-1]
     assert (tmp_path / "async" / "model" / "config.json").exists()
+
+
+@pytest.mark.slow  # ~2 min on a busy 2-core machine; test_producer covers the order of requests
+def test_dynamic_sampling_with_one_step_off_policy(tmp_path, tiny_model_dir, prepared_data):
+    """``async_steps: 1`` with DAPO's dynamic sampling: each step's rounds run on the dedicated
+    engine before the next step starts (``RolloutProducer.resample``), and the stale batches,
+    fresh groups mixed in, train with the rollout correction."""
+    ds = {"algorithm": {"dynamic_sampling": {"enabled": True, "max_resample_rounds": 2}}}
+    cfg = small_grpo_config(max_steps=3, checkpoint_every=0, **ASYNC, **ds)
+    lines = _trained(tmp_path, "async-ds", cfg, tiny_model_dir, prepared_data, 2)
+    assert [m["staleness"] for m in lines] == [0, 1, 1]
+    for m in lines:
+        rounds = m["dynamic_sampling/rounds"]
+        assert m["dynamic_sampling/sampled_groups"] == 4 * (1 + rounds)
+        assert m["no_signal_fraction"] == pytest.approx(m["dynamic_sampling/unfilled_groups"] / 4)
+        assert math.isfinite(m["loss"])
+    assert sum(m["dynamic_sampling/rounds"] for m in lines) > 0
+    for m in lines[1:]:  # stale: the decoupled loss's weights; the engine took each update
+        assert 0.5 < m["importance_ratio_mean"] < 2.0
+        assert m["sync_logprob_max_diff"] < 1e-5
 
 
 def test_kill_and_resume_with_a_batch_in_flight_matches_an_uninterrupted_run(

@@ -116,5 +116,9 @@ def test_the_algorithm_section_names_each_variant() -> None:
     assert GRPOConfig().algorithm.policy_loss == "ppo_clip"  # today's loss stays the default
     with pytest.raises(ValidationError, match="unknown policy loss 'gpso'; valid names"):
         GRPOConfig.model_validate({"algorithm": {"policy_loss": "gpso"}})
+    with pytest.raises(ValidationError, match="unknown advantage estimator 'drgrpo'; valid"):
+        GRPOConfig.model_validate({"algorithm": {"advantage_estimator": "drgrpo"}})
+    with pytest.raises(ValidationError, match="unknown loss aggregation mode 'sum'; valid"):
+        GRPOConfig.model_validate({"algorithm": {"loss_agg_mode": "sum"}})
     with pytest.raises(ValidationError, match="overlong_buffer=256 must be below"):
         GRPOConfig.model_validate({"algorithm": {"overlong_buffer": 256}})

@@ -56,13 +56,16 @@ class FakeRemote(FakeEngine):
         super().sync_weights(version)
 
 
-def _producer(engine, async_steps, max_steps=4, version=0) -> RolloutProducer:
+def _producer(engine, async_steps, max_steps=4, version=0, resampling=False) -> RolloutProducer:
     def sync(v):
         engine.sync_weights(v)
         return 0.0
 
+    def requests(step, round_):  # the engine logs the prompt: the step, or (step, round)
+        return [[(step, round_) if round_ else step]], [[step]]
+
     producer = RolloutProducer(
-        engine, lambda step: ([[step]], [[step]]), sync, async_steps, max_steps
+        engine, requests, sync, async_steps, max_steps, resampling=resampling
     )
     producer.updated(version)
     return producer
@@ -146,3 +149,47 @@ def test_a_failing_engine_surfaces_in_take():
     producer = _producer(Broken(), 1)
     with pytest.raises(RuntimeError, match="boom"):
         producer.take(0)
+
+
+def test_async_dynamic_sampling_resamples_before_the_next_step_starts():
+    """``resampling``: the rounds of step s run on the idle engine with the policy's current
+    weights, then ``start_next`` starts step s+1 (still one update stale)."""
+    engine = FakeRemote()
+    producer = _producer(engine, 1, resampling=True)
+    seen = []
+    for step in range(4):
+        made = producer.take(step)
+        assert engine.pending is None  # step + 1 not started: the engine is free for rounds
+        extra = producer.resample(step, 1)
+        assert (extra.step, extra.version) == (step, step)  # the policy's weights now
+        producer.start_next(step)
+        producer.start_next(step)  # a second call starts nothing
+        seen.append((step, made.version, made.staleness))
+        producer.updated(step + 1)
+    # the same versions and staleness as without rounds
+    assert seen == [(0, 0, 0), (1, 0, 1), (2, 1, 1), (3, 2, 1)]
+    assert engine.log[:6] == [
+        ("sync", 0),
+        ("generate", 0, 0),
+        ("generate", (0, 1), 0),  # step 0's round, before step 1 starts
+        ("generate", 1, 0),
+        ("sync", 1),  # step 1's round samples with the weights of step 0's update
+        ("generate", (1, 1), 1),
+    ]
+    assert engine.pending is None  # nothing started past the last step
+
+
+def test_on_policy_dynamic_sampling_resamples_with_the_steps_weights():
+    engine = FakeEngine()
+    producer = _producer(engine, 0, resampling=True)
+    producer.take(0)
+    assert producer.resample(0, 1).version == 0
+    producer.start_next(0)  # on-policy: nothing to start
+    assert engine.log == [("sync", 0), ("generate", 0, 0), ("generate", (0, 1), 0)]
+
+
+def test_resampling_while_the_next_step_is_in_flight_is_refused():
+    producer = _producer(FakeRemote(), 1)  # not built for resampling: take starts step 1
+    producer.take(0)
+    with pytest.raises(RuntimeError, match="resampling=True"):
+        producer.resample(0, 1)

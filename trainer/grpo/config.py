@@ -134,6 +134,21 @@ class RolloutConfig(ConfigModel):
         return self
 
 
+class DynamicSamplingConfig(ConfigModel):
+    """DAPO's dynamic sampling (``trainer.grpo.dynamic_sampling``): refill the groups whose
+    rewards are all equal (no signal) with groups of fresh prompts that have signal."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    """Off: the groups without signal stay in the batch (advantage 0; left out of the loss
+    with ``filter_no_signal_groups``), as before the option."""
+    max_resample_rounds: int = Field(3, ge=1)
+    """The cap: at most this many rounds of ``prompts_per_step`` fresh prompts per step (each
+    a generation as long as the step's own); slots still without signal after the last round
+    stay as they are."""
+
+
 class AlgorithmConfig(ConfigModel):
     """GRPO's loss (verl names)."""
 
@@ -175,12 +190,19 @@ class AlgorithmConfig(ConfigModel):
     (token, layer) choices that differ is logged (``router_mismatch_rate``) when the engine
     records its routing."""
     loss_agg_mode: str = "token-mean"
+    """``algorithm.LOSS_AGG_MODES``: ``token-mean`` (every token of the mini-batch alike),
+    ``seq-mean-token-mean`` (each sequence's mean, then their mean; GRPO's paper),
+    ``seq-mean-token-sum``, or ``seq-mean-token-sum-norm`` (Dr. GRPO: the sum over the
+    constant ``sequences × rollout.max_new_tokens``)."""
     kl_loss_coef: float = Field(0.0, ge=0)
     kl_estimator: str = "low_var_kl"
     entropy_coeff: float = Field(0.0, ge=0)
     ppo_epochs: int = Field(1, ge=1)
     filter_no_signal_groups: bool = True
     """Leave out of the update the groups whose rewards are all equal (zero advantage)."""
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    """DAPO's dynamic sampling: re-sample fresh prompts until the step's batch holds
+    ``prompts_per_step`` groups with signal, at most ``max_resample_rounds`` times."""
 
     @model_validator(mode="after")
     def _known_names(self) -> AlgorithmConfig:

@@ -19,6 +19,13 @@ Overlap needs an engine in other processes that can work while this one trains: 
 ``submit``/``collect`` (``trainer.grpo.remote.RemoteRolloutEngine``). Any other engine runs
 a submitted request when it is collected.
 
+Dynamic sampling (``algorithm.dynamic_sampling``, ``trainer.grpo.dynamic_sampling``) may ask
+for more rollouts of the step just taken (``resample``: fresh prompts, generated at once on the
+idle engine with the policy's current weights). The producer is then built with
+``resampling=True``: ``take`` does not start step ``s+1``, ``start_next`` does, after the
+resampling, so the rounds never wait behind the next step's generation and the overlap with
+the update stays whole.
+
 A request in flight is never lost: the eval and the checkpoint ``drain`` it (collect it to
 a buffer), and the checkpoint keeps the buffer (``pending``/``restore``), so a resumed run
 trains on the same rollouts as an uninterrupted one.
@@ -33,8 +40,9 @@ from dataclasses import asdict, dataclass
 from trainer.grpo.rollout import Rollout
 from trainer.grpo.sync_check import SyncReport
 
-Requests = Callable[[int], tuple[list[list[int]], list[list[int]]]]
-"""Step → (the prompts this process's engine generates, one seed list per prompt)."""
+Requests = Callable[[int, int], tuple[list[list[int]], list[list[int]]]]
+"""(step, round) → (the prompts this process's engine generates, one seed list per prompt);
+round 0 is the step's own prompts, round ``k`` ≥ 1 dynamic sampling's ``k``-th fresh draw."""
 
 
 @dataclass
@@ -90,7 +98,8 @@ class RolloutProducer:
     Args:
         engine: the rollout engine (``submit``/``collect``: the request runs elsewhere and
             overlaps, or in ``collect``, here).
-        requests: step → this process's prompts and seeds for that step.
+        requests: (step, round) → this process's prompts and seeds for that step (round 0)
+            or for that round of its dynamic sampling.
         select: turns what the engine returned into this process's rollouts (e.g. the share
             of a data-parallel rank when several ranks drive one engine); identity if None.
         sync: pushes the policy's current weights (the version it is given) into the engine
@@ -100,6 +109,8 @@ class RolloutProducer:
         max_steps: the run's last step (nothing is started past it).
         version: the policy's version the engine holds at start (None: unknown, synced on
             first use).
+        resampling: dynamic sampling may ``resample`` a step after ``take``: with
+            ``async_steps`` = 1 the next step starts in ``start_next``, not in ``take``.
     """
 
     def __init__(
@@ -111,6 +122,7 @@ class RolloutProducer:
         max_steps: int,
         select: Callable[[list[Rollout]], list[Rollout]] | None = None,
         version: int | None = None,
+        resampling: bool = False,
     ) -> None:
         if async_steps not in (0, 1):
             raise ValueError(f"async_steps={async_steps}: 0 (on-policy) or 1 (one step ahead)")
@@ -122,6 +134,7 @@ class RolloutProducer:
         self.max_steps = max_steps
         self.engine_version = version
         self.policy_version = version
+        self.resampling = resampling
         self._in_flight: tuple[int, int] | None = None
         """(step, version) of the request the engine is working on."""
         self._ready: dict[int, StepRollouts] = {}
@@ -130,16 +143,45 @@ class RolloutProducer:
     def take(self, step: int) -> StepRollouts:
         """Step ``step``'s rollouts: the ones drained or in flight, else generated now with
         the policy's weights; with ``async_steps`` = 1, step ``step + 1`` is started (with
-        the policy's weights as they are now) before this returns."""
+        the policy's weights as they are now) before this returns, or, when ``resampling``,
+        by ``start_next``."""
         batch = self._ready.pop(step, None)
         if batch is None and self._in_flight is not None and self._in_flight[0] == step:
             batch = self._collect()
         if batch is None:
             self._submit(step)
             batch = self._collect()
-        if self.async_steps and step + 1 < self.max_steps:
-            self._submit(step + 1)
+        if not self.resampling:
+            self.start_next(step)
         return batch
+
+    def resample(self, step: int, round_: int) -> StepRollouts:
+        """Round ``round_`` (≥ 1) of ``step``'s dynamic sampling: its fresh prompts generated
+        now, on the idle engine, with the policy's current weights (the step's version
+        on-policy; one update newer than the step's batch when it is stale).
+
+        Raises:
+            RuntimeError: a request is in flight (the producer was not built with
+                ``resampling``, or ``start_next`` already ran).
+        """
+        if self._in_flight is not None:
+            raise RuntimeError(
+                f"step {step}: resampling needs the idle engine, but step {self._in_flight[0]} "
+                "is in flight: build the producer with resampling=True and resample before "
+                "start_next"
+            )
+        self._submit(step, round_)
+        return self._collect()
+
+    def start_next(self, step: int) -> None:
+        """With ``async_steps`` = 1, start step ``step + 1`` (with the policy's weights as
+        they are now) unless it is started, ready, or past the last step; else nothing."""
+        following = step + 1
+        started = self._in_flight is not None and self._in_flight[0] == following
+        if not self.async_steps or following >= self.max_steps or started:
+            return
+        if following not in self._ready:
+            self._submit(following)
 
     def updated(self, version: int) -> None:
         """The policy is now at ``version``: an idle engine takes its weights now, a busy one
@@ -185,9 +227,9 @@ class RolloutProducer:
                 self._sync_reports.append(report)
             self.engine_version = self.policy_version
 
-    def _submit(self, step: int) -> None:
+    def _submit(self, step: int, round_: int = 0) -> None:
         self._bring_up_to_date()
-        self.engine.submit(*self.requests(step))
+        self.engine.submit(*self.requests(step, round_))
         self._in_flight = (step, self.engine_version)
 
     def _collect(self) -> StepRollouts:

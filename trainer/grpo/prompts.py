@@ -124,6 +124,40 @@ def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> 
     return sorted(range(n), key=keys.__getitem__, reverse=True)[:per_step]
 
 
+def resample_prompts(
+    prompts: list[Prompt], step: int, round_: int, per_step: int, seed: int
+) -> list[int]:
+    """Indices of the ``per_step`` fresh prompts of dynamic sampling's round ``round_`` (≥ 1)
+    of ``step`` (``trainer.grpo.dynamic_sampling``): deterministic in ``(seed, step, round)``,
+    so a resumed run draws what the uninterrupted one would have, and drawn beside the epoch
+    schedule, not from it, so every step's own prompts (``step_prompts``) are the same with
+    dynamic sampling on or off.
+
+    Drawn with probability proportional to the prompts' weights, without replacement
+    (Efraimidis–Spirakis keys, as ``step_prompts``' weighted case), from the prompts neither
+    this step nor an earlier round of it used; when fewer than ``per_step`` of those remain,
+    from those the step itself did not use; when fewer still, from all.
+
+    Raises:
+        ValueError: ``round_`` < 1 (round 0 is the step's own prompts).
+    """
+    if round_ < 1:
+        raise ValueError(f"resample round {round_}: rounds count from 1 (0 is the step's own)")
+    own = set(step_prompts(prompts, step, per_step, seed))
+    used, drawn = set(own), []
+    for current in range(1, round_ + 1):  # the earlier rounds' draws, then this one
+        pool = [i for i in range(len(prompts)) if i not in used]
+        if len(pool) < per_step:
+            pool = [i for i in range(len(prompts)) if i not in own]
+        if len(pool) < per_step:
+            pool = list(range(len(prompts)))
+        rng = random.Random(f"{seed}:resample:{step}:{current}")
+        keys = {i: rng.random() ** (1.0 / prompts[i].weight) for i in pool}
+        drawn = sorted(pool, key=keys.__getitem__, reverse=True)[:per_step]
+        used.update(drawn)
+    return drawn
+
+
 def load_prompt_sets(
     cfg: GRPOConfig, tokenizer, train_path: str | Path, eval_path: str | Path
 ) -> tuple[list[Prompt], list[Prompt]]:

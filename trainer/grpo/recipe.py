@@ -52,12 +52,14 @@ from trainer.distributed import (
 from trainer.divergence import DivergenceGuard
 from trainer.grpo import engines
 from trainer.grpo.config import GRPOConfig
+from trainer.grpo.dynamic_sampling import fill_signal_groups
 from trainer.grpo.mismatch import MismatchGate
 from trainer.grpo.producer import RolloutProducer, StepRollouts
-from trainer.grpo.prompts import Prompt, load_prompt_sets, step_prompts
+from trainer.grpo.prompts import Prompt, load_prompt_sets, resample_prompts, step_prompts
 from trainer.grpo.rollout import RolloutEngine, keep_share, share_request
 from trainer.grpo.sync_check import SyncBudget, SyncCheck, SyncGap, sync_metrics, sync_probe
 from trainer.grpo.update import (
+    Batch,
     backend_request,
     decode,
     policy_update,
@@ -255,15 +257,21 @@ class _Run:
     def dp(self) -> DataParallel:
         return self.backend.data_parallel
 
-    def step_prompts(self, step: int) -> list[Prompt]:
-        """The whole step's prompts (every data-parallel rank's), in slot order."""
-        chosen = step_prompts(self.train_prompts, step, self.cfg.prompts_per_step, self.cfg.seed)
+    def step_prompts(self, step: int, round_: int = 0) -> list[Prompt]:
+        """The whole step's prompts (every data-parallel rank's), in slot order; round
+        ``round_`` ≥ 1: those of that round of the step's dynamic sampling."""
+        per_step, seed = self.cfg.prompts_per_step, self.cfg.seed
+        if round_:
+            chosen = resample_prompts(self.train_prompts, step, round_, per_step, seed)
+        else:
+            chosen = step_prompts(self.train_prompts, step, per_step, seed)
         return [self.train_prompts[i] for i in chosen]
 
-    def my_prompts(self, step: int) -> list[Prompt]:
-        """This rank's share of the step's prompts."""
+    def my_prompts(self, step: int, round_: int = 0) -> list[Prompt]:
+        """This rank's share of the step's prompts (or of its dynamic sampling's round)."""
         per_rank = self.cfg.prompts_per_step // self.dp.size
-        return self.step_prompts(step)[self.dp.rank * per_rank : (self.dp.rank + 1) * per_rank]
+        chosen = self.step_prompts(step, round_)
+        return chosen[self.dp.rank * per_rank : (self.dp.rank + 1) * per_rank]
 
 
 def _train(
@@ -371,10 +379,14 @@ def _train(
         for step in range(state.step, cfg.max_steps):
             done = step + 1
             started = time.monotonic()
-            made = producer.take(step)  # async: step + 1 starts on the engine here
+            made = producer.take(step)  # async: step + 1 starts on the engine here …
             batch = score_rollouts(
                 cfg, tokenizer, run.reward_fn, run.my_prompts(step), made.rollouts
             )
+            batch, sampling = fill_signal_groups(
+                cfg.algorithm.dynamic_sampling, batch, _resampler(run, producer, step), run.dp
+            )
+            producer.start_next(step)  # … or here, after dynamic sampling's rounds
             scored = time.monotonic()
             run.engine.sleep()  # colocated vLLM frees the GPU for the update
             stats = policy_update(
@@ -394,6 +406,7 @@ def _train(
                 **reward_metrics(batch, run.dp),
                 **made.timing_metrics(tokens, train_time, step_time),
                 **sync_metrics(producer.sync_reports()),
+                **sampling,
             )
             if "rollout_kl" in stats:  # after the line: a stopped run shows the step's value
                 gate.check(stats["rollout_kl"], done, made.staleness)
@@ -447,11 +460,12 @@ def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
     probe = sync_probe([p.ids for p in probe_from], cfg.rollout.sync_check_tokens)
     pad_id = run.tokenizer.pad_token_id
 
-    def requests(step: int):
+    def requests(step: int, round_: int):
         # one seed per (step, slot of the step's batch, sample): the same on every rank and
-        # every layout, never shared by two responses
-        seeds = group_seeds(cfg.seed, step, range(cfg.prompts_per_step), cfg.rollout.n_samples)
-        prompts = [p.ids for p in run.step_prompts(step)]
+        # every layout, never shared by two responses; dynamic sampling's rounds their own
+        key = f"{step}/resample{round_}" if round_ else step
+        seeds = group_seeds(cfg.seed, key, range(cfg.prompts_per_step), cfg.rollout.n_samples)
+        prompts = [p.ids for p in run.step_prompts(step, round_)]
         return share_request(prompts, seeds, share, per_rank)
 
     budget = SyncBudget(cfg.rollout.sync_budget_s)
@@ -464,11 +478,24 @@ def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
         cfg.rollout.async_steps,
         cfg.max_steps,
         select=lambda out: keep_share(out, share, run.dp.rank, per_rank),
+        resampling=cfg.algorithm.dynamic_sampling.enabled,
     )
 
     producer.updated(state.step)
     producer.restore(state.in_flight)
     return producer
+
+
+def _resampler(run: _Run, producer: RolloutProducer, step: int) -> Callable[[int], Batch]:
+    """Round ``k`` of ``step``'s dynamic sampling on this rank: its share of the round's fresh
+    prompts, generated on the idle engine and scored."""
+
+    def round_batch(k: int) -> Batch:
+        made = producer.resample(step, k)
+        prompts = run.my_prompts(step, k)
+        return score_rollouts(run.cfg, run.tokenizer, run.reward_fn, prompts, made.rollouts)
+
+    return round_batch
 
 
 def _evaluate(run: _Run, engine) -> HeldOutResult:

@@ -60,6 +60,42 @@ def test_the_served_model_scores_what_the_in_process_eval_scores(tmp_path, harmo
     assert theirs["low"] <= both["value"] <= theirs["high"], (both, theirs)
 
 
+def test_the_test_models_tokenizer_is_gpt_oss_s(harmony_model_dir):
+    """The tokenizer the in-process engine encodes ``core.harmony``'s text with gives, token for
+    token, the ids openai-harmony renders the same conversation to (what vLLM's server feeds
+    the model), and ``lingo serve`` accepts the model."""
+    import openai_harmony as h
+    from harmony_tokenizer import harmony_encoding
+    from transformers import AutoTokenizer
+
+    from core.harmony import render_completion, render_prompt
+
+    instructions = "reasoning language: French\nanswer language: German"
+    user, analysis, final = (
+        "Wie viele Minuten hat ein Tag? 12345 naïve — it's\n\n x",
+        "Il y a 24 heures.",
+        "1440 Minuten.",
+    )
+    conversation = h.Conversation.from_messages(
+        [
+            h.Message.from_role_and_content(h.Role.SYSTEM, h.SystemContent.new()),
+            h.Message.from_role_and_content(
+                h.Role.DEVELOPER, h.DeveloperContent.new().with_instructions(instructions)
+            ),
+            h.Message.from_role_and_content(h.Role.USER, user),
+            h.Message.from_role_and_content(h.Role.ASSISTANT, analysis).with_channel("analysis"),
+            h.Message.from_role_and_content(h.Role.ASSISTANT, final).with_channel("final"),
+        ]
+    )
+    theirs = harmony_encoding().render_conversation_for_training(
+        conversation, h.RenderConversationConfig(auto_drop_analysis=False)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(harmony_model_dir)
+    text = render_prompt(instructions, user) + render_completion(analysis, final)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == list(theirs)
+    assert model_folder(harmony_model_dir) == harmony_model_dir
+
+
 def test_a_folder_without_a_model_is_one_clear_line(tmp_path):
     with pytest.raises(ServeError, match="no config.json"):
         model_folder(tmp_path)

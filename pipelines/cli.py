@@ -360,10 +360,12 @@ def eval_cmd(
 @clear_errors
 def serve(
     model: Annotated[
-        Path,
+        str,
         typer.Argument(
-            help="A model folder: a run's exported GRPO model (the grpo_model path `lingo run "
-            "--local` prints), the champion."
+            help="A model folder (a run's exported GRPO model: the grpo_model path `lingo run "
+            "--local` prints), or a registered version as an MLflow model URI: "
+            "models:/lingo-gpt-oss@champion (the gate's champion; needs MLFLOW_TRACKING_URI) "
+            "or models:/NAME/VERSION."
         ),
     ],
     port: Annotated[int, typer.Option(help="Port of the OpenAI-compatible API.")] = 8000,
@@ -382,16 +384,23 @@ def serve(
     log_file: Annotated[
         Path, typer.Option("--log-file", help="Where the server's output goes.")
     ] = Path("runs/serve/vllm.log"),
+    cache_dir: Annotated[
+        Path,
+        typer.Option("--cache-dir", help="Where a models:/ URI's version is downloaded (once) to."),
+    ] = Path("runs/serve/models"),
 ) -> None:
-    """Serve a model folder with vLLM's OpenAI-compatible server (gpt-oss's reasoning parser,
-    as the cluster's InferenceService does); print the endpoint and the `lingo eval` command
-    that scores it; run until interrupted (Ctrl-C)."""
+    """Serve a model folder or the registry's champion with vLLM's OpenAI-compatible server
+    (gpt-oss's reasoning parser, as the cluster's InferenceService does); print the endpoint
+    and the `lingo eval` command that scores it; run until interrupted (Ctrl-C)."""
+    from pipelines.serve_local import resolve_model, server_command, start_server, vllm_python
+
+    folder = resolve_model(model, cache_dir)
+    if folder != Path(model):
+        echo(f"{model} is {folder}")
     import torch
 
-    from pipelines.serve_local import model_folder, server_command, start_server, vllm_python
-
     command = server_command(
-        model_folder(model),
+        folder,
         vllm_python(python),
         host=host,
         port=port,

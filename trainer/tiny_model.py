@@ -137,16 +137,22 @@ def build_tiny_model(
     output_dir: str | Path,
     config: TinyModelConfig | None = None,
     corpus: Iterable[str] | None = None,
+    tokenizer=None,
 ) -> Path:
-    """Create the tiny GPT-OSS model and its tokenizer in ``output_dir`` (a HF directory)."""
+    """Create the tiny GPT-OSS model and its tokenizer in ``output_dir`` (a HF directory).
+
+    ``tokenizer``: a harmony tokenizer to use instead of training one on ``corpus`` (the
+    model's vocabulary is then its size, not ``config.vocab_size``).
+    """
     import torch
     from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
     config = config or TinyModelConfig()
     output_dir = Path(output_dir)
-    tokenizer = train_tokenizer(
-        corpus if corpus is not None else bundled_corpus(), config.vocab_size
-    )
+    if tokenizer is None:
+        tokenizer = train_tokenizer(
+            corpus if corpus is not None else bundled_corpus(), config.vocab_size
+        )
     model_config = GptOssConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,

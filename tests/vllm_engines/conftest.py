@@ -67,6 +67,20 @@ def vllm_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm-tiny") / "model", VLLM_MODEL)
 
 
+@pytest.fixture(scope="session")
+def harmony_model_dir(tmp_path_factory):
+    """``VLLM_MODEL`` with gpt-oss's own tokenizer (o200k_harmony, 201,088 ids), the one vLLM's
+    OpenAI server renders gpt-oss chats with whatever the model's tokenizer: a model it can
+    serve (``harmony_tokenizer``). ~0.2 GB of fp32 weights (the 201,088-row embeddings)."""
+    from harmony_tokenizer import build_harmony_tokenizer
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("vllm-harmony") / "model",
+        VLLM_MODEL,
+        tokenizer=build_harmony_tokenizer(),
+    )
+
+
 @pytest.fixture(scope="module")
 def policy(vllm_model_dir):
     """The policy an engine serves: the tiny model in fp32 (tests change its weights and sync

@@ -1,7 +1,8 @@
-"""``lingo serve`` on vLLM's CPU build: the tiny model behind vLLM's OpenAI-compatible server
-(gpt-oss's reasoning parser, as the cluster's InferenceService runs it), scored by the eval's
-endpoint client, gives the in-process eval's both-language figure within its interval (same
-questions, samples and seeds). Skipped where vLLM is missing; ``make test-vllm`` runs it."""
+"""``lingo serve`` on vLLM's CPU build: the tiny model, with gpt-oss's tokenizer, behind vLLM's
+OpenAI-compatible server (gpt-oss's reasoning parser, as the cluster's InferenceService runs
+it), scored by the eval's endpoint client, gives the in-process eval's both-language figure
+within its interval (same questions, samples and seeds). Skipped where vLLM is missing;
+``make test-vllm`` runs it."""
 
 from __future__ import annotations
 
@@ -27,22 +28,20 @@ def _overall(results_dir, label: str) -> dict:
     return model["summary"]["overall"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #41, open: vLLM's server answers every request of the tiny 64-head-dim model "
-    "with HTTP 400 'Token id 200008 is out of vocabulary' (a harmony control id above the tiny "
-    "model's vocabulary, sent by the server's chat path); measured 2026-12-06 from a clean clone",
-)
-def test_the_served_model_scores_what_the_in_process_eval_scores(tmp_path, vllm_model_dir):
+def test_the_served_model_scores_what_the_in_process_eval_scores(tmp_path, harmony_model_dir):
+    """On the tiny model with gpt-oss's tokenizer: vLLM's server renders a gpt-oss chat with
+    o200k_harmony whatever the model's tokenizer (the tiny model's own BPE gets id 200008 and
+    every request answered 400 'Token id 200008 is out of vocabulary': ``lingo serve`` refuses
+    it, tests/pipelines/test_serve.py)."""
     sampling = SamplingSettings(max_tokens=48, n=2, seed=3)
     in_process = EvalConfig(
         engine="vllm", dtype="float32", sampling=sampling, vllm_max_num_batched_tokens=2048
     )
-    run_eval([f"tiny={vllm_model_dir}"], in_process, tmp_path / "in-process")
+    run_eval([f"tiny={harmony_model_dir}"], in_process, tmp_path / "in-process")
 
     port = _free_port()
     command = server_command(
-        model_folder(vllm_model_dir), sys.executable, port=port, cpu=True, dtype="float32"
+        model_folder(harmony_model_dir), sys.executable, port=port, cpu=True, dtype="float32"
     )
     assert command[command.index("--reasoning-parser") + 1] == "openai_gptoss"
     server = start_server(
@@ -61,13 +60,49 @@ def test_the_served_model_scores_what_the_in_process_eval_scores(tmp_path, vllm_
     assert theirs["low"] <= both["value"] <= theirs["high"], (both, theirs)
 
 
+def test_the_test_models_tokenizer_is_gpt_oss_s(harmony_model_dir):
+    """The tokenizer the in-process engine encodes ``core.harmony``'s text with gives, token for
+    token, the ids openai-harmony renders the same conversation to (what vLLM's server feeds
+    the model), and ``lingo serve`` accepts the model."""
+    import openai_harmony as h
+    from harmony_tokenizer import harmony_encoding
+    from transformers import AutoTokenizer
+
+    from core.harmony import render_completion, render_prompt
+
+    instructions = "reasoning language: French\nanswer language: German"
+    user, analysis, final = (
+        "Wie viele Minuten hat ein Tag? 12345 naïve — it's\n\n x",
+        "Il y a 24 heures.",
+        "1440 Minuten.",
+    )
+    conversation = h.Conversation.from_messages(
+        [
+            h.Message.from_role_and_content(h.Role.SYSTEM, h.SystemContent.new()),
+            h.Message.from_role_and_content(
+                h.Role.DEVELOPER, h.DeveloperContent.new().with_instructions(instructions)
+            ),
+            h.Message.from_role_and_content(h.Role.USER, user),
+            h.Message.from_role_and_content(h.Role.ASSISTANT, analysis).with_channel("analysis"),
+            h.Message.from_role_and_content(h.Role.ASSISTANT, final).with_channel("final"),
+        ]
+    )
+    theirs = harmony_encoding().render_conversation_for_training(
+        conversation, h.RenderConversationConfig(auto_drop_analysis=False)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(harmony_model_dir)
+    text = render_prompt(instructions, user) + render_completion(analysis, final)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == list(theirs)
+    assert model_folder(harmony_model_dir) == harmony_model_dir
+
+
 def test_a_folder_without_a_model_is_one_clear_line(tmp_path):
     with pytest.raises(ServeError, match="no config.json"):
         model_folder(tmp_path)
 
 
-def test_a_server_that_cannot_start_says_why(tmp_path, vllm_model_dir):
-    command = server_command(model_folder(vllm_model_dir), sys.executable, port=_free_port())
+def test_a_server_that_cannot_start_says_why(tmp_path, harmony_model_dir):
+    command = server_command(model_folder(harmony_model_dir), sys.executable, port=_free_port())
     command += ["--no-such-option"]
     with pytest.raises(ServeError, match="exited with status"):
         start_server(command, "http://127.0.0.1:1/v1", "x", tmp_path / "log", ready_timeout_s=120)

@@ -1,0 +1,174 @@
+"""``lingo serve models:/<name>@champion``: the registry's champion, registered the way the
+pipeline's gate registers it (``eval.registry.register_directory`` then ``set_alias``), in a
+real local MLflow store (SQLite, what ``lingo run --local`` tracks to), downloaded once into a
+cache folder and served as a folder. vLLM is not started: the ``--python`` given is a stand-in
+that records the argv and the environment the server would start with, then exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from core.tracking import local_store_uri
+from eval.gate import GateConfig
+from eval.registry import content_sha256, register_directory, set_alias
+from pipelines.cli import app
+from pipelines.serve_local import (
+    GPT_OSS_TOKEN_IDS,
+    GPT_OSS_VOCAB_SIZE,
+    ServeError,
+    model_folder,
+    resolve_model,
+)
+
+runner = CliRunner()
+GATE = GateConfig()  # the pipeline's registered name and alias: lingo-gpt-oss, champion
+CHAMPION = f"models:/{GATE.registered_model}@{GATE.alias}"
+
+
+def gpt_oss_folder(root: Path, weights: bytes = b"\0" * 64) -> Path:
+    """A model folder with gpt-oss's config type, vocabulary size and harmony token ids (the
+    files ``model_folder`` reads) and a small safetensors file."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True)
+    config = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}
+    (root / "config.json").write_text(json.dumps(config | {"vocab_size": GPT_OSS_VOCAB_SIZE}))
+    added = [{"id": i, "content": t, "special": True} for t, i in GPT_OSS_TOKEN_IDS.items()]
+    (root / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    save_file({"w": np.frombuffer(weights, dtype=np.uint8).copy()}, str(root / "model.safetensors"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict:
+    """A SQLite store whose ``lingo-gpt-oss`` has version 1 as ``champion`` (one per module:
+    creating a store's tables takes seconds)."""
+    root = tmp_path_factory.mktemp("registry")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", local_store_uri(root / "store"))
+        patch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+        model = gpt_oss_folder(root / "grpo-model")
+        sha = content_sha256(model)
+        metrics = {"both_language_accuracy": 0.9}
+        version = register_directory(GATE.registered_model, model, sha, metrics)
+        set_alias(GATE.registered_model, GATE.alias, version.version)
+    return {"sha": sha, "store": root / "store"}
+
+
+@pytest.fixture
+def registry(store, tmp_path, monkeypatch) -> dict:
+    """``store`` as the tracking URI, an empty cache folder; cwd is tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", local_store_uri(store["store"]))
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    return store | {"cache": tmp_path / "cache"}
+
+
+def test_the_champion_is_downloaded_once_into_the_cache_and_served_as_a_folder(
+    registry, monkeypatch
+):
+    folder = resolve_model(CHAMPION, registry["cache"])
+    assert folder == registry["cache"] / "lingo-gpt-oss" / f"v1-{registry['sha'][:12]}"
+    assert content_sha256(folder) == registry["sha"]
+    assert os.listdir(folder.parent) == [folder.name]  # no temporary folder left beside it
+
+    def no_download(**kwargs):
+        raise AssertionError(f"downloaded again: {kwargs}")
+
+    monkeypatch.setattr("mlflow.artifacts.download_artifacts", no_download)
+    assert resolve_model(CHAMPION, registry["cache"]) == folder
+    assert resolve_model("models:/lingo-gpt-oss/1", registry["cache"]) == folder
+
+
+def _stand_in_python(path: Path) -> Path:
+    """An executable that records its argv and VLLM_CPU_KVCACHE_SPACE, then exits 3."""
+    path.write_text(
+        "#!/bin/sh\n"
+        f'printf "%s\\n" "$@" > {path.parent}/argv.txt\n'
+        f'printf "%s" "$VLLM_CPU_KVCACHE_SPACE" > {path.parent}/kv.txt\n'
+        "exit 3\n"
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_lingo_serve_starts_vllm_on_the_champions_folder(registry, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    python = _stand_in_python(tmp_path / "python")
+    result = runner.invoke(app, ["serve", CHAMPION, "--python", str(python), "--port", "8123"])
+    folder = Path("runs/serve/models") / "lingo-gpt-oss"  # the default cache, under cwd
+    (served,) = folder.iterdir()
+    assert f"{CHAMPION} is {served}" in result.stdout
+    argv = (tmp_path / "argv.txt").read_text().splitlines()
+    assert argv[:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(served)]
+    options = dict(zip(argv[4::2], argv[5::2], strict=False))
+    assert options["--served-model-name"] == "lingo-gpt-oss"
+    assert options["--reasoning-parser"] == "openai_gptoss"
+    assert options["--port"] == "8123"
+    assert (tmp_path / "kv.txt").read_text() == "1"
+    assert content_sha256(served) == registry["sha"]
+    assert result.exit_code == 1 and "exited with status 3" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "uri, expected",
+    [
+        (
+            "models:/lingo-gpt-oss@challenger",
+            "models:/lingo-gpt-oss@challenger: Registered model alias challenger not found",
+        ),
+        ("models:/nope@champion", "models:/nope@champion: Registered Model with name=nope not"),
+        ("models:/lingo-gpt-oss/7", "models:/lingo-gpt-oss/7: Model Version (name=lingo-gpt-oss"),
+        ("models:/a/b/c", "models:/a/b/c: Not a proper models:/ URI"),
+    ],
+)
+def test_an_unknown_name_version_or_alias_is_one_line(registry, uri, expected):
+    result = runner.invoke(app, ["serve", uri, "--python", "/nonexistent/python"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1, result.stderr
+    assert len(errors) == 1 and errors[0].startswith(f"error: {expected}"), result.stderr
+    assert "registry sqlite:///" in errors[0] and "Traceback" not in result.stderr
+    assert not (Path("runs/serve/models") / "lingo-gpt-oss").exists()
+
+
+def test_without_a_tracking_uri_a_models_uri_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    result = runner.invoke(app, ["serve", CHAMPION, "--python", "/nonexistent/python"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: {CHAMPION}: no MLFLOW_TRACKING_URI; set it to the registry the pipeline "
+        "registered the model in (a local run's: sqlite:///<runs folder>/mlflow.db, as `lingo "
+        "run --local` prints)"
+    ]
+
+
+def test_files_that_do_not_match_the_registered_hash_leave_no_folder(registry, tmp_path):
+    model = gpt_oss_folder(tmp_path / "other", weights=b"\1" * 64)
+    version = register_directory("tampered", model, content_sha256(model), {})
+    (weights,) = Path(version.source.removeprefix("file://")).rglob("model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\2")  # the store's copy changed
+    with pytest.raises(ServeError, match="do not hash to version 1's lingo.content_sha256"):
+        resolve_model("models:/tampered/1", registry["cache"])
+    assert list((registry["cache"] / "tampered").iterdir()) == []
+
+
+def test_a_model_with_its_own_vocabulary_is_refused(tmp_path):
+    """The tiny model's BPE puts ``<|message|>`` at a low id: vLLM's server, which renders
+    gpt-oss chats with o200k_harmony, would answer every request 400 'Token id 200008 is out
+    of vocabulary' (tests/vllm_engines/test_vllm_serve.py serves one with gpt-oss's)."""
+    from trainer.tiny_model import SMALLEST, build_tiny_model
+
+    corpus = ["Bonjour, le monde. Hello world. Hola mundo."] * 20
+    small = SMALLEST.model_copy(update={"vocab_size": 300})
+    tiny = build_tiny_model(tmp_path / "tiny", small, corpus)
+    with pytest.raises(ServeError, match=r"its tokenizer is not gpt-oss's \(<\|startoftext\|>"):
+        model_folder(tiny)
+    assert model_folder(gpt_oss_folder(tmp_path / "gpt-oss")) == tmp_path / "gpt-oss"

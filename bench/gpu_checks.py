@@ -49,7 +49,14 @@ import time
 import traceback
 from pathlib import Path
 
-from gpu_check_base import Check, CheckFailed, CheckSkipped, Sizes, finite
+from gpu_check_base import Check, CheckFailed, CheckSkipped, DryRunSkip, Sizes, finite
+from gpu_check_first import (
+    check_megatron_convert,
+    check_stack,
+    check_sync_floor,
+    check_vllm_engine_sync,
+    check_zero3_parity,
+)
 from gpu_check_planner import check_planner
 
 log = logging.getLogger("gpu_check")
@@ -581,7 +588,15 @@ CHECKS: dict[str, Check] = {
     "sync-check": Check(check_sync_noise, 60, 90),
     "collective-timeout": Check(check_collective_timeout, 30, 30),
     "routing-replay": Check(check_routing_replay, 120, 120),
+    # the first-GPU checks (issue #39, ``--first``): each within 4 minutes on one H100
+    "stack": Check(check_stack, 240, 30),
+    "vllm-engine-sync": Check(check_vllm_engine_sync, 240, 30),
+    "sync-floor": Check(check_sync_floor, 180, 30),
+    "zero3-parity": Check(check_zero3_parity, 240, 150),
+    "megatron-convert": Check(check_megatron_convert, 240, 180, env="megatron"),
 }
+FIRST_CHECKS = ("stack", "vllm-engine-sync", "sync-floor", "zero3-parity", "megatron-convert")
+"""What a reviewer runs first on one GPU (``bench/gpu_check.py --first``)."""
 
 
 def run_check(name: str, sizes: Sizes, args) -> int:
@@ -592,6 +607,11 @@ def run_check(name: str, sizes: Sizes, args) -> int:
     try:
         figures = CHECKS[name].run(sizes, args.work_dir)
         status = "PASS"
+    except DryRunSkip as cannot:
+        if sizes.device == "cuda":
+            detail = f"skipped, which counts as a failure: {cannot}"
+        else:  # the CPU dry run: the library cannot run here, and says so
+            status, detail = "SKIP", f"skipped: {cannot}"
     except CheckSkipped as skipped:
         detail = f"skipped, which counts as a failure: {skipped}"
     except Exception as error:  # the check's crash is its result

@@ -470,20 +470,21 @@ class _Layout:
 
 def _megatron_source(sizes: Sizes, work: Path) -> tuple[Path, dict]:
     """The HF model to convert: on the GPU gpt-oss-20b's dimensions with 2 layers (one sliding,
-    one full attention, sinks in both; random bf16 weights), in the dry run the tiny GPT-OSS;
-    the tiny model's tokenizer beside it."""
+    one full attention, sinks in both; random bf16 weights built on the GPU), in the dry run
+    the tiny GPT-OSS; the tiny model's tokenizer beside it."""
     import shutil
 
     import torch
-    from gpu_checks import _fixtures
+    from gpu_checks import tiny_model
     from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
 
     from capacity.model_presets import MODEL_PRESETS
 
-    tiny = _fixtures(sizes, work)[0]
+    tiny = tiny_model(work)
+    keys = ("num_hidden_layers", "hidden_size", "num_local_experts", "sliding_window")
     if sizes.dry_run:
         config = json.loads((tiny / "config.json").read_text())
-        return tiny, {k: config[k] for k in ("hidden_size", "num_local_experts", "sliding_window")}
+        return tiny, {k: config[k] for k in keys}
     out = work / "megatron-source"
     preset = {**MODEL_PRESETS["gpt-oss-20b"], "num_hidden_layers": 2}
     preset["layer_types"] = ["sliding_attention", "full_attention"]
@@ -491,13 +492,18 @@ def _megatron_source(sizes: Sizes, work: Path) -> tuple[Path, dict]:
     if not (out / "config.json").is_file():
         shutil.rmtree(out, ignore_errors=True)
         torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = GptOssForCausalLM(GptOssConfig(**fields)).to(torch.bfloat16)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = GptOssForCausalLM(GptOssConfig(**fields))
+        finally:
+            torch.set_default_dtype(default)
         model.save_pretrained(out)
         AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
         del model
         torch.cuda.empty_cache()
-    return out, {k: preset[k] for k in ("hidden_size", "num_local_experts", "sliding_window")}
+    return out, {k: preset[k] for k in keys}
 
 
 def check_megatron_convert(sizes: Sizes, work: Path) -> dict:
@@ -533,7 +539,6 @@ def check_megatron_convert(sizes: Sizes, work: Path) -> dict:
         )  # fmt: skip
     return {
         **shape,
-        "layers": 2,
         "dtype": dtype,
         "transformer_engine": _version("transformer-engine") or "none",
         "gpu": torch.cuda.get_device_name(0) if sizes.device == "cuda" else "cpu",

@@ -34,6 +34,9 @@ Checks, in order (``Sizes`` holds the sizes of the full run and of the dry run):
   engine; vLLM with ``enable_return_routed_experts`` where vLLM is installed, which the GPU
   image is not): one update without and with ``algorithm.router_replay: rollout``; replaying
   the engine's expert choices must lower ``rollout_kl``.
+- the first-GPU checks of issue #39 (``bench/gpu_check_first.py``, ``--first``): ``stack``,
+  ``vllm-engine-sync``, ``sync-floor``, ``zero3-parity``, ``megatron-convert`` (in the Megatron
+  env).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from gpu_check_first import (
     check_sync_floor,
     check_vllm_engine_sync,
     check_zero3_parity,
+    zero3_sft_config,
 )
 from gpu_check_planner import check_planner
 
@@ -68,20 +72,25 @@ def _fixtures(sizes: Sizes, work: Path) -> tuple[Path, Path]:
     """The tiny model and the prepared bundled data, built once per work dir."""
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare_dataset
-    from trainer.tiny_model import SMALLEST, build_tiny_model
 
-    data, model = work / "data", work / "tiny-model"
+    data = work / "data"
     if not (data / "eval.jsonl").is_file():
         tmp = work / ".data.partial"
         tmp.mkdir(parents=True, exist_ok=True)
         config = DataPrepConfig(workers=1)
         prepare_dataset(config, tmp / "train.jsonl", tmp / "eval.jsonl", tmp / "quarantine.jsonl")
         os.replace(tmp, data)
+    return tiny_model(work), data
+
+
+def tiny_model(work: Path) -> Path:
+    """The tiny GPT-OSS (``trainer.tiny_model.SMALLEST``), built once per work dir."""
+    from trainer.tiny_model import SMALLEST, build_tiny_model
+
+    model = work / "tiny-model"
     if not (model / "config.json").is_file():
-        small = SMALLEST
-        built = build_tiny_model(work / ".tiny-model.partial", small)
-        os.replace(built, model)
-    return model, data
+        os.replace(build_tiny_model(work / ".tiny-model.partial", SMALLEST), model)
+    return model
 
 
 def _checked_metrics(path: str | Path, max_steps: int) -> list[dict]:
@@ -356,12 +365,7 @@ def check_deepspeed(sizes: Sizes, work: Path) -> dict:
 
 def check_sft_zero3(sizes: Sizes, work: Path) -> dict:
     _deepspeed_version()
-    cfg = _sft_config(
-        sizes,
-        lora={"r": 8, "alpha": 16, "experts": True},
-        optim={"backend": "deepspeed", "zero_stage": 3, "learning_rate": 1e-3},
-        gradient_accumulation_steps=1,
-    )
+    cfg = zero3_sft_config(sizes)  # zero3-parity compares this run with one without ZeRO
     out = work / "sft-zero3"
     done = _torchrun_step(sizes, "trainer.sft", cfg, "--base-model", _fixtures(sizes, work)[0], out)
     loaded = re.findall(r"model loaded (\w+): (\d+) of (\d+) parameters", done.stderr)

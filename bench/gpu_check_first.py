@@ -235,13 +235,17 @@ def floor_verdict(mean: float, p95: float, tokens: int, dtype: str) -> tuple[flo
     return ceiling, None
 
 
-def _vllm_fixtures(sizes: Sizes, work: Path):
-    """The tiny GPT-OSS with 64-wide heads (vLLM's attention kernels), its tokenizer, a
-    256-token probe of the eval split."""
+def _require_vllm_on_cuda(sizes: Sizes) -> None:
     if sizes.device != "cuda":
         raise NeedsCuda("vLLM with CUDA graphs and torch.compile")
     if not _importable("vllm"):
         raise CheckSkipped("vLLM is not installed: run this check in the GPU image")
+
+
+def _vllm_fixtures(sizes: Sizes, work: Path):
+    """The tiny GPT-OSS with 64-wide heads (vLLM's attention kernels), its tokenizer, a
+    256-token probe of the eval split."""
+    _require_vllm_on_cuda(sizes)
     from gpu_checks import _fixtures
     from transformers import AutoTokenizer
 
@@ -271,11 +275,14 @@ def _policy_backend(model: Path, dtype, info):
 
 
 def _engine_mode(llm) -> dict:
+    """How the engine runs, from its resolved ``VllmConfig`` (``LLM.llm_engine.vllm_config``):
+    eager or not, and the names of its CUDA-graph and compilation modes (enums)."""
     config = llm.llm_engine.vllm_config
+    graphs, compiled = config.compilation_config.cudagraph_mode, config.compilation_config.mode
     return {
         "enforce_eager": bool(config.model_config.enforce_eager),
-        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
-        "compile_mode": str(config.compilation_config.mode),
+        "cudagraph_mode": getattr(graphs, "name", str(graphs)),
+        "compile_mode": getattr(compiled, "name", str(compiled)),
     }
 
 
@@ -289,12 +296,17 @@ def check_vllm_engine_sync(sizes: Sizes, work: Path) -> dict:
     from trainer.grpo.vllm_dedicated import DedicatedVLLMEngine
     from trainer.grpo.weight_sync import probe_gap, sync_engine
 
-    info = DistInfo(0, 1, 0, torch.device("cuda", 0))
+    info = DistInfo(0, 1, 0, torch.device(sizes.device))
     backend = _policy_backend(model, torch.bfloat16, info)
     cfg = RolloutConfig(max_new_tokens=16, gpu_memory_utilization=0.3)
     started = time.monotonic()
     engine = DedicatedVLLMEngine(str(model), tokenizer, cfg, dtype="bfloat16")
+    # one GPU holds the sender and the engine's worker, and NCCL refuses two ranks of one
+    # communicator on one GPU: the weights go over the project's gloo transport (lingo_gloo,
+    # ``weight_transfer.GlooSender``), as from a trainer without vLLM (``select_transfer``)
+    engine.transport = "gloo"
     figures = {"engine_start_s": time.monotonic() - started, **_engine_mode(engine.llm)}
+    figures["transport"] = "lingo_gloo"
     try:
         problems = engine_mode_problems(
             figures["enforce_eager"], figures["cudagraph_mode"], figures["compile_mode"]
@@ -338,7 +350,7 @@ def check_sync_floor(sizes: Sizes, work: Path) -> dict:
     from trainer.grpo.sync_check import FLOOR_CEILING
     from trainer.grpo.weight_sync import probe_gap
 
-    info = DistInfo(0, 1, 0, torch.device("cuda", 0))
+    info = DistInfo(0, 1, 0, torch.device(sizes.device))
     backend = _policy_backend(model, torch.bfloat16, info)
     cfg = RolloutConfig(max_new_tokens=16, gpu_memory_utilization=0.3)
     engine = VLLMRolloutEngine(str(model), tokenizer, cfg, dtype="bfloat16")

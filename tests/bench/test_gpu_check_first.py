@@ -52,8 +52,8 @@ def test_cpu_adam_must_speed_up_with_threads_only_where_the_node_has_the_cores()
 
 
 def test_an_engine_without_cuda_graphs_or_compile_fails():
-    assert engine_mode_problems(False, "CUDAGraphMode.FULL_AND_PIECEWISE", "3") == []
-    problems = engine_mode_problems(True, "CUDAGraphMode.NONE", "CompilationMode.NONE")
+    assert engine_mode_problems(False, "FULL_AND_PIECEWISE", "VLLM_COMPILE") == []
+    problems = engine_mode_problems(True, "NONE", "NONE")
     assert len(problems) == 3 and "enforce_eager=True" in problems[0]
 
 

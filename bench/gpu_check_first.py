@@ -246,14 +246,14 @@ def _vllm_fixtures(sizes: Sizes, work: Path):
     """The tiny GPT-OSS with 64-wide heads (vLLM's attention kernels), its tokenizer, a
     256-token probe of the eval split."""
     _require_vllm_on_cuda(sizes)
-    from gpu_checks import _fixtures
+    from gpu_check_fixtures import fixtures
     from transformers import AutoTokenizer
 
     from trainer.grpo.prompts import load_prompts
     from trainer.grpo.sync_check import sync_probe
     from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
-    data = _fixtures(sizes, work)[1]
+    data = fixtures(sizes, work)[1]
     model = work / "vllm-tiny-model"
     if not (model / "config.json").is_file():
         shape = TinyModelConfig(head_dim=64, num_attention_heads=2, num_key_value_heads=1)
@@ -394,12 +394,12 @@ def parity_problems(
 def zero3_sft_config(sizes: Sizes, backend: str = "deepspeed"):
     """SFT as the gpt-oss-20b preset runs it, small: LoRA r 8 on attention and experts,
     ZeRO-3 (``backend`` deepspeed) or plain PyTorch (``torch``), one example a step."""
-    from gpu_checks import _sft_config
+    from gpu_check_fixtures import sft_config
 
     optim = {"backend": backend, "learning_rate": 1e-3}
     if backend == "deepspeed":
         optim["zero_stage"] = 3
-    return _sft_config(
+    return sft_config(
         sizes,
         lora={"r": 8, "alpha": 16, "experts": True},
         optim=optim,
@@ -426,19 +426,19 @@ def persistence_threshold(cfg, base: Path) -> int:
 
 
 def check_zero3_parity(sizes: Sizes, work: Path) -> dict:
-    from gpu_checks import _checked_metrics, _deepspeed_version, _fixtures, _torchrun_step
+    from gpu_check_fixtures import checked_metrics, deepspeed_version, fixtures, torchrun_step
 
     from trainer.sft.recipe import run_sft
 
-    _deepspeed_version()
-    base, data = _fixtures(sizes, work)
+    deepspeed_version()
+    base, data = fixtures(sizes, work)
     zero3 = work / "sft-zero3"  # the sft-zero3 check's run, when it ran with this config
     cfg = zero3_sft_config(sizes)
     config_file = zero3.with_suffix(".json")
     ran = config_file.is_file() and config_file.read_text() == cfg.model_dump_json()
     if not (ran and (zero3 / "work" / "training_metrics.jsonl").is_file()):
         zero3 = work / "zero3-parity"
-        _torchrun_step(sizes, "trainer.sft", cfg, "--base-model", base, zero3)
+        torchrun_step(sizes, "trainer.sft", cfg, "--base-model", base, zero3)
     threshold = persistence_threshold(cfg, base)
     reference = work / "sft-no-zero"
     done = run_sft(
@@ -446,8 +446,8 @@ def check_zero3_parity(sizes: Sizes, work: Path) -> dict:
         reference / "model", reference / "work",
     )  # fmt: skip
     steps = sizes.sft_steps
-    ref_lines = _checked_metrics(done.metrics_file, steps)
-    zero_lines = _checked_metrics(zero3 / "work" / "training_metrics.jsonl", steps)
+    ref_lines = checked_metrics(done.metrics_file, steps)
+    zero_lines = checked_metrics(zero3 / "work" / "training_metrics.jsonl", steps)
     bf16 = sizes.dtype == "bfloat16"
     loss_rtol, grad_rtol = (2e-2, 5e-2) if bf16 else (1e-4, 1e-3)
     problems = parity_problems(ref_lines, zero_lines, loss_rtol, grad_rtol)
@@ -487,7 +487,7 @@ def _megatron_source(sizes: Sizes, work: Path) -> tuple[Path, dict]:
     import shutil
 
     import torch
-    from gpu_checks import tiny_model
+    from gpu_check_fixtures import tiny_model
     from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
 
     from capacity.model_presets import MODEL_PRESETS

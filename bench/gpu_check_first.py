@@ -43,7 +43,6 @@ log = logging.getLogger("gpu_check")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-NEEDS_CUDA = "skipped: needs CUDA"
 MIN_ADAM_SPEEDUP = 2.0
 """The least speed-up of a CPU Adam step at 16 OpenMP threads over 1 that shows the
 variable reaches the op (a 16-core node gives ~8×; 1× means the threads do not help)."""
@@ -453,9 +452,10 @@ def check_zero3_parity(sizes: Sizes, work: Path) -> dict:
     problems = parity_problems(ref_lines, zero_lines, loss_rtol, grad_rtol)
     if problems:
         raise CheckFailed("; ".join(problems))
-    pairs = list(zip(ref_lines, zero_lines, strict=True))
-    losses = [(r["loss"], z["loss"]) for r, z in pairs if "loss" in r]
-    grads = [(r["grad_norm"], z["grad_norm"]) for r, z in pairs if "loss" in r]
+    ref = {line["step"]: line for line in ref_lines if "loss" in line}
+    zero = {line["step"]: line for line in zero_lines if "loss" in line}
+    losses = [(ref[step]["loss"], zero[step]["loss"]) for step in sorted(ref)]
+    grads = [(ref[step]["grad_norm"], zero[step]["grad_norm"]) for step in sorted(ref)]
     finite([v for pair in losses + grads for v in pair], "losses and grad norms")
     return {
         "steps": steps,

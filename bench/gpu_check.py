@@ -1,6 +1,7 @@
 """The GPU check: one command on a bare GPU machine, one PASS/FAIL line per check.
 
     python3 bench/gpu_check.py                        # on the GPU machine: docs/benchmarks.md
+    python3 bench/gpu_check.py --first                # the five first-GPU checks (issue #39)
     python bench/gpu_check.py --device cpu --dry-run  # the same script end to end, tiny shapes
 
 First it installs the carried wheels (``tools/build_gpu_wheels.py`` builds ``.whl/gpu``) into
@@ -9,7 +10,14 @@ a temporary site directory that every check sees first; then it runs each check 
 check's GPU memory peak is its own) under a watchdog: each check has a time limit, and the
 whole run a budget (default 450 s, under the 8 minutes a GPU call may spend on it); a check
 the budget cannot reach is a FAIL. A check that cannot run (a missing package, no CUDA) is a
-FAIL too: nothing is skipped silently. Exit status 0 only when every check passed.
+FAIL too: nothing is skipped silently. The one exception is the CPU dry run, where a check
+whose library cannot run on a CPU (NCCL, vLLM's CUDA graphs) or whose env is not here (the
+Megatron env) prints ``SKIP name  skipped: needs CUDA (…)``. Exit status 0 only when every
+check passed or was skipped that way.
+
+A check of the Megatron env (``megatron-convert``) runs in ``--megatron-python`` (default
+``$LINGO_MEGATRON_PYTHON``, else ``.venv-megatron/bin/python`` when it exists, else this
+Python: in the Megatron image that is the image's own), with only the repository on its path.
 
 Output: one line per check, ``PASS name  seconds  figures`` or ``FAIL name  seconds  why``,
 then a summary line; a JSON report (every figure, each failing check's log tail) to
@@ -39,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.append(str(HERE))
 
-from gpu_checks import CHECKS, Sizes, run_check  # noqa: E402 (after the path set-up)
+from gpu_checks import CHECKS, FIRST_CHECKS, Sizes, run_check  # noqa: E402 (after the path set-up)
 
 DEFAULT_WHEELS = ROOT / ".whl" / "gpu"
 DEFAULT_BUDGET_S = 450.0
@@ -106,13 +114,33 @@ def _check_environment(site: Path) -> dict[str, str]:
     return env
 
 
+def megatron_python(given: Path | None) -> str:
+    """The Megatron env's Python: ``given``, ``$LINGO_MEGATRON_PYTHON``, the repository's
+    ``.venv-megatron`` when built, else this one (the Megatron image)."""
+    if given is not None:
+        return str(given)
+    if os.environ.get("LINGO_MEGATRON_PYTHON"):
+        return os.environ["LINGO_MEGATRON_PYTHON"]
+    built = ROOT / ".venv-megatron" / "bin" / "python"
+    return str(built) if built.is_file() else sys.executable
+
+
+def _megatron_environment() -> dict[str, str]:
+    """The Megatron env's checks see its own packages and the repository, nothing carried."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return env | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
 def run_one(
     name: str, args: argparse.Namespace, work: Path, env: dict[str, str], limit: float
 ) -> dict:
     """Run check ``name`` in its own process, killed after ``limit`` seconds."""
     result_file = work / f"{name}.result.json"
     log_file = work / f"{name}.log"
-    command = [sys.executable, str(Path(__file__).resolve()), "--run-check", name]
+    python = sys.executable
+    if CHECKS[name].env == "megatron":
+        python, env = megatron_python(args.megatron_python), _megatron_environment()
+    command = [python, str(Path(__file__).resolve()), "--run-check", name]
     command += ["--device", args.device, "--work-dir", str(work), "--result", str(result_file)]
     if args.dry_run:
         command.append("--dry-run")
@@ -147,8 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, few steps")
     parser.add_argument("--wheels", type=Path, default=DEFAULT_WHEELS)
-    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S)
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help=f"the whole run's budget (default {DEFAULT_BUDGET_S:.0f} s; with --first the sum "
+        "of its checks' limits)",
+    )
     parser.add_argument("--only", nargs="+", choices=sorted(CHECKS), help="run these checks")
+    parser.add_argument(
+        "--first", action="store_true", help=f"the first-GPU checks: {', '.join(FIRST_CHECKS)}"
+    )
+    parser.add_argument("--megatron-python", type=Path, help="the Megatron env's Python")
     parser.add_argument("--report", type=Path, help="JSON report (default $OUT/gpu_check.json)")
     parser.add_argument("--work-dir", type=Path, help="models, data and logs (default: a temp dir)")
     parser.add_argument("--run-check", choices=sorted(CHECKS), help=argparse.SUPPRESS)
@@ -157,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_check:  # inside one check's process
         return run_check(args.run_check, Sizes.for_run(args.dry_run, args.device), args)
 
+    if args.budget_s is None:
+        first = sum(CHECKS[n].limit_s(args.dry_run) for n in FIRST_CHECKS)
+        args.budget_s = first if args.first and not args.only else DEFAULT_BUDGET_S
     deadline = time.monotonic() + args.budget_s
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -166,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [install_wheels(args.wheels, site)]
     print(_line(results[0]), flush=True)
     env = _check_environment(site)
-    names = args.only or list(CHECKS)
+    names = args.only or (list(FIRST_CHECKS) if args.first else list(CHECKS))
     for name in names:
         left = deadline - time.monotonic()
         limit = min(CHECKS[name].limit_s(args.dry_run), left)
@@ -178,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_line(result), flush=True)
         for text in _log_tail(work / f"{name}.log") if result["status"] == "FAIL" else []:
             print(f"    | {text}")
-    failed = [r["name"] for r in results if r["status"] != "PASS"]
-    passed = len(results) - len(failed)
-    print(f"gpu_check: {passed} passed, {len(failed)} failed", flush=True)
+    failed = [r["name"] for r in results if r["status"] not in ("PASS", "SKIP")]
+    skipped = [r["name"] for r in results if r["status"] == "SKIP"]
+    passed = len(results) - len(failed) - len(skipped)
+    summary = f"gpu_check: {passed} passed, {len(failed)} failed"
+    print(summary + (f", {len(skipped)} skipped on CPU" if skipped else ""), flush=True)
     _write_report(args, work, results)
     shutil.rmtree(site, ignore_errors=True)
     return 1 if failed else 0
@@ -197,7 +239,8 @@ def _write_report(args: argparse.Namespace, work: Path, results: list[dict]) -> 
         "device": args.device,
         "dry_run": args.dry_run,
         "budget_s": args.budget_s,
-        "passed": all(r["status"] == "PASS" for r in results),
+        "passed": all(r["status"] in ("PASS", "SKIP") for r in results),
+        "skipped": [r["name"] for r in results if r["status"] == "SKIP"],
         "checks": results,
     }
     report.parent.mkdir(parents=True, exist_ok=True)

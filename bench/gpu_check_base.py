@@ -17,6 +17,25 @@ class CheckSkipped(RuntimeError):
     """A check cannot run here; the runner reports it as a FAIL, never as fine."""
 
 
+class DryRunSkip(CheckSkipped):
+    """A check that cannot run in the CPU dry run, saying why: the dry run reports it as
+    ``SKIP name … skipped: <why>``; with ``--device cuda`` it is a FAIL like any skip."""
+
+
+class NeedsCuda(DryRunSkip):
+    """The check's library cannot run on a CPU (NCCL, vLLM's CUDA graphs)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"needs CUDA ({what})")
+
+
+class NeedsMegatronEnv(DryRunSkip):
+    """The check runs in the Megatron env only (``--megatron-python``), which is not here."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"needs the Megatron env ({what})")
+
+
 @dataclass(frozen=True)
 class Sizes:
     """How big each check runs: the full run on a GPU, or the dry run's tiny shapes."""
@@ -52,6 +71,8 @@ class Check:
     run: Callable[[Sizes, Path], dict]
     full_limit_s: float
     dry_limit_s: float
+    env: str = "main"
+    """Its Python: ``main`` (the script's own) or ``megatron`` (``--megatron-python``)."""
 
     def limit_s(self, dry_run: bool) -> float:
         return self.dry_limit_s if dry_run else self.full_limit_s

@@ -34,6 +34,9 @@ Checks, in order (``Sizes`` holds the sizes of the full run and of the dry run):
   engine; vLLM with ``enable_return_routed_experts`` where vLLM is installed, which the GPU
   image is not): one update without and with ``algorithm.router_replay: rollout``; replaying
   the engine's expert choices must lower ``rollout_kl``.
+- the first-GPU checks of issue #39 (``bench/gpu_check_first.py``, ``--first``): ``stack``,
+  ``vllm-engine-sync``, ``sync-floor``, ``zero3-parity``, ``megatron-convert`` (in the Megatron
+  env).
 """
 
 from __future__ import annotations
@@ -49,53 +52,27 @@ import time
 import traceback
 from pathlib import Path
 
-from gpu_check_base import Check, CheckFailed, CheckSkipped, Sizes, finite
+from gpu_check_base import Check, CheckFailed, CheckSkipped, DryRunSkip, Sizes, finite
+from gpu_check_first import (
+    check_megatron_convert,
+    check_stack,
+    check_sync_floor,
+    check_vllm_engine_sync,
+    check_zero3_parity,
+    zero3_sft_config,
+)
+from gpu_check_fixtures import (
+    checked_metrics,
+    deepspeed_version,
+    fixtures,
+    sft_config,
+    torchrun_step,
+)
 from gpu_check_planner import check_planner
 
 log = logging.getLogger("gpu_check")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _fixtures(sizes: Sizes, work: Path) -> tuple[Path, Path]:
-    """The tiny model and the prepared bundled data, built once per work dir."""
-    from data_prep.config import DataPrepConfig
-    from data_prep.prepare import prepare_dataset
-    from trainer.tiny_model import SMALLEST, build_tiny_model
-
-    data, model = work / "data", work / "tiny-model"
-    if not (data / "eval.jsonl").is_file():
-        tmp = work / ".data.partial"
-        tmp.mkdir(parents=True, exist_ok=True)
-        config = DataPrepConfig(workers=1)
-        prepare_dataset(config, tmp / "train.jsonl", tmp / "eval.jsonl", tmp / "quarantine.jsonl")
-        os.replace(tmp, data)
-    if not (model / "config.json").is_file():
-        small = SMALLEST
-        built = build_tiny_model(work / ".tiny-model.partial", small)
-        os.replace(built, model)
-    return model, data
-
-
-def _checked_metrics(path: str | Path, max_steps: int) -> list[dict]:
-    """The metrics file as the Kubeflow SDK reads it: every line with step, max_steps, epoch,
-    cumulative wall_time_s; the last step is max_steps; every loss finite."""
-    from trainer.metrics import read_metrics
-
-    lines = read_metrics(path)
-    if not lines:
-        raise CheckFailed(f"{path}: no metrics")
-    for number, line in enumerate(lines, 1):
-        missing = [k for k in ("step", "max_steps", "epoch", "wall_time_s") if k not in line]
-        if missing:
-            raise CheckFailed(f"{path}:{number}: lacks {missing}")
-    walls = [line["wall_time_s"] for line in lines]
-    if walls != sorted(walls):
-        raise CheckFailed(f"{path}: wall_time_s goes backwards: {walls}")
-    if lines[-1]["step"] != max_steps or lines[-1]["max_steps"] != max_steps:
-        raise CheckFailed(f"{path}: last line {lines[-1]} is not step {max_steps} of {max_steps}")
-    finite([line["loss"] for line in lines if "loss" in line], f"{path}: loss")
-    return lines
 
 
 def _reloads(model_dir: str | Path) -> int:
@@ -124,36 +101,17 @@ def check_device(sizes: Sizes, work: Path) -> dict:
     }
 
 
-def _sft_config(sizes: Sizes, **fields):
-    """The SFT checks' config: ``sizes``' steps and dtype, 2 examples a micro-batch, a short
-    eval and merge check; ``fields`` on top."""
-    from trainer.sft.config import SFTConfig
-
-    return SFTConfig.model_validate(
-        {
-            "max_steps": sizes.sft_steps,
-            "micro_batch_size": 2,
-            "gradient_accumulation_steps": 2,
-            "dtype": sizes.dtype,
-            "device": sizes.device,
-            "merge_check_prompts": 2,
-            "eval_max_examples": 8,
-            **fields,
-        }
-    )
-
-
 def check_sft(sizes: Sizes, work: Path) -> dict:
     from trainer.sft.recipe import run_sft
 
-    model, data = _fixtures(sizes, work)
-    cfg = _sft_config(sizes)
+    model, data = fixtures(sizes, work)
+    cfg = sft_config(sizes)
     started = time.monotonic()
     result = run_sft(
         cfg, model, data / "train.jsonl", data / "eval.jsonl", work / "sft", work / "sft-work"
     )
     seconds = time.monotonic() - started
-    lines = _checked_metrics(result.metrics_file, sizes.sft_steps)
+    lines = checked_metrics(result.metrics_file, sizes.sft_steps)
     losses = [line["loss"] for line in lines if "loss" in line]
     if len(losses) != sizes.sft_steps:
         raise CheckFailed(f"{len(losses)} loss lines for {sizes.sft_steps} steps")
@@ -173,7 +131,7 @@ def _policy_dir(sizes: Sizes, work: Path) -> tuple[Path, str]:
     """The SFT check's model when it ran, else the tiny model."""
     if (work / "sft" / "config.json").is_file():
         return work / "sft", "sft"
-    return _fixtures(sizes, work)[0], "tiny"
+    return fixtures(sizes, work)[0], "tiny"
 
 
 def _grpo_config(sizes: Sizes, **optim):
@@ -217,7 +175,7 @@ def check_grpo(sizes: Sizes, work: Path) -> dict:
     from trainer.grpo.recipe import run_grpo
 
     policy, source = _policy_dir(sizes, work)
-    data = _fixtures(sizes, work)[1]
+    data = fixtures(sizes, work)[1]
     result = run_grpo(
         _grpo_config(sizes),
         policy,
@@ -227,7 +185,7 @@ def check_grpo(sizes: Sizes, work: Path) -> dict:
         work / "grpo-work",
     )
     figures = _grpo_figures(
-        _checked_metrics(result.metrics_file, sizes.grpo_steps), sizes.grpo_steps
+        checked_metrics(result.metrics_file, sizes.grpo_steps), sizes.grpo_steps
     )
     return {"from": source, **figures, "reloaded_params": _reloads(result.model_dir)}
 
@@ -295,48 +253,13 @@ def check_bf16_numerics(sizes: Sizes, work: Path) -> dict:
     }
 
 
-def _deepspeed_version() -> tuple[str, dict]:
-    """DeepSpeed's version and ``installed_ops``; a skip (a FAIL) when it cannot be imported."""
-    try:
-        from deepspeed.git_version_info import installed_ops, version
-    except ImportError as missing:
-        raise CheckSkipped(
-            f"DeepSpeed cannot be imported ({missing}): its wheel was not carried "
-            "(tools/build_gpu_wheels.py builds it without ops)"
-        ) from missing
-    return version, installed_ops
-
-
-def _torchrun_step(
-    sizes: Sizes, module: str, cfg, base_flag: str, base: Path, out: Path
-) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node 1 -m <module>`` (``trainer.sft`` / ``trainer.grpo``) with
-    ``cfg`` from ``base`` on the bundled data into ``out``; its output goes to this check's
-    log and comes back."""
-    data = _fixtures(sizes, out.parent)[1]
-    config = out.with_suffix(".json")
-    config.write_text(cfg.model_dump_json())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node", "1", "-m", module, "--config", str(config)]
-    command += [base_flag, str(base), "--train", str(data / "train.jsonl")]
-    command += ["--eval", str(data / "eval.jsonl"), "--model-output", str(out / "model")]
-    command += ["--work-dir", str(out / "work")]
-    env = {**os.environ, "DS_ACCELERATOR": sizes.device, "DS_BUILD_OPS": "0"}
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
-    sys.stdout.write(done.stdout)
-    sys.stderr.write(done.stderr)
-    if done.returncode != 0:
-        raise CheckFailed(f"torchrun -m {module} exited {done.returncode}")
-    return done
-
-
 def check_deepspeed(sizes: Sizes, work: Path) -> dict:
-    version, installed_ops = _deepspeed_version()
+    version, installed_ops = deepspeed_version()
     policy, source = _policy_dir(sizes, work)
     cfg = _grpo_config(sizes, backend="deepspeed", zero_stage=2, learning_rate=1e-6)
     out = work / "grpo-deepspeed"
-    _torchrun_step(sizes, "trainer.grpo", cfg, "--sft-model", policy, out)
-    lines = _checked_metrics(out / "work" / "training_metrics.jsonl", sizes.grpo_steps)
+    torchrun_step(sizes, "trainer.grpo", cfg, "--sft-model", policy, out)
+    lines = checked_metrics(out / "work" / "training_metrics.jsonl", sizes.grpo_steps)
     return {
         "deepspeed": version,
         "ops_prebuilt": sum(bool(v) for v in installed_ops.values()),
@@ -348,19 +271,14 @@ def check_deepspeed(sizes: Sizes, work: Path) -> dict:
 
 
 def check_sft_zero3(sizes: Sizes, work: Path) -> dict:
-    _deepspeed_version()
-    cfg = _sft_config(
-        sizes,
-        lora={"r": 8, "alpha": 16, "experts": True},
-        optim={"backend": "deepspeed", "zero_stage": 3, "learning_rate": 1e-3},
-        gradient_accumulation_steps=1,
-    )
+    deepspeed_version()
+    cfg = zero3_sft_config(sizes)  # zero3-parity compares this run with one without ZeRO
     out = work / "sft-zero3"
-    done = _torchrun_step(sizes, "trainer.sft", cfg, "--base-model", _fixtures(sizes, work)[0], out)
+    done = torchrun_step(sizes, "trainer.sft", cfg, "--base-model", fixtures(sizes, work)[0], out)
     loaded = re.findall(r"model loaded (\w+): (\d+) of (\d+) parameters", done.stderr)
     if [how for how, *_ in loaded] != ["partitioned"]:
         raise CheckFailed(f"the model did not load partitioned: {loaded or 'no load line'}")
-    lines = _checked_metrics(out / "work" / "training_metrics.jsonl", sizes.sft_steps)
+    lines = checked_metrics(out / "work" / "training_metrics.jsonl", sizes.sft_steps)
     losses = [line["loss"] for line in lines if "loss" in line]
     return {
         "dtype": sizes.dtype,
@@ -391,7 +309,7 @@ def check_mxfp4(sizes: Sizes, work: Path) -> dict:
     packer = _tests_module("mxfp4_checkpoint")
     out = work / "mxfp4-model"
     shutil.rmtree(out, ignore_errors=True)
-    originals = packer.write_mxfp4_checkpoint(_fixtures(sizes, work)[0], out)
+    originals = packer.write_mxfp4_checkpoint(fixtures(sizes, work)[0], out)
     model = load_causal_lm(out, torch.bfloat16, torch.device(sizes.device))
     experts = type(model.model.layers[0].mlp.experts).__name__
     if experts != "GptOssExperts":
@@ -424,7 +342,7 @@ def check_sync_noise(sizes: Sizes, work: Path) -> dict:
     from trainer.grpo.sync_check import SyncCheck, WeightSyncError, sync_probe
     from trainer.grpo.weight_sync import sync_engine
 
-    model, data = _fixtures(sizes, work)
+    model, data = fixtures(sizes, work)
     device = torch.device(sizes.device)
     info = DistInfo(0, 1, 0, device)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -529,7 +447,7 @@ def check_routing_replay(sizes: Sizes, work: Path) -> dict:
     from trainer.grpo.prompts import load_prompts
     from trainer.grpo.rollout import HFRolloutEngine
 
-    model, data = _fixtures(sizes, work)
+    model, data = fixtures(sizes, work)
     device = torch.device(sizes.device)
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
@@ -581,7 +499,15 @@ CHECKS: dict[str, Check] = {
     "sync-check": Check(check_sync_noise, 60, 90),
     "collective-timeout": Check(check_collective_timeout, 30, 30),
     "routing-replay": Check(check_routing_replay, 120, 120),
+    # the first-GPU checks (issue #39, ``--first``): each within 4 minutes on one H100
+    "stack": Check(check_stack, 240, 30),
+    "vllm-engine-sync": Check(check_vllm_engine_sync, 240, 30),
+    "sync-floor": Check(check_sync_floor, 180, 30),
+    "zero3-parity": Check(check_zero3_parity, 240, 150),
+    "megatron-convert": Check(check_megatron_convert, 240, 180, env="megatron"),
 }
+FIRST_CHECKS = ("stack", "vllm-engine-sync", "sync-floor", "zero3-parity", "megatron-convert")
+"""What a reviewer runs first on one GPU (``bench/gpu_check.py --first``)."""
 
 
 def run_check(name: str, sizes: Sizes, args) -> int:
@@ -592,6 +518,11 @@ def run_check(name: str, sizes: Sizes, args) -> int:
     try:
         figures = CHECKS[name].run(sizes, args.work_dir)
         status = "PASS"
+    except DryRunSkip as cannot:
+        if sizes.device == "cuda":
+            detail = f"skipped, which counts as a failure: {cannot}"
+        else:  # the CPU dry run: the library cannot run here, and says so
+            status, detail = "SKIP", f"skipped: {cannot}"
     except CheckSkipped as skipped:
         detail = f"skipped, which counts as a failure: {skipped}"
     except Exception as error:  # the check's crash is its result

@@ -361,7 +361,9 @@ def _shape_problems(config: Mapping[str, Any], layout: MegatronLayout) -> list[s
             f"pp={layout.pp} does not divide num_hidden_layers={layers} (pipeline stages hold "
             f"equal numbers of layers); pp must be one of {_divisors(layers)}"
         )
-    elif layout.vpp is not None and layout.vpp > 1:
+    elif layout.vpp is not None:
+        # any vpp, 1 included, turns the interleaved schedule on: Megatron-Core's
+        # initialize_model_parallel raises on it with pp=1
         per_stage = layers // layout.pp
         if layout.pp < 2:
             problems.append(f"vpp={layout.vpp} needs pp ≥ 2 (interleaved schedule); pp=1")

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.nodes import NODE_TYPES, sender_network_gbps
+from plan import ParallelSizes
 
 
 class LayoutError(ValueError):
@@ -153,14 +154,18 @@ class Layout(BaseModel):
             raise ValueError("device=cpu rolls out with the training model: set rollout_gpus=0")
         if self.param_offload and self.zero_stage != 3:
             raise ValueError("param_offload needs zero_stage=3")
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
-        if self.backend == "megatron" and self.training_gpus % model_parallel:
-            raise ValueError("megatron: training_gpus must be a multiple of TP × PP")
-        if self.backend == "megatron" and self.training_gpus % (
-            self.expert_parallel * self.pipeline_parallel
-        ):
-            raise ValueError("megatron: training_gpus must be a multiple of EP × PP")
+        if self.backend == "megatron":
+            problems = self.parallel_sizes.problems(self.training_gpus, "training_gpus")
+            if problems:
+                raise ValueError("megatron: " + "; ".join(problems))
         return self
+
+    @property
+    def parallel_sizes(self) -> ParallelSizes:
+        """The layout's parallel sizes (the planner models ``cp = etp = 1``)."""
+        return ParallelSizes(
+            tp=self.tensor_parallel, pp=self.pipeline_parallel, ep=self.expert_parallel
+        )
 
     @property
     def sequence_length(self) -> int:

@@ -1,6 +1,7 @@
 """The packages import one way (docs/layout.md): pipelines → components → the steps
 (data_prep, trainer, eval, capacity, cluster); eval and trainer → (reward, generation);
-trainer → (capacity, cluster); capacity → cluster (the node types); all of them → core,
+trainer → (capacity, plan, cluster); capacity → (plan, cluster); plan (the run's shape) →
+cluster (the machine facts) and core; all of them → core,
 which imports none of the project's packages. Every package of the repository is checked. And no two
 modules import each other. Read from the source with ``ast``, lazy (function-level) imports
 included."""
@@ -21,6 +22,7 @@ PACKAGES = (
     "trainer",
     "eval",
     "capacity",
+    "plan",
     "cluster",
     "components",
     "pipelines",
@@ -33,10 +35,11 @@ ALLOWED = {
     "eval": {"core", "reward", "generation"},
     "data_prep": {"core"},
     "cluster": {"core"},
-    "capacity": {"core", "cluster"},
-    "trainer": {"core", "reward", "generation", "capacity", "cluster"},
-    "components": {"core", "reward", "generation"} | STEPS,
-    "pipelines": {"core", "reward", "generation", "components"} | STEPS,
+    "plan": {"core", "cluster"},
+    "capacity": {"core", "plan", "cluster"},
+    "trainer": {"core", "reward", "generation", "capacity", "plan", "cluster"},
+    "components": {"core", "reward", "generation", "plan"} | STEPS,
+    "pipelines": {"core", "reward", "generation", "plan", "components"} | STEPS,
 }
 # The one exception: the tiny model's tokenizer is trained on the bundled sample as data
 # prep renders it and on the eval set's questions, so its corpus comes from data_prep and

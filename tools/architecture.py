@@ -21,12 +21,23 @@ PACKAGES = {
     "data_prep": "dataset → validated harmony JSONL",
     "trainer": "SFT, GRPO, backends, checkpoints, export",
     "capacity": "the capacity planner (lingo estimate)",
+    "plan": "the shape of a run: ParallelSizes and its rules",
     "cluster": "machines, torchrun, TrainJobs and PyTorchJobs",
     "eval": "the eval, the gate, reports",
     "reward": "the reward scorer, its terms, adapters",
     "generation": "the engines of the eval and of GRPO: HF, vLLM, endpoints",
     "core": "what every step shares: languages, harmony, configs, tracking, S3",
 }
+
+VOCABULARY = [
+    "## Vocabulary",
+    "",
+    "One meaning each word. **layout** means parallel sizes only: how a run splits its model",
+    "over processes (tp, pp, ep, etp, cp, dp), `plan.ParallelSizes`, which holds the one set of",
+    "divisibility rules (Megatron-Core's two grids: world = tp × pp × cp × dp and",
+    "world = etp × ep × expert-dp × pp). The machines a run uses, where its processes sit",
+    "(placement) and what one rank's memory holds (the capacity estimate) are not its layout.",
+]
 
 
 def imported_packages(path: Path, packages) -> set[str]:
@@ -74,6 +85,7 @@ def render() -> str:
     for package, role in PACKAGES.items():
         names = ", ".join(f"`{o}`" for o in imports[package]) or "—"
         out.append(f"| `{package}/` | {role} | {names} |")
+    out += ["", *VOCABULARY]
     return "\n".join(out) + "\n"
 
 

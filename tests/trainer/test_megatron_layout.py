@@ -56,6 +56,9 @@ def _problems(layout: dict, config=GPT_OSS_20B, **kwargs) -> list[str]:
         ({"pp": 5, "gpus_per_node": 5}, ["pp=5", "num_hidden_layers=24"]),
         # a virtual pipeline needs PP ≥ 2 ...
         ({"vpp": 2}, ["vpp=2", "pp ≥ 2"]),
+        # ... vpp=1 too: Megatron-Core's initialize_model_parallel raises "pipeline-model-
+        # parallel size should be greater than 1 with interleaved schedule" for any vpp
+        ({"vpp": 1}, ["vpp=1", "pp ≥ 2"]),
         # ... and must divide the layers per stage (24 / 4 = 6)
         ({"pp": 4, "vpp": 4, "gpus_per_node": 4}, ["vpp=4", "6 layers per pipeline stage"]),
         # EP must divide the experts (32)

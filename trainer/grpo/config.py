@@ -354,9 +354,9 @@ class GRPOConfig(ProcessSettings):
 def _megatron_data_parallel(cfg: GRPOConfig) -> int:
     """The data-parallel size of a Megatron run, after the checks that need no model config.
 
-    The layout's world (``nodes × gpus_per_node``) must be the job's (``nproc``); the rules
-    between the layout and the model's shapes run at start (``validate_layout``), before any
-    weight is loaded.
+    The layout's world (``nodes × gpus_per_node``) must be the job's (``nproc``) and hold its
+    parallel sizes (``plan.ParallelSizes``'s rules); the rules between the layout and the
+    model's shapes run at start (``validate_layout``), before any weight is loaded.
     """
     settings = cfg.optim.megatron
     layout = settings.resolved_layout()
@@ -367,11 +367,7 @@ def _megatron_data_parallel(cfg: GRPOConfig) -> int:
             f"nproc={cfg.nproc} but layout {layout.name!r} runs on nodes × gpus_per_node = "
             f"{layout.nodes} × {layout.gpus_per_node} = {world} processes; make them equal"
         )
-    model_parallel = layout.tp * layout.pp * layout.cp
-    if world % model_parallel:
-        problems.append(
-            f"the layout's world {world} is not a multiple of tp × pp × cp = {model_parallel}"
-        )
+    problems += layout.parallel_sizes.problems(world, f"layout {layout.name!r}'s world")
     if layout.cp != 1:
         problems.append(
             f"cp={layout.cp}: the GRPO Megatron backend runs cp=1 (context parallelism needs "
@@ -385,7 +381,7 @@ def _megatron_data_parallel(cfg: GRPOConfig) -> int:
         )
     if problems:
         raise ValueError("optim.backend=megatron: " + "; ".join(problems))
-    return world // model_parallel
+    return world // layout.parallel_sizes.model_parallel
 
 
 def branch_config(

@@ -16,7 +16,8 @@ every rule that fails is reported, all at once, in one ``LayoutError``:
 - ETP is 1 for GPT-OSS (the bridge's GPT-OSS mapping and verl's recipe keep experts whole);
 - ``world = TP × PP × CP × DP`` with an integer DP ≥ 1 (derived when not given);
 - ``ETP × EP × PP`` divides the world size (Megatron-Core raises "world_size is not divisible
-  by expert_tensor_model_pipeline_parallel size" otherwise);
+  by expert_tensor_model_pipeline_parallel size" otherwise); these two grids are
+  ``plan.ParallelSizes``'s rules, the one copy every layer checks;
 - sequence parallelism needs TP > 1, and EP > 1 with TP > 1 needs sequence parallelism
   (Megatron-Core's ``ModelParallelConfig`` raises otherwise); for a layout that trains
   (``training=True``), TP > 1 on a MoE model needs sequence parallelism at any EP
@@ -50,6 +51,7 @@ from capacity import (
 )
 from capacity import LayoutError as PlannerLayoutError
 from core.config_model import ConfigModel
+from plan import ParallelSizes
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,13 @@ class MegatronLayout(ConfigModel):
     gpu_memory_gib: float | None = Field(None, gt=0)
     rollout_tp: int = Field(1, ge=1)
     planner: PlannerFields = Field(default_factory=lambda: PlannerFields())
+
+    @property
+    def parallel_sizes(self) -> ParallelSizes:
+        """The layout's tp, pp, ep, etp, cp and dp (``plan.ParallelSizes``)."""
+        return ParallelSizes(
+            tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp, dp=self.dp
+        )
 
     def megatron_kwargs(self) -> dict[str, Any]:
         """The layout under Megatron-Core's names (``ModelParallelConfig`` / bridge provider)."""
@@ -352,7 +361,9 @@ def _shape_problems(config: Mapping[str, Any], layout: MegatronLayout) -> list[s
             f"pp={layout.pp} does not divide num_hidden_layers={layers} (pipeline stages hold "
             f"equal numbers of layers); pp must be one of {_divisors(layers)}"
         )
-    elif layout.vpp is not None and layout.vpp > 1:
+    elif layout.vpp is not None:
+        # any vpp, 1 included, turns the interleaved schedule on: Megatron-Core's
+        # initialize_model_parallel raises on it with pp=1
         per_stage = layers // layout.pp
         if layout.pp < 2:
             problems.append(f"vpp={layout.vpp} needs pp ≥ 2 (interleaved schedule); pp=1")
@@ -383,29 +394,13 @@ def _shape_problems(config: Mapping[str, Any], layout: MegatronLayout) -> list[s
 
 
 def _grid_problems(layout: MegatronLayout, world: int) -> tuple[list[str], int | None]:
-    """Rules between the layout and the world size; returns the problems and the derived DP."""
-    problems = []
-    model_parallel = layout.tp * layout.pp * layout.cp
-    dp = None
-    if world % model_parallel:
-        problems.append(
-            f"world size {world} is not a multiple of tp × pp × cp = {layout.tp} × {layout.pp} "
-            f"× {layout.cp} = {model_parallel}, so dp = world / (tp × pp × cp) is no integer"
-        )
-    else:
-        dp = world // model_parallel
-        if layout.dp is not None and layout.dp != dp:
-            problems.append(
-                f"dp={layout.dp} but world size {world} = tp × pp × cp × dp needs dp={dp} "
-                f"(tp × pp × cp × dp = {model_parallel * layout.dp})"
-            )
-    expert_grid = layout.etp * layout.ep * layout.pp
-    if world % expert_grid:
-        problems.append(
-            f"world size {world} is not a multiple of etp × ep × pp = {layout.etp} × {layout.ep} "
-            f"× {layout.pp} = {expert_grid} (Megatron-Core's expert grid: world = etp × ep × "
-            "expert-dp × pp)"
-        )
+    """Rules between the layout and the world size; returns the problems and the derived DP.
+
+    The two grids are ``plan.ParallelSizes``'s rules; sequence parallelism and the rollout
+    engines' TP are the Megatron layout's own."""
+    sizes = layout.parallel_sizes
+    problems = sizes.problems(world)
+    dp = None if world % sizes.model_parallel else world // sizes.model_parallel
     if layout.sequence_parallel and layout.tp == 1:
         problems.append("sequence_parallel=true needs tp > 1 (it splits activations over TP)")
     if layout.ep > 1 and layout.tp > 1 and not layout.sequence_parallel:
@@ -571,7 +566,7 @@ def validate_layout(
     return ValidatedLayout(
         layout=layout.model_copy(update={"dp": dp}),
         world_size=world,
-        expert_data_parallel=world // (layout.etp * layout.ep * layout.pp),
+        expert_data_parallel=layout.parallel_sizes.expert_data_parallel(world),
         estimate=estimate,
         warnings=tuple(warnings),
     )

@@ -48,13 +48,15 @@ def stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = START_TIMEOUT_S
+) -> None:
     """Return once ``url/health`` answers 200.
 
     Raises:
-        RuntimeError: The process ended, or ``START_TIMEOUT_S`` passed (the log tail is quoted).
+        RuntimeError: The process ended, or ``timeout_s`` passed (the log tail is quoted).
     """
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:

@@ -68,7 +68,9 @@ def test_the_printed_command_opens_the_store_in_the_full_mlflow(tmp_path, monkey
         )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, log_path)
+        # the command runs pip (it asks PyPI) before the server: on a loaded 2-core machine
+        # the two took over 180 s
+        wait_healthy(url, proc, log_path, timeout_s=480)
         request = urllib.request.Request(
             f"{url}/api/2.0/mlflow/experiments/search",
             data=json.dumps({"max_results": 10}).encode(),

@@ -110,7 +110,10 @@ def _wait_for_step(run: subprocess.Popen, step: str, timeout_s: float = 420) -> 
         ("data-prep", signal.SIGTERM),
         ("base-model", signal.SIGINT),
         pytest.param("sft", signal.SIGTERM, marks=pytest.mark.slow),
-        ("grpo", signal.SIGTERM),
+        # the GRPO cases wait for SFT first (295 s at load ~10); a step's child processes (as
+        # torchrun's ranks) are covered by test_a_step_and_its_child_die_when_sh_dies and
+        # test_stop_ends_the_whole_process_group below, in seconds
+        pytest.param("grpo", signal.SIGTERM, marks=pytest.mark.slow),
         pytest.param("grpo", signal.SIGINT, marks=pytest.mark.slow),
         pytest.param("evaluate", signal.SIGTERM, marks=pytest.mark.slow),
         # SIGKILL cannot be caught: the kernel's parent-death signal stops the step (sh gets

@@ -34,8 +34,14 @@ def test_the_served_model_scores_what_the_in_process_eval_scores(tmp_path, harmo
     every request answered 400 'Token id 200008 is out of vocabulary': ``lingo serve`` refuses
     it, tests/pipelines/test_serve.py)."""
     sampling = SamplingSettings(max_tokens=48, n=2, seed=3)
+    # 10 questions (2 problems in the 5 languages) × 2 samples: the comparison's footing is
+    # the same questions, samples and seeds on both sides, whatever their number
     in_process = EvalConfig(
-        engine="vllm", dtype="float32", sampling=sampling, vllm_max_num_batched_tokens=2048
+        engine="vllm",
+        dtype="float32",
+        sampling=sampling,
+        vllm_max_num_batched_tokens=2048,
+        limit=10,
     )
     run_eval([f"tiny={harmony_model_dir}"], in_process, tmp_path / "in-process")
 
@@ -48,12 +54,12 @@ def test_the_served_model_scores_what_the_in_process_eval_scores(tmp_path, harmo
         command, f"http://127.0.0.1:{port}/v1", "lingo-gpt-oss", tmp_path / "vllm.log"
     )
     try:
-        run_eval([server.eval_model], EvalConfig(sampling=sampling), tmp_path / "served")
+        run_eval([server.eval_model], EvalConfig(sampling=sampling, limit=10), tmp_path / "served")
     finally:
         server.stop()
 
     served = load_results(tmp_path / "served")["responses"]
-    assert len(served) == 100 and not [r for r in served if r["error"]]
+    assert len(served) == 20 and not [r for r in served if r["error"]]
     both = _overall(tmp_path / "in-process", "tiny")["both_language_accuracy"]
     theirs = _overall(tmp_path / "served", "served")["both_language_accuracy"]
     assert both["low"] <= theirs["value"] <= both["high"], (both, theirs)

@@ -81,8 +81,6 @@ def run_variant(
     them from the run's eval)."""
     from cluster.config import JobLaunch
     from components.images import GPU_IMAGE
-    from eval.eval_step import run_eval_step
-    from trainer.export_hf import export_hf_directory
     from trainer.grpo.config import GRPOConfig, branch_config
     from trainer.grpo.step import run_grpo_step
 
@@ -111,21 +109,45 @@ def run_variant(
     start = time.monotonic()
     run_grpo_step(cfg, sft_model, train, held_out, grpo / "model", grpo / "training_log", launch)
     grpo_s = time.monotonic() - start
-    exported = out / "export-hf" / "model"
-    export_hf_directory(grpo / "model", sft_model, exported, "auto", "5GB")
     start = time.monotonic()
+    evaluate_policy(grpo / "model", sft_model, params["eval"], out, sft_eval)
+    eval_s = time.monotonic() - start
+    (out / "timing.json").write_text(json.dumps({"grpo_s": grpo_s, "eval_s": eval_s}))
+    print(f"{out}: GRPO {grpo_s:.0f} s, eval {eval_s:.0f} s")
+
+
+def evaluate_policy(policy: Path, sft_model: Path, config: dict, out: Path, sft_eval: bool) -> None:
+    """Export to HF's and the eval's own functions on ``policy``: ``out/export-hf/model``,
+    ``out/evaluate/{results,report,report_html}``."""
+    from eval.eval_step import run_eval_step
+    from trainer.export_hf import export_hf_directory
+
+    exported = out / "export-hf" / "model"
+    export_hf_directory(policy, sft_model, exported, "auto", "5GB")
     evaluate = out / "evaluate"
     models = {"sft": str(sft_model)} if sft_eval else {}
     run_eval_step(
         models | {"grpo": str(exported)},
-        params["eval"],
+        config,
         evaluate / "results",
         evaluate / "report",
         evaluate / "report_html",
     )
-    eval_s = time.monotonic() - start
-    (out / "timing.json").write_text(json.dumps({"grpo_s": grpo_s, "eval_s": eval_s}))
-    print(f"{out}: GRPO {grpo_s:.0f} s, eval {eval_s:.0f} s")
+
+
+def evaluate_final(variant: Path) -> None:
+    """The eval of a variant's last policy (``grpo/training_log/final_policy``) when the
+    held-out guard exported another: into ``variant/final`` (its ``grpo`` a link to the
+    variant's, so ``table`` reads it as a row)."""
+    record = json.loads((variant / "sets.json").read_text())
+    run, config_run = Path(record["run"]), Path(record["config_run"])
+    final = variant / "final"
+    final.mkdir(exist_ok=True)
+    if not (final / "grpo").exists():
+        (final / "grpo").symlink_to(variant / "grpo")
+    policy = variant / "grpo" / "training_log" / "final_policy"
+    evaluate_policy(policy, run / "sft" / "model", run_parameters(config_run)["eval"], final, False)
+    print(f"{final}: evaluated {policy}")
 
 
 def summarize(directory: Path, sft_results: Path | None = None) -> dict:
@@ -181,6 +203,7 @@ def summarize(directory: Path, sft_results: Path | None = None) -> dict:
             for line in lines
             if "eval_both_language_accuracy" in line
         },
+        "collapsed_steps": [line["step"] for line in lines if line.get("eval_reasoning_collapsed")],
         "exported_step": summary["exported_step"],
         "steps": len(steps),
         "step_time_s": statistics.mean(steps),
@@ -223,7 +246,12 @@ def table(rows: dict[str, dict]) -> str:
         "|---|" + "---|" * (len(steps) + 2),
     ]
     for name, r in rows.items():
-        curve = " | ".join(f"{r['held_out'][s]:.3f}" if s in r["held_out"] else "–" for s in steps)
+        curve = " | ".join(
+            f"{r['held_out'][s]:.3f}{'*' if s in r['collapsed_steps'] else ''}"
+            if s in r["held_out"]
+            else "–"
+            for s in steps
+        )
         out.append(
             f"| {name} | {curve} | {r['exported_step']} | {r['step_time_s']:.2f} "
             f"({r['steps']} steps) |"
@@ -250,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="evaluate the policy alone (SFT's responses are the run's: same model and seeds)",
     )
+    final = sub.add_parser(
+        "eval-final", help="eval a variant's last policy (guard exported another)"
+    )
+    final.add_argument("variant", type=Path, help="a `run`'s -o")
     many = sub.add_parser("table", help="the Markdown tables of NAME=DIR rows")
     many.add_argument("rows", nargs="+", help="NAME=DIR (a local run's directory or a run's -o)")
     many.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -262,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         config_run = args.config_run.resolve() if args.config_run else None
         run_variant(args.run.resolve(), args.output.resolve(), args.sets, config_run, args.sft_eval)
+        return 0
+    if args.command == "eval-final":
+        evaluate_final(args.variant.resolve())
         return 0
     rows = {}
     for item in args.rows:

@@ -55,6 +55,8 @@ def _run(root: Path, models: dict, sampling: dict | None = None) -> Path:
         {"step": 0, "eval_both_language_accuracy": 0.1},
         {"step": 1, "step_time_s": 2.0},
         {"step": 2, "step_time_s": 4.0, "eval_both_language_accuracy": 0.5},
+        {"step": 3, "step_time_s": 3.0, "eval_both_language_accuracy": 0.2},
+        {"step": 3, "eval_reasoning_collapsed": 1.0},
     ]
     (log / "training_metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     (log / "grpo_summary.json").write_text(json.dumps({"exported_step": 2}))
@@ -66,8 +68,9 @@ def test_a_row_reads_the_files_and_a_policy_alone_borrows_sfts_medians(tmp_path)
     variant = _run(tmp_path / "variant", {"grpo": _summary(0.8, 5.0)})
     row = summarize(pipeline)
     assert (row["sft_both"], row["both"], row["ratio"]) == (0.4, 0.9, 2.0)
-    assert row["held_out"] == {0: 0.1, 2: 0.5}
-    assert (row["steps"], row["step_time_s"], row["exported_step"]) == (2, 3.0, 2)
+    assert row["held_out"] == {0: 0.1, 2: 0.5, 3: 0.2}
+    assert row["collapsed_steps"] == [3]
+    assert (row["steps"], row["step_time_s"], row["exported_step"]) == (3, 3.0, 2)
     with pytest.raises(SystemExit, match="give --sft-results"):
         summarize(variant)
     borrowed = summarize(variant, pipeline / "evaluate" / "results")
@@ -78,3 +81,4 @@ def test_a_row_reads_the_files_and_a_policy_alone_borrows_sfts_medians(tmp_path)
         summarize(other, pipeline / "evaluate" / "results")
     text = table({"default": row, "gspo": borrowed})
     assert "| gspo | 0.400 → **0.800** |" in text and "| 0.50 |" in text
+    assert "| default | 0.100 | 0.500 | 0.200* | 2 | 3.00 (3 steps) |" in text

@@ -147,6 +147,10 @@ def evaluate_final(variant: Path) -> None:
         (final / "grpo").symlink_to(variant / "grpo")
     policy = variant / "grpo" / "training_log" / "final_policy"
     evaluate_policy(policy, run / "sft" / "model", run_parameters(config_run)["eval"], final, False)
+    steps = json.loads((variant / "grpo" / "training_log" / "grpo_summary.json").read_text())[
+        "steps"
+    ]
+    (final / "policy.json").write_text(json.dumps({"policy": f"last ({steps}), not exported"}))
     print(f"{final}: evaluated {policy}")
 
 
@@ -204,7 +208,11 @@ def summarize(directory: Path, sft_results: Path | None = None) -> dict:
             if "eval_both_language_accuracy" in line
         },
         "collapsed_steps": [line["step"] for line in lines if line.get("eval_reasoning_collapsed")],
-        "exported_step": summary["exported_step"],
+        "exported_step": (
+            json.loads((directory / "policy.json").read_text())["policy"]
+            if (directory / "policy.json").is_file()
+            else summary["exported_step"]
+        ),
         "steps": len(steps),
         "step_time_s": statistics.mean(steps),
     }

@@ -79,6 +79,10 @@ def test_a_row_reads_the_files_and_a_policy_alone_borrows_sfts_medians(tmp_path)
     other = _run(tmp_path / "other", {"grpo": _summary(0.8, 5.0)}, {"seed": 1, "n": 5})
     with pytest.raises(SystemExit, match="sampled unlike"):
         summarize(other, pipeline / "evaluate" / "results")
+    (variant / "policy.json").write_text(json.dumps({"policy": "last (3), not exported"}))
+    assert summarize(variant, pipeline / "evaluate" / "results")["exported_step"] == (
+        "last (3), not exported"
+    )
     text = table({"default": row, "gspo": borrowed})
     assert "| gspo | 0.400 → **0.800** |" in text and "| 0.50 |" in text
     assert "| default | 0.100 | 0.500 | 0.200* | 2 | 3.00 (3 steps) |" in text

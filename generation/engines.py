@@ -32,7 +32,6 @@ from generation.vllm import (
     import_llm,
     on_cpu,
     vllm_model_kwargs,
-    vllm_sampling_kwargs,
 )
 
 
@@ -241,15 +240,6 @@ class VLLMEngine(VLLMGenerator):
     def close(self) -> None:
         """Drop the engine."""
         del self.llm
-
-
-def vllm_request_params(
-    requests: Sequence[GenerationRequest], sampling: SamplingParams, stop_ids: Sequence[int]
-) -> list[dict[str, object]]:
-    """``vllm.SamplingParams`` keyword arguments of the eval's requests, one per request
-    (``LLM.generate`` pairs a list of params with the prompts one by one): one response each,
-    with its own seed, the stop token's text kept."""
-    return [vllm_sampling_kwargs(sampling, r.seed, stop_ids, stop_text=True) for r in requests]
 
 
 class TokenEngine(Protocol):

@@ -21,8 +21,9 @@ from eval.eval_config import DEFAULT_PERSONA, EndpointSettings, EvalConfig, Samp
 from eval.report import load_results
 from eval.runner import build_requests, load_questions, question_prompt, run_eval
 from generation.endpoint import ChatEndpointEngine, EndpointError, api_base
-from generation.engines import HFEngine, ModelNotFoundError, vllm_request_params
+from generation.engines import HFEngine, ModelNotFoundError
 from generation.requests import GenerationRequest
+from generation.vllm import vllm_sampling_kwargs
 from trainer.tiny_model import SMALLEST, build_tiny_model
 
 SMALL = SMALLEST
@@ -98,7 +99,10 @@ def test_eval_requests_have_distinct_seeds_and_first_tokens_vary(hf_engine):
     seeds = [r.seed for _, _, r in built]
     assert len(set(seeds)) == len(seeds) == 24
     assert seeds == [r.seed for _, _, r in build_requests(load_questions(limit=8), config)]
-    params = vllm_request_params([r for _, _, r in built], config.sampling, [7])
+    # per request, what VLLMGenerator.complete gives vLLM (the eval keeps the stop text)
+    params = [
+        vllm_sampling_kwargs(config.sampling, r.seed, [7], stop_text=True) for _, _, r in built
+    ]
     assert [p["seed"] for p in params] == seeds and {p["n"] for p in params} == {1}
     first = [g.text for g in hf_engine.generate([r for _, _, r in built], config.sampling)]
     for sample in range(3):

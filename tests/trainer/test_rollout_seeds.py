@@ -8,13 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.seeds import group_seeds
+from generation.vllm import vllm_sampling_kwargs
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import (
     HFRolloutEngine,
     Rollout,
     generate_share,
     vllm_engine_kwargs,
-    vllm_request_params,
 )
 from trainer.placement import ParallelLayout, plan_placement
 
@@ -69,7 +69,11 @@ def test_first_tokens_vary_across_prompts_for_every_sample_index(engine, prompts
 def test_vllm_gets_one_request_per_response_with_its_own_seed():
     cfg = RolloutConfig(engine="vllm", max_new_tokens=256, temperature=0.9, top_p=0.95)
     seeds = group_seeds(42, 5, range(8), 4)
-    params = vllm_request_params(seeds, cfg, [4, 6])
+    # per response, what VLLMGenerator.complete gives vLLM (the rollout asks for log-probs)
+    params = [
+        [vllm_sampling_kwargs(cfg.sampling, seed, [4, 6], logprobs=True) for seed in group]
+        for group in seeds
+    ]
     assert [len(group) for group in params] == [4] * 8
     flat = [p for group in params for p in group]
     assert {p["n"] for p in flat} == {1}

@@ -31,7 +31,6 @@ from generation.vllm import (
     import_llm,
     on_cpu,
     vllm_model_kwargs,
-    vllm_sampling_kwargs,
 )
 from trainer.grpo.algorithm import token_log_probs
 from trainer.grpo.config import RolloutConfig
@@ -521,18 +520,6 @@ def vllm_routed_experts(completion) -> np.ndarray | None:
     (``vllm/model_executor/layers/fused_moe/router/base_router.py:295-297``)."""
     routes = getattr(completion, "routed_experts", None)
     return None if routes is None else np.asarray(routes, dtype=np.int16)
-
-
-def vllm_request_params(
-    seeds: Sequence[Sequence[int]], cfg: RolloutConfig, stop_ids: Sequence[int]
-) -> list[list[dict[str, object]]]:
-    """``vllm.SamplingParams`` keyword arguments for each response of each prompt
-    (``generation.vllm.vllm_sampling_kwargs``: one request per response with its own seed),
-    with the sampled token's log-prob (the behaviour policy's)."""
-    return [
-        [vllm_sampling_kwargs(cfg.sampling, seed, stop_ids, logprobs=True) for seed in group]
-        for group in seeds
-    ]
 
 
 class VLLMRolloutEngine(LocalRequests, VLLMGenerator):

@@ -49,8 +49,8 @@ HF_TOKEN_HINT = (
 _OS_ERROR_CODE = re.compile(r"os error (\d+)")
 """How Rust libraries (safetensors, tokenizers) name the OS error inside their message."""
 MAX_PATH_SHOWN = 200
-PROJECT_PACKAGES = ("core", "reward", "data_prep", "trainer", "eval", "capacity", "cluster")
-PROJECT_PACKAGES += ("components", "pipelines")
+PROJECT_PACKAGES = ("core", "reward", "generation", "data_prep", "trainer", "eval", "capacity")
+PROJECT_PACKAGES += ("plan", "cluster", "components", "pipelines")
 
 
 class WriteFailedError(RuntimeError):

@@ -142,3 +142,15 @@ def test_readme_builds_the_images_the_pipeline_uses():
     assert built == {"cpu": used[0], "gpu": used[1], "megatron": used[2]}
     for kind, path in DOCKERFILES.items():
         assert f"-t {built[kind]} ." in path.read_text(), f"{path.name}: build comment tag"
+
+
+def test_every_package_is_a_project_package_for_the_one_line_errors():
+    """``core.errors.is_project_error`` prints a project exception as its one line: every
+    package of the repository must be in ``PROJECT_PACKAGES`` (``plan``'s ParallelSizesError
+    and ``generation``'s errors were not, and would have printed a traceback)."""
+    from core.errors import PROJECT_PACKAGES, is_project_error
+    from plan.parallel_sizes import ParallelSizesError
+
+    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    assert [p for p in packages if p not in PROJECT_PACKAGES] == []
+    assert is_project_error(ParallelSizesError(["tp 3 does not divide the world 8"]))

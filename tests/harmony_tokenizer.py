@@ -56,11 +56,9 @@ def harmony_encoding():
 def build_harmony_tokenizer(encoding=None):
     """A ``PreTrainedTokenizerFast`` with o200k_harmony's ids, merges, pre-tokenizer and special
     tokens, and the tiny model's harmony chat template."""
-    from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from core.harmony import HARMONY_SPECIAL_TOKENS
-    from trainer.tiny_model import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, harmony_chat_template
+    from trainer.tiny_model import harmony_fast_tokenizer
 
     encoding = encoding or harmony_encoding()
     # the public HarmonyEncoding decodes to text only; its Rust core gives a token's bytes
@@ -73,16 +71,7 @@ def build_harmony_tokenizer(encoding=None):
             return ranks
 
     converted = _FromRanks(pattern=O200K_PATTERN, extra_special_tokens=specials).converted()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=converted,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        bos_token=BOS_TOKEN,
-        additional_special_tokens=[
-            t for t in HARMONY_SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN, BOS_TOKEN)
-        ],
-    )
-    tokenizer.chat_template = harmony_chat_template()
+    tokenizer = harmony_fast_tokenizer(converted)
     for token_id, name in SPECIAL_NAMES.items():
         assert tokenizer.convert_tokens_to_ids(name) == token_id, (name, token_id)
     return tokenizer

@@ -89,7 +89,6 @@ def harmony_chat_template() -> str:
 def train_tokenizer(texts: Iterable[str], vocab_size: int):
     """Train a byte-level BPE with the harmony special tokens; returns a fast HF tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -101,8 +100,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
+    return harmony_fast_tokenizer(tokenizer)
+
+
+def harmony_fast_tokenizer(tokenizer_object):
+    """A ``tokenizers`` object as a transformers ``PreTrainedTokenizerFast`` with harmony's
+    special tokens (end, pad, start and the others) and the harmony chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        tokenizer_object=tokenizer_object,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,

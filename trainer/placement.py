@@ -286,9 +286,7 @@ def plan_placement(
         for e, ranks in enumerate(engine_ranks)
     )
     tp_groups = tuple(tuple(range(start, start + sizes.tp)) for start in range(0, train, sizes.tp))
-    return PlacementPlan(
-        nodes, gpus_per_node, sizes, rollout, tuple(processes), engines, tp_groups
-    )
+    return PlacementPlan(nodes, gpus_per_node, sizes, rollout, tuple(processes), engines, tp_groups)
 
 
 def grpo_sizes(cfg: GRPOConfig, training: int) -> ParallelSizes:

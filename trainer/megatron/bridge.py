@@ -282,9 +282,7 @@ def _model_state_dict(model: list[Any]) -> dict[str, Any]:
     return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(model)}
 
 
-def convert_hf_to_megatron(
-    hf_dir: str | Path, out_dir: str | Path, layout: MegatronLayout
-) -> None:
+def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: MegatronLayout) -> None:
     """Convert a HF GPT-OSS directory into a Megatron ``torch_dist`` checkpoint at ``out_dir``.
 
     ``AutoBridge.from_hf_pretrained`` → ``to_megatron_provider`` (its pre-wrap hook loads the

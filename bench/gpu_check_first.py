@@ -470,16 +470,6 @@ def check_zero3_parity(sizes: Sizes, work: Path) -> dict:
 # --- 5. the Megatron image's conversion ---------------------------------------------------------
 
 
-class _Layout:
-    """The one-process layout ``convert_hf_to_megatron`` reads (``MegatronLayout``'s fields)."""
-
-    tp = pp = ep = etp = cp = 1
-    sequence_parallel = False
-
-    def __init__(self, params_dtype: str) -> None:
-        self.params_dtype = params_dtype
-
-
 def _megatron_source(sizes: Sizes, work: Path) -> tuple[Path, dict]:
     """The HF model to convert: on the GPU gpt-oss-20b's dimensions with 2 layers (one sliding,
     one full attention, sinks in both; random bf16 weights built on the GPU), in the dry run
@@ -535,6 +525,7 @@ def check_megatron_convert(sizes: Sizes, work: Path) -> dict:
         cpu_patches.import_megatron_bridge()
         patches = cpu_patches.cpu_patches()
     from trainer.megatron.bridge import convert_hf_to_megatron
+    from trainer.megatron.layout import MegatronLayout
     from trainer.megatron.verify import verify_conversion
 
     hf_dir, shape = _megatron_source(sizes, work)
@@ -543,7 +534,7 @@ def check_megatron_convert(sizes: Sizes, work: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     with patches:
         started = time.monotonic()
-        convert_hf_to_megatron(str(hf_dir), str(out), _Layout(dtype))
+        convert_hf_to_megatron(str(hf_dir), str(out), MegatronLayout(params_dtype=dtype))
         converted = time.monotonic() - started
         report = verify_conversion(
             hf_dir, out, dtype=dtype, report_path=work / "megatron-verification.md",

@@ -37,6 +37,9 @@ VOCABULARY = [
     "divisibility rules (Megatron-Core's two grids: world = tp × pp × cp × dp and",
     "world = etp × ep × expert-dp × pp). The machines a run uses, where its processes sit",
     "(placement) and what one rank's memory holds (the capacity estimate) are not its layout.",
+    "The placement (`trainer.placement`) reads a run's `ParallelSizes` and its `RolloutEngines`",
+    "(GPUs per engine, colocated or dedicated); the Megatron bridge reads `MegatronSizes`, a",
+    "`ParallelSizes` with Megatron's two settings beside it (vpp, sequence parallelism).",
 ]
 
 

@@ -110,7 +110,7 @@ def grpo_layout(
             CPU layout) or an override is invalid.
     """
     base = resolve_layout(hardware)
-    lay = plan.layout
+    sizes, engines = plan.sizes, plan.rollout
     vllm = grpo.rollout.engine == "vllm"
     megatron = grpo.optim.backend == "megatron"
     fields: dict[str, object] = {
@@ -118,15 +118,15 @@ def grpo_layout(
         "gpus_per_node": plan.gpus_per_node,
         "training_gpus": len(plan.training_ranks),
         # the HF engine rolls out with the training model: no rollout GPU of its own
-        "rollout_gpus": len(plan.engines) * lay.rollout_tp if vllm else 0,
-        "hybrid": vllm and lay.colocate,
+        "rollout_gpus": len(plan.engines) * engines.tp if vllm else 0,
+        "hybrid": vllm and engines.colocate,
         # the recipe sleeps vLLM during the update; it does not park training state while
         # vLLM is awake
         "deepspeed_enable_sleep": False,
         **_training_fields(grpo.optim, base),
-        "tensor_parallel": lay.tp,
-        "pipeline_parallel": lay.pp,
-        "expert_parallel": lay.ep,
+        "tensor_parallel": sizes.tp,
+        "pipeline_parallel": sizes.pp,
+        "expert_parallel": sizes.ep,
         "dtype": _dtype(grpo.dtype, base),
         "micro_train_batch_size": grpo.micro_batch_size,
         "prompt_max_len": grpo.rollout.max_prompt_tokens,
@@ -142,7 +142,7 @@ def grpo_layout(
         "kl": grpo.algorithm.kl_loss_coef > 0,
         "rollout_batch_size": grpo.prompts_per_step,
         "n_samples_per_prompt": grpo.rollout.n_samples,
-        "vllm_tensor_parallel_size": lay.rollout_tp if vllm else 1,
+        "vllm_tensor_parallel_size": engines.tp if vllm else 1,
         "vllm_gpu_memory_utilization": grpo.rollout.gpu_memory_utilization,
         "rollout_dtype": "bf16",  # the engine is built with dtype=bfloat16
         "max_ckpt_num": grpo.max_ckpt_num,

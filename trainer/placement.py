@@ -1,9 +1,10 @@
 """Where every process of a GRPO run sits, and which rollout engine spans which GPUs.
 
-``plan_placement`` is a pure function from the cluster (nodes × GPUs per node) and the
-parallel layout (training TP / PP / EP / DP, rollout TP, colocated or dedicated rollout GPUs)
-to a ``PlacementPlan``: each process's roles (``train``, ``rollout``), its device (node,
-local GPU index) and its groups. Processes are placed as torchrun places them, one per GPU:
+``plan_placement`` is a pure function from the cluster (nodes × GPUs per node), the training
+processes' parallel sizes (``plan.ParallelSizes``: TP / PP / EP / ETP / CP / DP) and the
+rollout engines (``RolloutEngines``: their TP, colocated or on dedicated GPUs) to a
+``PlacementPlan``: each process's roles (``train``, ``rollout``), its device (node, local GPU
+index) and its groups. Processes are placed as torchrun places them, one per GPU:
 process ``r`` on node ``r // gpus_per_node``, GPU ``r % gpus_per_node``.
 
 - **Colocated** (hybrid): every training process also rolls out. The vLLM engines are the
@@ -13,8 +14,10 @@ process ``r`` on node ``r // gpus_per_node``, GPU ``r % gpus_per_node``.
 - **Dedicated** (non-hybrid): ``rollout_engines`` engines of ``rollout_tp`` GPUs each, on the
   GPUs after the training processes (processes ``T``, ``T+1``, … that only roll out).
 
-Rules checked: training TP groups and rollout engines stay within a node (their collectives
-run every layer), no two engines share a GPU, and the counts add up. ``run_placement`` is the
+Rules checked: the parallel sizes fit the training processes (``ParallelSizes.problems``,
+Megatron-Core's two rank grids, the one copy of those rules), training TP groups and rollout
+engines stay within a node (their collectives run every layer), no two engines share a GPU,
+and the counts add up. ``run_placement`` is the
 GRPO run's plan checked at start against torchrun's world and where this process is.
 """
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from cluster.nodes import rollout_nodes
+from plan import ParallelSizes, ParallelSizesError
 
 if TYPE_CHECKING:
     from trainer.distributed import DistInfo
@@ -34,38 +38,25 @@ Role = Literal["train", "rollout"]
 
 
 class PlacementError(ValueError):
-    """A layout that cannot be placed on the cluster; the message names the numbers."""
+    """A run that cannot be placed on the cluster; the message names the numbers."""
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """How a run splits its work.
+class RolloutEngines:
+    """The rollout engines of a run, as placement reads them.
 
     Attributes:
-        tp: training tensor parallel size.
-        pp: training pipeline parallel size.
-        ep: training expert parallel size (within the ``tp × dp`` grid of a stage).
-        dp: training data parallel size.
-        rollout_tp: GPUs per rollout engine (vLLM ``tensor_parallel_size``; 1 for the HF engine).
+        tp: GPUs per engine (vLLM ``tensor_parallel_size``; 1 for the HF engine).
         colocate: engines on the training GPUs (hybrid) rather than on GPUs of their own.
-        rollout_engines: dedicated engines (``colocate=False`` only; colocated runs have one
-            per TP group of training processes).
+        dedicated: engines on GPUs of their own (``colocate=False`` only; colocated runs have
+            one per ``tp`` consecutive training processes).
         engine: ``vllm``, or ``hf`` (each training process samples with its own model).
     """
 
     tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    dp: int = 1
-    rollout_tp: int = 1
     colocate: bool = True
-    rollout_engines: int = 0
+    dedicated: int = 0
     engine: Literal["vllm", "hf"] = "vllm"
-
-    @property
-    def training_processes(self) -> int:
-        """``tp × pp × dp``."""
-        return self.tp * self.pp * self.dp
 
 
 @dataclass(frozen=True)
@@ -126,7 +117,8 @@ class PlacementPlan:
 
     nodes: int
     gpus_per_node: int
-    layout: ParallelLayout
+    sizes: ParallelSizes
+    rollout: RolloutEngines
     processes: tuple[ProcessPlacement, ...]
     engines: tuple[EnginePlacement, ...]
     train_tp_groups: tuple[tuple[int, ...], ...]
@@ -150,13 +142,15 @@ class PlacementPlan:
 
     def render(self) -> str:
         """A few lines for ``lingo estimate``: the split, then one line per engine."""
-        lay = self.layout
-        mode = "colocated (hybrid)" if lay.colocate else "dedicated GPUs (non-hybrid)"
+        sizes, rollout = self.sizes, self.rollout
+        mode = "colocated (hybrid)" if rollout.colocate else "dedicated GPUs (non-hybrid)"
+        cp = f" × CP {sizes.cp}" if sizes.cp > 1 else ""
+        etp = f", ETP {sizes.etp}" if sizes.etp > 1 else ""
         lines = [
             f"placement: {self.nodes} node(s) × {self.gpus_per_node} GPU(s), {self.gpus_used} "
-            f"used; {len(self.training_ranks)} training processes (TP {lay.tp} × PP {lay.pp} "
-            f"× DP {lay.dp}, EP {lay.ep}); {len(self.engines)} {lay.engine} rollout "
-            f"engine(s) of TP {lay.rollout_tp}, {mode}",
+            f"used; {len(self.training_ranks)} training processes (TP {sizes.tp} × PP "
+            f"{sizes.pp}{cp} × DP {sizes.dp}, EP {sizes.ep}{etp}); {len(self.engines)} "
+            f"{rollout.engine} rollout engine(s) of TP {rollout.tp}, {mode}",
         ]
         for tp_group, ranks in enumerate(self.train_tp_groups):
             if len(self.train_tp_groups) > 8 and 4 <= tp_group < len(self.train_tp_groups) - 2:
@@ -182,73 +176,80 @@ def _span(values: tuple[int, ...]) -> str:
     return ",".join(str(v) for v in values)
 
 
-def plan_placement(nodes: int, gpus_per_node: int, layout: ParallelLayout) -> PlacementPlan:
+def plan_placement(
+    nodes: int,
+    gpus_per_node: int,
+    sizes: ParallelSizes,
+    rollout: RolloutEngines | None = None,
+) -> PlacementPlan:
     """Place a run's processes and rollout engines on ``nodes × gpus_per_node`` GPUs.
 
     Args:
         nodes: machines.
         gpus_per_node: GPUs per machine (torchrun's ``nproc_per_node``).
-        layout: the parallel layout.
+        sizes: the training processes' parallel sizes, ``dp`` given: they are
+            ``tp × pp × cp × dp`` processes (``ParallelSizes.for_world`` fits them).
+        rollout: the rollout engines (default: one colocated engine of TP 1 per process).
 
     Returns:
         The plan: training processes first (ranks ``0 … T-1``, TP fastest), then in dedicated
-        mode the rollout-only processes, each engine on ``rollout_tp`` consecutive GPUs of
+        mode the rollout-only processes, each engine on ``rollout.tp`` consecutive GPUs of
         one node.
 
     Raises:
-        PlacementError: sizes below 1, groups that would cross a node, more processes than
-            GPUs, EP that does not divide ``tp × dp``, or engines that do not tile the ranks.
+        PlacementError: sizes below 1 or ``dp`` not given, parallel sizes that break
+            Megatron-Core's grids on the training processes (``ParallelSizes.problems``),
+            groups that would cross a node, more processes than GPUs, or engines that do not
+            tile the ranks.
     """
-    sizes = {
-        "nodes": nodes,
-        "gpus_per_node": gpus_per_node,
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "ep": layout.ep,
-        "dp": layout.dp,
-        "rollout_tp": layout.rollout_tp,
-    }
-    problems = [f"{name}={value} must be ≥ 1" for name, value in sizes.items() if value < 1]
+    rollout = rollout or RolloutEngines()
+    counts = {"nodes": nodes, "gpus_per_node": gpus_per_node, "rollout tp": rollout.tp}
+    problems = [f"{name}={value} must be ≥ 1" for name, value in counts.items() if value < 1]
+    if sizes.dp is None:
+        problems.append(
+            "the parallel sizes have no dp: fit them to the training processes first "
+            "(ParallelSizes.for_world)"
+        )
     if problems:
         raise PlacementError("; ".join(problems))
-    train = layout.training_processes
+    train = sizes.tp * sizes.pp * sizes.cp * sizes.dp
     total = nodes * gpus_per_node
-    if gpus_per_node % layout.tp:
+    problems += sizes.problems(train, "training processes")
+    if gpus_per_node % sizes.tp:
         problems.append(
-            f"training TP {layout.tp} does not divide gpus_per_node {gpus_per_node}: a TP group "
+            f"training TP {sizes.tp} does not divide gpus_per_node {gpus_per_node}: a TP group "
             "would cross nodes"
         )
-    if (layout.tp * layout.dp) % layout.ep:
-        problems.append(f"EP {layout.ep} does not divide TP × DP = {layout.tp * layout.dp}")
-    if gpus_per_node % layout.rollout_tp:
+    if gpus_per_node % rollout.tp:
         problems.append(
-            f"rollout TP {layout.rollout_tp} does not divide gpus_per_node {gpus_per_node}: an "
+            f"rollout TP {rollout.tp} does not divide gpus_per_node {gpus_per_node}: an "
             "engine would cross nodes"
         )
-    if layout.colocate:
-        rollout = 0
-        if layout.rollout_engines:
+    if rollout.colocate:
+        dedicated = 0
+        if rollout.dedicated:
             problems.append(
-                f"rollout_engines={layout.rollout_engines} is for dedicated GPUs; colocated "
+                f"rollout_engines={rollout.dedicated} is for dedicated GPUs; colocated "
                 "runs have one engine per rollout-TP group of training processes"
             )
-        if train % layout.rollout_tp:
+        if train % rollout.tp:
             problems.append(
                 f"{train} training processes are not a multiple of rollout TP "
-                f"{layout.rollout_tp} (colocated engines tile the training GPUs)"
+                f"{rollout.tp} (colocated engines tile the training GPUs)"
             )
     else:
-        rollout = layout.rollout_engines * layout.rollout_tp
-        if layout.rollout_engines < 1:
+        dedicated = rollout.dedicated * rollout.tp
+        if rollout.dedicated < 1:
             problems.append("dedicated rollout GPUs (colocate=false) need rollout_engines ≥ 1")
-        if train % layout.rollout_tp:
+        if train % rollout.tp:
             problems.append(
                 f"{train} training processes are not a multiple of rollout TP "
-                f"{layout.rollout_tp}: the first dedicated engine would cross a node"
+                f"{rollout.tp}: the first dedicated engine would cross a node"
             )
-    if train + rollout > total:
+    if train + dedicated > total:
         problems.append(
-            f"{train} training + {rollout} rollout GPUs > {nodes} nodes × {gpus_per_node} = {total}"
+            f"{train} training + {dedicated} rollout GPUs > {nodes} nodes × {gpus_per_node} = "
+            f"{total}"
         )
     if problems:
         raise PlacementError("cannot place the run: " + "; ".join(problems))
@@ -256,19 +257,18 @@ def plan_placement(nodes: int, gpus_per_node: int, layout: ParallelLayout) -> Pl
     def device(rank: int) -> Device:
         return Device(rank // gpus_per_node, rank % gpus_per_node)
 
-    if layout.colocate:
+    if rollout.colocate:
         engine_ranks = [
-            tuple(range(start, start + layout.rollout_tp))
-            for start in range(0, train, layout.rollout_tp)
+            tuple(range(start, start + rollout.tp)) for start in range(0, train, rollout.tp)
         ]
     else:
         engine_ranks = [
-            tuple(range(train + e * layout.rollout_tp, train + (e + 1) * layout.rollout_tp))
-            for e in range(layout.rollout_engines)
+            tuple(range(train + e * rollout.tp, train + (e + 1) * rollout.tp))
+            for e in range(rollout.dedicated)
         ]
     engine_of = {rank: e for e, ranks in enumerate(engine_ranks) for rank in ranks}
     processes = []
-    for rank in range(train + rollout):
+    for rank in range(train + dedicated):
         roles: tuple[Role, ...] = ("train",) if rank < train else ()
         if rank in engine_of:
             roles = (*roles, "rollout")
@@ -277,7 +277,7 @@ def plan_placement(nodes: int, gpus_per_node: int, layout: ParallelLayout) -> Pl
                 rank=rank,
                 roles=roles,
                 device=device(rank),
-                train_tp_group=rank // layout.tp if rank < train else None,
+                train_tp_group=rank // sizes.tp if rank < train else None,
                 engine=engine_of.get(rank),
             )
         )
@@ -285,34 +285,34 @@ def plan_placement(nodes: int, gpus_per_node: int, layout: ParallelLayout) -> Pl
         EnginePlacement(e, ranks, tuple(device(r) for r in ranks))
         for e, ranks in enumerate(engine_ranks)
     )
-    tp_groups = tuple(
-        tuple(range(start, start + layout.tp)) for start in range(0, train, layout.tp)
-    )
-    return PlacementPlan(nodes, gpus_per_node, layout, tuple(processes), engines, tp_groups)
+    tp_groups = tuple(tuple(range(start, start + sizes.tp)) for start in range(0, train, sizes.tp))
+    return PlacementPlan(nodes, gpus_per_node, sizes, rollout, tuple(processes), engines, tp_groups)
 
 
-def grpo_layout(cfg: GRPOConfig, world_size: int | None = None) -> ParallelLayout:
-    """The parallel layout of a GRPO config on ``world_size`` training processes
-    (``cfg.nproc`` by default): Megatron's TP / PP / EP from its layout, else pure data
-    parallelism; an HF rollout engine has TP 1 (one per training process when colocated)."""
-    world = world_size or cfg.nproc
-    rollout = cfg.rollout
-    tp = pp = ep = cp = 1
+def grpo_sizes(cfg: GRPOConfig, training: int) -> ParallelSizes:
+    """The parallel sizes of a GRPO config's ``training`` processes: its Megatron layout's
+    (``plan.ParallelSizes``), else pure data parallelism, ``dp`` fitted to ``training``.
+
+    Raises:
+        PlacementError: the sizes break Megatron-Core's grids on ``training`` processes.
+    """
+    sizes = ParallelSizes()
     if cfg.optim.backend == "megatron":
-        megatron = cfg.optim.megatron.resolved_layout()
-        tp, pp, ep, cp = megatron.tp, megatron.pp, megatron.ep, megatron.cp
-    if world % (tp * pp * cp):
-        raise PlacementError(f"{world} processes are not a multiple of TP × PP × CP")
-    vllm = rollout.engine == "vllm"
-    colocate = rollout.colocate
-    return ParallelLayout(
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        dp=world // (tp * pp * cp),
-        rollout_tp=rollout.tensor_parallel_size if vllm else 1,
-        colocate=colocate,
-        rollout_engines=0 if colocate else rollout.num_engines,
+        sizes = cfg.optim.megatron.resolved_layout().parallel_sizes
+    try:
+        return sizes.for_world(training, "training processes")
+    except ParallelSizesError as error:
+        raise PlacementError(f"cannot place the run: {error}") from None
+
+
+def grpo_rollout_engines(cfg: GRPOConfig) -> RolloutEngines:
+    """The rollout engines of a GRPO config: vLLM's of ``tensor_parallel_size`` GPUs, or the HF
+    engine's of TP 1 (one per training process when colocated)."""
+    rollout = cfg.rollout
+    return RolloutEngines(
+        tp=rollout.tensor_parallel_size if rollout.engine == "vllm" else 1,
+        colocate=rollout.colocate,
+        dedicated=0 if rollout.colocate else rollout.num_engines,
         engine=rollout.engine,
     )
 
@@ -320,10 +320,10 @@ def grpo_layout(cfg: GRPOConfig, world_size: int | None = None) -> ParallelLayou
 def grpo_placement(cfg: GRPOConfig, nodes: int, gpus_per_node: int) -> PlacementPlan:
     """The plan of a GRPO config whose training processes fill ``nodes × gpus_per_node``
     (its job); dedicated rollout engines go on the nodes after them."""
-    layout = grpo_layout(cfg, nodes * gpus_per_node)
-    rollout_gpus = layout.rollout_engines * layout.rollout_tp
-    extra = rollout_nodes(rollout_gpus, gpus_per_node)
-    return plan_placement(nodes + extra, gpus_per_node, layout)
+    sizes = grpo_sizes(cfg, nodes * gpus_per_node)
+    rollout = grpo_rollout_engines(cfg)
+    extra = rollout_nodes(rollout.dedicated * rollout.tp, gpus_per_node)
+    return plan_placement(nodes + extra, gpus_per_node, sizes, rollout)
 
 
 def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:
@@ -354,7 +354,12 @@ def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:
             )
         if problems:
             raise PlacementError("; ".join(problems))
-        return plan_placement(max(1, info.world_size // local), local, grpo_layout(cfg, training))
+        return plan_placement(
+            max(1, info.world_size // local),
+            local,
+            grpo_sizes(cfg, training),
+            grpo_rollout_engines(cfg),
+        )
     if vllm and info.world_size > 1 and cfg.optim.backend == "megatron":
         raise PlacementError(
             "rollout.engine=vllm with backend=megatron on several processes: the engines' "
@@ -363,7 +368,7 @@ def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:
         )
     if info.world_size == 1:
         # one process: vLLM starts its own tensor-parallel workers on the visible GPUs
-        return plan_placement(1, 1, ParallelLayout())
+        return plan_placement(1, 1, ParallelSizes(dp=1))
     plan = grpo_placement(cfg, info.world_size // local, local)
     mine = plan.processes[info.rank]
     expected = (info.rank // local, info.local_rank)

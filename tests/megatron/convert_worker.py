@@ -11,24 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent.parent)]  # cpu_patches; the repository root
 
 import cpu_patches  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    cp: int
-    sequence_parallel: bool
-    params_dtype: str
 
 
 def main() -> None:
@@ -39,19 +27,19 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--dtype", default="fp32")
     args = parser.parse_args()
-    layout = Layout(
-        tp=args.tp,
-        pp=args.pp,
-        ep=args.ep,
-        etp=1,
-        cp=1,
-        sequence_parallel=args.tp > 1 and args.ep > 1,
-        params_dtype=args.dtype,
-    )
     cpu_patches.import_megatron_bridge()
     import torch
 
     from trainer.megatron.bridge import convert_hf_to_megatron
+    from trainer.megatron.layout import MegatronLayout
+
+    layout = MegatronLayout(
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        sequence_parallel=args.tp > 1 and args.ep > 1,
+        params_dtype=args.dtype,
+    )
 
     if torch.cuda.is_available():
         convert_hf_to_megatron(args.hf_dir, args.out_dir, layout)

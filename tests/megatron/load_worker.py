@@ -35,13 +35,15 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from plan import ParallelSizes
     from trainer.megatron import bridge
 
     out = Path(args.out_dir)
     ids = json.loads(Path(args.ids_json).read_text())
     patches = contextlib.nullcontext() if torch.cuda.is_available() else cpu_patches.cpu_patches()
-    with patches, bridge.megatron_parallel(tp=args.tp, pp=args.pp, ep=args.ep):
-        sizes = bridge._current_sizes()
+    sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep)
+    with patches, bridge.megatron_parallel(sizes):
+        sizes = bridge._current_sizes().sizes
         assert (sizes.tp, sizes.pp, sizes.ep) == (args.tp, args.pp, args.ep), sizes
         bridge.export_megatron_to_hf(args.megatron_dir, args.hf_dir, out / "hf")
         # a forward: pipeline stages cannot give logits here, and with EP > 1 Megatron-Core's

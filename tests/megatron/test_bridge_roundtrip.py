@@ -17,13 +17,16 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from plan import ParallelSizes
 from trainer.megatron import bridge
+from trainer.megatron.layout import MegatronLayout
+
+FP32 = MegatronLayout(params_dtype="fp32")
 
 # megatron-core's own deprecation noise (ShardedTensor, tp_group=None, GPTModel → HybridModel)
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -38,19 +41,6 @@ PROMPTS = [
 ]
 LOGITS_ATOL = {("cpu", "fp32"): 1e-5, ("cuda", "fp32"): 1e-3, ("cpu", "bf16"): 0.05}
 LOGITS_ATOL[("cuda", "bf16")] = 0.05
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The attributes ``convert_hf_to_megatron`` reads (as ``MegatronLayout`` has them)."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
-    params_dtype: str = "fp32"
 
 
 def _hf_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -134,7 +124,9 @@ def check_exact_export(megatron_dir: Path, hf_dir: Path, out: Path) -> None:
 
 def round_trip(hf_dir: Path, tmp_path: Path, dtype: str, device: str) -> float:
     megatron_dir = tmp_path / "megatron"
-    bridge.convert_hf_to_megatron(str(hf_dir), str(megatron_dir), Layout(params_dtype=dtype))
+    bridge.convert_hf_to_megatron(
+        str(hf_dir), str(megatron_dir), MegatronLayout(params_dtype=dtype)
+    )
     check_megatron_checkpoint(megatron_dir)
     assert bridge.checkpoint_dtype(megatron_dir) == bridge.DTYPES[dtype]
     max_diff = check_logits(megatron_dir, hf_dir, dtype, device)
@@ -164,14 +156,12 @@ def on_gpu(megatron_bridge):
 def test_convert_refuses_an_existing_output_directory(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(FileExistsError, match="already exists"):
-        bridge.convert_hf_to_megatron(str(tmp_path), str(tmp_path / "out"), Layout())
+        bridge.convert_hf_to_megatron(str(tmp_path), str(tmp_path / "out"), FP32)
 
 
-def test_convert_rejects_an_unknown_dtype(tmp_path):
-    with pytest.raises(ValueError, match="params_dtype='fp8'"):
-        bridge.convert_hf_to_megatron(
-            str(tmp_path), str(tmp_path / "out"), Layout(params_dtype="fp8")
-        )
+def test_an_unknown_dtype_is_refused_by_the_layout_the_conversion_takes():
+    with pytest.raises(ValueError, match="params_dtype"):
+        MegatronLayout(params_dtype="fp8")
 
 
 def test_a_directory_without_torch_dist_files_is_not_a_checkpoint(tmp_path):
@@ -189,7 +179,8 @@ def test_parallel_state_is_set_up_and_torn_down(megatron_bridge):
         assert dist.is_initialized() and dist.get_world_size() == 1
         assert parallel_state.model_parallel_is_initialized()
         assert parallel_state.get_tensor_model_parallel_world_size() == 1
-        with bridge.megatron_parallel(tp=8):  # an existing state is reused, not replaced
+        # an existing state is reused, not replaced
+        with bridge.megatron_parallel(ParallelSizes(tp=8)):
             assert parallel_state.get_tensor_model_parallel_world_size() == 1
         assert parallel_state.model_parallel_is_initialized()
     assert not dist.is_initialized()
@@ -221,7 +212,7 @@ def test_an_mxfp4_checkpoint_converts_unpacked_and_exports_without_its_quantizat
     megatron_dir = tmp_path / "megatron"
     with caplog.at_level(logging.INFO, logger="core.mxfp4"):
         bridge.convert_hf_to_megatron(
-            str(tmp_path / "mxfp4"), str(megatron_dir), Layout(params_dtype="bf16")
+            str(tmp_path / "mxfp4"), str(megatron_dir), MegatronLayout(params_dtype="bf16")
         )
     assert any("MXFP4 experts" in r.getMessage() for r in caplog.records)
     bridge.export_megatron_to_hf(str(megatron_dir), str(tmp_path / "mxfp4"), str(tmp_path / "hf"))
@@ -237,7 +228,7 @@ def test_failed_conversion_leaves_nothing(on_cpu, tmp_path):
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text('{"model_type": "gpt_oss"}')
     with pytest.raises(Exception):  # noqa: B017 - whatever the bridge raises for a bad model
-        bridge.convert_hf_to_megatron(str(hf_dir), str(tmp_path / "out"), Layout())
+        bridge.convert_hf_to_megatron(str(hf_dir), str(tmp_path / "out"), FP32)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-model"]
 
 

@@ -8,11 +8,12 @@ import pytest
 from tests_helpers_trainer import VERL_COLOCATED_OVERRIDES, VERL_MEGATRON_OVERRIDES
 
 from pipelines.presets import PRESETS, apply_overrides, grpo_plan
+from plan import ParallelSizes
 from trainer.placement import (
     Device,
-    ParallelLayout,
     PlacementError,
     PlacementPlan,
+    RolloutEngines,
     plan_placement,
 )
 
@@ -29,19 +30,19 @@ def check_plan(plan: PlacementPlan) -> None:
     assert len(engine_gpus) == len(set(engine_gpus))  # no two engines share a GPU
     for engine in plan.engines:
         assert len({d.node for d in engine.devices}) == 1  # an engine stays on one node
-        assert engine.tensor_parallel_size == plan.layout.rollout_tp
+        assert engine.tensor_parallel_size == plan.rollout.tp
         assert all(plan.processes[r].engine == engine.index for r in engine.ranks)
     for group in plan.train_tp_groups:
         assert len({plan.processes[r].device.node for r in group}) == 1
-        assert len(group) == plan.layout.tp
-    lay = plan.layout
-    assert len(plan.training_ranks) == lay.tp * lay.pp * lay.dp
-    if lay.colocate:
-        assert len(plan.engines) * lay.rollout_tp == len(plan.training_ranks)
+        assert len(group) == plan.sizes.tp
+    sizes, rollout = plan.sizes, plan.rollout
+    assert len(plan.training_ranks) == sizes.tp * sizes.pp * sizes.cp * sizes.dp
+    if rollout.colocate:
+        assert len(plan.engines) * rollout.tp == len(plan.training_ranks)
         assert plan.rollout_only_ranks == ()
     else:
-        assert len(plan.engines) == lay.rollout_engines
-        assert len(plan.rollout_only_ranks) == lay.rollout_engines * lay.rollout_tp
+        assert len(plan.engines) == rollout.dedicated
+        assert len(plan.rollout_only_ranks) == rollout.dedicated * rollout.tp
         assert not set(engine_gpus) & {plan.processes[r].device for r in plan.training_ranks}
     assert plan.gpus_used == len(plan.processes) <= plan.nodes * plan.gpus_per_node
 
@@ -74,7 +75,7 @@ def test_the_verl_plan_trains_on_one_node_and_samples_on_the_next():
     megatron = apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_MEGATRON_OVERRIDES)
     plan = grpo_plan(megatron)
     check_plan(plan)
-    assert (plan.layout.tp, plan.layout.ep, plan.layout.dp) == (8, 8, 1)
+    assert (plan.sizes.tp, plan.sizes.ep, plan.sizes.dp) == (8, 8, 1)
     assert plan.train_tp_groups == (tuple(range(8)),)
     assert [e.ranks for e in plan.engines] == [(8, 9, 10, 11), (12, 13, 14, 15)]
     # verl's hybrid engine: one engine per 4 training GPUs of the one node
@@ -103,8 +104,8 @@ def test_the_verl_megatron_plan_with_dedicated_engines_trains_first_then_rolls_o
     assert (plan.nodes, plan.gpus_per_node, plan.gpus_used) == (2, 8, 16)
     assert plan.training_ranks == tuple(range(8)) and plan.train_tp_groups == (tuple(range(8)),)
     assert all(plan.processes[r].device.node == 0 for r in plan.training_ranks)
-    lay = plan.layout
-    assert (lay.tp, lay.pp, lay.ep, lay.dp, lay.colocate) == (8, 1, 8, 1, False)
+    assert (plan.sizes.tp, plan.sizes.pp, plan.sizes.ep, plan.sizes.dp) == (8, 1, 8, 1)
+    assert not plan.rollout.colocate
     assert [(e.node, e.cuda_visible_devices, e.ranks) for e in plan.engines] == [
         (1, "0,1,2,3", (8, 9, 10, 11)),
         (1, "4,5,6,7", (12, 13, 14, 15)),
@@ -126,40 +127,84 @@ def test_the_verl_megatron_plan_with_dedicated_engines_trains_first_then_rolls_o
 
 
 @pytest.mark.parametrize(
-    ("nodes", "gpus", "layout"),
+    ("nodes", "gpus", "sizes", "rollout"),
     [
-        (2, 8, ParallelLayout(tp=4, pp=2, ep=4, dp=2, rollout_tp=8)),
-        (3, 8, ParallelLayout(tp=2, dp=8, rollout_tp=4, colocate=False, rollout_engines=2)),
-        (1, 8, ParallelLayout(dp=6, rollout_tp=2, colocate=False, rollout_engines=1)),
-        (4, 2, ParallelLayout(dp=8, rollout_tp=2)),
+        (2, 8, ParallelSizes(tp=4, pp=2, ep=4, dp=2), RolloutEngines(tp=8)),
+        (3, 8, ParallelSizes(tp=2, dp=8), RolloutEngines(tp=4, colocate=False, dedicated=2)),
+        (1, 8, ParallelSizes(dp=6), RolloutEngines(tp=2, colocate=False, dedicated=1)),
+        (4, 2, ParallelSizes(dp=8), RolloutEngines(tp=2)),
+        # context parallelism: TP 2 × CP 2 × DP 2 = 8 training processes
+        (1, 8, ParallelSizes(tp=2, cp=2, ep=2, dp=2), RolloutEngines(tp=4)),
     ],
 )
-def test_plans_keep_their_invariants(nodes, gpus, layout):
-    check_plan(plan_placement(nodes, gpus, layout))
+def test_plans_keep_their_invariants(nodes, gpus, sizes, rollout):
+    check_plan(plan_placement(nodes, gpus, sizes, rollout))
 
 
 def test_devices_follow_torchrun():
-    plan = plan_placement(2, 4, ParallelLayout(tp=2, dp=4, rollout_tp=4))
+    plan = plan_placement(2, 4, ParallelSizes(tp=2, dp=4), RolloutEngines(tp=4))
     assert plan.processes[6].device == Device(1, 2)
     assert plan.train_tp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert [e.ranks for e in plan.engines] == [(0, 1, 2, 3), (4, 5, 6, 7)]
 
 
 @pytest.mark.parametrize(
-    ("nodes", "gpus", "layout", "message"),
+    ("nodes", "gpus", "sizes", "rollout", "message"),
     [
-        (2, 4, ParallelLayout(tp=8), "TP group would cross nodes"),
-        (2, 4, ParallelLayout(dp=8, rollout_tp=8), "engine would cross nodes"),
-        (1, 4, ParallelLayout(dp=4, colocate=False, rollout_engines=1), "> 1 nodes × 4"),
-        (1, 8, ParallelLayout(dp=3, rollout_tp=2), "not a multiple of rollout TP"),
-        (1, 8, ParallelLayout(dp=4, colocate=False), "rollout_engines ≥ 1"),
-        (1, 8, ParallelLayout(tp=2, dp=3, ep=4), "EP 4 does not divide"),
-        (1, 8, ParallelLayout(dp=0), "dp=0 must be ≥ 1"),
+        (2, 4, ParallelSizes(tp=8, dp=1), None, "TP group would cross nodes"),
+        (2, 4, ParallelSizes(dp=8), RolloutEngines(tp=8), "engine would cross nodes"),
+        (
+            1, 4, ParallelSizes(dp=4), RolloutEngines(colocate=False, dedicated=1),
+            "> 1 nodes × 4",
+        ),
+        (1, 8, ParallelSizes(dp=3), RolloutEngines(tp=2), "not a multiple of rollout TP"),
+        (1, 8, ParallelSizes(dp=4), RolloutEngines(colocate=False), "rollout_engines ≥ 1"),
+        (
+            1, 8, ParallelSizes(tp=2, dp=3, ep=4), None,
+            "training processes 6 is not a multiple of etp × ep × pp = 1 × 4 × 1",
+        ),
+        (1, 8, ParallelSizes(), None, "have no dp: fit them"),
+        (1, 8, ParallelSizes(dp=1), RolloutEngines(tp=0), "rollout tp=0 must be ≥ 1"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_placed_says_why(nodes, gpus, sizes, rollout, message):
+    with pytest.raises(PlacementError, match=message):
+        plan_placement(nodes, gpus, sizes, rollout)
+
+
+def _old_expert_rule_accepts(sizes: ParallelSizes) -> bool:
+    """The rule placement kept before it used ``ParallelSizes``: EP divides TP × DP (it knew
+    neither CP nor ETP, and counted TP × PP × DP training processes)."""
+    return (sizes.tp * sizes.dp) % sizes.ep == 0
+
+
+@pytest.mark.parametrize(
+    ("sizes", "megatron_accepts"),
+    [
+        # CP 2 × DP 1 = 2 processes hold EP 2 (Megatron's expert grid: 2 % (1 × 2 × 1) = 0);
+        # the old rule saw TP × DP = 1 and refused
+        (ParallelSizes(cp=2, ep=2, dp=1), True),
+        # ETP 2 × EP 2 = 4 does not divide 2 processes: Megatron refuses; the old rule
+        # (TP × DP = 2, EP 2) accepted
+        (ParallelSizes(ep=2, etp=2, dp=2), False),
     ],
 )
-def test_what_cannot_be_placed_says_why(nodes, gpus, layout, message):
-    with pytest.raises(PlacementError, match=message):
-        plan_placement(nodes, gpus, layout)
+def test_placement_takes_megatron_cores_expert_grid_where_the_old_rule_disagreed(
+    sizes, megatron_accepts
+):
+    """Reproduction: ``(tp × dp) % ep`` disagreed with Megatron-Core's
+    ``world % (etp × ep × pp)`` when CP or ETP > 1; placement now applies ParallelSizes'
+    rule (Megatron-Core's ``initialize_model_parallel``)."""
+    world = sizes.tp * sizes.pp * sizes.cp * sizes.dp
+    assert _old_expert_rule_accepts(sizes) != megatron_accepts
+    assert (world % (sizes.etp * sizes.ep * sizes.pp) == 0) == megatron_accepts
+    if megatron_accepts:
+        plan = plan_placement(1, 8, sizes)
+        check_plan(plan)
+        assert len(plan.training_ranks) == world  # CP counts: not tp × pp × dp = 1
+    else:
+        with pytest.raises(PlacementError, match="etp × ep × pp = 2 × 2 × 1 = 4"):
+            plan_placement(1, 8, sizes)
 
 
 def test_render_names_every_engine():

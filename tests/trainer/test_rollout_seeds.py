@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.seeds import group_seeds
 from generation.vllm import vllm_sampling_kwargs
+from plan import ParallelSizes
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import (
     HFRolloutEngine,
@@ -16,7 +17,7 @@ from trainer.grpo.rollout import (
     generate_share,
     vllm_engine_kwargs,
 )
-from trainer.placement import ParallelLayout, plan_placement
+from trainer.placement import RolloutEngines, plan_placement
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_vllm_gets_one_request_per_response_with_its_own_seed():
 
 def test_vllm_engine_kwargs_follow_the_plan():
     cfg = RolloutConfig(engine="vllm", tensor_parallel_size=4, colocate=True)
-    plan = plan_placement(2, 8, ParallelLayout(dp=16, rollout_tp=4))
+    plan = plan_placement(2, 8, ParallelSizes(dp=16), RolloutEngines(tp=4))
     engine = plan.engine_of(13)
     kwargs = vllm_engine_kwargs("/m", cfg, engine, 16, seed=42)
     assert kwargs["tensor_parallel_size"] == 4

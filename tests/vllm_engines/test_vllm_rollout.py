@@ -22,8 +22,6 @@ from tests_helpers_trainer import (
 )
 
 from core.seeds import group_seeds
-from generation.engines import TokenEngineText
-from generation.requests import GenerationRequest
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import VLLMRolloutEngine
 from trainer.grpo.sync_check import SyncCheck, SyncGap, WeightSyncError
@@ -60,19 +58,6 @@ def test_each_response_has_its_own_random_stream(engine, policy):
     # a response depends on its own seed only: alone or in a batch, the same tokens
     alone = engine.generate([prompt], [seeds[1]])
     assert [r.response_ids for r in alone] == [r.response_ids for r in out[4:]]
-
-
-def test_the_eval_runs_on_the_rollout_engine(engine, policy):
-    """The eval's requests on the vLLM rollout engine (``generation.engines.TokenEngineText``):
-    each request gets what the engine draws for its seed, with its special tokens."""
-    _, tokenizer = policy
-    prompt = "<|start|>user<|message|>Quanto fa 2 + 3?<|end|><|start|>assistant"
-    requests = [GenerationRequest(f"q#{k}", prompt, (), seed) for k, seed in enumerate((7, 8))]
-    eval_engine = TokenEngineText(engine, tokenizer, "vllm rollout")
-    texts = [g.text for g in eval_engine.generate(requests, engine.sampling)]
-    drawn = engine.generate([tokenizer.encode(prompt, add_special_tokens=False)], [[7, 8]])
-    assert texts == [tokenizer.decode(r.response_ids, skip_special_tokens=False) for r in drawn]
-    assert texts[0] != texts[1]
 
 
 def test_sync_takes_every_weight_group_including_experts_and_sinks(

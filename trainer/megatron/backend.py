@@ -591,7 +591,7 @@ def _provider(auto_bridge, layout, settings, dtype: torch.dtype):
 
     provider = auto_bridge.to_megatron_provider(load_weights=False)
     mb._configure_provider(provider, auto_bridge.hf_pretrained.config, dtype)
-    mb._set_sizes(provider, layout)
+    mb._set_sizes(provider, mb.MegatronSizes.of(layout))
     provider.recompute_granularity = settings.recompute_granularity
     provider.recompute_method = settings.recompute_method
     provider.recompute_num_layers = settings.recompute_num_layers
@@ -688,11 +688,7 @@ def build_megatron_backend(
     try:
         cleanup.enter_context(
             mb.megatron_parallel(
-                tp=layout.tp,
-                pp=layout.pp,
-                ep=layout.ep,
-                etp=layout.etp,
-                cp=layout.cp,
+                layout.parallel_sizes,
                 vpp=layout.vpp,
                 seed=seed,
                 timeout=dist_info.timeout,

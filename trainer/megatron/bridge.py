@@ -36,11 +36,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from core.atomic import publish_dir
+from plan import ParallelSizes
+
+if TYPE_CHECKING:
+    from trainer.megatron.layout import MegatronLayout
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +59,27 @@ INSTALL_HINT = (
 )
 
 
-class ParallelLayout(Protocol):
-    """What ``convert_hf_to_megatron`` reads from a layout (``MegatronLayout`` has it all)."""
-
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    cp: int
-    sequence_parallel: bool
-    params_dtype: str
-
-
 @dataclass(frozen=True)
-class _Sizes:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
-    cp: int = 1
+class MegatronSizes:
+    """What the bridge sets on a model provider: the parallel sizes and Megatron's two
+    settings beside them. The rules they meet are checked before they get here
+    (``plan.ParallelSizes``, ``trainer.megatron.layout.validate_layout``), and Megatron-Core
+    checks them again when its state is built; the bridge adds none.
+
+    Attributes:
+        sizes: tp, pp, ep, etp, cp (and dp, where known).
+        vpp: virtual pipeline stages per pipeline rank (``None``: off).
+        sequence_parallel: split layer-norm/dropout activations along the sequence over TP.
+    """
+
+    sizes: ParallelSizes = ParallelSizes()
     vpp: int | None = None
     sequence_parallel: bool = False
+
+    @classmethod
+    def of(cls, layout: MegatronLayout) -> MegatronSizes:
+        """A Megatron layout's sizes, ``vpp`` and ``sequence_parallel``."""
+        return cls(layout.parallel_sizes, layout.vpp, layout.sequence_parallel)
 
 
 class MegatronCheckpointError(ValueError):
@@ -98,11 +102,7 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def megatron_parallel(
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    etp: int = 1,
-    cp: int = 1,
+    sizes: ParallelSizes | None = None,
     vpp: int | None = None,
     seed: int = 0,
     timeout: timedelta | None = None,
@@ -116,11 +116,8 @@ def megatron_parallel(
     here are then ignored) and left alone; what this context created, it destroys on exit.
 
     Args:
-        tp: tensor-parallel size.
-        pp: pipeline-parallel size.
-        ep: expert-parallel size.
-        etp: expert-tensor-parallel size.
-        cp: context-parallel size.
+        sizes: tp, pp, ep, etp and cp (default: all 1); Megatron-Core derives dp from the
+            world size.
         vpp: virtual pipeline stages per pipeline rank (``None``: off).
         seed: seed of Megatron's model-parallel CUDA RNG tracker (GPU only).
         timeout: how long a collective of the groups this creates waits (None: torch's and
@@ -133,6 +130,7 @@ def megatron_parallel(
     except ImportError as err:
         raise ImportError(f"{INSTALL_HINT} ({err})") from err
 
+    sizes = sizes or ParallelSizes()
     cuda = torch.cuda.is_available()
     created_group = created_state = False
     if not dist.is_initialized():
@@ -149,12 +147,12 @@ def megatron_parallel(
     try:
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp,
+                tensor_model_parallel_size=sizes.tp,
+                pipeline_model_parallel_size=sizes.pp,
                 virtual_pipeline_model_parallel_size=vpp,
-                context_parallel_size=cp,
-                expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=etp,
+                context_parallel_size=sizes.cp,
+                expert_model_parallel_size=sizes.ep,
+                expert_tensor_parallel_size=sizes.etp,
                 **(
                     {"distributed_timeout_minutes": math.ceil(timeout.total_seconds() / 60)}
                     if timeout
@@ -172,18 +170,20 @@ def megatron_parallel(
             dist.destroy_process_group()
 
 
-def _current_sizes() -> _Sizes:
-    """The parallel sizes of the Megatron-Core state this process is in."""
+def _current_sizes() -> MegatronSizes:
+    """The parallel sizes of the Megatron-Core state this process is in (sequence
+    parallelism is a model setting, not state: off)."""
     from megatron.core import parallel_state as ps
 
-    return _Sizes(
+    sizes = ParallelSizes(
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
         etp=ps.get_expert_tensor_parallel_world_size(),
         cp=ps.get_context_parallel_world_size(),
-        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
     )
+    return MegatronSizes(sizes, vpp=ps.get_virtual_pipeline_model_parallel_world_size())
 
 
 def _have_transformer_engine() -> bool:
@@ -245,7 +245,7 @@ def _configure_provider(provider: Any, hf_config: Any, dtype: torch.dtype) -> An
     return provider
 
 
-def _set_sizes(provider: Any, sizes: _Sizes | ParallelLayout) -> None:
+def _set_sizes(provider: Any, parallel: MegatronSizes) -> None:
     """The parallel sizes on the provider.
 
     The MoE token dispatcher is the bridge's all-to-all only when the experts are spread
@@ -253,14 +253,15 @@ def _set_sizes(provider: Any, sizes: _Sizes | ParallelLayout) -> None:
     default all-gather dispatcher sends the same tokens to the same experts without the
     all-to-all dispatcher's CUDA side stream, so the single-rank path also runs on a CPU.
     """
+    sizes = parallel.sizes
     provider.moe_token_dispatcher_type = "alltoall" if sizes.ep > 1 else "allgather"
     provider.tensor_model_parallel_size = sizes.tp
     provider.pipeline_model_parallel_size = sizes.pp
     provider.expert_model_parallel_size = sizes.ep
     provider.expert_tensor_parallel_size = sizes.etp
     provider.context_parallel_size = sizes.cp
-    provider.sequence_parallel = sizes.sequence_parallel
-    provider.virtual_pipeline_model_parallel_size = getattr(sizes, "vpp", None)
+    provider.sequence_parallel = parallel.sequence_parallel
+    provider.virtual_pipeline_model_parallel_size = parallel.vpp
 
 
 def _build_model(provider: Any) -> list[Any]:
@@ -281,7 +282,7 @@ def _model_state_dict(model: list[Any]) -> dict[str, Any]:
     return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(model)}
 
 
-def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: ParallelLayout) -> None:
+def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: MegatronLayout) -> None:
     """Convert a HF GPT-OSS directory into a Megatron ``torch_dist`` checkpoint at ``out_dir``.
 
     ``AutoBridge.from_hf_pretrained`` → ``to_megatron_provider`` (its pre-wrap hook loads the
@@ -294,12 +295,11 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: Para
     Args:
         hf_dir: a HF directory of a ``GptOssForCausalLM``.
         out_dir: the checkpoint directory to create; must not exist.
-        layout: any object with ``tp pp ep etp cp sequence_parallel params_dtype``
-            (and optionally ``vpp``), e.g. ``trainer.megatron.layout.MegatronLayout``.
+        layout: the Megatron layout to write it in (its sizes, ``vpp``, sequence
+            parallelism and ``params_dtype``).
 
     Raises:
         FileExistsError: ``out_dir`` exists.
-        ValueError: ``layout.params_dtype`` is not bf16, fp16 or fp32.
     """
 
     from core.mxfp4 import is_mxfp4, log_dequantization
@@ -307,8 +307,6 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: Para
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir}: already exists; remove it or choose a new directory")
-    if layout.params_dtype not in DTYPES:
-        raise ValueError(f"params_dtype={layout.params_dtype!r}: use one of {sorted(DTYPES)}")
     dtype = DTYPES[layout.params_dtype]
     if is_mxfp4(hf_dir):  # megatron-bridge reads the packed pairs itself
         log_dequantization(
@@ -317,17 +315,16 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, layout: Para
             "megatron-bridge (GPTOSSBridge.maybe_modify_loaded_hf_weight), then cast to "
             f"{layout.params_dtype}",
         )
-    vpp = getattr(layout, "vpp", None)
-    sizes = dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp)
-    with megatron_parallel(**sizes, vpp=vpp):
+    parallel = MegatronSizes.of(layout)
+    with megatron_parallel(parallel.sizes, parallel.vpp):
         bridge = _auto_bridge().from_hf_pretrained(str(hf_dir), torch_dtype=dtype)
         provider = bridge.to_megatron_provider(load_weights=True)
         _configure_provider(provider, bridge.hf_pretrained.config, dtype)
-        _set_sizes(provider, layout)
+        _set_sizes(provider, parallel)
         model = _build_model(provider)
 
         save_megatron_model(model, out_dir)
-    log.info("converted %s → %s (%s, %s)", hf_dir, out_dir, layout.params_dtype, sizes)
+    log.info("converted %s → %s (%s, %s)", hf_dir, out_dir, layout.params_dtype, parallel)
 
 
 def save_megatron_model(model: list[Any], out_dir: str | Path) -> Path:
@@ -532,7 +529,7 @@ def megatron_next_token_logits(
     vocab = AutoConfig.from_pretrained(str(hf_dir)).vocab_size
     rows = []
     with _loaded_model(megatron_dir, hf_dir, parallel_output=False) as (_, model):
-        sizes = _current_sizes()
+        sizes = _current_sizes().sizes
         if sizes.pp > 1 or sizes.cp > 1:
             raise ValueError(
                 f"next-token logits need pp = cp = 1, not pp={sizes.pp}, cp={sizes.cp}"

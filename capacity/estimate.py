@@ -91,9 +91,11 @@ def _full_training_comparison(spec: ModelSpec, counts: ParameterCount, layout: L
     total = sum_terms(training_rank_terms(spec, counts, full))
     verdict = verdict_for(total, layout.gpu_memory_gib * GIB)
     trainable = trainable_parameters(spec, counts, layout)
+    reference = ", and the KL reference is the base with the adapter off" if layout.kl else ""
+    step = "GRPO" if layout.rollouts else "fine-tuning"
     return (
-        f"LoRA: {trainable / counts.total:.2%} of the weights train, so the frozen base has no "
-        f"gradients or optimizer states; full GRPO on these GPUs: "
+        f"LoRA: {trainable / counts.total:.2%} of the weights train: the frozen base has no "
+        f"gradients or optimizer states{reference}; full {step} on these GPUs: "
         f"{total.expected / GIB:.1f} GiB expected a rank ({verdict.value})"
     )
 

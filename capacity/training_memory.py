@@ -14,6 +14,11 @@ Persistent state by backend (``w`` = training dtype bytes, ``Pt`` = trainable pa
   high bound, ``grad_reduce_in_fp32``); the distributed optimizer's 16 B per parameter is
   sharded over the data-parallel group (``N/(TP·PP)`` dense, ``N/(EP·PP)`` experts).
 
+LoRA (``lora_rank``): the base is frozen (weights only: no gradients, no optimizer states);
+the adapter's gradients and optimizer states are as above for ``Pt`` = its parameters; the KL
+reference is the base with the adapter switched off (``trainer.backends.torch.reference_copy``),
+so it adds nothing.
+
 Gradients persist across micro-batches (gradient accumulation), so they coexist with the
 activations, as do the optimizer states and the reference model (when KL is on).
 """
@@ -247,11 +252,12 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
                 "adam_offload=true, or add training nodes",
             )
         )
-    if layout.kl and not layout.ref_offload:
+    # LoRA: the reference is the frozen base itself with the adapter off (no second model)
+    if layout.kl and not layout.ref_offload and not lora:
         terms.append(
             Term(
                 "reference",
-                f"reference model (KL){': a frozen copy of the base' if lora else ''}",
+                "reference model (KL)",
                 Bounds.exact(w * share.weights),
                 "ref_offload=true (or kl=false)",
             )

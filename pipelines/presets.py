@@ -339,10 +339,10 @@ GPT_OSS_20B_LORA = Preset.model_validate(
         **dict(GPT_OSS_20B),
         "name": "gpt-oss-20b-lora",
         "description": (
-            "openai/gpt-oss-20b, LoRA GRPO on one p5en node (8 H200): a rank-16 adapter on "
-            "attention and experts, the base frozen; DeepSpeed ZeRO-2, the HF engine on each "
-            "training GPU samples with base + adapter (nothing to sync); SFT as gpt-oss-20b's "
-            "on the same node"
+            "openai/gpt-oss-20b, LoRA GRPO on one p5en node (8 H200; ~46 GiB a GPU, so 8 "
+            "H100 also hold it): a rank-16 adapter on attention and experts, the base frozen; "
+            "DeepSpeed ZeRO-2, the HF engine on each training GPU samples with base + adapter "
+            "(nothing to sync); SFT as gpt-oss-20b's on the same node"
         ),
         # SFT and GRPO each on the one node; colocated engines: no second node
         "hardware": Hardware(
@@ -370,7 +370,8 @@ GPT_OSS_20B_LORA = Preset.model_validate(
                 "lora": LoraSettings(r=16, alpha=32, experts=True),
                 # ZeRO-2: each GPU holds the frozen bf16 base whole (39 GiB) so the HF engine
                 # generates without gathering a layer per token; only the adapter's gradients
-                # and Adam states exist, sharded over the 8 ranks
+                # and Adam states exist, sharded over the 8 ranks; the KL reference is the base
+                # with the adapter off. lr 10x full GRPO's (LoRA's optimum sits ~10x higher)
                 "optim": OptimConfig(
                     backend="deepspeed",
                     zero_stage=2,

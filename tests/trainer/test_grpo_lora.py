@@ -230,3 +230,34 @@ def test_the_lora_kl_reference_is_the_frozen_base_with_the_adapter_off(tiny_mode
     assert (moved - expected).abs().max() > 1e-2  # the policy moved (adapter on again)
     after = backend.log_probs([micro], reference=True)[0]
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_grpo_on_deepspeed_zero2_with_kl_and_colocated_hf_engines(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    """gpt-oss-20b-lora's shape on the tiny model: two DeepSpeed ZeRO-2 trainers, each
+    sampling with the HF engine on the module it trains, KL on against the base with the
+    adapter off (no reference copy): it trains, the KL starts at zero and grows."""
+    pytest.importorskip("deepspeed")
+    cfg = _tiny_lora_run(
+        nproc=2,
+        micro_batch_size=4,
+        rollout={"n_samples": 4, "max_new_tokens": 16},
+        algorithm={"kl_loss_coef": 0.01},
+        optim={"learning_rate": 1e-2, "lr_scheduler": "constant", "backend": "deepspeed"}
+        | {"zero_stage": 2},
+    )
+    args = grpo_cli_args(tmp_path, "ds2", cfg, tiny_model_dir, prepared_data)
+    job = subprocess.run(
+        torchrun_command("trainer.grpo", args, 2),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+    steps = grpo_step_lines(tmp_path, "ds2")
+    assert [m["step"] for m in steps] == [1, 2]
+    assert abs(steps[0]["kl"]) < 1e-6 < steps[1]["kl"]  # the policy starts as the base
+    _assert_merged_export(tmp_path / "ds2" / "model", tiny_model_dir)

@@ -22,7 +22,7 @@ from capacity.quantities import (
 )
 from capacity.rollout_memory import VLLM_CONTEXT_GIB, KvCapacity, rollout_gpu_terms
 from capacity.storage import storage_terms
-from capacity.sync_time import SyncTime, model_sync
+from capacity.sync_time import NoSync, SyncTime, model_sync
 from capacity.training_memory import (
     CUDA_RUNTIME_GIB,
     gpu_resident_state,
@@ -45,7 +45,8 @@ class Estimate:
         layout: the layout, overrides applied.
         resources: training GPU, rollout GPU, host per node kind, storage (those that apply).
         kv: the rollout engines' KV-cache capacity, when there are rollout GPUs.
-        sync: one weight sync's modeled time (dedicated engines on a stated interconnect).
+        sync: one weight sync's modeled time (dedicated engines on a stated interconnect),
+            or ``NoSync`` (colocated engines: nothing moves, and what a sync would move).
     """
 
     model: ModelSpec
@@ -54,7 +55,7 @@ class Estimate:
     layout: Layout
     resources: tuple[Resource, ...]
     kv: KvCapacity | None
-    sync: SyncTime | None = None
+    sync: SyncTime | NoSync | None = None
 
     @property
     def verdict(self) -> Verdict:
@@ -83,9 +84,27 @@ def _resource(
     return Resource(key, label, capacity, tuple(terms), verdict, advice, detail)
 
 
+def _full_training_comparison(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> str:
+    """LoRA: what one rank would hold training every weight on the same GPUs (the terms LoRA
+    removes: the base's gradients and optimizer states), as a detail line."""
+    full = layout.model_copy(update={"lora_rank": 0, "lora_experts": False})
+    total = sum_terms(training_rank_terms(spec, counts, full))
+    verdict = verdict_for(total, layout.gpu_memory_gib * GIB)
+    trainable = trainable_parameters(spec, counts, layout)
+    reference = ", and the KL reference is the base with the adapter off" if layout.kl else ""
+    step = "GRPO" if layout.rollouts else "fine-tuning"
+    return (
+        f"LoRA: {trainable / counts.total:.2%} of the weights train: the frozen base has no "
+        f"gradients or optimizer states{reference}; full {step} on these GPUs: "
+        f"{total.expected / GIB:.1f} GiB expected a rank ({verdict.value})"
+    )
+
+
 def _training_resource(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> Resource:
     terms = training_rank_terms(spec, counts, layout)
     load = load_description(spec, counts, layout)
+    if layout.lora_rank and layout.device == "cuda":
+        load += "\n  " + _full_training_comparison(spec, counts, layout)
     host_capacity = (layout.host_memory_gib - layout.host_reserved_gib) * GIB
     if layout.device == "cpu":
         ranks = min(layout.gpus_per_node, layout.training_gpus)
@@ -186,14 +205,15 @@ def estimate_layout(spec: ModelSpec, layout: Layout) -> Estimate:
             storage_terms(spec, counts, layout),
         )
     )
+    trainable = trainable_parameters(spec, counts, layout)
     return Estimate(
         model=spec,
         parameters=counts,
-        trainable_parameters=trainable_parameters(spec, counts, layout),
+        trainable_parameters=trainable,
         layout=layout,
         resources=tuple(resources),
         kv=kv,
-        sync=model_sync(counts, layout),
+        sync=model_sync(counts, layout, adapter=trainable),
     )
 
 

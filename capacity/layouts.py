@@ -85,6 +85,8 @@ class Layout(BaseModel):
         sender_network_gbps: what one GPU's process reaches of it (``sender_network_gbps``).
         intra_node_gbps: one GPU's bandwidth to the node's other GPUs, Gb/s.
         sync_bucket_mb: the weight sync's bucket (``rollout.sync_bucket_mb``).
+        rollouts: the step samples rollouts and syncs its policy to them (GRPO); false for
+            SFT, which the planner models with the same fields.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -135,6 +137,7 @@ class Layout(BaseModel):
     sender_network_gbps: float | None = Field(None, gt=0)
     intra_node_gbps: float | None = Field(None, gt=0)
     sync_bucket_mb: int = Field(64, ge=1)
+    rollouts: bool = True
 
     @model_validator(mode="after")
     def _check_placement(self) -> Layout:

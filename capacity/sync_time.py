@@ -15,8 +15,14 @@ gather (before anything can be sent) and a latency per hop per bucket:
   on another node, else one GPU's NVLink/PCIe;
 - hops: the chain's links, one per receiving worker; ``HOP_LATENCY_S`` each, per bucket.
 
-Colocated engines reload in the training process (no transfer); the local CPU run has no
-published interconnect, so neither is modeled (``None``).
+A sync moves the policy's trainable weights: the whole model, or with LoRA
+(``Layout.lora_rank``) the adapter's tensors alone (``trainer/grpo/weight_sync.py``:
+``hf_weights(trainable_only=True)``), so its bytes, buckets and time shrink with it.
+
+Colocated engines sample with the training process's own weights: a colocated HF engine
+with the module it trains (base + adapter under LoRA), a colocated vLLM engine after an
+in-process reload; nothing crosses a link (``NoSync``). The local CPU run has no published
+interconnect, and SFT rolls nothing out, so neither is modeled (``None``).
 """
 
 from __future__ import annotations
@@ -33,12 +39,37 @@ latencies are ~10–30 µs within and across nodes; 50 µs leaves room for the R
 _BYTES_PER_PARAM = {"bf16": 2, "fp32": 4}
 
 
+def sync_bytes(counts: ParameterCount, layout: Layout, adapter: int = 0) -> int:
+    """Bytes of one sync: the LoRA adapter's ``adapter`` parameters where the layout trains
+    one (``lora_rank``), else the whole policy's, in the training dtype (DeepSpeed casts the
+    adapter to it; the vLLM engine takes the policy in it)."""
+    params = adapter if layout.lora_rank else counts.total
+    return params * _BYTES_PER_PARAM[layout.dtype]
+
+
+@dataclass(frozen=True)
+class NoSync:
+    """A GRPO run whose engines sample with the training process's weights: nothing moves.
+
+    Attributes:
+        bytes: what a sync would move to dedicated engines (the adapter's bytes under LoRA).
+        adapter: those bytes are the LoRA adapter's alone.
+        reason: why nothing moves, in words.
+    """
+
+    bytes: int
+    adapter: bool
+    reason: str
+
+
 @dataclass(frozen=True)
 class SyncTime:
     """One modeled weight sync.
 
     Attributes:
-        bytes: the policy's bytes a sync sends (one copy; every receiving worker takes it).
+        bytes: the policy's bytes a sync sends (one copy; every receiving worker takes it):
+            the whole model's, or the LoRA adapter's alone.
+        adapter: the bytes are the LoRA adapter's alone.
         receivers: TP workers that receive it.
         buckets: buckets of ``sync_bucket_mb``.
         hops: links of the broadcast chain.
@@ -52,6 +83,7 @@ class SyncTime:
     """
 
     bytes: int
+    adapter: bool
     receivers: int
     buckets: int
     hops: int
@@ -68,14 +100,31 @@ def _seconds(nbytes: float, gbps: float) -> float:
     return nbytes * 8 / (gbps * 1e9)
 
 
-def model_sync(counts: ParameterCount, layout: Layout) -> SyncTime | None:
-    """The modeled time of one sync of ``layout``'s policy to its dedicated engines (None:
-    no dedicated engines, or a layout without a stated interconnect)."""
-    if not layout.rollout_gpus or layout.hybrid or layout.device != "cuda":
+def model_sync(
+    counts: ParameterCount, layout: Layout, adapter: int = 0
+) -> SyncTime | NoSync | None:
+    """The modeled time of one sync of ``layout``'s policy to its dedicated engines.
+
+    Args:
+        counts: the model's parameter count.
+        layout: the layout.
+        adapter: the LoRA adapter's parameters (``count_lora_parameters``), which a sync
+            moves instead of the whole model where ``layout.lora_rank`` is set.
+
+    Returns:
+        The sync; ``NoSync`` where the engines are colocated (nothing moves); None where
+        nothing is modeled: no rollouts (SFT), the CPU run, or no stated interconnect.
+    """
+    if not layout.rollouts or layout.device != "cuda":
         return None
+    nbytes = sync_bytes(counts, layout, adapter)
+    lora = bool(layout.lora_rank)
+    if not layout.rollout_gpus:
+        return NoSync(nbytes, lora, "the HF engine samples with the module each rank trains")
+    if layout.hybrid:
+        return NoSync(nbytes, lora, "colocated vLLM reloads the policy in its own process")
     if layout.intra_node_gbps is None:
         return None
-    nbytes = counts.total * _BYTES_PER_PARAM[layout.dtype]
     bucket = layout.sync_bucket_mb << 20
     buckets = -(-nbytes // bucket)
     per_node = layout.gpus_per_node
@@ -113,6 +162,7 @@ def model_sync(counts: ParameterCount, layout: Layout) -> SyncTime | None:
     seconds = max(wire_s, gather_s) + first + latency_s
     return SyncTime(
         bytes=nbytes,
+        adapter=lora,
         receivers=receivers,
         buckets=buckets,
         hops=hops,
@@ -126,16 +176,27 @@ def model_sync(counts: ParameterCount, layout: Layout) -> SyncTime | None:
     )
 
 
-def describe_sync(sync: SyncTime) -> str:
-    """One line for ``lingo estimate``: the modeled sync and what it is made of."""
-    gib = sync.bytes / 2**30
+def _what(sync: SyncTime | NoSync) -> str:
+    size = sync.bytes / 2**30
+    amount = f"{size:.1f} GiB" if size >= 1 else f"{sync.bytes / 2**20:.0f} MiB"
+    return f"{amount}, the LoRA adapter alone" if sync.adapter else amount
+
+
+def describe_sync(sync: SyncTime | NoSync) -> str:
+    """One line for ``lingo estimate``: the modeled sync and what it is made of, or why
+    nothing moves and what a sync to dedicated engines would move."""
+    if isinstance(sync, NoSync):
+        return (
+            f"weight sync per step: none, 0 s ({sync.reason}); a sync to dedicated engines "
+            f"would move {_what(sync)}"
+        )
     gather = (
         f"gather {sync.gather_s:.1f} s at {sync.gather_gbps:g} Gb/s"
         if sync.gather_gbps
         else "no gather"
     )
     return (
-        f"weight sync per step: {sync.seconds:.1f} s modeled ({gib:.1f} GiB to "
+        f"weight sync per step: {sync.seconds:.1f} s modeled ({_what(sync)}, to "
         f"{sync.receivers} vLLM workers in {sync.buckets} buckets; wire {sync.wire_s:.1f} s at "
         f"{sync.wire_gbps:g} Gb/s over {sync.route}, {gather}, overlapped; "
         f"{sync.hops} hops × {sync.buckets} buckets × {HOP_LATENCY_S * 1e6:.0f} µs = "

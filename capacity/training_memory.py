@@ -14,6 +14,11 @@ Persistent state by backend (``w`` = training dtype bytes, ``Pt`` = trainable pa
   high bound, ``grad_reduce_in_fp32``); the distributed optimizer's 16 B per parameter is
   sharded over the data-parallel group (``N/(TP·PP)`` dense, ``N/(EP·PP)`` experts).
 
+LoRA (``lora_rank``): the base is frozen (weights only: no gradients, no optimizer states);
+the adapter's gradients and optimizer states are as above for ``Pt`` = its parameters; the KL
+reference is the base with the adapter switched off (``trainer.backends.torch.reference_copy``),
+so it adds nothing.
+
 Gradients persist across micro-batches (gradient accumulation), so they coexist with the
 activations, as do the optimizer states and the reference model (when KL is on).
 """
@@ -174,13 +179,36 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
     w = layout.weight_bytes
     share = rank_share(spec, counts, layout)
     deepspeed = layout.backend == "deepspeed"
+    lora = layout.lora_rank > 0
+    sharded = _sharded(layout)
     terms: list[Term] = []
-    if not layout.param_offload:
+    if not layout.param_offload and lora:
+        # LoRA: the base is frozen (no gradients, no optimizer state); only the adapter trains
+        terms.append(
+            Term(
+                "weights",
+                f"frozen base ({layout.dtype}, {format_count(share.weights)} params, "
+                "no grads/optimizer state)",
+                Bounds.exact(w * share.weights),
+                "zero_stage=3 (splits the base over the training GPUs)",
+            )
+        )
+        terms.append(
+            Term(
+                "adapter",
+                f"LoRA adapter (r={layout.lora_rank}"
+                f"{', experts' if layout.lora_experts else ''}, "
+                f"{format_count(share.adapter)} params on this rank)",
+                Bounds.exact(w * share.adapter),
+                "lower lora_rank",
+            )
+        )
+    elif not layout.param_offload:
         terms.append(
             Term(
                 "weights",
                 f"weights ({layout.dtype}, {format_count(share.weights)} params on this rank)",
-                Bounds.exact(w * (share.weights + share.adapter)),
+                Bounds.exact(w * share.weights),
                 "add training nodes (ZeRO-3 / EP split weights over more GPUs)",
             )
         )
@@ -198,7 +226,8 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
         terms.append(
             Term(
                 "gradients",
-                f"gradients ({layout.dtype}, ZeRO-{layout.zero_stage})",
+                f"{'adapter ' if lora else ''}gradients ({layout.dtype}, "
+                f"ZeRO-{layout.zero_stage}{sharded['gradients']})",
                 Bounds.exact(w * share.trainable),
                 "zero_stage=3 or add training nodes",
             )
@@ -217,12 +246,14 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
         terms.append(
             Term(
                 "optimizer",
-                f"optimizer states ({optimizer_bytes_per_param(layout)} B/trainable param)",
+                f"{'adapter ' if lora else ''}optimizer states "
+                f"({optimizer_bytes_per_param(layout)} B/trainable param{sharded['optimizer']})",
                 Bounds.exact(optimizer),
                 "adam_offload=true, or add training nodes",
             )
         )
-    if layout.kl and not layout.ref_offload:
+    # LoRA: the reference is the frozen base itself with the adapter off (no second model)
+    if layout.kl and not layout.ref_offload and not lora:
         terms.append(
             Term(
                 "reference",
@@ -232,6 +263,18 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
             )
         )
     return terms
+
+
+def _sharded(layout: Layout) -> dict[str, str]:
+    """How DeepSpeed splits the gradients and the optimizer states over the training ranks,
+    as words for a term's label ("" where a rank holds them whole, or under Megatron)."""
+    n = layout.training_gpus
+    if layout.backend != "deepspeed" or n == 1:
+        return {"gradients": "", "optimizer": ""}
+    return {
+        "gradients": f", 1/{n} a rank" if layout.zero_stage >= 2 else "",
+        "optimizer": f", 1/{n} a rank" if layout.zero_stage >= 1 else "",
+    }
 
 
 def training_rank_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> list[Term]:
@@ -247,11 +290,12 @@ def training_rank_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout)
     """
     w = layout.weight_bytes
     terms = gpu_resident_state(spec, counts, layout)
-    terms[1:1] = load_terms(spec, counts, layout)
+    after_weights = sum(1 for term in terms if term.key in ("weights", "adapter"))
+    terms[after_weights:after_weights] = load_terms(spec, counts, layout)
     if layout.backend == "deepspeed" and layout.zero_stage == 3 and layout.training_gpus > 1:
         largest = max(counts.per_layer, counts.embedding)
         terms.insert(
-            1,
+            after_weights,
             Term(
                 "zero3_gathered",
                 f"ZeRO-3 gathered layers ({format_count(largest)} params each)",

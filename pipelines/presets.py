@@ -334,7 +334,59 @@ GPT_OSS_20B_VERL = Preset.model_validate(
     }
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, GPT_OSS_20B, GPT_OSS_20B_VERL)}
+GPT_OSS_20B_LORA = Preset.model_validate(
+    {
+        **dict(GPT_OSS_20B),
+        "name": "gpt-oss-20b-lora",
+        "description": (
+            "openai/gpt-oss-20b, LoRA GRPO on one p5en node (8 H200; ~46 GiB a GPU, so 8 "
+            "H100 also hold it): a rank-16 adapter on attention and experts, the base frozen; "
+            "DeepSpeed ZeRO-2, the HF engine on each training GPU samples with base + adapter "
+            "(nothing to sync); SFT as gpt-oss-20b's on the same node"
+        ),
+        # SFT and GRPO each on the one node; colocated engines: no second node
+        "hardware": Hardware(
+            node_type="p5en.48xlarge", sft_nodes=1, grpo_nodes=1, storage_gib=2000
+        ),
+        # one H200 (141 GB) holds the 20b model's bf16 weights and its KV cache
+        "serving": ServingConfig(enabled=True, gpus=1, cpu="16", memory="128Gi"),
+        "grpo": GPT_OSS_20B.grpo.model_copy(
+            update={
+                # the HF engine (vLLM's LoRA requests are not wired yet), colocated: each
+                # training process samples its own prompts with the module it trains, base +
+                # adapter, so no weights move between steps
+                "rollout": GPT_OSS_20B.grpo.rollout.model_copy(
+                    update={
+                        "engine": "hf",
+                        "tensor_parallel_size": 1,
+                        "colocate": True,
+                        "num_engines": 0,
+                        "async_steps": 0,
+                    }
+                ),
+                # attention and the 3-D expert weights (peft target_parameters): the experts
+                # are 91% of the model's weights and where LoRA-for-RL studies put the adapter
+                # (attention-only adapters trail full fine-tuning; all-layer ones match it)
+                "lora": LoraSettings(r=16, alpha=32, experts=True),
+                # ZeRO-2: each GPU holds the frozen bf16 base whole (39 GiB) so the HF engine
+                # generates without gathering a layer per token; only the adapter's gradients
+                # and Adam states exist, sharded over the 8 ranks; the KL reference is the base
+                # with the adapter off. lr 10x full GRPO's (LoRA's optimum sits ~10x higher)
+                "optim": OptimConfig(
+                    backend="deepspeed",
+                    zero_stage=2,
+                    learning_rate=5e-6,
+                    lr_scheduler="constant",
+                    warmup_steps=5,
+                ),
+            }
+        ),
+    }
+)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p for p in (TINY_CPU, GPT_OSS_20B, GPT_OSS_20B_VERL, GPT_OSS_20B_LORA)
+}
 DEFAULT_PRESET = "tiny-cpu"
 STEPS = (
     "data_prep",

@@ -169,6 +169,7 @@ def sft_layout(
         "gpus_per_node": gpus_per_node,
         "training_gpus": sft.nproc,
         "rollout_gpus": 0,
+        "rollouts": False,
         "hybrid": False,
         "deepspeed_enable_sleep": False,
         **_training_fields(sft.optim, base),

@@ -8,8 +8,8 @@ import pytest
 from capacity import format_table
 from capacity.estimate import estimate
 from capacity.layouts import Layout, node_fields
-from capacity.model_spec import count_parameters, load_model_spec
-from capacity.sync_time import HOP_LATENCY_S, model_sync
+from capacity.model_spec import count_lora_parameters, count_parameters, load_model_spec
+from capacity.sync_time import HOP_LATENCY_S, NoSync, describe_sync, model_sync
 from cluster.nodes import LOCAL, NODE_TYPES, sender_network_gbps
 from pipelines.presets import get_preset, run_estimates
 
@@ -67,11 +67,45 @@ def test_engines_on_the_senders_node_take_its_gpu_links():
     assert sync.wire_gbps == 7200.0 and "within node 0" in sync.route
 
 
-def test_no_sync_is_modeled_without_dedicated_engines_or_a_stated_interconnect():
-    assert model_sync(GPT_OSS_20B, _g5(hybrid=True, rollout_gpus=8)) is None
-    assert model_sync(GPT_OSS_20B, _g5(rollout_gpus=0)) is None
+def test_colocated_engines_move_nothing_and_unmodeled_layouts_get_no_sync():
+    for colocated in (_g5(hybrid=True, rollout_gpus=8), _g5(rollout_gpus=0)):
+        sync = model_sync(GPT_OSS_20B, colocated)
+        assert isinstance(sync, NoSync) and sync.bytes == GPT_OSS_20B.total * 2
+        assert describe_sync(sync).startswith("weight sync per step: none, 0 s")
+    assert model_sync(GPT_OSS_20B, _g5(rollouts=False, rollout_gpus=0)) is None  # SFT
     assert model_sync(GPT_OSS_20B, _g5(sender_network_gbps=None)) is None
     assert model_sync(GPT_OSS_20B, _g5(intra_node_gbps=None)) is None
+
+
+def test_a_lora_sync_moves_the_adapter_alone():
+    """Under LoRA the sync's bytes are the adapter's (trainer: ``hf_weights(trainable_only=
+    True)``): r=16 on attention and experts is under 1% of gpt-oss-20b's bytes, and its
+    buckets, gather and wire time shrink with it."""
+    adapter = count_lora_parameters(load_model_spec("gpt-oss-20b"), 16, experts=True)
+    full = model_sync(GPT_OSS_20B, _g5())
+    lora = model_sync(GPT_OSS_20B, _g5(lora_rank=16, lora_experts=True), adapter=adapter)
+    assert lora.adapter and not full.adapter
+    assert lora.bytes == adapter * 2 and lora.bytes < 0.01 * full.bytes
+    assert lora.buckets == -(-lora.bytes // (64 << 20)) < full.buckets
+    assert lora.wire_s == pytest.approx(lora.bytes * 8 / 40e9)
+    assert lora.seconds < full.seconds / 50
+    assert "the LoRA adapter alone" in describe_sync(lora)
+    assert "the LoRA adapter alone" not in describe_sync(full)
+
+
+def test_the_lora_presets_colocated_engines_sync_nothing_and_it_says_what_a_sync_would_move():
+    preset = get_preset("gpt-oss-20b-lora")
+    _, estimates = run_estimates(preset, "gpt-oss-20b")
+    sync = estimates["grpo"].sync
+    adapter = count_lora_parameters(load_model_spec("gpt-oss-20b"), preset.grpo.lora.r, True)
+    assert isinstance(sync, NoSync) and sync.adapter and sync.bytes == 2 * adapter
+    line = (
+        "weight sync per step: none, 0 s (the HF engine samples with the module each rank "
+        f"trains); a sync to dedicated engines would move {sync.bytes / 2**20:.0f} MiB, the "
+        "LoRA adapter alone"
+    )
+    assert line in format_table(estimates["grpo"])
+    assert estimates["sft"].sync is None
 
 
 def test_estimate_prints_the_modeled_sync_of_the_gpt_oss_20b_preset():

@@ -277,3 +277,47 @@ def test_the_planner_counts_the_attention_kernel_the_trainer_runs():
         for kernel, layout in (("eager", grpo), ("flash", fused))
     }
     assert counted["eager"] > counted["flash"]
+
+
+def test_the_lora_preset_fits_one_node_and_full_grpo_there_would_hold_the_bases_optimizer():
+    """gpt-oss-20b-lora: SFT and GRPO on one 8-GPU node (colocated engines, no second node).
+    A rank holds the frozen base whole (ZeRO-2) and the adapter's gradients and optimizer
+    states, and its KL reference is that base with the adapter off; the same preset with
+    ``grpo.lora.r=0`` adds the base's gradients, its 16 B/param optimizer states (1/8 a rank)
+    and a reference copy, and is no longer a plain fit (on 80 GB GPUs: does not fit)."""
+    from capacity.model_spec import count_lora_parameters, count_parameters, load_model_spec
+    from capacity.quantities import GIB
+
+    preset = PRESETS["gpt-oss-20b-lora"]
+    assert preset.hardware.job_nodes("grpo", preset.grpo.rollout_processes) == 1
+    assert preset.hardware.job_nodes("sft") == 1
+    plan, estimates = _estimates(preset)
+    assert not plan.rollout_only_ranks and len(plan.training_ranks) == 8
+    lora = estimates["grpo"]
+    assert lora.verdict is Verdict.FITS and estimates["sft"].verdict is Verdict.FITS
+    spec = load_model_spec("gpt-oss-20b")
+    total = count_parameters(spec).total
+    adapter = count_lora_parameters(spec, 16, experts=True)
+    assert lora.trainable_parameters == adapter
+    gpu = lora.resource("training_gpu")
+    terms = {t.key: t.bytes.expected for t in gpu.terms}
+    assert terms["weights"] == 2 * total  # the frozen base, whole on every GPU
+    assert terms["adapter"] == 2 * adapter
+    assert terms["optimizer"] == 16 * adapter / 8  # the adapter's Adam states, ZeRO-2
+    assert terms["gradients"] == 2 * adapter / 8
+    assert "reference" not in terms  # KL on: the base with the adapter off, no copy
+    assert "the KL reference is the base with the adapter off" in gpu.detail
+
+    full = _estimates(apply_overrides(preset, {"grpo.lora.r": "0"}))[1]["grpo"]
+    full_terms = {t.key: t.bytes.expected for t in full.resource("training_gpu").terms}
+    assert full_terms["optimizer"] == 16 * total / 8 and full_terms["gradients"] == 2 * total / 8
+    grown = _rank_bytes(full) - _rank_bytes(lora)
+    assert grown > (16 + 2) * (total - adapter) / 8  # plus fragmentation on them
+    assert full.verdict is not Verdict.FITS
+    assert f"{_rank_bytes(full) / GIB:.1f} GiB expected a rank (tight)" in gpu.detail
+
+    # on an 8x H100 node (80 GB, 79.6 GiB reported) LoRA still fits, full GRPO does not
+    h100 = {"gpu_memory_gib": "79.6"}
+    assert _estimates(preset, overrides=h100)[1]["grpo"].verdict is Verdict.FITS
+    full_h100 = _estimates(apply_overrides(preset, {"grpo.lora.r": "0"}), overrides=h100)[1]
+    assert full_h100["grpo"].verdict is Verdict.DOES_NOT_FIT

@@ -28,6 +28,7 @@ from trainer.backends import build_backend
 from trainer.distributed import DistInfo
 from trainer.grpo import engines
 from trainer.grpo.config import GRPOConfig
+from trainer.grpo.micro_batch import Micro
 from trainer.grpo.recipe import run_grpo
 from trainer.grpo.sync_check import SyncCheck, sync_probe
 from trainer.grpo.update import backend_request
@@ -191,3 +192,72 @@ def test_lora_grpo_on_deepspeed_zero3_with_a_dedicated_hf_engine(
     assert all(m["sync_bytes"] == adapter_bytes for m in steps)
     assert all(m["sync_logprob_max_diff"] < 1e-5 for m in steps)
     _assert_merged_export(tmp_path / "ds" / "model", tiny_model_dir)
+
+
+def _one_response(tokenizer) -> Micro:
+    """One prompt + response row laid out as the update lays it out (no padding)."""
+    ids = torch.tensor([tokenizer("Why is the sky blue at noon? Because of air.")["input_ids"]])
+    width = ids.shape[1] - 4
+    return Micro(
+        ids=ids,
+        attention=torch.ones_like(ids),
+        positions=torch.arange(ids.shape[1])[None],
+        mask=torch.ones(1, width),
+    )
+
+
+def test_the_lora_kl_reference_is_the_frozen_base_with_the_adapter_off(tiny_model_dir):
+    """With KL on, LoRA GRPO keeps no second model (the 20b's would be 39 GiB a GPU): the
+    reference log-probs are the base's with the adapter (experts too) switched off, equal to
+    the SFT model's before and after the adapter moves, while the policy's move with it."""
+    cfg = GRPOConfig.model_validate(
+        small_grpo_config(lora=LORA | {"experts": True}, algorithm={"kl_loss_coef": 0.01})
+    )
+    tokenizer = load_tokenizer(tiny_model_dir)
+    request = backend_request(cfg, tiny_model_dir, torch.float32, ONE, tokenizer.pad_token_id)
+    assert request.with_reference
+    backend, policy = build_backend(request)
+    assert backend.reference is None  # no copy of the base
+    micro = _one_response(tokenizer)
+    sft = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    expected = micro.hf_log_probs(sft, False)[0]
+    before = backend.log_probs([micro], reference=True)[0]
+    torch.testing.assert_close(before, expected, rtol=0, atol=1e-6)
+    with torch.no_grad():  # an update: the optimizer moves the adapter alone
+        for param in (p for p in policy.parameters() if p.requires_grad):
+            param.add_(torch.randn_like(param) * 0.5)
+    moved = backend.log_probs([micro])[0]
+    assert (moved - expected).abs().max() > 1e-2  # the policy moved (adapter on again)
+    after = backend.log_probs([micro], reference=True)[0]
+    torch.testing.assert_close(after, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_grpo_on_deepspeed_zero2_with_kl_and_colocated_hf_engines(
+    tmp_path, tiny_model_dir, prepared_data
+):
+    """gpt-oss-20b-lora's shape on the tiny model: two DeepSpeed ZeRO-2 trainers, each
+    sampling with the HF engine on the module it trains, KL on against the base with the
+    adapter off (no reference copy): it trains, the KL starts at zero and grows."""
+    pytest.importorskip("deepspeed")
+    cfg = _tiny_lora_run(
+        nproc=2,
+        micro_batch_size=4,
+        rollout={"n_samples": 4, "max_new_tokens": 16},
+        algorithm={"kl_loss_coef": 0.01},
+        optim={"learning_rate": 1e-2, "lr_scheduler": "constant", "backend": "deepspeed"}
+        | {"zero_stage": 2},
+    )
+    args = grpo_cli_args(tmp_path, "ds2", cfg, tiny_model_dir, prepared_data)
+    job = subprocess.run(
+        torchrun_command("trainer.grpo", args, 2),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+    steps = grpo_step_lines(tmp_path, "ds2")
+    assert [m["step"] for m in steps] == [1, 2]
+    assert abs(steps[0]["kl"]) < 1e-6 < steps[1]["kl"]  # the policy starts as the base
+    _assert_merged_export(tmp_path / "ds2" / "model", tiny_model_dir)

@@ -11,7 +11,7 @@ import torch
 from trainer.backends.config import OptimConfig
 from trainer.backends.interface import DataParallel
 from trainer.backends.schedule import optimizer_factory, rebase_schedule, scheduler_factory
-from trainer.backends.torch import HFModuleBackend, frozen_copy, is_peft
+from trainer.backends.torch import HFModuleBackend, is_peft, reference_copy
 from trainer.distributed import DistInfo
 
 
@@ -21,7 +21,8 @@ class DeepSpeedBackend(HFModuleBackend):
     ``ds_config``: the configuration the model was built with (``deepspeed_config``; under
     ZeRO-3 the policy comes partitioned from ``trainer.zero3.load_partitioned``); None builds
     it here and partitions a whole ``model`` in ``deepspeed.initialize``. Under ZeRO-3 the KL
-    reference is loaded partitioned from ``reference_dir`` into an engine without optimizer.
+    reference is loaded partitioned from ``reference_dir`` into an engine without optimizer;
+    under LoRA it is the policy's own frozen base with the adapter off (``reference_copy``).
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class DeepSpeedBackend(HFModuleBackend):
         self.ds_config = ds_config
         self.reference = None
         self._reference_engine = None
-        if with_reference and cfg.zero_stage == 3:
+        if with_reference and cfg.zero_stage == 3 and not is_peft(model):
             # partitioned like the policy, in an engine of its own without an optimizer
             if reference_dir is None:
                 raise ValueError(
@@ -72,7 +73,8 @@ class DeepSpeedBackend(HFModuleBackend):
             self._reference_engine = deepspeed.initialize(model=reference, config=inference)[0]
             self.reference = self._reference_engine.module.eval().requires_grad_(False)
         elif with_reference:
-            self.reference = frozen_copy(model)  # ZeRO-0/1/2: every rank holds it whole
+            # ZeRO-0/1/2: a copy, whole on every rank; LoRA: none, the base with the adapter off
+            self.reference = reference_copy(model, True)
         if cfg.zero_stage == 3:
             mark_expert_leaves(model)  # before initialize, which hooks the modules
         # offloaded: DeepSpeed's CPU Adam (ds_config["optimizer"]) runs the update

@@ -37,6 +37,10 @@ class HFModuleBackend:
     def log_probs(
         self, micro_batches: Sequence[ResponseBatch], reference: bool = False
     ) -> list[torch.Tensor]:
+        if reference and self.reference is None and is_peft(self.unwrapped()):
+            # LoRA: the reference is the frozen base itself, with the adapter switched off
+            with self.unwrapped().disable_adapter():
+                return [micro.hf_log_probs(self.module, False)[0] for micro in micro_batches]
         module = self.reference if reference else self.module
         return [micro.hf_log_probs(module, False)[0] for micro in micro_batches]
 
@@ -55,6 +59,16 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
+def reference_copy(model: torch.nn.Module, with_reference: bool) -> torch.nn.Module | None:
+    """The KL reference a backend keeps beside ``model``: a frozen copy, or None without KL
+    and under LoRA, whose starting policy is its frozen base (the adapter's ``B`` starts at
+    zero; ``modules_to_save`` keep their originals): ``log_probs(..., reference=True)`` then
+    runs the base with the adapter switched off, and no second model is held."""
+    if not with_reference or is_peft(model):
+        return None
+    return frozen_copy(model)
+
+
 class TorchBackend(HFModuleBackend):
     """Single process (CPU or one GPU), plain PyTorch AdamW."""
 
@@ -69,7 +83,7 @@ class TorchBackend(HFModuleBackend):
     ) -> None:
         self.module = model
         self.cfg = cfg
-        self.reference = frozen_copy(model) if with_reference else None
+        self.reference = reference_copy(model, with_reference)
         device = next(model.parameters()).device
         self.data_parallel = DataParallel(0, 1, device)
         params = [p for p in model.parameters() if p.requires_grad]

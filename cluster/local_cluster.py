@@ -402,6 +402,10 @@ class LocalCluster:
         repo_root: the pods' working directory (the images hold the project installed).
         job_apis: the job APIs served: ``trainjob`` (Trainer v2 and JobSet) or ``pytorchjob``
             (Training Operator v1).
+        thread_limit: the OpenMP threads each pod process may run (``OMP_THREAD_LIMIT``), its
+            ``OMP_NUM_THREADS`` left as the pod's spec sets it; None: no limit. A node's
+            ranks sized for its 180 CPUs (22 threads each) oversubscribe a small machine
+            many times over: every parallel region then waits on threads that are not running.
     """
 
     def __init__(
@@ -412,6 +416,7 @@ class LocalCluster:
         repo_root: Path,
         namespace: str = "lingo",
         job_apis: tuple[str, ...] = ("trainjob",),
+        thread_limit: int | None = None,
     ) -> None:
         unknown = set(job_apis) - {TRAINJOB.api, PYTORCHJOB.api}
         if unknown or not job_apis:
@@ -422,6 +427,7 @@ class LocalCluster:
         self.secrets = secrets
         self.repo_root = repo_root
         self.namespace = namespace
+        self.thread_limit = thread_limit
         self.pods: list[PodRecord] = []
         self.expanded: dict[str, list[ExpandedPod]] = {}
         self.kubeconfig = root / "kubeconfig"
@@ -636,6 +642,13 @@ class LocalCluster:
         resources = container.get("resources") or {}
         cpu = cpu_cores((resources.get("requests") or {}).get("cpu"))
         nproc = int(env.get("PET_NPROC_PER_NODE") or _flag(command, "--nproc-per-node") or 1)
+        machine_env = _host_env()
+        if self.thread_limit is not None:
+            machine_env["OMP_THREAD_LIMIT"] = str(self.thread_limit)
+            substituted.append(
+                f"OpenMP threads: OMP_NUM_THREADS {env.get('OMP_NUM_THREADS', 'unset')} kept, "
+                f"each process held to {self.thread_limit} (OMP_THREAD_LIMIT)"
+            )
         record = PodRecord(
             pod.name, job, pod.replicated_job, pod.labels, env, command, cpu, nproc, substituted,
             log_path=self.root / "pods" / f"{pod.name}.log",
@@ -659,7 +672,7 @@ class LocalCluster:
         with record.log_path.open("wb") as out:
             self._processes[pod.name] = subprocess.Popen(
                 command,
-                env={**_host_env(), **env},
+                env={**machine_env, **env},
                 cwd=self.repo_root,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -67,6 +67,11 @@ _LINGO_REHEARSAL_PATCHES.enter_context(cpu_patches.cpu_patches())
 _LINGO_REHEARSAL_PATCHES.enter_context(training_cpu_patches())
 """
 
+POD_THREAD_LIMIT = 1
+"""OpenMP threads a job pod's process runs here (``LocalCluster.thread_limit``): the verl
+preset's 16 ranks of 22 threads on a 2-core machine spent most of the GRPO job's time waiting
+at parallel regions (a rehearsal step: ~80 s)."""
+
 SCALED_MODEL = {
     # gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention, 64 query
     # heads over 8 KV heads of 64 dims, attention sinks, 32 experts, top-4 routing, YaRN RoPE.
@@ -576,9 +581,19 @@ def rehearse(
         "trainjob": "Trainer v2.3.0 and JobSet controllers",
         "pytorchjob": "Training Operator v1.9.0 (PyTorchJob) controller",
     }[job_api]
+    subs.append(
+        Substitution(
+            "CPU threads",
+            "OMP_NUM_THREADS as each job pod's spec sets it (its CPU request over its ranks)",
+            f"the same value, each process held to {POD_THREAD_LIMIT} thread (OMP_THREAD_LIMIT)",
+            "a node's ranks sized for its CPUs (8 × 22 threads) wait on each other's threads "
+            "at every parallel region on a few cores; the OMP check reads the spec's value",
+        )
+    )
     with LocalCluster(
-        output_dir / "cluster", pythons, secrets, REPO_ROOT, "default", job_apis=(job_api,)
-    ) as cluster:
+        output_dir / "cluster", pythons, secrets, REPO_ROOT, "default", job_apis=(job_api,),
+        thread_limit=POD_THREAD_LIMIT,
+    ) as cluster:  # fmt: skip
         if job_api == "trainjob":
             cluster.install_runtime(rehearsal_runtime(configs, GPU_IMAGE))
         subs.append(

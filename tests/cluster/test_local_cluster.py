@@ -161,17 +161,20 @@ def _trainjob(name: str, shared, script: str, nodes: int = 2) -> dict:
 @pytest.mark.parametrize("outcome", ["Complete", "Failed"])
 def test_a_trainjob_runs_as_local_pods(tmp_path, outcome):
     """A TrainJob created through the Kubernetes client is expanded and run: each pod a
-    process with its ``PET_*``, the job's condition set from their exit codes."""
+    process with its ``PET_*``, the job's condition set from their exit codes; the cluster's
+    thread limit reaches each process, recorded as a substitution, not as the pod's env."""
     shared = tmp_path / "shared"
     shared.mkdir()
     script = (
         "import os, pathlib; rank = os.environ['PET_NODE_RANK']; "
-        f"pathlib.Path('{shared}', rank).write_text(os.environ['PET_MASTER_ADDR']); "
+        "seen = os.environ['PET_MASTER_ADDR'] + ' ' + os.environ.get('OMP_THREAD_LIMIT', '-'); "
+        f"pathlib.Path('{shared}', rank).write_text(seen); "
         f"raise SystemExit({1 if outcome == 'Failed' else 0} if rank == '1' else 0)"
     )
     manifest, runtime = _trainjob("lingo-sft-probe", shared, script)
     pythons = {GPU_IMAGE: sys.executable}
-    with LocalCluster(tmp_path / "cluster", pythons, {}, tmp_path, "default") as cluster:
+    cluster = LocalCluster(tmp_path / "cluster", pythons, {}, tmp_path, "default", thread_limit=1)
+    with cluster:
         cluster.install_runtime(runtime)
         api = k8s.CustomObjectsApi(cluster.api_client)
         api.create_namespaced_custom_object(*_path(), manifest)
@@ -185,8 +188,10 @@ def test_a_trainjob_runs_as_local_pods(tmp_path, outcome):
     assert job_state(TRAINJOB, job) == ("succeeded" if outcome == "Complete" else "failed")
     assert sorted(p.name for p in pods) == ["lingo-sft-probe-node-0-0", "lingo-sft-probe-node-0-1"]
     if outcome == "Complete":
-        assert {(shared / r).read_text() for r in ("0", "1")} == {"127.0.0.1"}
+        assert {(shared / r).read_text() for r in ("0", "1")} == {"127.0.0.1 1"}
         assert all("rendezvous" in " ".join(p.substituted) for p in pods)
+        assert all("held to 1 (OMP_THREAD_LIMIT)" in " ".join(p.substituted) for p in pods)
+        assert not [p for p in pods if "OMP_THREAD_LIMIT" in p.env]
 
 
 def test_each_ranks_env_is_read_from_its_process(tmp_path):

@@ -8,13 +8,20 @@ packages); where it is missing they are skipped, saying so. Run them with ``make
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from core import harmony
+from trainer import tiny_model
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.rollout import HFRolloutEngine
 from trainer.grpo.sync_check import SyncGap, sync_gap
@@ -62,22 +69,60 @@ def perturb():
     return apply
 
 
-@pytest.fixture(scope="session")
-def vllm_model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("vllm-tiny") / "model", VLLM_MODEL)
+MODEL_SOURCES = (Path(tiny_model.__file__), Path(harmony.__file__))
+"""The code that builds the tests' tiny models (its special tokens are core.harmony's)."""
+
+
+def shared_model_dir(name: str, build: Callable[[Path], Path], *sources: Path) -> Path:
+    """A model folder the vLLM tests only read, at a path named by what builds it (``sources``,
+    ``VLLM_MODEL``), under the system's temp folder; built once (atomically: into a temp
+    folder, then renamed), then reused by later sessions.
+
+    vLLM keys its compile cache (``~/.cache/vllm/torch_compile_cache``) on the model's path
+    among its config: a fresh ``tmp_path`` each session made every engine's first start
+    recompile the same graph (~35 s on 2 cores, several engine configs a session). A change
+    to the model's code or config names a new folder, so it is rebuilt and recompiled."""
+    digest = hashlib.sha256(repr(VLLM_MODEL).encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    root = Path(tempfile.gettempdir()) / "lingo-vllm-test-models"
+    target = root / f"{name}-{digest.hexdigest()[:16]}"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        built = build(staging / "model")
+        with contextlib.suppress(OSError):  # another session renamed its copy first
+            os.rename(built, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 @pytest.fixture(scope="session")
-def harmony_model_dir(tmp_path_factory):
+def vllm_model_dir():
+    return shared_model_dir(
+        "vllm-tiny",
+        lambda path: build_tiny_model(path, VLLM_MODEL),
+        *MODEL_SOURCES,
+    )
+
+
+@pytest.fixture(scope="session")
+def harmony_model_dir():
     """``VLLM_MODEL`` with gpt-oss's own tokenizer (o200k_harmony, 201,088 ids), the one vLLM's
     OpenAI server renders gpt-oss chats with whatever the model's tokenizer: a model it can
     serve (``harmony_tokenizer``). ~0.2 GB of fp32 weights (the 201,088-row embeddings)."""
-    from harmony_tokenizer import build_harmony_tokenizer
+    import harmony_tokenizer
 
-    return build_tiny_model(
-        tmp_path_factory.mktemp("vllm-harmony") / "model",
-        VLLM_MODEL,
-        tokenizer=build_harmony_tokenizer(),
+    return shared_model_dir(
+        "vllm-harmony",
+        lambda path: build_tiny_model(
+            path, VLLM_MODEL, tokenizer=harmony_tokenizer.build_harmony_tokenizer()
+        ),
+        *MODEL_SOURCES,
+        Path(harmony_tokenizer.__file__),
     )
 
 

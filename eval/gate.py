@@ -291,6 +291,26 @@ def _finite(value: float | None) -> float | None:
     return float(value)
 
 
+def _power_line(paired: PairedComparison, config: GateConfig) -> str:
+    """What the eval can detect: the questions needed for ``config.effect`` at
+    ``config.power`` and the difference these questions detect, both from the per-question
+    spread; with no spread (every question the same difference, e.g. both models at 0) there
+    is nothing to estimate them from, and the line says so instead of a sample size of 2."""
+    if paired.sd == 0:
+        return (
+            f"not estimable from this eval: all {paired.questions} questions gave the same "
+            f"difference ({paired.difference:+.3f}, sd 0), so the spread a true difference of "
+            f"{config.effect:+.2f} must be detected against is unknown"
+        )
+    needed = paired.questions_needed(config.effect, config.power)
+    return (
+        f"{needed if needed is not None else '–'} questions detect a true difference of "
+        f"{config.effect:+.2f} with power {config.power:.0%} at level {paired.confidence} "
+        f"(sd per question {paired.sd:.3f}); these {paired.questions} detect "
+        f"{paired.detectable(config.power):+.3f}"
+    )
+
+
 def decide(
     config: GateConfig,
     candidate_metrics: dict[str, float | None],
@@ -403,13 +423,7 @@ def _against_champion(
     reference_value = _finite(champion_metrics.get(config.metric))
     verdict = Decision.PROMOTE if paired.better else Decision.KEEP
     sign = ">" if paired.better else "≤"
-    needed = paired.questions_needed(config.effect, config.power)
-    power = (
-        f"{needed if needed is not None else '–'} questions detect a true difference of "
-        f"{config.effect:+.2f} with power {config.power:.0%} at level {paired.confidence} "
-        f"(sd per question {paired.sd:.3f}); these {paired.questions} detect "
-        f"{paired.detectable(config.power):+.3f}"
-    )
+    power = _power_line(paired, config)
     value = base["candidate_value"]
     return GateDecision(
         verdict,

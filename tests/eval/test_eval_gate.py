@@ -123,7 +123,39 @@ def test_decide_against_the_champion_is_the_paired_test(differences, margin, exp
     )  # fmt: skip
     assert (result.decision, result.reference) == (expected, "champion v3")
     assert result.reason.startswith("paired bootstrap over 40 questions")
-    assert "questions detect a true difference of +0.10 with power 80%" in result.power
+    spread = len(set(differences)) > 1  # one difference everywhere: sd 0, nothing to size from
+    assert (
+        "questions detect a true difference of +0.10 with power 80%"
+        if spread
+        else "not estimable from this eval"
+    ) in result.power
+
+
+def test_with_every_question_tied_the_power_line_says_it_cannot_be_estimated():
+    """Reproduces the retraining story's run 3: both models scored 0 on all 5 questions, and
+    the gate printed '2 questions detect a true difference of +0.10 …; these 5 detect
+    +0.000' (questions_needed's 2 for sd 0), a sample size nothing supports."""
+    paired = paired_bootstrap([0.0] * 5, 0.95)
+    result = decide(
+        GateConfig(), {METRIC: 0.0}, champion("1", 0.0), {METRIC: 0.0}, "a" * 64, paired, FULL,
+        {METRIC: 0.0},
+    )  # fmt: skip
+    assert result.decision is Decision.KEEP
+    assert "questions detect" not in result.power and "these 5 detect" not in result.power
+    assert result.power.startswith("not estimable from this eval: all 5 questions gave the same")
+    spread = paired_bootstrap([0.0, 1.0, 0.0, -1.0, 0.0], 0.95)
+    assert "questions detect a true difference of +0.10" in (
+        decide(
+            GateConfig(),
+            {METRIC: 0.0},
+            champion("1", 0.0),
+            {METRIC: 0.0},
+            "a" * 64,
+            spread,
+            FULL,
+            {METRIC: 0.0},
+        ).power  # fmt: skip
+    )
 
 
 def test_decide_refuses_when_the_champion_is_not_on_the_same_footing():

@@ -135,6 +135,25 @@ def evaluate_policy(policy: Path, sft_model: Path, config: dict, out: Path, sft_
     )
 
 
+def merged_adapter(adapter: Path, sft_model: Path, out: Path) -> Path:
+    """A LoRA GRPO policy (an adapter on the SFT model) merged into ``out`` with the GRPO
+    step's own merge and its check (``trainer.sft.merge``), checked on two harmony prompts."""
+    import torch
+
+    from core.modeling import load_tokenizer
+    from trainer.sft.merge import load_adapter, merge_and_save
+
+    tokenizer = load_tokenizer(sft_model)
+    template = "<|start|>user<|message|>{}<|end|><|start|>assistant"
+    prompts = [
+        tokenizer.encode(template.format(q), add_special_tokens=False)
+        for q in ("Combien font 2 + 3 ?", "Wie viel ist 7 mal 6?")
+    ]
+    if not (out / "config.json").is_file():
+        merge_and_save(load_adapter(sft_model, adapter, torch.float32), tokenizer, prompts, out)
+    return out
+
+
 def evaluate_final(variant: Path) -> None:
     """The eval of a variant's last policy (``grpo/training_log/final_policy``) when the
     held-out guard exported another: into ``variant/final`` (its ``grpo`` a link to the
@@ -146,6 +165,8 @@ def evaluate_final(variant: Path) -> None:
     if not (final / "grpo").exists():
         (final / "grpo").symlink_to(variant / "grpo")
     policy = variant / "grpo" / "training_log" / "final_policy"
+    if (policy / "adapter_config.json").is_file():  # LoRA GRPO: merged as the GRPO step does
+        policy = merged_adapter(policy, run / "sft" / "model", final / "merged_policy")
     evaluate_policy(policy, run / "sft" / "model", run_parameters(config_run)["eval"], final, False)
     steps = json.loads((variant / "grpo" / "training_log" / "grpo_summary.json").read_text())[
         "steps"

@@ -288,6 +288,10 @@ GPT_OSS_20B = Preset(
     ),
 )
 
+# the p5en presets' champion served by vLLM on one H200 (141 GB): the 20b model's bf16 weights
+# and its KV cache
+P5EN_SERVING = ServingConfig(enabled=True, gpus=1, cpu="16", memory="128Gi")
+
 GPT_OSS_20B_VERL = Preset.model_validate(
     {
         **dict(GPT_OSS_20B),
@@ -303,8 +307,7 @@ GPT_OSS_20B_VERL = Preset.model_validate(
         "hardware": Hardware(
             node_type="p5en.48xlarge", sft_nodes=1, grpo_nodes=1, storage_gib=8000
         ),
-        # one H200 (141 GB) holds the 20b model's bf16 weights and its KV cache
-        "serving": ServingConfig(enabled=True, gpus=1, cpu="16", memory="128Gi"),
+        "serving": P5EN_SERVING,
         # both GRPO branches: the form's backend parameter picks DeepSpeed or Megatron-Core
         "grpo_branches": ("hf", "megatron"),
         # verl's gpt-oss Megatron layout (TP 8, EP 8, PP = nodes) on the one 8x H200 node
@@ -348,8 +351,7 @@ GPT_OSS_20B_LORA = Preset.model_validate(
         "hardware": Hardware(
             node_type="p5en.48xlarge", sft_nodes=1, grpo_nodes=1, storage_gib=2000
         ),
-        # one H200 (141 GB) holds the 20b model's bf16 weights and its KV cache
-        "serving": ServingConfig(enabled=True, gpus=1, cpu="16", memory="128Gi"),
+        "serving": P5EN_SERVING,
         "grpo": GPT_OSS_20B.grpo.model_copy(
             update={
                 # the HF engine (vLLM's LoRA requests are not wired yet), colocated: each

@@ -57,6 +57,21 @@ def _tiny_lora_run(**overrides) -> dict:
     )
 
 
+def _grpo_job(tmp_path: Path, name: str, cfg: dict, model: Path, data: Path, nproc: int):
+    """``trainer.grpo`` under torchrun with ``nproc`` processes, as a job runs it: its step
+    lines (the job's output tail when it fails)."""
+    args = grpo_cli_args(tmp_path, name, cfg, model, data)
+    job = subprocess.run(
+        torchrun_command("trainer.grpo", args, nproc),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+    return grpo_step_lines(tmp_path, name)
+
+
 def _assert_merged_export(model_dir: Path, base_dir: Path) -> None:
     """The export loads as a plain HF model; only the adapted modules moved from the base,
     and the merge check passed (float32: within its tolerance)."""
@@ -176,16 +191,7 @@ def test_lora_grpo_on_deepspeed_zero3_with_a_dedicated_hf_engine(
         optim={"learning_rate": 1e-2, "lr_scheduler": "constant", "backend": "deepspeed"}
         | {"zero_stage": 3},
     )
-    args = grpo_cli_args(tmp_path, "ds", cfg, tiny_model_dir, prepared_data)
-    job = subprocess.run(
-        torchrun_command("trainer.grpo", args, 3),
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
-    steps = grpo_step_lines(tmp_path, "ds")
+    steps = _grpo_job(tmp_path, "ds", cfg, tiny_model_dir, prepared_data, 3)
     assert [m["step"] for m in steps] == [1, 2]
     adapter = load_file(tmp_path / "ds" / "work" / "final_policy" / "adapter_model.safetensors")
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
@@ -248,16 +254,7 @@ def test_lora_grpo_on_deepspeed_zero2_with_kl_and_colocated_hf_engines(
         optim={"learning_rate": 1e-2, "lr_scheduler": "constant", "backend": "deepspeed"}
         | {"zero_stage": 2},
     )
-    args = grpo_cli_args(tmp_path, "ds2", cfg, tiny_model_dir, prepared_data)
-    job = subprocess.run(
-        torchrun_command("trainer.grpo", args, 2),
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
-    steps = grpo_step_lines(tmp_path, "ds2")
+    steps = _grpo_job(tmp_path, "ds2", cfg, tiny_model_dir, prepared_data, 2)
     assert [m["step"] for m in steps] == [1, 2]
     assert abs(steps[0]["kl"]) < 1e-6 < steps[1]["kl"]  # the policy starts as the base
     _assert_merged_export(tmp_path / "ds2" / "model", tiny_model_dir)

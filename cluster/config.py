@@ -276,6 +276,8 @@ REFERENCE_LAYOUTS: dict[str, dict] = {
     # 6 nodes of 4× A10G (24 GB), 48 vCPU, 192 GiB: training takes 4 (Master + 3 Workers),
     # the other two stay free for rollout engines and evaluation.
     "g5.12xlarge": {"nodes": 4, **job_fields("g5.12xlarge")},
+    # 8× H100 (80 GB), 192 vCPU, 2 TiB per node.
+    "p5.48xlarge": {"nodes": 1, **job_fields("p5.48xlarge")},
     # 8× H200 (141 GB), 192 vCPU, 2 TiB per node.
     "p5en.48xlarge": {"nodes": 2, **job_fields("p5en.48xlarge")},
 }
@@ -284,7 +286,9 @@ count; ``Hardware.execution`` sets the nodes a preset's step takes."""
 
 
 def reference_layout(
-    instance_type: Literal["g5.12xlarge", "p5en.48xlarge"], image: str, **overrides
+    instance_type: Literal["g5.12xlarge", "p5.48xlarge", "p5en.48xlarge"],
+    image: str,
+    **overrides,
 ) -> ClusterJobConfig:
     """The ``ClusterJobConfig`` of a reference cluster layout, with ``overrides`` applied.
 
@@ -312,7 +316,7 @@ class ExecutionConfig(ConfigModel):
 
     mode: Literal["local", "job"] = "local"
     reference: str | None = None
-    """A reference layout to start from (``g5.12xlarge``, ``p5en.48xlarge``)."""
+    """A reference layout to start from (``g5.12xlarge``, ``p5.48xlarge``, ``p5en.48xlarge``)."""
     job: dict = Field(default_factory=dict)
     """``ClusterJobConfig`` fields that override the reference layout."""
     timeout_s: int = Field(7 * 24 * 3600, ge=1)

@@ -12,8 +12,10 @@ from pydantic import ConfigDict, Field
 
 from core.config_model import ConfigModel
 
-# What nvidia-smi reports as total memory (MiB / 1024): A10G 23028 MiB, H200 143771 MiB.
+# What nvidia-smi reports as total memory (MiB / 1024): A10G 23028 MiB, H100 80GB HBM3
+# 81559 MiB, H200 143771 MiB.
 A10G_GIB = 22.49
+H100_GIB = 79.65
 H200_GIB = 140.4
 
 LOCAL = "local"
@@ -135,6 +137,25 @@ NODE_TYPES: dict[str, NodeType] = {
         network_gbps=40.0,
         network_links=1,
         intra_node_gbps=252.0,
+    ),
+    # 192 vCPU, 2 TiB, 8x H100 80 GB
+    "p5.48xlarge": NodeType(
+        name="p5.48xlarge",
+        gpu_product="NVIDIA-H100-80GB-HBM3",
+        gpus=8,
+        gpu_memory_gib=H100_GIB,
+        host_memory_gib=2048.0,
+        host_reserved_gib=32.0,
+        flash_attention=True,
+        job_cpu="180",
+        job_memory="1800Gi",
+        job_shm="256Gi",
+        # https://aws.amazon.com/ec2/instance-types/p5/ : p5.48xlarge "3200 Gbps" EFAv2,
+        # 32 × 100 Gb/s cards (four per GPU); NVLink within the node: H100 SXM "NVLink
+        # 900 GB/s" per GPU (NVIDIA H100 Tensor Core GPU datasheet) = 7200 Gb/s
+        network_gbps=3200.0,
+        network_links=32,
+        intra_node_gbps=7200.0,
     ),
     # 192 vCPU, 2 TiB, 8x H200 141 GB
     "p5en.48xlarge": NodeType(

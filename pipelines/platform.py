@@ -368,6 +368,8 @@ PLATFORM_PRESETS: dict[str, ClusterSettings] = {
     "local": ClusterSettings(name="local", description="kfp.local / laptop: applies nothing."),
     # 48 vCPU, 192 GiB, 4x A10G 24 GB: leave room for the kubelet and daemonsets
     "g5.12xlarge": _aws_gpu_preset("g5.12xlarge", ("40", "46"), ("160Gi", "180Gi")),
+    # 192 vCPU, 2 TiB, 8x H100 80 GB
+    "p5.48xlarge": _aws_gpu_preset("p5.48xlarge", ("176", "188"), ("1800Gi", "1900Gi")),
     # 192 vCPU, 2 TiB, 8x H200 141 GB
     "p5en.48xlarge": _aws_gpu_preset("p5en.48xlarge", ("176", "188"), ("1800Gi", "1900Gi")),
 }

@@ -172,11 +172,17 @@ def _executors(spec: pipeline_spec_pb2.PipelineSpec) -> dict:
     return dict(deployment.executors)
 
 
-def test_p5en_gpu_steps_take_eight_h200(tmp_path):
-    spec, configs = _parse(_compile(get_platform("p5en.48xlarge"), tmp_path / "p.yaml"))
+@pytest.mark.parametrize(
+    ("node_type", "gpu"),
+    [("p5en.48xlarge", "NVIDIA-H200"), ("p5.48xlarge", "NVIDIA-H100-80GB-HBM3")],
+)
+def test_p5_gpu_steps_take_eight_gpus_of_their_kind(tmp_path, node_type, gpu):
+    spec, configs = _parse(_compile(get_platform(node_type), tmp_path / "p.yaml"))
     accelerator = _executors(spec)["exec-evaluate"].container.resources.accelerator
     assert (accelerator.resource_type, accelerator.resource_count) == ("nvidia.com/gpu", "8")
-    assert configs["evaluate"].node_selector.labels["nvidia.com/gpu.product"] == "NVIDIA-H200"
+    labels = configs["evaluate"].node_selector.labels
+    assert labels["nvidia.com/gpu.product"] == gpu
+    assert labels["node.kubernetes.io/instance-type"] == node_type
 
 
 def test_training_in_the_step_pod_takes_the_gpus(tmp_path):
@@ -278,3 +284,18 @@ def test_the_compiled_pipeline_retrains_only_on_new_data_and_publishes_only_on_p
     assert owner[next(n for n, t in tasks.items() if t.component_ref.name == export)] == (
         tasks[beats].component_ref.name
     )
+
+
+def test_every_gpu_node_type_has_its_platform_and_its_training_job():
+    """A node type in ``cluster.nodes.NODE_TYPES`` is usable whole: a preset's
+    ``hardware.node_type`` picks its pipeline platform (GPU steps' selector) and its
+    training job's reference layout (the TrainJob's pods), each on that instance type."""
+    from cluster.config import REFERENCE_LAYOUTS
+    from cluster.nodes import NODE_TYPES
+
+    gpu_nodes = {name for name, node in NODE_TYPES.items() if node.device == "cuda"}
+    assert gpu_nodes == set(PLATFORM_PRESETS) - {"local"} == set(REFERENCE_LAYOUTS)
+    for name in gpu_nodes:
+        selector = REFERENCE_LAYOUTS[name]["node_selector"]
+        assert selector == {"node.kubernetes.io/instance-type": name}
+        assert REFERENCE_LAYOUTS[name]["gpus_per_node"] == NODE_TYPES[name].gpus

@@ -316,8 +316,10 @@ def test_the_lora_preset_fits_one_node_and_full_grpo_there_would_hold_the_bases_
     assert full.verdict is not Verdict.FITS
     assert f"{_rank_bytes(full) / GIB:.1f} GiB expected a rank (tight)" in gpu.detail
 
-    # on an 8x H100 node (80 GB, 79.6 GiB reported) LoRA still fits, full GRPO does not
-    h100 = {"gpu_memory_gib": "79.6"}
-    assert _estimates(preset, overrides=h100)[1]["grpo"].verdict is Verdict.FITS
-    full_h100 = _estimates(apply_overrides(preset, {"grpo.lora.r": "0"}), overrides=h100)[1]
+    # on one p5.48xlarge (8x H100 80 GB, 79.65 GiB reported) LoRA still fits, full GRPO does not
+    h100 = apply_overrides(preset, {"hardware.node_type": "p5.48xlarge"})
+    lora_h100 = _estimates(h100)[1]
+    assert lora_h100["grpo"].verdict is Verdict.FITS and lora_h100["sft"].verdict is Verdict.FITS
+    assert lora_h100["grpo"].resource("training_gpu").capacity == pytest.approx(79.65 * GIB)
+    full_h100 = _estimates(apply_overrides(h100, {"grpo.lora.r": "0"}))[1]
     assert full_h100["grpo"].verdict is Verdict.DOES_NOT_FIT

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from capacity.layouts import Layout, LayoutError, node_fields, resolve_layout
 from core.attention import training_attention
-from plan import engine_spec, trainer_spec
+from plan import engine_spec
 
 if TYPE_CHECKING:
     from cluster.hardware import Hardware
@@ -63,7 +63,7 @@ def _training_fields(optim: OptimConfig, hardware: Layout) -> dict[str, object]:
     model runs eager attention even where the GPU has a fused kernel with sinks)."""
     fused_sinks = hardware.attn_implementation == "flash"
     attention = {"attn_implementation": training_attention(optim.backend, fused_sinks)}
-    trainer = trainer_spec(optim.backend)
+    trainer = optim.trainer
     if trainer.model_parallel:
         return {
             **attention,
@@ -116,7 +116,7 @@ def grpo_layout(
     # the planner sizes an engine's GPUs where it reserves their memory (vLLM); the HF engine
     # generates with a module it counts with training
     own_gpus = engine_spec(grpo.rollout.engine).reserves_gpu_memory
-    hf_module = trainer_spec(grpo.optim.backend).trains_hf_module
+    hf_module = grpo.optim.trainer.trains_hf_module
     fields: dict[str, object] = {
         "nodes": plan.nodes,
         "gpus_per_node": plan.gpus_per_node,

@@ -69,9 +69,13 @@ def select_transfer(
     Args:
         device: the training device type, ``cuda`` or ``cpu``.
         colocate: the engines share the training processes (``rollout.colocate``).
-        engine: ``rollout.engine``, ``hf`` or ``vllm``.
+        engine: ``rollout.engine``; its ``plan.EngineSpec`` gives the colocated and the
+            dedicated transport.
         sender_has_vllm: the coordinator can import vLLM (its ``PyNcclCommunicator``); the
             Megatron branch's trainer image has none.
+
+    Raises:
+        ValueError: an unknown engine (``plan.UnknownSpecError``) or device.
     """
     spec = engine_spec(engine)
     if device not in ("cuda", "cpu"):

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.nodes import NODE_TYPES, sender_network_gbps
-from plan import ParallelSizes
+from plan import ParallelSizes, TrainerSpec, trainer_spec
 
 
 class LayoutError(ValueError):
@@ -157,11 +157,16 @@ class Layout(BaseModel):
             raise ValueError("device=cpu rolls out with the training model: set rollout_gpus=0")
         if self.param_offload and self.zero_stage != 3:
             raise ValueError("param_offload needs zero_stage=3")
-        if self.backend == "megatron":
+        if self.trainer.model_parallel:
             problems = self.parallel_sizes.problems(self.training_gpus, "training_gpus")
             if problems:
-                raise ValueError("megatron: " + "; ".join(problems))
+                raise ValueError(f"{self.backend}: " + "; ".join(problems))
         return self
+
+    @property
+    def trainer(self) -> TrainerSpec:
+        """The spec of the layout's backend (``plan.trainer_spec``)."""
+        return trainer_spec(self.backend, "backend")
 
     @property
     def parallel_sizes(self) -> ParallelSizes:
@@ -184,8 +189,8 @@ class Layout(BaseModel):
     def whole_model_load(self) -> bool:
         """Every training rank loads the whole model before training (DeepSpeed below ZeRO-3,
         or ZeRO-3 without ``partitioned_load``); Megatron ranks read their own shards."""
-        partitioned = self.zero_stage == 3 and self.partitioned_load
-        return self.backend == "deepspeed" and not partitioned
+        partitioned = self.trainer.zero and self.zero_stage == 3 and self.partitioned_load
+        return not (self.trainer.model_parallel or partitioned)
 
     @property
     def weight_bytes(self) -> int:

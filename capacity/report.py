@@ -51,9 +51,9 @@ def _describe_layout(layout: Layout) -> str:
             f"{layout.host_memory_gib:g} GiB RAM/node"
         )
     trainers = "training processes" if layout.device == "cpu" else "training GPUs"
-    if layout.backend == "deepspeed" and layout.training_gpus == 1 and not layout.zero_stage:
+    if layout.trainer.zero and layout.training_gpus == 1 and not layout.zero_stage:
         backend = "plain PyTorch"
-    elif layout.backend == "deepspeed":
+    elif layout.trainer.zero:
         backend = f"DeepSpeed ZeRO-{layout.zero_stage}"
     else:
         backend = (

@@ -56,12 +56,13 @@ def storage_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> li
     """
     terms: list[Term] = []
     keep = layout.max_ckpt_num
-    if layout.backend == "deepspeed":
+    if layout.trainer.zero:
         one = deepspeed_checkpoint_bytes(spec, counts, layout)
         key, what = "deepspeed_checkpoints", "DeepSpeed checkpoint"
     else:
         one = megatron_checkpoint_bytes(spec, counts, layout)
         key, what = "megatron_checkpoints", "Megatron checkpoint"
+    if layout.trainer.needs_conversion:
         terms.append(
             Term(
                 "megatron_base",

@@ -147,7 +147,7 @@ def model_sync(
     ranks = layout.training_gpus // max(1, layout.tensor_parallel * layout.pipeline_parallel)
     gather_gbps: float | None = None
     gather_s = 0.0
-    if layout.training_gpus > 1 and (layout.zero_stage == 3 or layout.backend == "megatron"):
+    if layout.training_gpus > 1 and layout.trainer.shards_parameters(layout.zero_stage):
         if training_nodes > 1:
             gather_gbps = layout.network_gbps
             share = (training_nodes - 1) / training_nodes

@@ -86,7 +86,7 @@ def rank_share(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> RankS
     n = layout.training_gpus
     trainable = trainable_parameters(spec, counts, layout)
     adapter = trainable if layout.lora_rank else 0
-    if layout.backend == "deepspeed":
+    if layout.trainer.zero:
         split = n if layout.zero_stage == 3 else 1
         grads = trainable / n if layout.zero_stage >= 2 else trainable
         optimizer = trainable / n if layout.zero_stage >= 1 else trainable
@@ -150,7 +150,7 @@ def load_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> list[
 def load_description(spec: ModelSpec, counts: ParameterCount, layout: Layout) -> str:
     """One line on how a training rank loads the model (the table's detail line)."""
     w = layout.weight_bytes
-    if layout.backend == "megatron":
+    if layout.trainer.model_parallel:
         return "model load: each rank reads its own shard of the Megatron checkpoint"
     if not layout.whole_model_load:
         share = rank_share(spec, counts, layout).weights
@@ -178,7 +178,7 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
     """
     w = layout.weight_bytes
     share = rank_share(spec, counts, layout)
-    deepspeed = layout.backend == "deepspeed"
+    zero = layout.trainer.zero
     lora = layout.lora_rank > 0
     sharded = _sharded(layout)
     terms: list[Term] = []
@@ -212,7 +212,7 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
                 "add training nodes (ZeRO-3 / EP split weights over more GPUs)",
             )
         )
-    if deepspeed and layout.adam_offload and layout.training_gpus > 1:
+    if zero and layout.adam_offload and layout.training_gpus > 1:
         # DeepSpeed sizes the bucket to what there is to reduce, at most reduce_bucket_size.
         bucket = min(layout.reduce_bucket_size, trainable_parameters(spec, counts, layout)) * w
         terms.append(
@@ -222,7 +222,7 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
                 Bounds(0.5 * bucket, bucket, 2 * bucket),
             )
         )
-    elif deepspeed:
+    elif zero:
         terms.append(
             Term(
                 "gradients",
@@ -269,7 +269,7 @@ def _sharded(layout: Layout) -> dict[str, str]:
     """How DeepSpeed splits the gradients and the optimizer states over the training ranks,
     as words for a term's label ("" where a rank holds them whole, or under Megatron)."""
     n = layout.training_gpus
-    if layout.backend != "deepspeed" or n == 1:
+    if not layout.trainer.zero or n == 1:
         return {"gradients": "", "optimizer": ""}
     return {
         "gradients": f", 1/{n} a rank" if layout.zero_stage >= 2 else "",
@@ -292,7 +292,7 @@ def training_rank_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout)
     terms = gpu_resident_state(spec, counts, layout)
     after_weights = sum(1 for term in terms if term.key in ("weights", "adapter"))
     terms[after_weights:after_weights] = load_terms(spec, counts, layout)
-    if layout.backend == "deepspeed" and layout.zero_stage == 3 and layout.training_gpus > 1:
+    if layout.trainer.zero and layout.zero_stage == 3 and layout.training_gpus > 1:
         largest = max(counts.per_layer, counts.embedding)
         terms.insert(
             after_weights,
@@ -303,7 +303,7 @@ def training_rank_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout)
                 "megatron backend with expert_parallel (splits each layer's experts)",
             ),
         )
-    shards = layout.tensor_parallel if layout.backend == "megatron" else 1
+    shards = layout.tensor_parallel if layout.trainer.model_parallel else 1
     layers = spec.num_layers
     tokens = layout.micro_train_batch_size * layout.sequence_length
     eager = layout.attn_implementation == "eager"

@@ -41,11 +41,12 @@ def entry_point_command(module: str, args: list[str], nnodes: int | None = None)
 
 def processes_problem(cfg) -> str | None:
     """Why a step config's processes cannot run (``nproc`` > 1 with the single-process
-    ``torch`` backend), else None; checked when the pipeline is compiled and at launch."""
-    if cfg.optim.backend == "torch" and cfg.nproc > 1:
+    ``torch`` backend: ``OptimConfig.multi_process``), else None; checked when the pipeline
+    is compiled and at launch."""
+    if not cfg.optim.multi_process and cfg.nproc > 1:
         return (
             f"nproc={cfg.nproc} needs optim.backend=deepspeed (or megatron for GRPO); "
-            "got 'torch', which runs one process"
+            f"got {cfg.optim.backend!r}, which runs one process"
         )
     return None
 

@@ -25,3 +25,6 @@ MEGATRON_IMAGE = os.environ.get(
     "LINGO_MEGATRON_IMAGE", f"ghcr.io/lingo-rl/lingo-rl-megatron:{__version__}"
 )
 """The Megatron branch: conversion, GRPO on Megatron-Core, export (Python 3.12, TE)."""
+
+TRAINER_IMAGES = {"gpu": GPU_IMAGE, "megatron": MEGATRON_IMAGE}
+"""The image a trainer backend's processes run in, by ``plan.TrainerSpec.image``."""

@@ -87,6 +87,7 @@ def config_value_problems(preset: Preset) -> list[str]:
     from capacity.layouts import LayoutError
     from cluster.torchrun import processes_problem
     from pipelines.presets import (
+        branch_trainer,
         capacity_layout,
         grpo_plan,
         megatron_grpo_config,
@@ -105,7 +106,7 @@ def config_value_problems(preset: Preset) -> list[str]:
     for step, config in (("sft", preset.sft), ("grpo", preset.grpo)):
         if (problem := processes_problem(config)) is not None:
             problems.append(f"{step}: {problem}")
-    if preset.backend == "megatron" or preset.megatron_optim:
+    if branch_trainer(preset).model_parallel or preset.megatron_optim:
         try:
             resolve_megatron_layout(megatron_layout(preset))
         except LayoutError as exc:

@@ -27,6 +27,7 @@ from core.config_model import ConfigModel
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
+from plan import TrainerSpec, branch_backend, trainer_spec
 from trainer.backends.config import OptimConfig
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
@@ -589,6 +590,12 @@ def grpo_branch_config(preset: Preset, backend: str | None = None):
         megatron_optim=preset.megatron_optim,
     )
     return GRPOConfig.model_validate(config)
+
+
+def branch_trainer(preset: Preset) -> TrainerSpec:
+    """The trainer backend the preset's GRPO branch runs: the branch's own (``megatron``),
+    else ``grpo.optim.backend`` (``plan.branch_backend``, as ``branch_config`` decides)."""
+    return trainer_spec(branch_backend(preset.backend) or preset.grpo.optim.backend)
 
 
 def megatron_grpo_config(preset: Preset):

@@ -37,7 +37,15 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.presets import Preset, apply_overrides, get_preset, job_platform_json, step_configs
+from pipelines.presets import (
+    Preset,
+    apply_overrides,
+    branch_trainer,
+    get_preset,
+    job_platform_json,
+    step_configs,
+)
+from plan import engine_spec
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +174,7 @@ def substitutions(preset: Preset) -> tuple[dict[str, str], list[Substitution]]:
         Substitution("eval", "50 questions", "4 questions, 1 sample, 16 tokens", "a rehearsal"),
         Substitution("dtype", "bfloat16", "float32", "CPU"),
     ]
-    if rollout.engine == "vllm":
+    if engine_spec(rollout.engine).needs_cuda:
         engines = rollout.num_engines * rollout.tensor_parallel_size if not rollout.colocate else 0
         overrides["grpo.rollout.engine"] = "hf"
         overrides["grpo.rollout.tensor_parallel_size"] = "1"
@@ -306,7 +314,7 @@ def rehearsal_preset(name: str, backend: str | None = None) -> tuple[Preset, lis
     if backend is not None:
         preset = Preset.model_validate({**dict(preset), "backend": backend})
     overrides, subs = substitutions(preset)
-    if preset.backend == "megatron":
+    if branch_trainer(preset).model_parallel:
         preset, layout_sub = megatron_cpu_layout(preset)
         subs.append(layout_sub)
     return apply_overrides(preset, overrides), subs
@@ -560,7 +568,8 @@ def rehearse(
         )  # fmt: skip
     )
     pythons = image_pythons()
-    if preset.backend == "megatron":
+    trainer = branch_trainer(preset)
+    if trainer.image == "megatron":  # its TE layers and CUDA: a CPU stand-in
         from components.images import MEGATRON_IMAGE
 
         pythons[MEGATRON_IMAGE] = str(megatron_cpu_python(output_dir))
@@ -634,7 +643,7 @@ def rehearse(
         primary_pod_check({**static, **expanded}),
         mismatch_gate_check(preset, workspace, ran),
     ]
-    if preset.backend == "megatron":
+    if trainer.needs_conversion:
         checks.insert(0, conversion_check(spec, platform, configs, output_dir / "kfp"))
     return RehearsalReport(
         preset.name, preset.backend, runner.records, not_run, pods, checks, subs, output_dir,
@@ -674,16 +683,13 @@ def static_job_pods(
         job_name,
         step_cluster,
     )
-    from components.images import GPU_IMAGE, MEGATRON_IMAGE
+    from components.images import GPU_IMAGE, TRAINER_IMAGES
     from pipelines.presets import grpo_branch_config
 
+    grpo = grpo_branch_config(preset)
     steps = {
         "sft": (preset.sft, GPU_IMAGE, None),
-        "grpo": (
-            grpo_branch_config(preset),
-            MEGATRON_IMAGE if preset.backend == "megatron" else GPU_IMAGE,
-            GPU_IMAGE,
-        ),
+        "grpo": (grpo, TRAINER_IMAGES[grpo.optim.trainer.image], GPU_IMAGE),
     }
     pods = {}
     for step, (config, image, rollout_image) in steps.items():

@@ -25,6 +25,7 @@ from pipelines.presets import (
     AssignmentError,
     Preset,
     apply_overrides,
+    branch_trainer,
     parse_overrides,
     preset_from_json,
     step_configs,
@@ -241,8 +242,10 @@ def resolve_run(carried: str, form: Mapping[str, Any], overrides: str = "") -> P
             f"overrides: model.tiny.* configures the tiny model, and this run's model is "
             f"{resolved.model.source!r} (model_source)"
         )
+    # megatron_optim stands in for grpo.optim where the branch trains model-parallel
+    # (trainer.grpo.config.branch_config)
     if (
-        resolved.backend == "megatron"
+        branch_trainer(resolved).model_parallel
         and resolved.megatron_optim
         and "grpo.optim.learning_rate" in changed
     ):

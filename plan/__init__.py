@@ -1,10 +1,26 @@
 """The plan of a run: what shape it has, stated once, that every layer above reads.
 
 Today it holds ``ParallelSizes`` (the one "layout": tp, pp, ep, etp, cp, dp) and the one set
-of rules a world of processes must meet to hold them. It imports only ``core`` and
-``cluster``'s machine facts.
+of rules a world of processes must meet to hold them, and the registries of the trainer
+backends (``TrainerSpec``, ``trainer_spec``) and the rollout engines (``EngineSpec``,
+``engine_spec``): the facts of each that the layers above read instead of comparing names.
+It imports only ``core`` and ``cluster``'s machine facts.
 """
 
+from plan.backends import TRAINERS, TrainerSpec, branch_backend, trainer_spec
+from plan.engines import ENGINE_SPECS, EngineSpec, engine_spec
 from plan.parallel_sizes import ParallelSizes, ParallelSizesError
+from plan.specs import UnknownSpecError
 
-__all__ = ["ParallelSizes", "ParallelSizesError"]
+__all__ = [
+    "ENGINE_SPECS",
+    "TRAINERS",
+    "EngineSpec",
+    "ParallelSizes",
+    "ParallelSizesError",
+    "TrainerSpec",
+    "UnknownSpecError",
+    "branch_backend",
+    "engine_spec",
+    "trainer_spec",
+]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from capacity.layouts import Layout, LayoutError, node_fields, resolve_layout
 from core.attention import training_attention
+from plan import engine_spec
 
 if TYPE_CHECKING:
     from cluster.hardware import Hardware
@@ -62,10 +63,11 @@ def _training_fields(optim: OptimConfig, hardware: Layout) -> dict[str, object]:
     model runs eager attention even where the GPU has a fused kernel with sinks)."""
     fused_sinks = hardware.attn_implementation == "flash"
     attention = {"attn_implementation": training_attention(optim.backend, fused_sinks)}
-    if optim.backend == "megatron":
+    trainer = optim.trainer
+    if trainer.model_parallel:
         return {
             **attention,
-            "backend": "megatron",
+            "backend": optim.backend,
             "adam_offload": optim.megatron.optimizer_offload_fraction > 0,
             "param_offload": False,
         }
@@ -73,9 +75,9 @@ def _training_fields(optim: OptimConfig, hardware: Layout) -> dict[str, object]:
         **attention,
         "backend": "deepspeed",
         # the torch backend is one plain process: DeepSpeed stage 0 is the planner's model of it
-        "zero_stage": optim.zero_stage if optim.backend == "deepspeed" else 0,
-        "adam_offload": optim.backend == "deepspeed" and optim.offload_optimizer,
-        "param_offload": optim.backend == "deepspeed" and optim.offload_params,
+        "zero_stage": optim.zero_stage if trainer.zero else 0,
+        "adam_offload": trainer.zero and optim.offload_optimizer,
+        "param_offload": trainer.zero and optim.offload_params,
         # how the step's loader loads (trainer.backends.loading): the planner models the same
         "partitioned_load": optim.partitioned_load,
     }
@@ -111,15 +113,16 @@ def grpo_layout(
     """
     base = resolve_layout(hardware)
     sizes, engines = plan.sizes, plan.rollout
-    vllm = grpo.rollout.engine == "vllm"
-    megatron = grpo.optim.backend == "megatron"
+    # the planner sizes an engine's GPUs where it reserves their memory (vLLM); the HF engine
+    # generates with a module it counts with training
+    own_gpus = engine_spec(grpo.rollout.engine).reserves_gpu_memory
+    hf_module = grpo.optim.trainer.trains_hf_module
     fields: dict[str, object] = {
         "nodes": plan.nodes,
         "gpus_per_node": plan.gpus_per_node,
         "training_gpus": len(plan.training_ranks),
-        # the HF engine rolls out with the training model: no rollout GPU of its own
-        "rollout_gpus": len(plan.engines) * engines.tp if vllm else 0,
-        "hybrid": vllm and engines.colocate,
+        "rollout_gpus": len(plan.engines) * engines.tp if own_gpus else 0,
+        "hybrid": own_gpus and engines.colocate,
         # the recipe sleeps vLLM during the update; it does not park training state while
         # vLLM is awake
         "deepspeed_enable_sleep": False,
@@ -132,9 +135,9 @@ def grpo_layout(
         "prompt_max_len": grpo.rollout.max_prompt_tokens,
         "generate_max_len": grpo.rollout.max_new_tokens,
         "gradient_checkpointing": (
-            grpo.optim.megatron.recompute_granularity is not None
-            if megatron
-            else grpo.gradient_checkpointing
+            grpo.gradient_checkpointing
+            if hf_module
+            else grpo.optim.megatron.recompute_granularity is not None
         ),
         # full GRPO trains every weight of the merged SFT model; LoRA GRPO an adapter on it
         "lora_rank": grpo.lora.r,
@@ -142,7 +145,7 @@ def grpo_layout(
         "kl": grpo.algorithm.kl_loss_coef > 0,
         "rollout_batch_size": grpo.prompts_per_step,
         "n_samples_per_prompt": grpo.rollout.n_samples,
-        "vllm_tensor_parallel_size": engines.tp if vllm else 1,
+        "vllm_tensor_parallel_size": engines.tp if own_gpus else 1,
         "vllm_gpu_memory_utilization": grpo.rollout.gpu_memory_utilization,
         "rollout_dtype": "bf16",  # the engine is built with dtype=bfloat16
         "max_ckpt_num": grpo.max_ckpt_num,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from cluster.nodes import rollout_nodes
-from plan import ParallelSizes, ParallelSizesError
+from plan import ParallelSizes, ParallelSizesError, engine_spec
 
 if TYPE_CHECKING:
     from trainer.distributed import DistInfo
@@ -297,7 +297,7 @@ def grpo_sizes(cfg: GRPOConfig, training: int) -> ParallelSizes:
         PlacementError: the sizes break Megatron-Core's grids on ``training`` processes.
     """
     sizes = ParallelSizes()
-    if cfg.optim.backend == "megatron":
+    if cfg.optim.trainer.model_parallel:
         sizes = cfg.optim.megatron.resolved_layout().parallel_sizes
     try:
         return sizes.for_world(training, "training processes")
@@ -310,7 +310,7 @@ def grpo_rollout_engines(cfg: GRPOConfig) -> RolloutEngines:
     engine's of TP 1 (one per training process when colocated)."""
     rollout = cfg.rollout
     return RolloutEngines(
-        tp=rollout.tensor_parallel_size if rollout.engine == "vllm" else 1,
+        tp=engine_spec(rollout.engine).gpus_per_engine(rollout.tensor_parallel_size),
         colocate=rollout.colocate,
         dedicated=0 if rollout.colocate else rollout.num_engines,
         engine=rollout.engine,
@@ -341,7 +341,6 @@ def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:
     """
     local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     rollout = cfg.rollout
-    vllm = rollout.engine == "vllm"
     if not rollout.colocate:
         engine_processes = cfg.rollout_processes
         training = info.world_size - engine_processes
@@ -360,11 +359,14 @@ def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:
             grpo_sizes(cfg, training),
             grpo_rollout_engines(cfg),
         )
-    if vllm and info.world_size > 1 and cfg.optim.backend == "megatron":
+    # a colocated engine over several processes generates their prompts, which follow
+    # data-parallel ranks; a model-parallel backend numbers those differently
+    spans_processes = engine_spec(rollout.engine).tensor_parallel
+    if spans_processes and info.world_size > 1 and cfg.optim.trainer.model_parallel:
         raise PlacementError(
-            "rollout.engine=vllm with backend=megatron on several processes: the engines' "
-            "prompt shares follow data-parallel ranks, which Megatron numbers differently; "
-            "use rollout.engine=hf"
+            f"rollout.engine={rollout.engine} with backend={cfg.optim.backend} on several "
+            "processes: the engines' prompt shares follow data-parallel ranks, which Megatron "
+            "numbers differently; use rollout.engine=hf"
         )
     if info.world_size == 1:
         # one process: vLLM starts its own tensor-parallel workers on the visible GPUs

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from core.config_model import ConfigModel
+from plan import TrainerSpec, trainer_spec
 
 RECOMPUTE_MODULES = frozenset({"core_attn", "moe_act", "layernorm", "mlp", "moe"})
 """Megatron-Core's ``recompute_modules`` choices that apply to GPT-OSS (selective recompute)."""
@@ -119,7 +120,7 @@ class OptimConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _backend_settings(self) -> OptimConfig:
-        if self.backend == "megatron":
+        if self.trainer.model_parallel:
             if self.megatron is None:
                 raise ValueError(
                     "optim.backend=megatron needs an optim.megatron block with at least a layout "
@@ -138,12 +139,22 @@ class OptimConfig(ConfigModel):
         return self
 
     @property
+    def trainer(self) -> TrainerSpec:
+        """The spec of the backend (``plan.trainer_spec``)."""
+        return trainer_spec(self.backend)
+
+    @property
+    def multi_process(self) -> bool:
+        """The backend runs on several processes (``nproc`` > 1); ``torch`` does not."""
+        return self.trainer.multi_process
+
+    @property
     def partitioned_load(self) -> bool:
         """Whether the step's model is loaded partitioned: DeepSpeed ZeRO-3 builds it under
         ``zero.Init`` and fills it one tensor at a time, so no rank ever holds it whole
         (``trainer.backends.loading``). Otherwise every rank loads the whole model. The
         capacity check models the load with this same property."""
-        return self.backend == "deepspeed" and self.zero_stage == 3
+        return self.trainer.zero and self.zero_stage == 3
 
 
 class ProcessSettings(ConfigModel):

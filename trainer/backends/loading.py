@@ -37,7 +37,7 @@ def load_training_model(
     configuration it was built with (give it to ``make_backend``; None unless the backend is
     DeepSpeed). Collective under ZeRO-3: every rank calls it."""
     ds_config = None
-    if optim.backend == "deepspeed":
+    if optim.trainer.zero:
         from trainer.zero3 import gather_windows
 
         ds_config = deepspeed_config(

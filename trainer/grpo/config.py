@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from core.config_model import ConfigModel
 from generation.requests import SamplingParams
+from plan import branch_backend, engine_spec
 from trainer.backends.config import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import (
     get_advantage_estimator,
@@ -285,8 +286,8 @@ class GRPOConfig(ProcessSettings):
         engine)."""
         if self.rollout.colocate:
             return 0
-        per_engine = self.rollout.tensor_parallel_size if self.rollout.engine == "vllm" else 1
-        return self.rollout.num_engines * per_engine
+        engine = engine_spec(self.rollout.engine)
+        return self.rollout.num_engines * engine.gpus_per_engine(self.rollout.tensor_parallel_size)
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> GRPOConfig:
@@ -301,7 +302,7 @@ class GRPOConfig(ProcessSettings):
 
     @model_validator(mode="after")
     def _router_replay_on_hf_modules(self) -> GRPOConfig:
-        if self.algorithm.router_replay != "off" and self.optim.backend == "megatron":
+        if self.algorithm.router_replay != "off" and not self.optim.trainer.trains_hf_module:
             raise ValueError(
                 "algorithm.router_replay=rollout replays the engine's expert choices through a "
                 "hook on the Hugging Face GPT-OSS router, which the Megatron backend does not "
@@ -314,13 +315,13 @@ class GRPOConfig(ProcessSettings):
     def _lora_where_it_runs(self) -> GRPOConfig:
         if not self.lora.r:
             return self
-        if self.optim.backend == "megatron":
+        if not self.optim.trainer.trains_hf_module:
             raise ValueError(
                 f"grpo.lora.r={self.lora.r}: LoRA GRPO trains a peft adapter on the Hugging Face "
                 "module, which the Megatron backend does not train; use optim.backend torch or "
                 "deepspeed, or lora.r=0"
             )
-        if self.rollout.engine == "vllm":
+        if not engine_spec(self.rollout.engine).serves_lora:
             raise ValueError(
                 f"grpo.lora.r={self.lora.r}: the vLLM rollout engine does not serve the adapter "
                 "yet (its LoRA requests are not wired here); use rollout.engine=hf, or lora.r=0"
@@ -330,7 +331,7 @@ class GRPOConfig(ProcessSettings):
     @model_validator(mode="after")
     def _batch_sizes_divide(self) -> GRPOConfig:
         replicas, what = self.nproc, f"nproc {self.nproc}"
-        if self.optim.backend == "megatron":
+        if self.optim.trainer.model_parallel:
             replicas = _megatron_data_parallel(self)
             what = f"the Megatron data-parallel size {replicas}"
         rollouts = self.prompts_per_step * self.rollout.n_samples
@@ -412,8 +413,8 @@ def branch_config(
     Rollout, algorithm and batch settings are the run's, unchanged.
     """
     config = {**config, "optim": dict(config.get("optim") or {})}
-    if backend and backend != "hf":
-        config["optim"]["backend"] = backend
+    if (branch := branch_backend(backend)) is not None:
+        config["optim"]["backend"] = branch
     if config["optim"].get("backend") != "megatron":
         return config
     if megatron_optim:

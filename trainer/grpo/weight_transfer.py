@@ -36,16 +36,16 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from plan.engines import Transport, engine_spec
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-Transport = Literal["shared", "in_process_reload", "channel", "nccl", "lingo_gloo"]
 
 
 @dataclass(frozen=True)
@@ -69,26 +69,24 @@ def select_transfer(
     Args:
         device: the training device type, ``cuda`` or ``cpu``.
         colocate: the engines share the training processes (``rollout.colocate``).
-        engine: ``rollout.engine``, ``hf`` or ``vllm``.
+        engine: ``rollout.engine``; its ``plan.EngineSpec`` gives the colocated and the
+            dedicated transport.
         sender_has_vllm: the coordinator can import vLLM (its ``PyNcclCommunicator``); the
             Megatron branch's trainer image has none.
+
+    Raises:
+        ValueError: an unknown engine (``plan.UnknownSpecError``) or device.
     """
-    if engine not in ("hf", "vllm"):
-        raise ValueError(f"rollout.engine={engine!r}: hf or vllm")
+    spec = engine_spec(engine)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: cuda or cpu")
-    if colocate and engine == "hf":
-        return TransferChoice("shared", False, "colocated HF engine: the trained module itself")
     if colocate:
-        return TransferChoice(
-            "in_process_reload", False, "colocated vLLM: its worker is this process"
-        )
-    if engine == "hf":
-        return TransferChoice("channel", True, "dedicated HF engines load what they receive")
+        return TransferChoice(spec.colocated_transfer, False, spec.colocated_reason)
+    if spec.dedicated_transfer != "nccl":
+        return TransferChoice(spec.dedicated_transfer, True, spec.dedicated_reason)
+    # NCCL needs the trainer's GPU and vLLM's PyNcclCommunicator; else gloo, host memory
     if device == "cuda" and sender_has_vllm:
-        return TransferChoice(
-            "nccl", True, "dedicated vLLM on CUDA: trainer and every TP worker in one NCCL group"
-        )
+        return TransferChoice("nccl", True, spec.dedicated_reason)
     if device == "cuda":
         return TransferChoice(
             "lingo_gloo",

@@ -58,9 +58,10 @@ class SFTConfig(ProcessSettings):
     @field_validator("optim")
     @classmethod
     def _hf_backend(cls, optim: OptimConfig) -> OptimConfig:
-        if optim.backend == "megatron":
+        if not optim.trainer.trains_hf_module:
             raise ValueError(
-                "optim.backend 'megatron' is for GRPO; SFT trains the HF model with 'torch' or "
-                "'deepspeed' (the Megatron branch converts the SFT-merged model afterwards)"
+                f"optim.backend {optim.backend!r} is for GRPO; SFT trains the HF model with "
+                "'torch' or 'deepspeed' (the Megatron branch converts the SFT-merged model "
+                "afterwards)"
             )
         return optim

@@ -1,0 +1,28 @@
+"""What a registry lookup shares: the one error for a name no registry holds."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+S = TypeVar("S")
+
+
+class UnknownSpecError(ValueError):
+    """A configuration names a trainer backend or rollout engine that is not registered."""
+
+
+def lookup(registry: Mapping[str, S], name: str, field: str, what: str) -> S:
+    """``registry[name]``, or ``UnknownSpecError`` naming ``field`` and the known names.
+
+    Args:
+        registry: the specs by name.
+        name: the name the configuration gives.
+        field: the configuration field that gave it (``optim.backend``, ``rollout.engine``).
+        what: what the registry holds, for the message (``trainer backend``).
+    """
+    try:
+        return registry[name]
+    except (KeyError, TypeError):
+        known = ", ".join(sorted(registry))
+        raise UnknownSpecError(f"{field}={name!r} is not a {what}; known: {known}") from None

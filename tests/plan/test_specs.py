@@ -1,0 +1,138 @@
+"""The trainer-backend and rollout-engine registries: one spec per name, the facts the layers
+above read, and one error for a name that is not registered."""
+
+import typing
+
+import pytest
+
+from plan import (
+    ENGINE_SPECS,
+    TRAINERS,
+    EngineSpec,
+    UnknownSpecError,
+    branch_backend,
+    engine_spec,
+    trainer_spec,
+)
+
+
+def test_an_unknown_backend_is_one_line_naming_the_field_and_the_known_names():
+    with pytest.raises(UnknownSpecError) as error:
+        trainer_spec("fsdp")
+    assert str(error.value) == (
+        "optim.backend='fsdp' is not a trainer backend; known: deepspeed, megatron, torch"
+    )
+    with pytest.raises(ValueError, match=r"^backend='hf' is not a trainer backend"):
+        trainer_spec("hf", "backend")
+
+
+def test_an_unknown_engine_is_one_line_naming_the_field_and_the_known_names():
+    with pytest.raises(UnknownSpecError) as error:
+        engine_spec("sglang")
+    assert str(error.value) == "rollout.engine='sglang' is not a rollout engine; known: hf, vllm"
+    assert "\n" not in str(error.value)
+    with pytest.raises(UnknownSpecError, match=r"^rollout.engine=None is not"):
+        engine_spec(None)
+
+
+@pytest.mark.parametrize(
+    ("name", "zero", "model_parallel", "hf_module", "multi", "weights", "conversion", "image"),
+    [
+        ("torch", False, False, True, False, "huggingface", False, "gpu"),
+        ("deepspeed", True, False, True, True, "huggingface", False, "gpu"),
+        ("megatron", False, True, False, True, "megatron-torch_dist", True, "megatron"),
+    ],
+)
+def test_each_backend_states_its_facts(
+    name, zero, model_parallel, hf_module, multi, weights, conversion, image
+):
+    spec = trainer_spec(name)
+    assert spec.name == name
+    assert (spec.zero, spec.model_parallel, spec.trains_hf_module, spec.multi_process) == (
+        zero,
+        model_parallel,
+        hf_module,
+        multi,
+    )
+    assert (spec.weight_format, spec.needs_conversion, spec.image) == (weights, conversion, image)
+
+
+@pytest.mark.parametrize(
+    ("name", "stages_that_shard"),
+    [("torch", set()), ("deepspeed", {3}), ("megatron", {0, 1, 2, 3})],
+)
+def test_parameters_are_sharded_under_zero_3_or_a_model_parallel_split(name, stages_that_shard):
+    spec = trainer_spec(name)
+    assert {stage for stage in range(4) if spec.shards_parameters(stage)} == stages_that_shard
+
+
+@pytest.mark.parametrize(
+    ("name", "tp", "own_memory", "cuda", "lora", "colocated", "dedicated"),
+    [
+        ("hf", False, False, False, True, "shared", "channel"),
+        ("vllm", True, True, True, False, "in_process_reload", "nccl"),
+    ],
+)
+def test_each_engine_states_its_facts(name, tp, own_memory, cuda, lora, colocated, dedicated):
+    spec = engine_spec(name)
+    assert spec.name == name
+    assert (spec.tensor_parallel, spec.reserves_gpu_memory, spec.needs_cuda) == (
+        tp,
+        own_memory,
+        cuda,
+    )
+    assert spec.serves_lora is lora
+    assert (spec.colocated_transfer, spec.dedicated_transfer) == (colocated, dedicated)
+    assert spec.colocated_reason and spec.dedicated_reason
+    assert spec.gpus_per_engine(4) == (4 if tp else 1)
+
+
+def test_specs_are_frozen():
+    with pytest.raises(AttributeError):
+        trainer_spec("torch").multi_process = True  # type: ignore[misc]
+
+
+def test_the_pipeline_branch_names_its_backend_except_hf():
+    assert branch_backend("megatron") == "megatron"
+    assert branch_backend("hf") is None
+    assert branch_backend("") is None
+
+
+def test_the_registries_name_what_the_configs_accept_and_the_builders_build():
+    """A name a config accepts has a spec, and a spec a builder: the three lists agree."""
+    from trainer.backends import BACKENDS
+    from trainer.backends.config import OptimConfig
+    from trainer.grpo.config import RolloutConfig
+    from trainer.grpo.engines import ENGINES
+
+    optim_backends = typing.get_args(OptimConfig.model_fields["backend"].annotation)
+    engines = typing.get_args(RolloutConfig.model_fields["engine"].annotation)
+    assert set(optim_backends) == set(TRAINERS) == set(BACKENDS)
+    assert set(engines) == set(ENGINE_SPECS) == set(ENGINES)
+
+
+def test_a_registered_engine_is_read_by_the_weight_sync_without_naming_it(monkeypatch):
+    """The weight sync picks its transport from the spec's fields: a new engine is its spec."""
+    from trainer.grpo.weight_transfer import select_transfer
+
+    fake = EngineSpec(
+        name="fake",
+        tensor_parallel=False,
+        reserves_gpu_memory=False,
+        needs_cuda=False,
+        serves_lora=False,
+        colocated_transfer="in_process_reload",
+        colocated_reason="a test's colocated engine",
+        dedicated_transfer="nccl",
+        dedicated_reason="a test's dedicated engine",
+    )
+    monkeypatch.setitem(ENGINE_SPECS, "fake", fake)
+    colocated = select_transfer("cpu", True, "fake")
+    assert (colocated.transport, colocated.direct, colocated.reason) == (
+        "in_process_reload",
+        False,
+        "a test's colocated engine",
+    )
+    assert select_transfer("cuda", False, "fake", True).transport == "nccl"
+    # NCCL needs the trainer's GPU: on CPU the same engine gets gloo
+    assert select_transfer("cpu", False, "fake").transport == "lingo_gloo"

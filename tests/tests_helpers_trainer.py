@@ -3,6 +3,8 @@ and the command line of a GRPO run in a process of its own."""
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -104,6 +106,25 @@ SMALL_CORPUS_MODEL = SMALLEST.model_copy(
 )
 """``SMALLEST`` (the ``tiny_model_dir`` fixture's) at half the width and a 400-token
 vocabulary: small enough to build from ``SMALL_CORPUS`` in a test, and of another shape."""
+
+
+def vllm_grpo_run(
+    run_dir: Path, model: Path, data: Path, rollout: dict, *program: str
+) -> subprocess.CompletedProcess:
+    """``python -m trainer.grpo`` (or ``program``) with vLLM rollouts, 2 steps, in its own
+    process (as the GRPO step runs it; vLLM's engine lives in that process); the run is named
+    ``grpo`` under ``run_dir``."""
+    cfg = small_grpo_config(
+        max_steps=2, checkpoint_every=0, rollout={"engine": "vllm", "n_samples": 4, **rollout}
+    )
+    args = grpo_cli_args(run_dir, "grpo", cfg, model, data)
+    return subprocess.run(
+        [sys.executable, *(program or ("-m", "trainer.grpo")), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=subprocess_env(),
+    )
 
 
 def fixed_grpo_batch(vocab: int = 1000) -> update.Batch:

@@ -113,6 +113,7 @@ def test_the_tiny_presets_yaml_runs_configure_first_and_holds_only_the_hf_branch
     # training and everything after it waits for the data check (an unchanged-data run stops)
     for name in ("base-model", "capacity-check", "sft", "grpo", "evaluate", "gate"):
         assert "data-check" in upstream[name], name
+    assert "capacity-check" in upstream["sft"]  # a run that cannot fit stops before SFT
     assert not [t for t in upstream if t.startswith("condition-branches")]
     assert "comp-convert-megatron" not in spec.components
     assert upstream["grpo"] == {"configure", "data-check", "data-prep", "sft", "start-tracking"}

@@ -130,8 +130,17 @@ def test_local_pipeline_run_fails_on_bad_data_and_says_why(tmp_path, capfd):
     assert "bad.jsonl:1" in out.out
 
 
+@pytest.mark.slow  # ~75 s: the pipeline's seven steps up to the capacity check
 def test_capacity_check_fails_fast_with_the_table(tmp_path, capfd):
-    """Hardware that cannot hold the model stops the run before SFT, naming what overflows."""
+    """Hardware that cannot hold the model stops the run before SFT, naming what overflows.
+
+    Slow; its path runs by default in three faster tests: the check failing on this volume
+    with the tables in its error (tests/trainer/test_capacity_check.py::
+    test_a_volume_too_small_for_the_checkpoints_fails_the_check_with_the_table), SFT waiting
+    on the check in the compiled DAG (tests/pipelines/test_compile.py::
+    test_the_tiny_presets_yaml_runs_configure_first_and_holds_only_the_hf_branch), and
+    kfp.local stopping the run at a failed step and printing its error
+    (test_local_pipeline_run_fails_on_bad_data_and_says_why)."""
     too_small = {**FAST, "hardware.storage_gib": "0.0001"}  # 100 KiB for the checkpoints
     preset = apply_overrides(
         get_preset("tiny-cpu"), {k: v for k, v in too_small.items() if "." in k}

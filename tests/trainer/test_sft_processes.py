@@ -132,8 +132,8 @@ def test_kill_and_resume_gives_the_same_metrics_as_an_uninterrupted_run(
     cfg = {
         **BASE,
         "gradient_accumulation_steps": 4,
-        "max_steps": 14,
-        "checkpoint_every": 3,
+        "max_steps": 8,
+        "checkpoint_every": 2,
         "keep_checkpoints": 2,
         "optim": {"learning_rate": 5e-3, "warmup_steps": 2},
     }
@@ -143,9 +143,9 @@ def test_kill_and_resume_gives_the_same_metrics_as_an_uninterrupted_run(
     killed = _args(tmp_path, "killed", cfg, tiny_model_dir, prepared_data)
     metrics = tmp_path / "killed" / "work" / "training_metrics.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "trainer.sft", *killed])
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # was 120: at load ~11 main's run passed it unkilled
     while time.monotonic() < deadline and proc.poll() is None:
-        if len([m for m in read_metrics(metrics) if "loss" in m]) >= 8:
+        if len([m for m in read_metrics(metrics) if "loss" in m]) >= 5:
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.02)
@@ -153,11 +153,11 @@ def test_kill_and_resume_gives_the_same_metrics_as_an_uninterrupted_run(
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (tmp_path / "killed" / "model").exists()
     checkpoints = sorted(p.name for p in (tmp_path / "killed" / "work" / "checkpoints").iterdir())
-    assert checkpoints[-1] in ("step-6", "step-9") and len(checkpoints) <= 2
+    assert checkpoints[-1] in ("step-4", "step-6") and len(checkpoints) <= 2
     subprocess.run([sys.executable, "-m", "trainer.sft", *killed], check=True)  # resumes
 
     expected, resumed = _losses(tmp_path, "whole"), _losses(tmp_path, "killed")
-    assert [s for s, _ in resumed] == list(range(1, 15))  # lines after the checkpoint were replaced
+    assert [s for s, _ in resumed] == list(range(1, 9))  # lines after the checkpoint were replaced
     for (_, x), (_, y) in zip(expected, resumed, strict=True):
         assert abs(x - y) <= 1e-6 * abs(x)
     lrs = [m["learning_rate"] for m in read_metrics(metrics) if "loss" in m]

@@ -13,12 +13,14 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from tests_helpers_trainer import vllm_grpo_run
 
 from core import harmony
 from trainer import tiny_model
@@ -53,6 +55,17 @@ def rollout_settings() -> dict:
     """The ``rollout`` settings the engines run with here: short responses, and prompts that
     chunked prefill never splits (seeded requests split by it crash vLLM's CPU build)."""
     return {"max_new_tokens": 12, "max_prompt_tokens": 512, "max_num_batched_tokens": 2048}
+
+
+@pytest.fixture(scope="session")
+def one_process_vllm_grpo(
+    tmp_path_factory, vllm_model_dir, prepared_data, rollout_settings
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """One GRPO run of 2 steps with vLLM rollouts in one process (``vllm_grpo_run``), made
+    once: test_vllm_rollout.py checks it, test_vllm_dedicated.py's dedicated engine must train
+    like it. Its run directory (the run is ``grpo`` in it) and the finished process."""
+    run_dir = tmp_path_factory.mktemp("vllm-grpo")
+    return run_dir, vllm_grpo_run(run_dir, vllm_model_dir, prepared_data, rollout_settings)
 
 
 @pytest.fixture(scope="session")

@@ -82,7 +82,7 @@ def _grpo(tmp_path, model_dir, data, name: str, rollout: dict, nproc: int):
 
 
 def test_one_trainer_and_one_vllm_engine_process_train_like_one_process(
-    tmp_path, vllm_model_dir, prepared_data, rollout_settings
+    tmp_path, vllm_model_dir, prepared_data, rollout_settings, one_process_vllm_grpo
 ):
     dedicated = {**rollout_settings, "colocate": False, "num_engines": 1, "sync_bucket_mb": 1}
     ours = _grpo(tmp_path, vllm_model_dir, prepared_data, "split", dedicated, 2)
@@ -90,7 +90,12 @@ def test_one_trainer_and_one_vllm_engine_process_train_like_one_process(
     assert all(0 <= m["sync_logprob_max_diff"] < 1e-4 for m in ours)
     assert (tmp_path / "split" / "model" / "config.json").exists()
     # the same engine seed and per-response seeds as one process with its engine in-process
-    theirs = _grpo(tmp_path, vllm_model_dir, prepared_data, "alone", rollout_settings, 1)
+    # (the run test_vllm_rollout.py checks, made once for both)
+    alone, done = one_process_vllm_grpo
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "Failed to load weights" not in output and "were not loaded" not in output
+    theirs = grpo_step_lines(alone, "grpo")
     for a, b in zip(ours, theirs, strict=True):
         assert a["mean_reward"] == b["mean_reward"]
         assert a["response_length_mean"] == b["response_length_mean"]

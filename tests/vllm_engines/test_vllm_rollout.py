@@ -8,17 +8,14 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from tests_helpers_trainer import (
     ROOT,
     AliveBytes,
-    grpo_cli_args,
     grpo_step_lines,
-    small_grpo_config,
-    subprocess_env,
+    vllm_grpo_run,
 )
 
 from core.seeds import group_seeds
@@ -217,32 +214,14 @@ def test_the_check_catches_a_sync_that_leaves_experts_stale(engine, policy, gap_
     assert gap_stats(engine).max < 1e-4
 
 
-def _grpo(tmp_path, model_dir, data, rollout: dict, *program: str) -> subprocess.CompletedProcess:
-    """``python -m trainer.grpo`` with vLLM rollouts, 2 steps, in its own process (as the GRPO
-    step runs it; vLLM's engine lives in that process); the run is named ``grpo``."""
-    cfg = small_grpo_config(
-        max_steps=2, checkpoint_every=0, rollout={"engine": "vllm", "n_samples": 4, **rollout}
-    )
-    args = grpo_cli_args(tmp_path, "grpo", cfg, model_dir, data)
-    return subprocess.run(
-        [sys.executable, *(program or ("-m", "trainer.grpo")), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=subprocess_env(),
-    )
-
-
-def test_grpo_trains_with_vllm_rollouts_and_checks_every_sync(
-    tmp_path, vllm_model_dir, prepared_data, rollout_settings
-):
-    done = _grpo(tmp_path, vllm_model_dir, prepared_data, rollout_settings)
+def test_grpo_trains_with_vllm_rollouts_and_checks_every_sync(one_process_vllm_grpo):
+    run_dir, done = one_process_vllm_grpo
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = grpo_step_lines(tmp_path, "grpo")
+    lines = grpo_step_lines(run_dir, "grpo")
     assert [m["step"] for m in lines] == [1, 2]
     assert all(0 <= m["sync_logprob_max_diff"] < 1e-3 for m in lines)
     assert all(m["sync_bytes"] > 0 and m["sync_s"] > 0 for m in lines)
-    assert (tmp_path / "grpo" / "model" / "config.json").exists()
+    assert (run_dir / "grpo" / "model" / "config.json").exists()
     output = done.stdout + done.stderr  # every sync, silently
     assert "Failed to load weights" not in output and "were not loaded" not in output
 
@@ -260,7 +239,9 @@ runpy.run_module("trainer.grpo", run_name="__main__")
 def test_grpo_stops_when_the_engine_does_not_take_the_weights(
     tmp_path, vllm_model_dir, prepared_data, rollout_settings
 ):
-    done = _grpo(tmp_path, vllm_model_dir, prepared_data, rollout_settings, "-c", STACKED_SYNC)
+    done = vllm_grpo_run(
+        tmp_path, vllm_model_dir, prepared_data, rollout_settings, "-c", STACKED_SYNC
+    )
     assert done.returncode != 0
     # the step's one-line error (trainer.entry: the exception's message, not its traceback)
     assert "error: " in done.stderr and "did not take the weights" in done.stderr

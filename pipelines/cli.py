@@ -312,6 +312,15 @@ def eval_cmd(
     max_tokens: Annotated[int, typer.Option()] = 512,
     temperature: Annotated[float, typer.Option()] = 0.7,
     limit: Annotated[int | None, typer.Option(help="Only the first N questions")] = None,
+    api: Annotated[
+        str,
+        typer.Option(
+            help="Endpoints: chat (/v1/chat/completions; the server renders the chat) or "
+            "completions (/v1/completions; the harmony prompt rendered here and tokenized by "
+            "the model's own tokenizer: for a gpt-oss model whose tokenizer is not gpt-oss's, "
+            "as `lingo serve` says)."
+        ),
+    ] = "chat",
     timeout: Annotated[
         float, typer.Option(help="Endpoints: longest wait for the next bytes of an answer (s).")
     ] = 120.0,
@@ -345,6 +354,7 @@ def eval_cmd(
         max_tokens=max_tokens,
         temperature=temperature,
         limit=limit,
+        api=api,
         timeout_s=timeout,
         connect_timeout_s=connect_timeout,
         request_timeout_s=request_timeout,
@@ -391,12 +401,25 @@ def serve(
 ) -> None:
     """Serve a model folder or the registry's champion with vLLM's OpenAI-compatible server
     (gpt-oss's reasoning parser, as the cluster's InferenceService does); print the endpoint
-    and the `lingo eval` command that scores it; run until interrupted (Ctrl-C)."""
-    from pipelines.serve_local import resolve_model, server_command, start_server, vllm_python
+    and the `lingo eval` command that scores it (through /v1/completions for a gpt-oss model
+    with its own tokenizer, which vLLM's chat cannot render); run until interrupted (Ctrl-C)."""
+    from pipelines.serve_local import (
+        chat_api_problem,
+        resolve_model,
+        server_command,
+        start_server,
+        vllm_python,
+    )
 
     folder = resolve_model(model, cache_dir)
     if folder != Path(model):
         echo(f"{model} is {folder}")
+    problem = chat_api_problem(folder)
+    if problem is not None:
+        echo(
+            f"{problem}: it is scored through /v1/completions instead (the harmony prompt "
+            "rendered by `lingo eval --api completions`, tokenized by the model's own tokenizer)"
+        )
     import torch
 
     command = server_command(
@@ -411,9 +434,10 @@ def serve(
     )
     base = f"http://{host}:{port}/v1"
     echo(f"starting vLLM on {model} (log: {log_file}) …")
-    server = start_server(command, base, name, log_file)
+    api = "chat" if problem is None else "completions"
+    server = start_server(command, base, name, log_file, api=api)
     echo(f"serving {model} as {name!r} at {base} (OpenAI API; reasoning parser openai_gptoss)")
-    echo(f"score it: lingo eval -m {server.eval_model}")
+    echo(f"score it: {server.eval_command}")
     try:
         server.process.wait()
     except KeyboardInterrupt:

@@ -2,7 +2,9 @@
 pipeline's gate registers it (``eval.registry.register_directory`` then ``set_alias``), in a
 real local MLflow store (SQLite, what ``lingo run --local`` tracks to), downloaded once into a
 cache folder and served as a folder. vLLM is not started: the ``--python`` given is a stand-in
-that records the argv and the environment the server would start with, then exits."""
+that records the argv and the environment the server would start with, then exits (or answers
+``GET /v1/models`` once first, as a started server does). tests/vllm_engines/test_vllm_serve.py
+serves with vLLM itself."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pipelines.serve_local import (
     GPT_OSS_TOKEN_IDS,
     GPT_OSS_VOCAB_SIZE,
     ServeError,
-    model_folder,
+    chat_api_problem,
     resolve_model,
 )
 
@@ -160,15 +162,80 @@ def test_files_that_do_not_match_the_registered_hash_leave_no_folder(registry, t
     assert list((registry["cache"] / "tampered").iterdir()) == []
 
 
-def test_a_model_with_its_own_vocabulary_is_refused(tmp_path):
-    """The tiny model's BPE puts ``<|message|>`` at a low id: vLLM's server, which renders
-    gpt-oss chats with o200k_harmony, would answer every request 400 'Token id 200008 is out
-    of vocabulary' (tests/vllm_engines/test_vllm_serve.py serves one with gpt-oss's)."""
+STAND_IN_SERVER = """
+import http.server, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+class Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ('{"data": [{"id": "%s"}]}' % args["--served-model-name"]).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer((args["--host"], int(args["--port"])), Models)
+server.handle_request()
+"""
+"""What the stand-in runs: a server on ``--host``:``--port`` that lists ``--served-model-name``
+once, then exits 0 (``lingo serve`` has then printed all it prints once the server is up)."""
+
+
+@pytest.fixture(scope="module")
+def own_vocabulary_model(tmp_path_factory) -> Path:
+    """A tiny gpt-oss model with its own small BPE vocabulary, as the demo's model has: the
+    harmony tokens at low ids."""
     from trainer.tiny_model import SMALLEST, build_tiny_model
 
     corpus = ["Bonjour, le monde. Hello world. Hola mundo."] * 20
     small = SMALLEST.model_copy(update={"vocab_size": 300})
-    tiny = build_tiny_model(tmp_path / "tiny", small, corpus)
-    with pytest.raises(ServeError, match=r"its tokenizer is not gpt-oss's \(<\|startoftext\|>"):
-        model_folder(tiny)
-    assert model_folder(gpt_oss_folder(tmp_path / "gpt-oss")) == tmp_path / "gpt-oss"
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", small, corpus)
+
+
+@pytest.mark.parametrize("tokenizer", ["its own", "gpt-oss's"])
+def test_lingo_serve_prints_the_eval_command_that_scores_the_model(
+    tokenizer, own_vocabulary_model, tmp_path, monkeypatch
+):
+    """A gpt-oss model with its own vocabulary (the demo's) is served and scored through
+    ``/v1/completions``: vLLM's chat endpoint renders gpt-oss chats with o200k_harmony, which
+    would give it ids it does not have (HTTP 400 'Token id 200008 is out of vocabulary' to every
+    chat); one with gpt-oss's tokenizer keeps the chat API."""
+    import socket
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "server.py"
+    script.write_text(STAND_IN_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model = own_vocabulary_model if tokenizer == "its own" else gpt_oss_folder(tmp_path / "m")
+    result = runner.invoke(app, ["serve", str(model), "--python", str(python), "--port", port])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    url = f"http://127.0.0.1:{port}/v1"
+    command = f"score it: lingo eval -m served={url}#lingo-gpt-oss"
+    if tokenizer == "gpt-oss's":
+        assert command in lines and not [line for line in lines if "o200k" in line]
+        return
+    assert f"{command} --api completions" in lines
+    (why,) = [line for line in lines if "o200k_harmony" in line]
+    vocabulary = json.loads((model / "config.json").read_text())["vocab_size"]  # ~300
+    assert why == (
+        "vLLM's chat endpoint renders gpt-oss chats with o200k_harmony whatever the model's "
+        f"tokenizer, and this model's is its own (<|startoftext|> is id 7 of {vocabulary}; "
+        "o200k_harmony's is 199998 of 201088): it is scored through /v1/completions instead "
+        "(the harmony prompt rendered by `lingo eval --api completions`, tokenized by the "
+        "model's own tokenizer)"
+    )
+
+
+def test_a_gpt_oss_model_is_checked_against_gpt_oss_s_tokenizer(own_vocabulary_model, tmp_path):
+    assert chat_api_problem(gpt_oss_folder(tmp_path / "gpt-oss")) is None
+    assert "this model's is its own" in chat_api_problem(own_vocabulary_model)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert chat_api_problem(tmp_path / "other") is None  # other model types: not checked

@@ -560,6 +560,8 @@ class EvalSettingsError(ValueError):
 CLI_OPTIONS = {
     "engine": "--engine",
     "sampling.temperature": "--temperature",
+    "sampling.top_p": "--top-p",
+    "sampling.seed": "--seed",
     "sampling.max_tokens": "--max-tokens",
     "sampling.n": "--samples",
     "limit": "--limit",

@@ -311,6 +311,10 @@ def eval_cmd(
     samples: Annotated[int, typer.Option(help="Samples per question")] = 1,
     max_tokens: Annotated[int, typer.Option()] = 512,
     temperature: Annotated[float, typer.Option()] = 0.7,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass")] = 0.95,
+    seed: Annotated[
+        int, typer.Option(help="Base seed; each response has its own seed derived from it")
+    ] = 0,
     limit: Annotated[int | None, typer.Option(help="Only the first N questions")] = None,
     api: Annotated[
         str,
@@ -353,6 +357,8 @@ def eval_cmd(
         samples=samples,
         max_tokens=max_tokens,
         temperature=temperature,
+        top_p=top_p,
+        seed=seed,
         limit=limit,
         api=api,
         timeout_s=timeout,

@@ -408,12 +408,14 @@ def serve(
     """Serve a model folder or the registry's champion with vLLM's OpenAI-compatible server
     (gpt-oss's reasoning parser, as the cluster's InferenceService does); print the endpoint
     and the `lingo eval` command that scores it (through /v1/completions for a gpt-oss model
-    with its own tokenizer, which vLLM's chat cannot render); run until interrupted (Ctrl-C)."""
+    with its own tokenizer, which vLLM's chat cannot render); run until interrupted (Ctrl-C or
+    SIGTERM: the server is stopped with it)."""
     from pipelines.serve_local import (
         chat_api_problem,
         resolve_model,
         server_command,
         start_server,
+        terminate_as_interrupt,
         vllm_python,
     )
 
@@ -441,16 +443,20 @@ def serve(
     base = f"http://{host}:{port}/v1"
     echo(f"starting vLLM on {model} (log: {log_file}) …")
     api = "chat" if problem is None else "completions"
-    server = start_server(command, base, name, log_file, api=api)
-    echo(f"serving {model} as {name!r} at {base} (OpenAI API; reasoning parser openai_gptoss)")
-    echo(f"score it: {server.eval_command}")
-    try:
-        server.process.wait()
-    except KeyboardInterrupt:
-        echo("stopping")
-    finally:
-        server.stop()
-    if server.process.returncode not in (0, -15, None):
+    server = None
+    with terminate_as_interrupt():
+        try:  # interrupted while it starts, start_server stops the process it started
+            server = start_server(command, base, name, log_file, api=api)
+            parser = "reasoning parser openai_gptoss"
+            echo(f"serving {model} as {name!r} at {base} (OpenAI API; {parser})")
+            echo(f"score it: {server.eval_command}")
+            server.process.wait()
+        except KeyboardInterrupt:
+            echo("stopping")
+        finally:
+            if server is not None:
+                server.stop()
+    if server is None or server.process.returncode not in (0, -15, None):
         raise typer.Exit(1)
 
 

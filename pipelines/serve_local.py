@@ -12,15 +12,18 @@ or any Python given with ``--python`` / ``$LINGO_VLLM_PYTHON`` that has vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,23 +297,43 @@ def start_server(
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = LocalServer(process, base_url, name, log_path, api)
     deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServeError(
-                f"vLLM's server exited with status {process.returncode} ({log_path}):\n"
-                + _tail(log_path)
-            )
-        try:
-            models = requests.get(f"{base_url}/models", timeout=5).json().get("data") or []
-            if any(m.get("id") == name for m in models):
-                return server
-        except (requests.RequestException, ValueError):
-            pass
-        time.sleep(1.0)
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise ServeError(
+                    f"vLLM's server exited with status {process.returncode} ({log_path}):\n"
+                    + _tail(log_path)
+                )
+            try:
+                models = requests.get(f"{base_url}/models", timeout=5).json().get("data") or []
+                if any(m.get("id") == name for m in models):
+                    return server
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(1.0)
+    except BaseException:  # interrupted while it starts (Ctrl-C, SIGTERM): no server left
+        server.stop()
+        raise
     server.stop()
     raise ServeError(
         f"vLLM's server not ready after {ready_timeout_s:.0f} s ({log_path}):\n" + _tail(log_path)
     )
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within it, SIGTERM (``kill``, a container's stop) interrupts the main thread as Ctrl-C
+    does, so that ``lingo serve`` stops its vLLM server rather than leave it running; the
+    previous handler is restored after."""
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def server_env() -> dict[str, str]:

@@ -163,7 +163,7 @@ def test_files_that_do_not_match_the_registered_hash_leave_no_folder(registry, t
 
 
 STAND_IN_SERVER = """
-import http.server, sys
+import http.server, os, sys
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 class Models(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -175,10 +175,34 @@ class Models(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 server = http.server.HTTPServer((args["--host"], int(args["--port"])), Models)
+if os.environ.get("STAND_IN_PID"):  # serve until stopped, as vLLM does
+    open(os.environ["STAND_IN_PID"], "w").write(str(os.getpid()))
+    server.serve_forever()
 server.handle_request()
 """
 """What the stand-in runs: a server on ``--host``:``--port`` that lists ``--served-model-name``
-once, then exits 0 (``lingo serve`` has then printed all it prints once the server is up)."""
+once, then exits 0 (``lingo serve`` has then printed all it prints once the server is up); with
+``$STAND_IN_PID``, writes its pid there and serves until stopped."""
+
+
+def _stand_in_server(folder: Path) -> Path:
+    """An executable that runs ``STAND_IN_SERVER`` with the server's options."""
+    import sys
+
+    script = folder / "server.py"
+    script.write_text(STAND_IN_SERVER)
+    python = folder / "python"
+    python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -200,18 +224,8 @@ def test_lingo_serve_prints_the_eval_command_that_scores_the_model(
     ``/v1/completions``: vLLM's chat endpoint renders gpt-oss chats with o200k_harmony, which
     would give it ids it does not have (HTTP 400 'Token id 200008 is out of vocabulary' to every
     chat); one with gpt-oss's tokenizer keeps the chat API."""
-    import socket
-    import sys
-
     monkeypatch.chdir(tmp_path)
-    script = tmp_path / "server.py"
-    script.write_text(STAND_IN_SERVER)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    python, port = _stand_in_server(tmp_path), _free_port()
     model = own_vocabulary_model if tokenizer == "its own" else gpt_oss_folder(tmp_path / "m")
     result = runner.invoke(app, ["serve", str(model), "--python", str(python), "--port", port])
     assert result.exit_code == 0, result.output
@@ -239,3 +253,44 @@ def test_a_gpt_oss_model_is_checked_against_gpt_oss_s_tokenizer(own_vocabulary_m
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert chat_api_problem(tmp_path / "other") is None  # other model types: not checked
+
+
+def test_sigterm_stops_lingo_serve_and_its_server(tmp_path):
+    """``kill <lingo serve>`` (a container's stop, a test's teardown) stops the vLLM server it
+    started too, as Ctrl-C does, instead of leaving it running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    python, port = _stand_in_server(tmp_path), _free_port()
+    model = gpt_oss_folder(tmp_path / "m")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "pipelines", "serve", str(model), "--python", str(python),
+         "--port", str(port), "--log-file", str(tmp_path / "server.log")],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "STAND_IN_PID": str(tmp_path / "pid")},
+    )  # fmt: skip
+    pid = None
+    try:
+        for line in serve.stdout:
+            if line.startswith("score it: "):
+                break
+        pid = int((tmp_path / "pid").read_text())
+        serve.send_signal(signal.SIGTERM)
+        status = serve.wait(60)
+        time.sleep(0.5)  # a stray server would still answer by now
+        left = _running(pid)
+    finally:
+        serve.kill()
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGKILL)  # this test's own stand-in, never left behind
+    assert status == 0 and not left  # lingo serve stopped (and reaped) its server first
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

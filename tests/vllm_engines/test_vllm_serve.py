@@ -1,8 +1,9 @@
-"""``lingo serve`` on vLLM's CPU build: the tiny model, with gpt-oss's tokenizer, behind vLLM's
-OpenAI-compatible server (gpt-oss's reasoning parser, as the cluster's InferenceService runs
-it), scored by the eval's endpoint client, gives the in-process eval's both-language figure
-within its interval (same questions, samples and seeds). Skipped where vLLM is missing;
-``make test-vllm`` runs it."""
+"""``lingo serve`` on vLLM's CPU build, behind vLLM's OpenAI-compatible server (gpt-oss's
+reasoning parser, as the cluster's InferenceService runs it), scored by the eval's endpoint
+clients, gives the in-process eval's both-language figure within its interval (same questions,
+samples and seeds): the tiny model with gpt-oss's tokenizer through the chat API, and the
+demo's model (its own vocabulary) registered as the champion, through ``/v1/completions``.
+Skipped where vLLM is missing; ``make test-vllm`` runs it."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ def _overall(results_dir, label: str) -> dict:
 
 
 def test_the_served_model_scores_what_the_in_process_eval_scores(tmp_path, harmony_model_dir):
-    """On the tiny model with gpt-oss's tokenizer: vLLM's server renders a gpt-oss chat with
-    o200k_harmony whatever the model's tokenizer (the tiny model's own BPE gets id 200008 and
-    every request answered 400 'Token id 200008 is out of vocabulary': ``lingo serve`` refuses
-    it, tests/pipelines/test_serve.py)."""
+    """On the tiny model with gpt-oss's tokenizer, through the chat API: vLLM's server renders a
+    gpt-oss chat with o200k_harmony whatever the model's tokenizer (the tiny model's own BPE
+    gets id 200008 and every chat answered 400 'Token id 200008 is out of vocabulary': it is
+    scored through /v1/completions, the next test)."""
     sampling = SamplingSettings(max_tokens=48, n=2, seed=3)
     # 10 questions (2 problems in the 5 languages) × 2 samples: the comparison's footing is
     # the same questions, samples and seeds on both sides, whatever their number

@@ -1,5 +1,6 @@
-"""The eval's engine for a model location: an OpenAI-compatible endpoint for a URL, else the
-Hugging Face or vLLM engine ``EvalConfig.engine`` names. The engines themselves are the
+"""The eval's engine for a model location: for a URL, the OpenAI-compatible endpoint client of
+the API ``EvalConfig.endpoint.api`` names (chat or completions), else the Hugging Face or vLLM
+engine ``EvalConfig.engine`` names. The engines themselves are the
 project's one family (``generation.engines``), shared with GRPO's rollouts."""
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ from generation.engines import Engine, HFEngine, VLLMEngine, is_endpoint
 
 
 def make_engine(location: str, config: EvalConfig, served_model: str | None = None) -> Engine:
-    """The engine for a model location: an endpoint URL, or a directory with ``config.engine``.
+    """The engine for a model location: an endpoint URL (its ``config.endpoint.api``), or a
+    directory with ``config.engine``.
 
     Raises:
         ModelNotFoundError: A directory that does not exist.
     """
     if is_endpoint(location):
-        from generation.endpoint import ChatEndpointEngine
+        from generation.endpoint import ENDPOINT_APIS
 
-        return ChatEndpointEngine(location, served_model, config.endpoint)
+        return ENDPOINT_APIS[config.endpoint.api](location, served_model, config.endpoint)
     if config.engine == "vllm":
         return VLLMEngine(
             location,

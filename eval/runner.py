@@ -560,9 +560,12 @@ class EvalSettingsError(ValueError):
 CLI_OPTIONS = {
     "engine": "--engine",
     "sampling.temperature": "--temperature",
+    "sampling.top_p": "--top-p",
+    "sampling.seed": "--seed",
     "sampling.max_tokens": "--max-tokens",
     "sampling.n": "--samples",
     "limit": "--limit",
+    "endpoint.api": "--api",
     "endpoint.timeout_s": "--timeout",
     "endpoint.connect_timeout_s": "--connect-timeout",
     "endpoint.request_timeout_s": "--request-timeout",
@@ -587,6 +590,7 @@ def run_eval_cli(
     device: str = "auto",
     limit: int | None = None,
     languages: list[str] | None = None,
+    api: str = "chat",
     timeout_s: float = 120.0,
     connect_timeout_s: float = 10.0,
     request_timeout_s: float = 300.0,
@@ -612,6 +616,7 @@ def run_eval_cli(
         device: HF device (``auto``, ``cpu``, ``cuda``).
         limit: Only the first N questions.
         languages: Only these languages.
+        api: Endpoints: ``chat`` or ``completions`` (``EndpointSettings.api``).
         timeout_s: Endpoint read timeout per attempt.
         connect_timeout_s: Endpoint connect timeout per attempt.
         request_timeout_s: Bound on one endpoint request, its retries included.
@@ -638,6 +643,7 @@ def run_eval_cli(
             "n": samples,
         },
         "endpoint": {
+            "api": api,
             "timeout_s": timeout_s,
             "connect_timeout_s": connect_timeout_s,
             "request_timeout_s": request_timeout_s,

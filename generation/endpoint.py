@@ -1,9 +1,17 @@
-"""The engine of any OpenAI-compatible chat endpoint (a vLLM or KServe server).
+"""The engines of an OpenAI-compatible endpoint (a vLLM or KServe server), one per API
+(``EndpointSettings.api``, ``ENDPOINT_APIS``):
 
-``POST {base}/v1/chat/completions`` with ``messages = [system(instructions), user(question)]``;
-gpt-oss servers give the reasoning back as ``reasoning_content`` (older vLLM) or
-``reasoning`` (newer vLLM) beside ``content``, or leave it inside ``content`` in harmony form;
-all are handled (see ``Generation.parsed``).
+* ``chat``: ``POST {base}/v1/chat/completions`` with ``messages = [system(instructions),
+  user(question)]``; the server renders the prompt. gpt-oss servers give the reasoning back as
+  ``reasoning_content`` (older vLLM) or ``reasoning`` (newer vLLM) beside ``content``, or leave
+  it inside ``content`` in harmony form; all are handled (see ``Generation.parsed``).
+* ``completions``: ``POST {base}/v1/completions`` with the harmony prompt the in-process
+  engines get (``core.harmony.render_prompt``), which the server tokenizes with the model's
+  own tokenizer, and vLLM's extra parameters that make it answer as they do: special tokens
+  kept in the text and the stop token's text at its end, so its channels are parsed as theirs
+  are. For a gpt-oss model whose tokenizer is not gpt-oss's (the tiny demo model's): vLLM's
+  chat endpoint renders gpt-oss chats with o200k_harmony whatever the model's tokenizer
+  (docs/serving.md).
 
 Each request is retried on timeouts, connection errors, HTTP 429 and 5xx, with exponential
 backoff (``backoff_s · 2^k``, capped, honouring a numeric ``Retry-After``); other HTTP errors
@@ -46,7 +54,7 @@ DEFAULT_MAX_REPLY_BYTES = 8 << 20
 
 
 class EndpointSettings(ConfigModel):
-    """Client settings for OpenAI-compatible chat endpoints (vLLM, KServe).
+    """Client settings for OpenAI-compatible endpoints (vLLM, KServe).
 
     Every wait is bounded: an attempt by ``connect_timeout_s`` (connecting) and ``timeout_s``
     (each wait for data), a request (its attempts, the waits between them and the reading of
@@ -55,6 +63,9 @@ class EndpointSettings(ConfigModel):
     already in are kept; the eval then fails past ``EvalConfig.max_failure_fraction``).
 
     Attributes:
+        api: ``chat`` (``/v1/chat/completions``: the server renders the chat) or
+            ``completions`` (``/v1/completions``: the harmony prompt rendered here, tokenized
+            by the model's own tokenizer; vLLM's extra parameters; ``lingo eval --api``).
         timeout_s: Read timeout of one attempt: the longest wait for the next bytes of the
             answer (``lingo eval --timeout``).
         connect_timeout_s: Connect timeout of one attempt (``--connect-timeout``).
@@ -72,11 +83,13 @@ class EndpointSettings(ConfigModel):
         api_key_env: Environment variable holding the API key (sent as a Bearer token when
             set and non-empty).
         reasoning_effort: Sent as ``reasoning_effort`` when set (vLLM gpt-oss reads it);
-            ``None`` leaves the server's default.
+            ``None`` leaves the server's default. Chat only: a completions prompt carries
+            ``EvalConfig.reasoning_effort`` in its system message.
     """
 
     model_config = ConfigDict(extra="forbid")
 
+    api: Literal["chat", "completions"] = "chat"
     timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(10.0, gt=0)
     request_timeout_s: float = Field(300.0, gt=0)
@@ -103,15 +116,19 @@ class _Fatal(Exception):
 
 
 def api_base(url: str) -> str:
-    """``http://host:8000``, ``…/v1`` or ``…/v1/`` → ``http://host:8000/v1``."""
+    """``http://host:8000``, ``…/v1``, ``…/v1/``, ``…/v1/chat/completions`` or
+    ``…/v1/completions`` → ``http://host:8000/v1``."""
     url = url.rstrip("/")
-    if url.endswith("/chat/completions"):
-        url = url[: -len("/chat/completions")]
+    for path in ("/chat/completions", "/completions"):
+        if url.endswith(path):
+            url = url[: -len(path)]
+            break
     return url if url.endswith("/v1") else url + "/v1"
 
 
-class ChatEndpointEngine:
-    """Client of an OpenAI-compatible ``/v1/chat/completions`` endpoint.
+class EndpointEngine:
+    """Client of an OpenAI-compatible endpoint: the requests, their retries and bounds; the
+    API (``path``, the request body, the reply) is the subclass's.
 
     Args:
         url: Base URL of the server (with or without ``/v1``).
@@ -121,6 +138,9 @@ class ChatEndpointEngine:
     Raises:
         EndpointError: ``model`` is ``None`` and the model list is unreadable or ambiguous.
     """
+
+    path = ""
+    """The API's path under ``…/v1``."""
 
     def __init__(
         self, url: str, model: str | None = None, settings: EndpointSettings | None = None
@@ -135,6 +155,14 @@ class ChatEndpointEngine:
         self._run_deadline = math.inf
         self.model = model or self._only_model()
         self.description = f"endpoint:{self.base} (model {self.model})"
+
+    def _body(self, request: GenerationRequest, sampling: SamplingParams) -> dict:
+        """The JSON body of ``request``."""
+        raise NotImplementedError
+
+    def _reply(self, data: object) -> Reply:
+        """The checked reply of a parsed 200 body (raises as ``read_reply`` does)."""
+        raise NotImplementedError
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
@@ -176,20 +204,6 @@ class ChatEndpointEngine:
             max_workers=self.settings.concurrency, thread_name_prefix="eval-endpoint"
         ) as pool:
             return list(pool.map(lambda r: self._complete(r, sampling), requests_))
-
-    def _body(self, request: GenerationRequest, sampling: SamplingParams) -> dict:
-        body: dict[str, object] = {
-            "model": self.model,
-            "messages": list(request.messages),
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "max_tokens": sampling.max_tokens,
-            "seed": request.seed,
-            "n": 1,
-        }
-        if self.settings.reasoning_effort is not None:
-            body["reasoning_effort"] = self.settings.reasoning_effort
-        return body
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams) -> Generation:
         body = self._body(request, sampling)
@@ -257,7 +271,7 @@ class ChatEndpointEngine:
         left = max(deadline - time.monotonic(), 1e-3)
         timeout = (min(self.settings.connect_timeout_s, left), min(self.settings.timeout_s, left))
         response = self._session().post(
-            f"{self.base}/chat/completions",
+            f"{self.base}/{self.path}",
             json=body,
             headers=self.headers,
             timeout=timeout,
@@ -276,7 +290,7 @@ class ChatEndpointEngine:
         if response.status_code != 200:  # 1xx/2xx/3xx other than 200: no completion in it
             raise _Fatal(f"HTTP {response.status_code} is not a completion: {_excerpt(content)}")
         try:
-            reply = read_reply(json.loads(content))
+            reply = self._reply(json.loads(content))
         except (ValueError, KeyError, IndexError, TypeError, RecursionError) as err:
             raise _Fatal(
                 f"malformed response ({type(err).__name__}: {err}): {_excerpt(content)}"
@@ -294,9 +308,81 @@ class ChatEndpointEngine:
         """Nothing to free (sessions close with their threads)."""
 
 
+class ChatEndpointEngine(EndpointEngine):
+    """Client of an OpenAI-compatible ``/v1/chat/completions`` endpoint: the server renders
+    ``request.messages`` (``EndpointEngine`` for the arguments)."""
+
+    path = "chat/completions"
+
+    def _body(self, request: GenerationRequest, sampling: SamplingParams) -> dict:
+        body: dict[str, object] = {
+            "model": self.model,
+            "messages": list(request.messages),
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+            "seed": request.seed,
+            "n": 1,
+        }
+        if self.settings.reasoning_effort is not None:
+            body["reasoning_effort"] = self.settings.reasoning_effort
+        return body
+
+    def _reply(self, data: object) -> Reply:
+        return read_reply(data)
+
+
+class CompletionsEndpointEngine(EndpointEngine):
+    """Client of vLLM's ``/v1/completions``: the prompt is ``request.prompt``, the harmony
+    text the in-process engines encode (``core.harmony.render_prompt``), and the server
+    tokenizes it with the model's own tokenizer; the reply's text is parsed as theirs is
+    (``EndpointEngine`` for the arguments).
+
+    Besides OpenAI's parameters (the same sampling and per-request seed as the chat client's),
+    the body carries vLLM's ``add_special_tokens: false`` (the prompt is encoded as the
+    in-process engines encode it, nothing added in front), ``skip_special_tokens: false`` and
+    ``include_stop_str_in_output: true`` (the harmony channel tokens and the stop token stay
+    in the text, as ``generation.vllm.vllm_sampling_kwargs`` asks of the in-process engine).
+    The server stops on the model's stop tokens: its tokenizer's eos and its generation
+    config's (``<|return|>``, ``<|call|>``), what ``core.harmony.stop_token_ids`` gives the
+    in-process engines."""
+
+    path = "completions"
+
+    def __init__(
+        self, url: str, model: str | None = None, settings: EndpointSettings | None = None
+    ) -> None:
+        super().__init__(url, model, settings)
+        self.description = f"endpoint:{self.base}/completions (model {self.model})"
+
+    def _body(self, request: GenerationRequest, sampling: SamplingParams) -> dict:
+        return {
+            "model": self.model,
+            "prompt": request.prompt,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+            "seed": request.seed,
+            "n": 1,
+            "add_special_tokens": False,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+
+    def _reply(self, data: object) -> Reply:
+        return read_completion_reply(data)
+
+
+ENDPOINT_APIS: dict[str, type[EndpointEngine]] = {
+    "chat": ChatEndpointEngine,
+    "completions": CompletionsEndpointEngine,
+}
+"""``EndpointSettings.api`` → its engine."""
+
+
 @dataclass(frozen=True)
 class Reply:
-    """What a chat completion says, checked: every field its documented type."""
+    """What a completion says, checked: every field its documented type."""
 
     text: str
     reasoning: str | None
@@ -320,6 +406,42 @@ def read_reply(data: object) -> Reply:
             ``content``, an object ``usage`` with an integer ``completion_tokens``…; the
             message names the field.
     """
+    choice, finish_reason, tokens = _one_choice(data)
+    if not isinstance(choice.get("message"), dict):
+        raise TypeError("'choices[0].message' is not an object")
+    message = choice["message"]
+    content = _text_field(message, "content")
+    reasoning = _text_field(message, "reasoning_content") or _text_field(message, "reasoning")
+    text = _valid_unicode(content or "")
+    if reasoning is not None and reasoning.strip():
+        reasoning = neutralize_control_tokens(_valid_unicode(reasoning))
+        text = neutralize_control_tokens(text)
+    else:
+        reasoning = None
+    return Reply(text, reasoning, finish_reason, tokens)
+
+
+def read_completion_reply(data: object) -> Reply:
+    """The one choice of a parsed ``/completions`` body, each field checked.
+
+    Its ``text`` is the model's own harmony text, special tokens kept (what
+    ``CompletionsEndpointEngine`` asks for), as the in-process engines return it: its channels
+    are parsed (``Generation.parsed``); lone surrogates become U+FFFD.
+
+    Raises:
+        TypeError, ValueError, KeyError, IndexError: the body is not a text completion with
+            exactly one choice, a string ``text``, an object ``usage`` with an integer
+            ``completion_tokens``…; the message names the field.
+    """
+    choice, finish_reason, tokens = _one_choice(data)
+    text = choice["text"]
+    if not isinstance(text, str):
+        raise TypeError(f"'choices[0].text' is a {type(text).__name__}, not a string")
+    return Reply(_valid_unicode(text), None, finish_reason, tokens)
+
+
+def _one_choice(data: object) -> tuple[dict, str | None, int | None]:
+    """``(choice, finish_reason, usage.completion_tokens)`` of a body with one choice."""
     if not isinstance(data, dict):
         raise TypeError(f"the body is a JSON {type(data).__name__}, not an object")
     choices = data["choices"]
@@ -327,11 +449,8 @@ def read_reply(data: object) -> Reply:
         shown = f"{len(choices)} choices" if isinstance(choices, list) else type(choices).__name__
         raise ValueError(f"'choices' holds {shown}; 1 was asked for (n=1)")
     choice = choices[0]
-    if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
-        raise TypeError("'choices[0].message' is not an object")
-    message = choice["message"]
-    content = _text_field(message, "content")
-    reasoning = _text_field(message, "reasoning_content") or _text_field(message, "reasoning")
+    if not isinstance(choice, dict):
+        raise TypeError("'choices[0]' is not an object")
     finish_reason = choice.get("finish_reason")
     if finish_reason is not None and not isinstance(finish_reason, str):
         raise TypeError(f"'finish_reason' is a {type(finish_reason).__name__}, not a string")
@@ -343,13 +462,7 @@ def read_reply(data: object) -> Reply:
         isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
     ):
         raise TypeError(f"'usage.completion_tokens' is {tokens!r}, not a count")
-    text = _valid_unicode(content or "")
-    if reasoning is not None and reasoning.strip():
-        reasoning = neutralize_control_tokens(_valid_unicode(reasoning))
-        text = neutralize_control_tokens(text)
-    else:
-        reasoning = None
-    return Reply(text, reasoning, finish_reason and _valid_unicode(finish_reason), tokens)
+    return choice, finish_reason and _valid_unicode(finish_reason), tokens
 
 
 def _text_field(message: dict, key: str) -> str | None:

@@ -311,7 +311,20 @@ def eval_cmd(
     samples: Annotated[int, typer.Option(help="Samples per question")] = 1,
     max_tokens: Annotated[int, typer.Option()] = 512,
     temperature: Annotated[float, typer.Option()] = 0.7,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass")] = 0.95,
+    seed: Annotated[
+        int, typer.Option(help="Base seed; each response has its own seed derived from it")
+    ] = 0,
     limit: Annotated[int | None, typer.Option(help="Only the first N questions")] = None,
+    api: Annotated[
+        str,
+        typer.Option(
+            help="Endpoints: chat (/v1/chat/completions; the server renders the chat) or "
+            "completions (/v1/completions; the harmony prompt rendered here and tokenized by "
+            "the model's own tokenizer: for a gpt-oss model whose tokenizer is not gpt-oss's, "
+            "as `lingo serve` says)."
+        ),
+    ] = "chat",
     timeout: Annotated[
         float, typer.Option(help="Endpoints: longest wait for the next bytes of an answer (s).")
     ] = 120.0,
@@ -344,7 +357,10 @@ def eval_cmd(
         samples=samples,
         max_tokens=max_tokens,
         temperature=temperature,
+        top_p=top_p,
+        seed=seed,
         limit=limit,
+        api=api,
         timeout_s=timeout,
         connect_timeout_s=connect_timeout,
         request_timeout_s=request_timeout,
@@ -391,12 +407,27 @@ def serve(
 ) -> None:
     """Serve a model folder or the registry's champion with vLLM's OpenAI-compatible server
     (gpt-oss's reasoning parser, as the cluster's InferenceService does); print the endpoint
-    and the `lingo eval` command that scores it; run until interrupted (Ctrl-C)."""
-    from pipelines.serve_local import resolve_model, server_command, start_server, vllm_python
+    and the `lingo eval` command that scores it (through /v1/completions for a gpt-oss model
+    with its own tokenizer, which vLLM's chat cannot render); run until interrupted (Ctrl-C or
+    SIGTERM: the server is stopped with it)."""
+    from pipelines.serve_local import (
+        chat_api_problem,
+        resolve_model,
+        server_command,
+        start_server,
+        terminate_as_interrupt,
+        vllm_python,
+    )
 
     folder = resolve_model(model, cache_dir)
     if folder != Path(model):
         echo(f"{model} is {folder}")
+    problem = chat_api_problem(folder)
+    if problem is not None:
+        echo(
+            f"{problem}: it is scored through /v1/completions instead (the harmony prompt "
+            "rendered by `lingo eval --api completions`, tokenized by the model's own tokenizer)"
+        )
     import torch
 
     command = server_command(
@@ -411,16 +442,21 @@ def serve(
     )
     base = f"http://{host}:{port}/v1"
     echo(f"starting vLLM on {model} (log: {log_file}) …")
-    server = start_server(command, base, name, log_file)
-    echo(f"serving {model} as {name!r} at {base} (OpenAI API; reasoning parser openai_gptoss)")
-    echo(f"score it: lingo eval -m {server.eval_model}")
-    try:
-        server.process.wait()
-    except KeyboardInterrupt:
-        echo("stopping")
-    finally:
-        server.stop()
-    if server.process.returncode not in (0, -15, None):
+    api = "chat" if problem is None else "completions"
+    server = None
+    with terminate_as_interrupt():
+        try:  # interrupted while it starts, start_server stops the process it started
+            server = start_server(command, base, name, log_file, api=api)
+            parser = "reasoning parser openai_gptoss"
+            echo(f"serving {model} as {name!r} at {base} (OpenAI API; {parser})")
+            echo(f"score it: {server.eval_command}")
+            server.process.wait()
+        except KeyboardInterrupt:
+            echo("stopping")
+        finally:
+            if server is not None:
+                server.stop()
+    if server is None or server.process.returncode not in (0, -15, None):
         raise typer.Exit(1)
 
 

@@ -1,7 +1,9 @@
 """``lingo serve``: a model folder (a run's exported GRPO model), or the registry's champion
 (``models:/lingo-gpt-oss@champion``, downloaded once into a cache folder), behind vLLM's
 OpenAI-compatible server on this machine, as the cluster serves it (``cluster.serving``: the
-same reasoning parser and served name), for ``lingo eval -m served=URL#NAME``.
+same reasoning parser and served name), for ``lingo eval -m served=URL#NAME``: through the chat
+API for a model with gpt-oss's tokenizer, through ``/v1/completions`` (``--api completions``)
+for one with its own (``chat_api_problem``: the tiny demo model's).
 
 vLLM cannot sit in the main environment beside CPU torch; the server runs in the vLLM
 environment ``make test-vllm`` builds (``.venv-vllm``, vLLM's CPU build, tools/vllm_env.sh),
@@ -10,15 +12,18 @@ or any Python given with ``--python`` / ``$LINGO_VLLM_PYTHON`` that has vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,12 +51,14 @@ GPT_OSS_TOKEN_IDS = {
     "<|message|>": 200_008,
     "<|call|>": 200_012,
 }
-"""The harmony tokens' ids in gpt-oss's tokenizer (``o200k_harmony``). vLLM's OpenAI server
+"""The harmony tokens' ids in gpt-oss's tokenizer (``o200k_harmony``). vLLM's chat endpoint
 does not render a gpt-oss chat with the model's tokenizer: for ``model_type == "gpt_oss"`` it
 renders with ``openai_harmony``'s o200k_harmony encoding and parses the reply with it
 (``vllm/renderers/online_renderer.py``, ``use_harmony``), so a model whose tokenizer is not
 gpt-oss's gets ids it does not know (``Token id 200008 is out of vocabulary``, HTTP 400 to every
-request: ``vllm/renderers/base.py``, ``validate_token_ids``)."""
+chat request: ``vllm/renderers/base.py``, ``validate_token_ids``). Its ``/v1/completions``
+tokenizes a text prompt with the model's own tokenizer (``OnlineRenderer.render_completion``,
+the ``hf`` renderer), whatever the model type."""
 GPT_OSS_VOCAB_SIZE = 201_088
 """gpt-oss's ``vocab_size`` (o200k_harmony's ids end at ``<|reserved_201087|>``)."""
 
@@ -84,20 +91,20 @@ def model_folder(path: Path) -> Path:
         )
     if not any(path.glob("*.safetensors")):
         raise ServeError(f"{path}: no *.safetensors weights")
-    if (problem := harmony_tokenizer_problem(path)) is not None:
-        raise ServeError(problem)
     return path
 
 
-def harmony_tokenizer_problem(path: Path) -> str | None:
-    """Why vLLM's OpenAI server cannot serve the gpt-oss model in ``path`` (its tokenizer is
-    not gpt-oss's: ``GPT_OSS_TOKEN_IDS``), or ``None``; other model types are not checked."""
+def chat_api_problem(path: Path) -> str | None:
+    """Why vLLM's chat endpoint cannot render chats for the gpt-oss model in ``path`` (its
+    tokenizer is not gpt-oss's: ``GPT_OSS_TOKEN_IDS``), or ``None``; other model types are not
+    checked."""
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     if config.get("model_type") != "gpt_oss":
         return None
+    renders = "vLLM's chat endpoint renders gpt-oss chats with o200k_harmony whatever the model's"
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
-        return f"{path}: no tokenizer.json (gpt-oss's tokenizer, o200k_harmony, is expected)"
+        return f"{renders} tokenizer, and this model has no tokenizer.json to check it against"
     added = json.loads(tokenizer_file.read_text(encoding="utf-8")).get("added_tokens") or []
     ids = {token.get("content"): token.get("id") for token in added}
     wrong = [name for name, wanted in GPT_OSS_TOKEN_IDS.items() if ids.get(name) != wanted]
@@ -106,12 +113,8 @@ def harmony_tokenizer_problem(path: Path) -> str | None:
         return None
     name = wrong[0] if wrong else "<|message|>"
     return (
-        f"{path}: its tokenizer is not gpt-oss's ({name} is id {ids.get(name)}, vocabulary "
-        f"{vocab_size}; gpt-oss's o200k_harmony has {GPT_OSS_TOKEN_IDS[name]} and "
-        f"{GPT_OSS_VOCAB_SIZE}); vLLM's OpenAI server renders gpt-oss chats with o200k_harmony "
-        "whatever the model's tokenizer and would refuse every request ('Token id 200008 is "
-        "out of vocabulary'). The tiny demo model has its own vocabulary: serve a model trained "
-        "from gpt-oss (docs/serving.md)"
+        f"{renders} tokenizer, and this model's is its own ({name} is id {ids.get(name)} of "
+        f"{vocab_size}; o200k_harmony's is {GPT_OSS_TOKEN_IDS[name]} of {GPT_OSS_VOCAB_SIZE})"
     )
 
 
@@ -242,17 +245,25 @@ def server_command(
 
 @dataclass
 class LocalServer:
-    """A started vLLM server: its process, OpenAI base URL (``…/v1``), served name, log."""
+    """A started vLLM server: its process, OpenAI base URL (``…/v1``), served name, log, and
+    the API ``lingo eval`` scores it through (``EndpointSettings.api``)."""
 
     process: subprocess.Popen
     base_url: str
     name: str
     log_path: Path
+    api: str = "chat"
 
     @property
     def eval_model(self) -> str:
         """What ``lingo eval -m`` takes for it."""
         return f"served={self.base_url}#{self.name}"
+
+    @property
+    def eval_command(self) -> str:
+        """The ``lingo eval`` command line that scores it."""
+        api = "" if self.api == "chat" else f" --api {self.api}"
+        return f"lingo eval -m {self.eval_model}{api}"
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 30 s)."""
@@ -271,9 +282,11 @@ def start_server(
     name: str,
     log_path: Path,
     ready_timeout_s: float = 600.0,
+    api: str = "chat",
 ) -> LocalServer:
     """Start ``command`` (``server_command``) and wait until ``GET {base_url}/models`` lists
-    ``name``.
+    ``name``; ``api``: the API it is scored through (``completions`` where its model has a
+    ``chat_api_problem``).
 
     Raises:
         ServeError: the server exited or was not ready in time (with its log's last lines).
@@ -282,25 +295,45 @@ def start_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = LocalServer(process, base_url, name, log_path)
+    server = LocalServer(process, base_url, name, log_path, api)
     deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServeError(
-                f"vLLM's server exited with status {process.returncode} ({log_path}):\n"
-                + _tail(log_path)
-            )
-        try:
-            models = requests.get(f"{base_url}/models", timeout=5).json().get("data") or []
-            if any(m.get("id") == name for m in models):
-                return server
-        except (requests.RequestException, ValueError):
-            pass
-        time.sleep(1.0)
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise ServeError(
+                    f"vLLM's server exited with status {process.returncode} ({log_path}):\n"
+                    + _tail(log_path)
+                )
+            try:
+                models = requests.get(f"{base_url}/models", timeout=5).json().get("data") or []
+                if any(m.get("id") == name for m in models):
+                    return server
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(1.0)
+    except BaseException:  # interrupted while it starts (Ctrl-C, SIGTERM): no server left
+        server.stop()
+        raise
     server.stop()
     raise ServeError(
         f"vLLM's server not ready after {ready_timeout_s:.0f} s ({log_path}):\n" + _tail(log_path)
     )
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within it, SIGTERM (``kill``, a container's stop) interrupts the main thread as Ctrl-C
+    does, so that ``lingo serve`` stops its vLLM server rather than leave it running; the
+    previous handler is restored after."""
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def server_env() -> dict[str, str]:

@@ -1,5 +1,6 @@
-"""An OpenAI-compatible chat server on 127.0.0.1 whose answers a test scripts (status, body,
-headers, delay), for the eval's endpoint client; and servers that accept and never answer."""
+"""An OpenAI-compatible server on 127.0.0.1 (``/v1/chat/completions`` and ``/v1/completions``)
+whose answers a test scripts (status, body, headers, delay), for the eval's endpoint clients;
+and servers that accept and never answer."""
 
 from __future__ import annotations
 
@@ -42,12 +43,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": "not found"}, {})
 
     def do_POST(self) -> None:
-        if self.path != "/v1/chat/completions":
+        if self.path not in ("/v1/chat/completions", "/v1/completions"):
             self._send(404, {"error": "not found"}, {})
             return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server = self.server
         with server.lock:
+            server.paths.append(self.path)
             server.bodies.append(body)
             server.auth.append(self.headers.get("Authorization"))
             server.in_flight += 1
@@ -71,6 +73,7 @@ class _ChatServer(ThreadingHTTPServer):
         self.reply = reply
         self.models = models
         self.lock = threading.Lock()
+        self.paths: list[str] = []
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []
         self.in_flight = 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 from chat_server import Reply, chat_server, completion
 
-from core.harmony import render_prompt
+from core.harmony import render_prompt, stop_token_ids
 from core.modeling import load_causal_lm, load_tokenizer
 from core.parsing import parse_response
 from core.seeds import sample_seed
@@ -309,6 +309,127 @@ def test_api_base_forms():
     assert api_base("http://h:8000") == "http://h:8000/v1"
     assert api_base("http://h:8000/v1/") == "http://h:8000/v1"
     assert api_base("https://h/serving/v1/chat/completions") == "https://h/serving/v1"
+    assert api_base("https://h/serving/v1/completions/") == "https://h/serving/v1"
+
+
+# -- /v1/completions: the prompt rendered here (lingo eval --api completions) ----------------
+
+
+class TinyCompletionsApp:
+    """vLLM's ``/v1/completions`` backed by the tiny model, with vLLM's defaults for its extra
+    parameters: the prompt text tokenized with the model's tokenizer (``add_special_tokens``,
+    default true), greedy decoding to the model's stop tokens, the text decoded with special
+    tokens skipped unless ``skip_special_tokens`` is false and the stop token's text dropped
+    unless ``include_stop_str_in_output`` is true."""
+
+    def __init__(self, model_dir) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_causal_lm(model_dir, torch.float32)
+        self.stop = stop_token_ids(self.tokenizer, self.model.generation_config)
+        self.lock = threading.Lock()
+
+    def __call__(self, body: dict) -> Reply:
+        if body["temperature"] != 0:
+            return 400, {"error": "this test server decodes greedily only"}, {}, 0.0
+        encoded = self.tokenizer(
+            body["prompt"],
+            add_special_tokens=body.get("add_special_tokens", True),
+            return_tensors="pt",
+        )
+        with self.lock, torch.inference_mode():
+            output = self.model.generate(
+                **encoded,
+                max_new_tokens=body["max_tokens"],
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=self.stop,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        new = output[0, encoded["input_ids"].shape[1] :].tolist()
+        stopped = bool(new) and new[-1] in self.stop
+        kept = new[:-1] if stopped and not body.get("include_stop_str_in_output") else new
+        text = self.tokenizer.decode(
+            kept, skip_special_tokens=body.get("skip_special_tokens", True)
+        )
+        choice = {"index": 0, "text": text, "finish_reason": "stop" if stopped else "length"}
+        reply = {"object": "text_completion", "choices": [choice]}
+        return 200, reply | {"usage": {"completion_tokens": len(new)}}, {}, 0.0
+
+
+@pytest.fixture(scope="module")
+def special_tokens_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with the output rows of ``<|channel|>``, ``<|message|>`` and
+    ``<|return|>`` tripled: its greedy responses hold harmony tokens and most stop."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("special") / "model")
+    weights = load_file(path / "model.safetensors")
+    ids = load_tokenizer(path).convert_tokens_to_ids(["<|channel|>", "<|message|>", "<|return|>"])
+    weights["lm_head.weight"][ids] *= 3.0
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_lingo_eval_api_completions_scores_what_the_hf_engine_scores(
+    special_tokens_model_dir, tmp_path
+):
+    """``--api completions`` sends the harmony prompt the HF engine encodes and parses the
+    reply's text (special tokens and the stop token kept) as the HF engine's: greedy, the
+    same text, channels and scores, response for response."""
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app as cli
+
+    model = special_tokens_model_dir
+    with chat_server(TinyCompletionsApp(model), ["tiny"]) as server:
+        url = f"http://127.0.0.1:{server.server_port}/v1"
+        options = ["--temperature", "0", "--max-tokens", "24", "--limit", "5"]
+        result = CliRunner().invoke(
+            cli,
+            ["eval", "-m", f"local={model}", "-m", f"served={url}#tiny", "--api", "completions",
+             *options, "-o", str(tmp_path)],
+        )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert set(server.paths) == {"/v1/completions"}
+    planned = build_requests(load_questions(limit=5), EvalConfig())
+    assert sorted(b["prompt"] for b in server.bodies) == sorted(r.prompt for _, _, r in planned)
+    for body in server.bodies:
+        assert (body["add_special_tokens"], body["skip_special_tokens"]) == (False, False)
+        assert body["include_stop_str_in_output"] is True and body["n"] == 1
+    data = load_results(tmp_path)
+    assert data["models"][1]["engine"] == f"endpoint:{url}/completions (model tiny)"
+    local = {r["id"]: r for r in data["responses"] if r["model"] == "local"}
+    served = {r["id"]: r for r in data["responses"] if r["model"] == "served"}
+    assert len(local) == 5 and served.keys() == local.keys()
+    for key, ours in local.items():
+        theirs = served[key]
+        assert theirs["error"] is None and theirs["text"] == ours["text"], key
+        assert (theirs["reasoning"], theirs["final"]) == (ours["reasoning"], ours["final"]), key
+        assert theirs["score"] == ours["score"] and theirs["finish_reason"] == ours["finish_reason"]
+    # what is compared holds harmony tokens and responses that stopped on <|return|>
+    assert all("<|message|>" in r["text"] for r in local.values())
+    assert any(r["text"].endswith("<|return|>") for r in local.values())
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        ({"choices": [{"text": 7}]}, "'choices[0].text' is a int, not a string"),
+        ({"choices": [{"text": "a"}, {"text": "b"}]}, "'choices' holds 2 choices"),
+        (completion({"content": "a chat reply"}), "KeyError: 'text'"),
+    ],
+)
+def test_a_completion_reply_that_is_not_one_text_is_that_responses_failure(body, error):
+    (request,) = [r for _, _, r in build_requests(load_questions(limit=1), EvalConfig())]
+    config = EvalConfig(endpoint=EndpointSettings(api="completions", max_retries=0))
+    with chat_server(lambda _: (200, body, {}, 0.0), ["m"]) as server:
+        engine = make_engine(f"http://127.0.0.1:{server.server_port}", config, "m")
+        (generation,) = engine.generate([request], SamplingSettings())
+    assert generation.error.startswith("malformed response") and error in generation.error
 
 
 @pytest.mark.gpu

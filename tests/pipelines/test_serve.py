@@ -2,7 +2,9 @@
 pipeline's gate registers it (``eval.registry.register_directory`` then ``set_alias``), in a
 real local MLflow store (SQLite, what ``lingo run --local`` tracks to), downloaded once into a
 cache folder and served as a folder. vLLM is not started: the ``--python`` given is a stand-in
-that records the argv and the environment the server would start with, then exits."""
+that records the argv and the environment the server would start with, then exits (or answers
+``GET /v1/models`` once first, as a started server does). tests/vllm_engines/test_vllm_serve.py
+serves with vLLM itself."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pipelines.serve_local import (
     GPT_OSS_TOKEN_IDS,
     GPT_OSS_VOCAB_SIZE,
     ServeError,
-    model_folder,
+    chat_api_problem,
     resolve_model,
 )
 
@@ -160,15 +162,135 @@ def test_files_that_do_not_match_the_registered_hash_leave_no_folder(registry, t
     assert list((registry["cache"] / "tampered").iterdir()) == []
 
 
-def test_a_model_with_its_own_vocabulary_is_refused(tmp_path):
-    """The tiny model's BPE puts ``<|message|>`` at a low id: vLLM's server, which renders
-    gpt-oss chats with o200k_harmony, would answer every request 400 'Token id 200008 is out
-    of vocabulary' (tests/vllm_engines/test_vllm_serve.py serves one with gpt-oss's)."""
+STAND_IN_SERVER = """
+import http.server, os, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+class Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ('{"data": [{"id": "%s"}]}' % args["--served-model-name"]).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer((args["--host"], int(args["--port"])), Models)
+if os.environ.get("STAND_IN_PID"):  # serve until stopped, as vLLM does
+    open(os.environ["STAND_IN_PID"], "w").write(str(os.getpid()))
+    server.serve_forever()
+server.handle_request()
+"""
+"""What the stand-in runs: a server on ``--host``:``--port`` that lists ``--served-model-name``
+once, then exits 0 (``lingo serve`` has then printed all it prints once the server is up); with
+``$STAND_IN_PID``, writes its pid there and serves until stopped."""
+
+
+def _stand_in_server(folder: Path) -> Path:
+    """An executable that runs ``STAND_IN_SERVER`` with the server's options."""
+    import sys
+
+    script = folder / "server.py"
+    script.write_text(STAND_IN_SERVER)
+    python = folder / "python"
+    python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def own_vocabulary_model(tmp_path_factory) -> Path:
+    """A tiny gpt-oss model with its own small BPE vocabulary, as the demo's model has: the
+    harmony tokens at low ids."""
     from trainer.tiny_model import SMALLEST, build_tiny_model
 
     corpus = ["Bonjour, le monde. Hello world. Hola mundo."] * 20
     small = SMALLEST.model_copy(update={"vocab_size": 300})
-    tiny = build_tiny_model(tmp_path / "tiny", small, corpus)
-    with pytest.raises(ServeError, match=r"its tokenizer is not gpt-oss's \(<\|startoftext\|>"):
-        model_folder(tiny)
-    assert model_folder(gpt_oss_folder(tmp_path / "gpt-oss")) == tmp_path / "gpt-oss"
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", small, corpus)
+
+
+@pytest.mark.parametrize("tokenizer", ["its own", "gpt-oss's"])
+def test_lingo_serve_prints_the_eval_command_that_scores_the_model(
+    tokenizer, own_vocabulary_model, tmp_path, monkeypatch
+):
+    """A gpt-oss model with its own vocabulary (the demo's) is served and scored through
+    ``/v1/completions``: vLLM's chat endpoint renders gpt-oss chats with o200k_harmony, which
+    would give it ids it does not have (HTTP 400 'Token id 200008 is out of vocabulary' to every
+    chat); one with gpt-oss's tokenizer keeps the chat API."""
+    monkeypatch.chdir(tmp_path)
+    python, port = _stand_in_server(tmp_path), _free_port()
+    model = own_vocabulary_model if tokenizer == "its own" else gpt_oss_folder(tmp_path / "m")
+    result = runner.invoke(app, ["serve", str(model), "--python", str(python), "--port", port])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    url = f"http://127.0.0.1:{port}/v1"
+    command = f"score it: lingo eval -m served={url}#lingo-gpt-oss"
+    if tokenizer == "gpt-oss's":
+        assert command in lines and not [line for line in lines if "o200k" in line]
+        return
+    assert f"{command} --api completions" in lines
+    (why,) = [line for line in lines if "o200k_harmony" in line]
+    vocabulary = json.loads((model / "config.json").read_text())["vocab_size"]  # ~300
+    assert why == (
+        "vLLM's chat endpoint renders gpt-oss chats with o200k_harmony whatever the model's "
+        f"tokenizer, and this model's is its own (<|startoftext|> is id 7 of {vocabulary}; "
+        "o200k_harmony's is 199998 of 201088): it is scored through /v1/completions instead "
+        "(the harmony prompt rendered by `lingo eval --api completions`, tokenized by the "
+        "model's own tokenizer)"
+    )
+
+
+def test_a_gpt_oss_model_is_checked_against_gpt_oss_s_tokenizer(own_vocabulary_model, tmp_path):
+    assert chat_api_problem(gpt_oss_folder(tmp_path / "gpt-oss")) is None
+    assert "this model's is its own" in chat_api_problem(own_vocabulary_model)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert chat_api_problem(tmp_path / "other") is None  # other model types: not checked
+
+
+def test_sigterm_stops_lingo_serve_and_its_server(tmp_path):
+    """``kill <lingo serve>`` (a container's stop, a test's teardown) stops the vLLM server it
+    started too, as Ctrl-C does, instead of leaving it running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    python, port = _stand_in_server(tmp_path), _free_port()
+    model = gpt_oss_folder(tmp_path / "m")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "pipelines", "serve", str(model), "--python", str(python),
+         "--port", str(port), "--log-file", str(tmp_path / "server.log")],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "STAND_IN_PID": str(tmp_path / "pid")},
+    )  # fmt: skip
+    pid = None
+    try:
+        for line in serve.stdout:
+            if line.startswith("score it: "):
+                break
+        pid = int((tmp_path / "pid").read_text())
+        serve.send_signal(signal.SIGTERM)
+        status = serve.wait(60)
+        time.sleep(0.5)  # a stray server would still answer by now
+        left = _running(pid)
+    finally:
+        serve.kill()
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGKILL)  # this test's own stand-in, never left behind
+    assert status == 0 and not left  # lingo serve stopped (and reaped) its server first
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -86,16 +86,18 @@ MODEL_SOURCES = (Path(tiny_model.__file__), Path(harmony.__file__))
 """The code that builds the tests' tiny models (its special tokens are core.harmony's)."""
 
 
-def shared_model_dir(name: str, build: Callable[[Path], Path], *sources: Path) -> Path:
+def shared_model_dir(
+    name: str, build: Callable[[Path], Path], *sources: Path, config: TinyModelConfig = VLLM_MODEL
+) -> Path:
     """A model folder the vLLM tests only read, at a path named by what builds it (``sources``,
-    ``VLLM_MODEL``), under the system's temp folder; built once (atomically: into a temp
-    folder, then renamed), then reused by later sessions.
+    ``config``), under the system's temp folder; built once (atomically: into a temp folder,
+    then renamed), then reused by later sessions.
 
     vLLM keys its compile cache (``~/.cache/vllm/torch_compile_cache``) on the model's path
     among its config: a fresh ``tmp_path`` each session made every engine's first start
     recompile the same graph (~35 s on 2 cores, several engine configs a session). A change
     to the model's code or config names a new folder, so it is rebuilt and recompiled."""
-    digest = hashlib.sha256(repr(VLLM_MODEL).encode())
+    digest = hashlib.sha256(repr(config).encode())
     for source in sources:
         digest.update(source.read_bytes())
     root = Path(tempfile.gettempdir()) / "lingo-vllm-test-models"
@@ -136,6 +138,24 @@ def harmony_model_dir():
         ),
         *MODEL_SOURCES,
         Path(harmony_tokenizer.__file__),
+    )
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir():
+    """The tiny-cpu demo's base model as its ``base-model`` step builds it (model_source
+    ``tiny``: ``build_tiny_model`` with the preset's ``TinyModelConfig``), so its architecture
+    and its own byte-level BPE vocabulary (4,096 tokens, trained on the bundled corpus, the
+    sample and the eval's questions, named in the folder's key) are the demo's: a model vLLM's
+    chat endpoint cannot render for (docs/serving.md)."""
+    from data_prep.sources import BUNDLED_DIR
+    from eval.runner import BUNDLED_QUESTIONS
+    from pipelines.presets import get_preset
+
+    demo = get_preset("tiny-cpu").model.tiny
+    corpus = [*sorted(p for p in BUNDLED_DIR.rglob("*") if p.is_file()), BUNDLED_QUESTIONS]
+    return shared_model_dir(
+        "vllm-demo", lambda path: build_tiny_model(path, demo), *MODEL_SOURCES, *corpus, config=demo
     )
 
 

@@ -118,6 +118,21 @@ class NodeType(ConfigModel):
         return "cpu" if self.gpu_product is None else "cuda"
 
 
+_P5_FAMILY: dict = {
+    "gpus": 8,
+    "host_memory_gib": 2048.0,
+    "host_reserved_gib": 32.0,
+    "flash_attention": True,
+    "job_cpu": "180",
+    "job_memory": "1800Gi",
+    "job_shm": "256Gi",
+    "network_gbps": 3200.0,
+    "intra_node_gbps": 7200.0,
+}
+"""What the p5 family's nodes share (8 GPUs, 192 vCPU, 2 TiB, 3200 Gb/s EFA, NVLink); its
+members differ in the GPU and in how the EFA bandwidth is split into cards."""
+
+
 NODE_TYPES: dict[str, NodeType] = {
     # the laptop / kfp.local run: one CPU process, the host's memory
     LOCAL: NodeType(name=LOCAL, host_memory_gib=8.0, host_reserved_gib=2.0),
@@ -142,39 +157,23 @@ NODE_TYPES: dict[str, NodeType] = {
     "p5.48xlarge": NodeType(
         name="p5.48xlarge",
         gpu_product="NVIDIA-H100-80GB-HBM3",
-        gpus=8,
         gpu_memory_gib=H100_GIB,
-        host_memory_gib=2048.0,
-        host_reserved_gib=32.0,
-        flash_attention=True,
-        job_cpu="180",
-        job_memory="1800Gi",
-        job_shm="256Gi",
         # https://aws.amazon.com/ec2/instance-types/p5/ : p5.48xlarge "3200 Gbps" EFAv2,
-        # 32 × 100 Gb/s cards (four per GPU); NVLink within the node: H100 SXM "NVLink
-        # 900 GB/s" per GPU (NVIDIA H100 Tensor Core GPU datasheet) = 7200 Gb/s
-        network_gbps=3200.0,
+        # 32 × 100 Gb/s cards (four per GPU); NVLink: H100 SXM "NVLink 900 GB/s" per GPU
+        # (NVIDIA H100 Tensor Core GPU datasheet) = 7200 Gb/s
         network_links=32,
-        intra_node_gbps=7200.0,
+        **_P5_FAMILY,
     ),
     # 192 vCPU, 2 TiB, 8x H200 141 GB
     "p5en.48xlarge": NodeType(
         name="p5en.48xlarge",
         gpu_product="NVIDIA-H200",
-        gpus=8,
         gpu_memory_gib=H200_GIB,
-        host_memory_gib=2048.0,
-        host_reserved_gib=32.0,
-        flash_attention=True,
-        job_cpu="180",
-        job_memory="1800Gi",
-        job_shm="256Gi",
         # https://aws.amazon.com/ec2/instance-types/p5/ : p5en.48xlarge "3200 Gbps" EFAv3,
-        # 16 × 200 Gb/s cards (two per GPU); NVLink within the node: H200 "NVLink 900 GB/s"
-        # per GPU (NVIDIA H200 Tensor Core GPU datasheet) = 7200 Gb/s
-        network_gbps=3200.0,
+        # 16 × 200 Gb/s cards (two per GPU); NVLink: H200 "NVLink 900 GB/s" per GPU (NVIDIA
+        # H200 Tensor Core GPU datasheet) = 7200 Gb/s
         network_links=16,
-        intra_node_gbps=7200.0,
+        **_P5_FAMILY,
     ),
 }
 

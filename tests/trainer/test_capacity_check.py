@@ -226,13 +226,7 @@ def test_every_preset_fits_its_check():
 
 def test_check_run_reports_the_plan_and_both_steps_and_names_what_does_not_fit():
     preset = PRESETS["tiny-cpu"]
-    args = (
-        config_dict(preset.sft),
-        config_dict(preset.grpo),
-        config_dict(step_execution(preset, "sft")),
-        config_dict(step_execution(preset, "grpo")),
-    )
-    hardware = config_dict(preset.hardware)
+    hardware, *args = _check_args(preset)
     text, failing = check_run("tiny-gpt-oss", hardware, *args)
     assert failing is None
     assert "## GRPO placement" in text and "## SFT" in text and "## GRPO\n" in text
@@ -249,15 +243,8 @@ def test_a_volume_too_small_for_the_checkpoints_fails_the_check_with_the_table()
     """The storage half of the local run's fail-fast path (the end-to-end run of it,
     tests/pipelines/test_local_run.py::test_capacity_check_fails_fast_with_the_table, is
     ``slow``): 100 KiB for the checkpoints does not fit, and the error carries the tables."""
-    preset = PRESETS["tiny-cpu"]
-    args = (
-        config_dict(preset.sft),
-        config_dict(preset.grpo),
-        config_dict(step_execution(preset, "sft")),
-        config_dict(step_execution(preset, "grpo")),
-    )
-    hardware = {**config_dict(preset.hardware), "storage_gib": 0.0001}
-    text, failing = check_run("tiny-gpt-oss", hardware, *args)
+    hardware, *args = _check_args(PRESETS["tiny-cpu"])
+    text, failing = check_run("tiny-gpt-oss", {**hardware, "storage_gib": 0.0001}, *args)
     assert failing is not None
     error = str(LayoutDoesNotFit(failing, text))
     assert "storage / checkpoint volume does not fit" in error.splitlines()[0]

@@ -34,7 +34,8 @@ from trainer.tiny_model import TinyModelConfig, build_tiny_model
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 VLLM_MODEL = TinyModelConfig(head_dim=64, num_attention_heads=2, num_key_value_heads=1)
-"""The default tiny model with 64-wide heads: vLLM's CPU attention rejects head_dim < 64."""
+"""The default tiny model with 64-wide heads (vLLM's CPU attention takes 32, 64, 80, … 512:
+``CPUAttentionBackend.get_supported_head_sizes``; the demo's model, 32, is served too)."""
 
 PROBE = "<|start|>user<|message|>Quelle est la capitale de la France ?<|end|><|start|>assistant"
 """The sequence whose last 8 tokens the engines and the policy score (``gap``)."""

@@ -13,7 +13,8 @@ class UnknownSpecError(ValueError):
 
 
 def lookup(registry: Mapping[str, S], name: str, field: str, what: str) -> S:
-    """``registry[name]``, or ``UnknownSpecError`` naming ``field`` and the known names.
+    """``registry[name]``, or ``UnknownSpecError`` naming ``field`` and the valid names (the
+    wording of the project's other registries: ``trainer.grpo.algorithm``'s).
 
     Args:
         registry: the specs by name.
@@ -25,4 +26,4 @@ def lookup(registry: Mapping[str, S], name: str, field: str, what: str) -> S:
         return registry[name]
     except (KeyError, TypeError):
         known = ", ".join(sorted(registry))
-        raise UnknownSpecError(f"{field}={name!r} is not a {what}; known: {known}") from None
+        raise UnknownSpecError(f"{field}={name!r} is not a {what}; valid names: {known}") from None

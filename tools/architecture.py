@@ -49,7 +49,7 @@ VOCABULARY = [
     "engine, whether it reserves its GPUs' memory, needs CUDA, serves LoRA, its weight-sync",
     "transports). Code outside `plan/` reads their fields",
     "(`trainer_spec(optim.backend).model_parallel`) instead of comparing names; an unknown",
-    "name is one error naming the field and the known names. Registering a backend or engine",
+    "name is one error naming the field and the valid names. Registering a backend or engine",
     "is its spec (`TRAINERS`, `ENGINE_SPECS`), its builder (`trainer.backends.BACKENDS`,",
     "`trainer.grpo.engines.ENGINES`) and its name in the config's `Literal`;",
     "`tests/plan/test_specs.py` checks the three agree. The pipeline's `backend` parameter",

@@ -20,7 +20,7 @@ def test_an_unknown_backend_is_one_line_naming_the_field_and_the_known_names():
     with pytest.raises(UnknownSpecError) as error:
         trainer_spec("fsdp")
     assert str(error.value) == (
-        "optim.backend='fsdp' is not a trainer backend; known: deepspeed, megatron, torch"
+        "optim.backend='fsdp' is not a trainer backend; valid names: deepspeed, megatron, torch"
     )
     with pytest.raises(ValueError, match=r"^backend='hf' is not a trainer backend"):
         trainer_spec("hf", "backend")
@@ -29,7 +29,9 @@ def test_an_unknown_backend_is_one_line_naming_the_field_and_the_known_names():
 def test_an_unknown_engine_is_one_line_naming_the_field_and_the_known_names():
     with pytest.raises(UnknownSpecError) as error:
         engine_spec("sglang")
-    assert str(error.value) == "rollout.engine='sglang' is not a rollout engine; known: hf, vllm"
+    assert str(error.value) == (
+        "rollout.engine='sglang' is not a rollout engine; valid names: hf, vllm"
+    )
     assert "\n" not in str(error.value)
     with pytest.raises(UnknownSpecError, match=r"^rollout.engine=None is not"):
         engine_spec(None)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from core.modeling import load_causal_lm, resolve_dtype
+from plan.specs import lookup
 from trainer.backends import DataParallel, TrainingBackend
 from trainer.distributed import DistInfo
 from trainer.grpo.config import GRPOConfig
@@ -141,13 +142,9 @@ ENGINES: dict[str, EngineBuilders] = {
 
 
 def engine_builders(name: str) -> EngineBuilders:
-    """The builders of the engine called ``name``; ValueError listing the valid names."""
-    if name not in ENGINES:
-        raise ValueError(
-            f"rollout.engine={name!r} is not a rollout engine; valid names: "
-            f"{', '.join(sorted(ENGINES))}"
-        )
-    return ENGINES[name]
+    """The builders of the engine called ``name``; ``UnknownSpecError`` (a ValueError)
+    listing the valid names, as ``plan.engine_spec`` says it."""
+    return lookup(ENGINES, name, "rollout.engine", "rollout engine")
 
 
 def weight_transport(cfg: GRPOConfig, device: torch.device, rank: int) -> TransferChoice:

@@ -45,6 +45,7 @@ from pydantic import ConfigDict, Field
 from core.config_model import ConfigModel
 from core.harmony import neutralize_control_tokens
 from generation.requests import Generation, GenerationRequest, SamplingParams
+from generation.vllm import vllm_sampling_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -356,17 +357,13 @@ class CompletionsEndpointEngine(EndpointEngine):
         self.description = f"endpoint:{self.base}/completions (model {self.model})"
 
     def _body(self, request: GenerationRequest, sampling: SamplingParams) -> dict:
+        # the in-process engine's own request (no stop ids of ours: the server's are the model's)
+        kwargs = vllm_sampling_kwargs(sampling, request.seed, (), stop_text=True)
         return {
             "model": self.model,
             "prompt": request.prompt,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "max_tokens": sampling.max_tokens,
-            "seed": request.seed,
-            "n": 1,
             "add_special_tokens": False,
-            "skip_special_tokens": False,
-            "include_stop_str_in_output": True,
+            **kwargs,
         }
 
     def _reply(self, data: object) -> Reply:

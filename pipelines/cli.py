@@ -15,6 +15,7 @@ import typer
 
 from core.errors import describe_error
 from core.redact import configure_logging, for_console
+from eval.eval_config import SamplingSettings
 from pipelines.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -293,6 +294,10 @@ def data_prep_cmd(
     )
 
 
+EVAL_SAMPLING = SamplingSettings()
+"""`lingo eval`'s sampling defaults: the eval's own (``eval.eval_config.SamplingSettings``)."""
+
+
 @app.command("eval")
 @clear_errors
 def eval_cmd(
@@ -309,12 +314,12 @@ def eval_cmd(
     output_dir: Annotated[Path, typer.Option("--output-dir", "-o")] = Path("runs/eval"),
     engine: Annotated[str, typer.Option(help="hf or vllm, for directories")] = "hf",
     samples: Annotated[int, typer.Option(help="Samples per question")] = 1,
-    max_tokens: Annotated[int, typer.Option()] = 512,
-    temperature: Annotated[float, typer.Option()] = 0.7,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass")] = 0.95,
+    max_tokens: Annotated[int, typer.Option()] = EVAL_SAMPLING.max_tokens,
+    temperature: Annotated[float, typer.Option()] = EVAL_SAMPLING.temperature,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass")] = EVAL_SAMPLING.top_p,
     seed: Annotated[
         int, typer.Option(help="Base seed; each response has its own seed derived from it")
-    ] = 0,
+    ] = EVAL_SAMPLING.seed,
     limit: Annotated[int | None, typer.Option(help="Only the first N questions")] = None,
     api: Annotated[
         str,

@@ -16,7 +16,6 @@ import json
 import logging
 import re
 import shutil
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from cluster.launcher import JobLauncher, metrics_progress
 from cluster.pytorchjob import build_pytorchjob, manifest_yaml
 from cluster.trainjob import RUNTIME_PLURAL, build_job_runtime, build_trainjob
 from core.atomic import atomic_write_text
+from core.processes import on_sigterm
 from core.tracking import tracking_env
 
 log = logging.getLogger(__name__)
@@ -264,11 +264,8 @@ def delete_on_sigterm(launcher: JobLauncher, name: str) -> Iterator[None]:
         launcher.delete(name)
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
+    with on_sigterm(handler):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_step_job(

@@ -9,10 +9,12 @@ stops its steps' process groups itself when it is signalled: ``pipelines.step_pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option (``linux/prctl.h``): the signal a process gets when its parent dies."""
@@ -91,3 +93,14 @@ def expected_step_parent() -> int:
 
 def _exit_on_signal(signum: int, frame) -> None:  # noqa: ARG001 (a signal handler's signature)
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def on_sigterm(handler: Callable[[int, object], None]) -> Iterator[None]:
+    """Within it, SIGTERM calls ``handler(signum, frame)``; the previous handler is restored
+    after. Main thread only (``signal.signal``'s rule)."""
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 import requests
 
 from cluster.serving import REASONING_PARSER
+from core.processes import on_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -329,11 +329,8 @@ def terminate_as_interrupt() -> Iterator[None]:
     def interrupt(signum, frame) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
+    with on_sigterm(interrupt):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def server_env() -> dict[str, str]:

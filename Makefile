@@ -20,13 +20,13 @@ setup: $(VENV)/.installed
 $(VENV)/.runtime-installed: pyproject.toml
 	@echo "setting up $(VENV): CPU torch and lingo-rl's runtime dependencies"
 	@$(PYTHON) -m venv $(VENV)
-	@$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	@$(BIN)/pip install --quiet --disable-pip-version-check -e .
+	@$(BIN)/pip install --quiet --disable-pip-version-check --no-compile "$(TORCH_SPEC)"
+	@$(BIN)/pip install --quiet --disable-pip-version-check --no-compile -e .
 	@touch $@
 
 $(VENV)/.installed: $(VENV)/.runtime-installed
 	@echo "adding the test extras (dev) to $(VENV)"
-	@$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	@$(BIN)/pip install --quiet --disable-pip-version-check --no-compile -e ".[dev]"
 	@touch $@
 
 demo: setup-runtime  ## run the whole pipeline locally (kfp.local, tiny model, bundled data)

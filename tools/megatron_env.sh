@@ -174,13 +174,13 @@ CONSTRAINTS_FILE="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS_FILE"' EXIT
 printf '%s\n' "$CONSTRAINTS" "${PINS[@]}" "${MEGATRON_PINS[@]}" >"$CONSTRAINTS_FILE"
 
-"${PIP[@]}" install -c "$CONSTRAINTS_FILE" "${PINS[@]}"
-"${PIP[@]}" install --no-deps "${MEGATRON_PINS[@]}"
+"${PIP[@]}" install --no-compile -c "$CONSTRAINTS_FILE" "${PINS[@]}"
+"${PIP[@]}" install --no-compile --no-deps "${MEGATRON_PINS[@]}"
 if [ "$WITH_PROJECT" = 1 ]; then
   # lingo-rl's own dependencies, keeping the pins above (torch, transformers, ...), and the
   # cluster extra the Megatron image installs too (images/Dockerfile.megatron: the GRPO step's
   # pod launches its job with kubeflow-training / kubeflow-trainer-api; lingo rehearse)
-  "${PIP[@]}" install -c "$CONSTRAINTS_FILE" -e ".[cluster]"
+  "${PIP[@]}" install --no-compile -c "$CONSTRAINTS_FILE" -e ".[cluster]"
 fi
 CHECK_LOG="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS_FILE" "$CHECK_LOG"' EXIT

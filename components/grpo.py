@@ -53,15 +53,15 @@ def grpo(
 
     start_step_process()  # dies with its parent; every log line redacted
     configure_tracking(mlflow_tracking_uri, mlflow_parent_run_id)
-    config = branch_config(config, backend, megatron_layout, megatron_optim=megatron_optim)
-    if config["optim"].get("backend") == "megatron":
-        if megatron_checkpoint is None:
-            raise ValueError("backend 'megatron' needs megatron_checkpoint (convert_megatron's)")
-        config["optim"]["megatron"]["checkpoint"] = megatron_checkpoint.path
+    checkpoint = megatron_checkpoint.path if megatron_checkpoint is not None else None
+    config = branch_config(config, backend, megatron_layout, checkpoint, megatron_optim)
     cfg = GRPOConfig.model_validate(config)
+    trainer = cfg.optim.trainer
+    if trainer.needs_conversion and checkpoint is None:
+        raise ValueError(f"backend {trainer.name!r} needs megatron_checkpoint (convert_megatron's)")
     gpu_image = gpu_image or GPU_IMAGE
-    megatron = cfg.optim.backend == "megatron"
-    image = (megatron_image or MEGATRON_IMAGE) if megatron else gpu_image
+    # by plan.TrainerSpec.image, as components.images.TRAINER_IMAGES with this run's images
+    image = {"gpu": gpu_image, "megatron": megatron_image or MEGATRON_IMAGE}[trainer.image]
     # dedicated engines run vLLM, which only the GPU image holds (docs/megatron.md)
     launch = JobLaunch.for_step(execution, pipeline_run_id, job_manifest.path, image, gpu_image)
     result = run_grpo_step(
@@ -71,8 +71,7 @@ def grpo(
     for name, value in grpo_metrics(result).items():
         metrics.log_metric(name, value)
     Path(report.path).write_text(render_grpo_html(result))
-    native = "megatron-torch_dist" if cfg.optim.backend == "megatron" else "huggingface"
-    model.metadata.update(format=native, exported_step=result.exported_step)
+    model.metadata.update(format=trainer.weight_format, exported_step=result.exported_step)
     job_manifest.metadata.update(mode=launch.execution.mode)
 
 

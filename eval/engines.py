@@ -5,8 +5,30 @@ project's one family (``generation.engines``), shared with GRPO's rollouts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from eval.eval_config import EvalConfig
 from generation.engines import Engine, HFEngine, VLLMEngine, is_endpoint
+
+
+def _hf_engine(location: str, config: EvalConfig) -> Engine:
+    return HFEngine(location, config.device, config.dtype, config.batch_size)
+
+
+def _vllm_engine(location: str, config: EvalConfig) -> Engine:
+    return VLLMEngine(
+        location,
+        config.dtype,
+        config.vllm_gpu_memory_utilization,
+        config.vllm_max_num_batched_tokens,
+    )
+
+
+DIRECTORY_ENGINES: dict[str, Callable[[str, EvalConfig], Engine]] = {
+    "hf": _hf_engine,
+    "vllm": _vllm_engine,
+}
+"""``EvalConfig.engine`` → the engine that generates with a model directory."""
 
 
 def make_engine(location: str, config: EvalConfig, served_model: str | None = None) -> Engine:
@@ -20,11 +42,4 @@ def make_engine(location: str, config: EvalConfig, served_model: str | None = No
         from generation.endpoint import ENDPOINT_APIS
 
         return ENDPOINT_APIS[config.endpoint.api](location, served_model, config.endpoint)
-    if config.engine == "vllm":
-        return VLLMEngine(
-            location,
-            config.dtype,
-            config.vllm_gpu_memory_utilization,
-            config.vllm_max_num_batched_tokens,
-        )
-    return HFEngine(location, config.device, config.dtype, config.batch_size)
+    return DIRECTORY_ENGINES[config.engine](location, config)

@@ -825,11 +825,14 @@ def rehearse(
     scaled-down model; print what ran, what was substituted and the result; exit 1 when
     anything failed."""
     from pipelines.rehearsal import rehearse as run_rehearsal
+    from plan import UnknownSpecError, job_spec
 
     if backend not in (None, "hf", "megatron"):
         raise typer.BadParameter(f"{backend!r}: use hf or megatron", param_hint="--backend")
-    if job_api not in ("trainjob", "pytorchjob"):
-        raise typer.BadParameter(f"{job_api!r}: use trainjob or pytorchjob", param_hint="--job-api")
+    try:
+        job_spec(job_api, "--job-api")
+    except UnknownSpecError as error:
+        raise typer.BadParameter(str(error), param_hint="--job-api") from None
     if _load_preset(preset, None).hardware.node_type == "local":
         raise typer.BadParameter(
             f"{preset!r} runs on this machine already (lingo run --local); rehearse a cluster "

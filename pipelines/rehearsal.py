@@ -45,7 +45,7 @@ from pipelines.presets import (
     job_platform_json,
     step_configs,
 )
-from plan import engine_spec
+from plan import engine_spec, job_spec
 
 log = logging.getLogger(__name__)
 
@@ -603,7 +603,7 @@ def rehearse(
         output_dir / "cluster", pythons, secrets, REPO_ROOT, "default", job_apis=(job_api,),
         thread_limit=POD_THREAD_LIMIT,
     ) as cluster:  # fmt: skip
-        if job_api == "trainjob":
+        if job_spec(job_api, "--job-api").cluster_runtime_plural:
             cluster.install_runtime(rehearsal_runtime(configs, GPU_IMAGE))
         subs.append(
             Substitution(
@@ -674,8 +674,7 @@ def static_job_pods(
     by the controller into pods without running them: the checks see the GRPO job even where
     an earlier step fails."""
     from cluster.config import ExecutionConfig
-    from cluster.jobs import JOB_KINDS
-    from cluster.local_cluster import jobset_pods, pytorchjob_pods, trainer_jobset
+    from cluster.local_cluster import controller_pods
     from cluster.step_job import (
         StepJob,
         build_step_manifest,
@@ -699,19 +698,17 @@ def static_job_pods(
         job_cluster = step_cluster(execution, image, "default", rollout_image)
         job = StepJob(step, f"trainer.{step}", config, "model", "m", "t", "e")
         args = ["--config", f"{job_cluster.shared_mount}/{step}_config.json"]
-        kind = JOB_KINDS[job_api]
+        kind = job_spec(job_api, "--job-api")
         label = f"{job_name(step, 'static')} (as built)"
         try:
             manifest = build_step_manifest(job, job_cluster, "static", args, kind)
         except ValueError as error:  # the step fails the same way; its report says why
             log.warning("%s: %s", label, error)
             continue
-        if job_api == "pytorchjob":
-            pods[label] = pytorchjob_pods(manifest)
-            continue
         runtime = build_step_runtime(job, job_cluster, "static", args, kind)
-        runtime = runtime or rehearsal_runtime(configs, image)
-        pods[label] = jobset_pods(trainer_jobset(manifest, runtime), manifest)
+        if runtime is None and kind.cluster_runtime_plural:
+            runtime = rehearsal_runtime(configs, image)
+        pods[label] = controller_pods(manifest, runtime)
     return pods
 
 

@@ -2,13 +2,15 @@
 
 Today it holds ``ParallelSizes`` (the one "layout": tp, pp, ep, etp, cp, dp) and the one set
 of rules a world of processes must meet to hold them, and the registries of the trainer
-backends (``TrainerSpec``, ``trainer_spec``) and the rollout engines (``EngineSpec``,
-``engine_spec``): the facts of each that the layers above read instead of comparing names.
+backends (``TrainerSpec``, ``trainer_spec``), the rollout engines (``EngineSpec``,
+``engine_spec``) and the job APIs (``JobSpec``, ``job_spec``): the facts of each that the
+layers above read instead of comparing names.
 It imports only ``core`` and ``cluster``'s machine facts.
 """
 
 from plan.backends import TRAINERS, TrainerSpec, branch_backend, trainer_spec
 from plan.engines import ENGINE_SPECS, EngineSpec, engine_spec
+from plan.jobs import JobSpec, job_spec
 from plan.parallel_sizes import ParallelSizes, ParallelSizesError
 from plan.specs import UnknownSpecError
 
@@ -16,11 +18,13 @@ __all__ = [
     "ENGINE_SPECS",
     "TRAINERS",
     "EngineSpec",
+    "JobSpec",
     "ParallelSizes",
     "ParallelSizesError",
     "TrainerSpec",
     "UnknownSpecError",
     "branch_backend",
     "engine_spec",
+    "job_spec",
     "trainer_spec",
 ]

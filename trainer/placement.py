@@ -50,13 +50,14 @@ class RolloutEngines:
         colocate: engines on the training GPUs (hybrid) rather than on GPUs of their own.
         dedicated: engines on GPUs of their own (``colocate=False`` only; colocated runs have
             one per ``tp`` consecutive training processes).
-        engine: ``vllm``, or ``hf`` (each training process samples with its own model).
+        engine: its ``rollout.engine`` name (``plan.ENGINE_SPECS``): ``vllm``, or ``hf``
+            (each training process samples with its own model).
     """
 
     tp: int = 1
     colocate: bool = True
     dedicated: int = 0
-    engine: Literal["vllm", "hf"] = "vllm"
+    engine: str = "vllm"
 
 
 @dataclass(frozen=True)

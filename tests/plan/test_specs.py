@@ -1,5 +1,5 @@
-"""The trainer-backend and rollout-engine registries: one spec per name, the facts the layers
-above read, and one error for a name that is not registered."""
+"""The trainer-backend, rollout-engine and job-API registries: one spec per name, the facts the
+layers above read, and one error for a name that is not registered."""
 
 import typing
 
@@ -108,9 +108,12 @@ def test_the_registries_name_what_the_configs_accept_and_the_builders_build():
     from trainer.grpo.engines import ENGINES
 
     optim_backends = typing.get_args(OptimConfig.model_fields["backend"].annotation)
-    engines = typing.get_args(RolloutConfig.model_fields["engine"].annotation)
     assert set(optim_backends) == set(TRAINERS) == set(BACKENDS)
-    assert set(engines) == set(ENGINE_SPECS) == set(ENGINES)
+    assert set(ENGINE_SPECS) == set(ENGINES)
+    for engine in ENGINE_SPECS:  # the config accepts what the registry holds, and only that
+        assert RolloutConfig(engine=engine).engine == engine
+    with pytest.raises(ValueError, match="rollout.engine='sglang' is not a rollout engine"):
+        RolloutConfig(engine="sglang")
 
 
 def test_a_registered_engine_is_read_by_the_weight_sync_without_naming_it(monkeypatch):
@@ -138,3 +141,36 @@ def test_a_registered_engine_is_read_by_the_weight_sync_without_naming_it(monkey
     assert select_transfer("cuda", False, "fake", True).transport == "nccl"
     # NCCL needs the trainer's GPU: on CPU the same engine gets gloo
     assert select_transfer("cpu", False, "fake").transport == "lingo_gloo"
+
+
+def test_an_unknown_job_api_is_one_line_naming_the_field_and_the_known_names():
+    from plan import job_spec
+
+    with pytest.raises(UnknownSpecError) as error:
+        job_spec("mpijob")
+    assert str(error.value) == (
+        "cluster.job_api='mpijob' is not a job API; valid names: pytorchjob, trainjob"
+    )
+    with pytest.raises(UnknownSpecError, match=r"^--job-api='auto' is not a job API"):
+        job_spec("auto", "--job-api")  # auto is the server's answer, not a spec
+
+
+def test_each_job_api_states_its_runtimes_and_builds_its_manifest():
+    """A TrainJob references the cluster's runtime, or (two images) one of its own; a
+    PyTorchJob none. The builders named by ``module:function`` are the modules' own."""
+    from cluster import pytorchjob, trainjob
+    from cluster.jobs import _builder
+    from plan import job_spec
+
+    trainer, pytorch = job_spec("trainjob"), job_spec("pytorchjob")
+    assert (trainer.runtime_plural, trainer.cluster_runtime_plural) == (
+        "trainingruntimes",
+        "clustertrainingruntimes",
+    )
+    assert not (pytorch.own_runtime_builder or pytorch.runtime_plural)
+    assert not pytorch.cluster_runtime_plural
+    assert _builder(trainer.builder) is trainjob.build_trainjob
+    assert _builder(trainer.own_runtime_builder) is trainjob.build_job_runtime
+    assert _builder(pytorch.builder) is pytorchjob.build_pytorchjob
+    with pytest.raises(ValueError, match="a PyTorchJob has no runtime of its own"):
+        pytorch.build_own_runtime("job", None, "trainer.sft", [])

@@ -13,8 +13,12 @@ of base, SFT and GRPO side by side — and prints:
 ``check_thresholds`` holds issue #16's bar (GRPO both-language accuracy ≥ 0.40 and ≥ SFT's
 + 0.15, mean reward ≥ SFT's + 1.0, real-word share no more than 10% below SFT's, SFT
 converged) and issue #29's per-language floors (GRPO both-language accuracy ≥ 0.70 in every
-language, and ≥ SFT's in every language: a mean over five languages hides one that fails);
-``tests/pipelines/test_demo_learning.py`` (slow) asserts it.
+language, and ≥ SFT's in every language: a mean over five languages hides one that fails),
+raised by issue #43 (``DEMO_BAR``: GRPO both-language ≥ 0.85 overall and ≥ 0.75 in every
+language, a loop rate ≤ 0.05 and a reasoning length ≥ 0.8× SFT's median in every language:
+a policy that loops or reasons less does not pass by scoring well); the LoRA demo has issue
+#42's (``LORA_BAR``: ≥ 0.80 overall, ≥ 0.70 in every language).
+``tests/pipelines/test_demo_learning.py`` (slow) asserts them.
 
 Usage::
 
@@ -58,6 +62,28 @@ LANGUAGE_FLOOR = 0.70
 """GRPO's both-language accuracy in each language must reach this (issue #29)."""
 
 
+@dataclass(frozen=True)
+class Bar:
+    """What GRPO's eval must reach beyond issue #16's gains over SFT (``check_thresholds``)."""
+
+    overall: float
+    """Both-language accuracy over all responses (issue #16: at least 0.40)."""
+    language: float
+    """Both-language accuracy in each language (issue #29: at least ``LANGUAGE_FLOOR``)."""
+    max_loop_rate: float | None = None
+    """Share of looping responses in each language; None: not checked."""
+    min_length_ratio: float | None = None
+    """Median reasoning words ÷ SFT's in each language; None: not checked."""
+
+
+FLOORS_BAR = Bar(overall=0.40, language=LANGUAGE_FLOOR)
+"""Issue #16's and #29's floors alone (what the demo met before issue #43)."""
+DEMO_BAR = Bar(overall=0.85, language=0.75, max_loop_rate=0.05, min_length_ratio=0.8)
+"""The demo's full GRPO (issue #43)."""
+LORA_BAR = Bar(overall=0.80, language=LANGUAGE_FLOOR)
+"""The demo with ``grpo.lora`` (issue #42)."""
+
+
 @dataclass
 class DemoOutcome:
     """What one run of the learning path measured."""
@@ -72,6 +98,10 @@ class DemoOutcome:
     seconds: dict[str, float] = field(default_factory=dict)
     per_language: dict[str, dict[str, float]] = field(default_factory=dict)
     """Model label → language → both-language accuracy over that language's responses."""
+    loop_rate: dict[str, float] = field(default_factory=dict)
+    """Language → GRPO's share of looping responses."""
+    length_ratio: dict[str, float] = field(default_factory=dict)
+    """Language → GRPO's median reasoning words ÷ SFT's, on the same questions."""
 
 
 def eval_tables(results: dict) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
@@ -86,6 +116,16 @@ def eval_tables(results: dict) -> tuple[dict[str, dict[str, float]], dict[str, d
             for code in SUPPORTED_LANGUAGES
         }
     return table, per_language
+
+
+def reasoning_tables(results: dict, label: str = "grpo") -> tuple[dict, dict]:
+    """``label``'s loop rate and reasoning length ratio (to the eval's reference model, SFT in
+    the pipeline) in each language, from an eval's ``results.json`` content."""
+    (model,) = [m for m in results["models"] if m["label"] == label]
+    per_language = model["summary"]["per_language"]
+    loops = {code: per_language[code]["loop_rate"]["value"] for code in SUPPORTED_LANGUAGES}
+    ratios = results["reasoning_length_ratio"][label]["per_language"]
+    return loops, {code: ratios[code] for code in SUPPORTED_LANGUAGES}
 
 
 def sft_convergence(metrics_file: Path) -> tuple[list[tuple[int, float]], float]:
@@ -129,6 +169,7 @@ def run_demo(preset: Preset, work: Path) -> DemoOutcome:
     results = run_eval(models, preset.eval, work / "eval").to_dict()
     seconds["eval"] = time.perf_counter() - began
     table, per_language = eval_tables(results)
+    loop_rate, length_ratio = reasoning_tables(results)
     losses, drop = sft_convergence(work / "sft_work" / "training_metrics.jsonl")
     return DemoOutcome(
         table=table,
@@ -139,16 +180,20 @@ def run_demo(preset: Preset, work: Path) -> DemoOutcome:
         grpo_exported_step=grpo.exported_step if grpo else -1,
         seconds=seconds,
         per_language=per_language,
+        loop_rate=loop_rate,
+        length_ratio=length_ratio,
     )
 
 
-def check_thresholds(outcome: DemoOutcome) -> list[str]:
-    """Issue #16's bar and issue #29's per-language floors; the list of what falls short
-    (empty: all met)."""
+def check_thresholds(outcome: DemoOutcome, bar: Bar = DEMO_BAR) -> list[str]:
+    """Issue #16's bar, issue #29's per-language floors and ``bar``; the list of what falls
+    short (empty: all met)."""
     sft, grpo = outcome.table["sft"], outcome.table["grpo"]
     problems = []
-    if grpo["both_language_accuracy"] < 0.40:
-        problems.append(f"GRPO both-language accuracy {grpo['both_language_accuracy']:.3f} < 0.40")
+    if grpo["both_language_accuracy"] < bar.overall:
+        problems.append(
+            f"GRPO both-language accuracy {grpo['both_language_accuracy']:.3f} < {bar.overall}"
+        )
     if grpo["both_language_accuracy"] < sft["both_language_accuracy"] + 0.15:
         problems.append(
             f"GRPO both-language accuracy {grpo['both_language_accuracy']:.3f} < SFT's "
@@ -166,14 +211,25 @@ def check_thresholds(outcome: DemoOutcome) -> list[str]:
     sft_by_language, grpo_by_language = outcome.per_language["sft"], outcome.per_language["grpo"]
     for code in SUPPORTED_LANGUAGES:
         grpo_value, sft_value = grpo_by_language[code], sft_by_language[code]
-        if grpo_value < LANGUAGE_FLOOR:
+        if grpo_value < bar.language:
             problems.append(
-                f"GRPO both-language accuracy in {code} {grpo_value:.3f} < {LANGUAGE_FLOOR}"
+                f"GRPO both-language accuracy in {code} {grpo_value:.3f} < {bar.language}"
             )
         if grpo_value < sft_value:
             problems.append(
                 f"GRPO both-language accuracy in {code} {grpo_value:.3f} < SFT's {sft_value:.3f}"
             )
+        if bar.max_loop_rate is not None:
+            loops = outcome.loop_rate.get(code)
+            if loops is None or loops > bar.max_loop_rate:
+                problems.append(f"GRPO loop rate in {code} {loops} > {bar.max_loop_rate}")
+        if bar.min_length_ratio is not None:
+            ratio = outcome.length_ratio.get(code)
+            if ratio is None or ratio < bar.min_length_ratio:
+                problems.append(
+                    f"GRPO reasoning length ratio in {code} "
+                    f"{ratio if ratio is None else round(ratio, 3)} < {bar.min_length_ratio}"
+                )
     if not outcome.sft_converged:
         problems.append(
             f"SFT not converged: held-out loss fell {outcome.sft_last_fifth_drop:.1%} over its "
@@ -208,6 +264,11 @@ def format_outcome(outcome: DemoOutcome) -> str:
         f"SFT held-out loss ({losses}); last-fifth drop {outcome.sft_last_fifth_drop:.1%} "
         f"({'converged' if outcome.sft_converged else 'NOT converged'})"
     )
+    if outcome.loop_rate:
+        lines.append("GRPO loop rate / reasoning length ratio per language: " + ", ".join(
+            f"{c} {outcome.loop_rate[c]:.3f} / {outcome.length_ratio[c]:.2f}"
+            for c in SUPPORTED_LANGUAGES
+        ))  # fmt: skip
     lines.append(f"GRPO exported step {outcome.grpo_exported_step}")
     lines.append("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in outcome.seconds.items()))
     return "\n".join(lines)

@@ -79,6 +79,21 @@ def run_variant(
     ``sft_eval=False`` evaluates the policy alone (the SFT model's responses are the same in
     every variant: same model, questions, sampling and seeds; ``table --sft-results`` reads
     them from the run's eval)."""
+    grpo_s = grpo_only(run, out, sets, config_run, "loss-variants")
+    params = run_parameters(config_run or run)
+    start = time.monotonic()
+    evaluate_policy(out / "grpo" / "model", run / "sft" / "model", params["eval"], out, sft_eval)
+    eval_s = time.monotonic() - start
+    (out / "timing.json").write_text(json.dumps({"grpo_s": grpo_s, "eval_s": eval_s}))
+    print(f"{out}: GRPO {grpo_s:.0f} s, eval {eval_s:.0f} s")
+
+
+def grpo_only(
+    run: Path, out: Path, sets: list[str], config_run: Path | None = None, job: str = "grpo"
+) -> float:
+    """The pipeline's GRPO step on ``run``'s SFT model and data, with ``config_run``'s GRPO
+    config (default: ``run``'s) and ``sets`` applied: its wall seconds
+    (``out/grpo/{model,training_log,job_manifest}``, ``out/sets.json``)."""
     from cluster.config import JobLaunch
     from components.images import GPU_IMAGE
     from trainer.grpo.config import GRPOConfig, branch_config
@@ -104,16 +119,11 @@ def run_variant(
     grpo = out / "grpo"
     grpo.mkdir(exist_ok=True)
     launch = JobLaunch.for_step(
-        params["grpo_execution"], "loss-variants", str(grpo / "job_manifest"), GPU_IMAGE, GPU_IMAGE
+        params["grpo_execution"], job, str(grpo / "job_manifest"), GPU_IMAGE, GPU_IMAGE
     )
     start = time.monotonic()
     run_grpo_step(cfg, sft_model, train, held_out, grpo / "model", grpo / "training_log", launch)
-    grpo_s = time.monotonic() - start
-    start = time.monotonic()
-    evaluate_policy(grpo / "model", sft_model, params["eval"], out, sft_eval)
-    eval_s = time.monotonic() - start
-    (out / "timing.json").write_text(json.dumps({"grpo_s": grpo_s, "eval_s": eval_s}))
-    print(f"{out}: GRPO {grpo_s:.0f} s, eval {eval_s:.0f} s")
+    return time.monotonic() - start
 
 
 def evaluate_policy(policy: Path, sft_model: Path, config: dict, out: Path, sft_eval: bool) -> None:

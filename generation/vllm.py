@@ -96,8 +96,10 @@ def vllm_sampling_kwargs(
         sampling: Temperature, nucleus mass, token limit.
         seed: The request's seed (``core.seeds.sample_seed``).
         stop_ids: The engine's stop tokens (``vllm_stop_ids``).
-        logprobs: Return the sampled token's own log-prob (raw, vLLM's default
-            ``logprobs_mode``): rollouts record the behaviour policy's.
+        logprobs: Return the sampled token's own log-prob, of what the engine's
+            ``logprobs_mode`` says (rollout engines: ``processed_logprobs``, the tempered
+            distribution, ``trainer.grpo.rollout.VLLM_BEHAVIOUR_LOGPROBS``): rollouts
+            record the behaviour policy's.
         stop_text: Keep the stop token's text in the output text (the eval reads text).
     """
     kwargs: dict[str, object] = {

@@ -42,6 +42,7 @@ from trainer.megatron.backend import (
     VocabShard,
     megatron_batch,
     padded_length,
+    response_log_probs,
     vocab_parallel_log_probs,
 )
 
@@ -425,10 +426,31 @@ def test_megatron_batches_are_left_aligned_and_padded_to_one_length():
         assert not mb.input_ids[i, len(row) :].any()
         assert int(mb.response_lengths[i]) == len(rollout.response_ids)
     assert mb.position_ids[3].tolist() == list(range(64))
+    assert mb.temperature == 1.0
+    tempered = micro_batch.sequences(batch.prompts, batch.rollouts[:4], 0, "cpu", 0.7)
+    assert megatron_batch(tempered, 64, 0, "cpu").temperature == 0.7
     other = micro_batch.sequences(batch.prompts, batch.rollouts[4:7], 0, "cpu")
     backend, _ = _megatron_on_a_linear_model()
     with pytest.raises(ValueError, match=r"\[3, 4\] rows"):
         backend.log_probs([micro, other])
+
+
+def test_megatron_response_log_probs_are_of_the_micro_batch_s_temperature():
+    """Each response token's log-prob under ``softmax(z / T)`` of the logit that predicts it,
+    ``T`` the micro-batch's (``Micro.temperature``, the rollouts' sampling temperature)."""
+    batch = _fixed_batch()
+    micro = micro_batch.sequences(batch.prompts, batch.rollouts[:4], 0, "cpu", 0.7)
+    mb = megatron_batch(micro, 64, 0, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 64, int(mb.input_ids.max()) + 1, generator=gen)
+    got, _ = response_log_probs(logits, mb, VocabShard(), with_entropy=False)
+    for i in range(4):
+        length, width = int(mb.lengths[i]), int(mb.response_lengths[i])
+        predictors = logits[i, length - width - 1 : length - 1]
+        want = torch.log_softmax(predictors / 0.7, -1)[
+            torch.arange(width), mb.input_ids[i, length - width : length]
+        ]
+        torch.testing.assert_close(got[i, mb.width - width :], want)
 
 
 def _megatron_on_a_linear_model(cfg: OptimConfig | None = None, total_steps: int = 1):
@@ -452,21 +474,28 @@ def _megatron_on_a_linear_model(cfg: OptimConfig | None = None, total_steps: int
 # --- vocabulary-parallel log-probs -------------------------------------------------------------
 
 
-def test_vocab_parallel_log_probs_on_one_rank_equal_the_plain_ones():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vocab_parallel_log_probs_on_one_rank_equal_the_plain_ones(temperature):
+    """Values and gradients of ``algorithm.token_log_probs`` / ``entropy_from_logits`` at the
+    same temperature (the rollouts' policy ``softmax(z / T)``, issue #43)."""
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(3, 5, 12, generator=gen) * 4).requires_grad_()
     targets = torch.randint(0, 10, (3, 5), generator=gen)
     # 12 columns, the model's vocabulary is 10: Megatron's padding must not count
-    log_probs, entropy = vocab_parallel_log_probs(logits, targets, VocabShard(size=10), True)
+    log_probs, entropy = vocab_parallel_log_probs(
+        logits, targets, VocabShard(size=10), True, temperature
+    )
     plain = logits[..., :10]
-    torch.testing.assert_close(log_probs, algo.token_log_probs(plain, targets))
-    torch.testing.assert_close(entropy, algo.entropy_from_logits(plain))
+    want_lp = algo.token_log_probs(plain, targets, temperature=temperature)
+    want_ent = algo.entropy_from_logits(plain, temperature=temperature)
+    torch.testing.assert_close(log_probs, want_lp)
+    torch.testing.assert_close(entropy, want_ent)
+    by_hand = torch.log_softmax(plain.detach() / temperature, -1).gather(-1, targets[..., None])
+    torch.testing.assert_close(log_probs.detach(), by_hand[..., 0])
     (log_probs.sum() + 0.3 * entropy.sum()).backward()
     got = logits.grad.clone()
     logits.grad = None
-    (
-        algo.token_log_probs(plain, targets).sum() + 0.3 * algo.entropy_from_logits(plain).sum()
-    ).backward()
+    (want_lp.sum() + 0.3 * want_ent.sum()).backward()
     torch.testing.assert_close(got, logits.grad)
     assert not got[..., 10:].any()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from tests_helpers_trainer import (
 
 from core.seeds import group_seeds
 from trainer.grpo.config import RolloutConfig
+from trainer.grpo.micro_batch import micro_log_probs, sequences
+from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import VLLMRolloutEngine
 from trainer.grpo.sync_check import SyncCheck, SyncGap, WeightSyncError
 from trainer.grpo.vllm_weights import VLLMWeights
@@ -38,6 +41,33 @@ def engine(vllm_model_dir, policy, rollout_settings):
 
 def test_engine_scores_like_the_policy_it_loaded(engine, gap):
     assert gap(engine) < 1e-4
+
+
+def test_sampled_tokens_carry_the_tempered_log_probs_the_trainer_computes(engine, policy, gap):
+    """At ``rollout.temperature`` 0.7 the engine records ``log softmax(z / 0.7)`` of each
+    sampled token (``logprobs_mode`` ``processed_logprobs``; top-p 1), the trainer's log-prob
+    of the same weights at the same temperature: an on-policy ratio of 1. The sync check's
+    scores (prompt log-probs) stay raw in that mode."""
+    model, tokenizer = policy
+    prompt = tokenizer("<|start|>user<|message|>Wie spät ist es?<|end|><|start|>assistant")[
+        "input_ids"
+    ]
+    sampling = engine.sampling
+    engine.sampling = replace(sampling, temperature=0.7)
+    try:
+        out = engine.generate([prompt], group_seeds(0, 0, [0], 3))
+    finally:
+        engine.sampling = sampling
+    prompts = [Prompt(prompt, "de/de", "")]
+    with torch.no_grad():
+        tempered, _ = micro_log_probs(model, sequences(prompts, out, 0, "cpu", 0.7), False)
+        raw, _ = micro_log_probs(model, sequences(prompts, out, 0, "cpu"), False)
+    width = tempered.shape[1]
+    for row, rollout in enumerate(out):
+        got = torch.tensor(rollout.log_probs)
+        assert (got - tempered[row, width - len(got) :]).abs().max() < 1e-4, row
+        assert (got - raw[row, width - len(got) :]).abs().max() > 1e-3, row
+    assert gap(engine) < 1e-4  # token_log_probs: raw, as the policy's probe scores
 
 
 def test_each_response_has_its_own_random_stream(engine, policy):

@@ -74,6 +74,9 @@ class ResponseBatch(Protocol):
     """``[B, T]`` 1 on real tokens."""
     mask: torch.Tensor
     """``[B, width]`` 1 on the response tokens."""
+    temperature: float
+    """The log-probs and entropies are those of ``softmax(logits / temperature)``, the
+    distribution the rollout engine sampled from (1: the raw logits)."""
 
     def hf_log_probs(
         self, module: torch.nn.Module, with_entropy: bool

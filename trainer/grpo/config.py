@@ -26,14 +26,22 @@ class RolloutConfig(ConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: str = "hf"
+    """A rollout engine of ``plan.ENGINE_SPECS`` (its builders in ``trainer.grpo.engines``):
+    ``hf`` (Hugging Face generate in the process) or ``vllm``."""
     n_samples: int = Field(8, ge=1)
     """Responses per prompt (the group size); at least 2 (see ``_a_group``)."""
     max_new_tokens: int = Field(256, ge=1)
     max_prompt_tokens: int = Field(1024, ge=8)
     """Longer prompts are dropped at load (counted)."""
     temperature: float = Field(1.0, gt=0)
+    """The policy GRPO trains is ``softmax(logits / temperature)``: the engines sample from it
+    and record its log-probs, the trainer scores the rollouts (policy, reference) with it
+    (``micro_batch.Micro.temperature``); 1: the raw logits."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus mass of the rollouts; below 1, vLLM's recorded log-probs are the nucleus's
+    renormalized ones (``rollout.VLLM_BEHAVIOUR_LOGPROBS``), the HF engine's and the
+    trainer's are not."""
     # vLLM only
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
@@ -99,6 +107,12 @@ class RolloutConfig(ConfigModel):
     def sampling(self) -> SamplingParams:
         """What the rollout engines sample with (``generation.requests.SamplingParams``)."""
         return SamplingParams(self.temperature, self.top_p, self.max_new_tokens)
+
+    @field_validator("engine")
+    @classmethod
+    def _a_registered_engine(cls, engine: str) -> str:
+        engine_spec(engine)  # UnknownSpecError (a ValueError) naming the valid ones
+        return engine
 
     @field_validator("n_samples")
     @classmethod

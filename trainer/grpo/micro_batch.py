@@ -39,6 +39,10 @@ class Micro:
     routing: Routing | None = None
     """The rollout engine's expert choices for these rows, replayed or compared by the HF
     forward (``trainer.grpo.routing``); None: the model routes on its own."""
+    temperature: float = 1.0
+    """The temperature the rows' log-probs and entropies are of: the policy is
+    ``softmax(logits / temperature)``, the distribution the engine sampled them from
+    (``rollout.temperature``); 1: the raw logits (the weight-sync check's probe)."""
 
     @property
     def width(self) -> int:
@@ -70,7 +74,15 @@ class SharedPrefix:
     response_lengths: torch.Tensor
 
 
-def sequences(prompts: list[Prompt], rollouts: list[Rollout], pad_id: int, device) -> Micro:
+def sequences(
+    prompts: list[Prompt],
+    rollouts: list[Rollout],
+    pad_id: int,
+    device,
+    temperature: float = 1.0,
+) -> Micro:
+    """The rollouts as a right-aligned micro-batch whose log-probs are those of
+    ``softmax(logits / temperature)`` (``Micro.temperature``)."""
     rows = [prompts[r.prompt_index].ids + r.response_ids for r in rollouts]
     total = max(len(r) for r in rows)
     width = max(1, max(len(r.response_ids) for r in rollouts))
@@ -83,7 +95,13 @@ def sequences(prompts: list[Prompt], rollouts: list[Rollout], pad_id: int, devic
         if rollout.response_ids:
             mask[i, width - len(rollout.response_ids) :] = 1.0
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    micro = Micro(ids.to(device), attention.to(device), positions.to(device), mask.to(device))
+    micro = Micro(
+        ids.to(device),
+        attention.to(device),
+        positions.to(device),
+        mask.to(device),
+        temperature=temperature,
+    )
     distinct = sorted({r.prompt_index for r in rollouts})
     if len(distinct) < len(rollouts):  # some rows share a prompt
         micro.shared = shared_prefix_layout(prompts, rollouts, distinct, width, pad_id, device)
@@ -115,7 +133,8 @@ def shared_prefix_layout(prompts, rollouts, distinct, width, pad_id, device) -> 
 
 
 def micro_log_probs(module, micro: Micro, with_entropy: bool):
-    """Log-probs (and entropies) of the last ``width`` tokens, from the last logits only.
+    """Log-probs (and entropies) of the last ``width`` tokens, from the last logits only,
+    of ``softmax(logits / micro.temperature)``.
 
     Rows that share a prompt run it once (``shared_prefix_logits``) unless the model uses
     gradient checkpointing, which turns the KV cache off in training, or, with gradients, is
@@ -123,6 +142,7 @@ def micro_log_probs(module, micro: Micro, with_entropy: bool):
     every layer, so autograd holds each parameter's whole gradient (and DeepSpeed its gathered
     weights) until then, a whole model's worth on every rank.
     """
+    t = micro.temperature
     shared = micro.shared is not None and not getattr(module, "is_gradient_checkpointing", False)
     if shared and torch.is_grad_enabled() and zero3_partitioned(module):
         shared = False
@@ -130,10 +150,10 @@ def micro_log_probs(module, micro: Micro, with_entropy: bool):
         with routed(module, micro.routing, shared=True):
             logits = shared_prefix_logits(module, micro.shared)
         targets = micro.shared.response_ids
-        log_probs = right_align(algo.token_log_probs(logits, targets), micro.shared)
+        log_probs = right_align(algo.token_log_probs(logits, targets, temperature=t), micro.shared)
         entropy = None
         if with_entropy:
-            entropy = right_align(algo.entropy_from_logits(logits), micro.shared)
+            entropy = right_align(algo.entropy_from_logits(logits, temperature=t), micro.shared)
         return log_probs, entropy
     with routed(module, micro.routing):
         logits = module(
@@ -142,8 +162,8 @@ def micro_log_probs(module, micro: Micro, with_entropy: bool):
             position_ids=micro.positions,
             logits_to_keep=micro.width + 1,
         ).logits[:, :-1, :]
-    log_probs = algo.token_log_probs(logits, micro.ids[:, -micro.width :])
-    entropy = algo.entropy_from_logits(logits) if with_entropy else None
+    log_probs = algo.token_log_probs(logits, micro.ids[:, -micro.width :], temperature=t)
+    entropy = algo.entropy_from_logits(logits, temperature=t) if with_entropy else None
     return log_probs, entropy
 
 

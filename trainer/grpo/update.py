@@ -252,7 +252,9 @@ def _laid_out(
     device,
     counts: RouterCounts | None = None,
 ) -> Micro:
-    """The rollouts ``rows`` as a micro-batch (``micro_batch.sequences``), with the engine's
+    """The rollouts ``rows`` as a micro-batch (``micro_batch.sequences``) scored at the
+    temperature the engine sampled them at (``rollout.temperature``: the policy, the
+    reference and the behaviour log-probs are all of ``softmax(logits / T)``), with the engine's
     expert routing when it is replayed (``algorithm.router_replay: rollout``) or, in the
     forward before the update (``counts``), compared with the trainer's own.
 
@@ -260,7 +262,7 @@ def _laid_out(
         ValueError: routing replay on, and a rollout without its engine's routing.
     """
     rollouts = [batch.rollouts[i] for i in rows]
-    layout = sequences(batch.prompts, rollouts, pad_id, device)
+    layout = sequences(batch.prompts, rollouts, pad_id, device, cfg.rollout.temperature)
     replay = cfg.algorithm.router_replay == "rollout"
     records = [r.routed_experts for r in rollouts]
     if replay and any(record is None for record in records):

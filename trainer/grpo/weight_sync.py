@@ -79,7 +79,9 @@ def probe_gap(
     engine: RolloutEngine, backend: TrainingBackend, probe: SyncProbe, pad_id: int, info: DistInfo
 ) -> SyncGap:
     """The engine's and the policy's log-probs of ``probe``, compared token by token: each
-    statistic's worst over the copies of the weights the engine serves and the processes."""
+    statistic's worst over the copies of the weights the engine serves and the processes.
+    Both are of the raw logits (temperature 1), whatever ``rollout.temperature``: the check
+    is of the weights, and the probe's scores do not depend on how the engine samples."""
     policy: list[float] = []
     served: list[list[float]] | None = None
     for text in probe.texts:
@@ -88,6 +90,7 @@ def probe_gap(
             [Rollout(0, text.response, True)],
             pad_id,
             backend.data_parallel.device,
+            temperature=1.0,  # raw logits, as the engine's token_log_probs: the weights alone
         )
         policy += backend.log_probs([micro])[0][0, -len(text.response) :].float().tolist()
         scores = engine.token_log_probs_per_engine(text.prompt, text.response)

@@ -92,6 +92,9 @@ class MegatronBatch:
     """``[B]`` response tokens per row (the row's last tokens)."""
     width: int
     """The loop's response width: log-probs come back as ``[B, width]``, right-aligned."""
+    temperature: float = 1.0
+    """The log-probs and entropies are of ``softmax(logits / temperature)``
+    (``ResponseBatch.temperature``)."""
 
 
 def padded_length(micro_batches: Sequence[ResponseBatch], multiple: int = 1) -> int:
@@ -116,6 +119,7 @@ def megatron_batch(micro: ResponseBatch, seq_len: int, pad_id: int, device) -> M
         lengths=lengths.to(device),
         response_lengths=micro.mask.sum(-1).round().long().to(device),
         width=micro.mask.shape[1],
+        temperature=micro.temperature,
     )
 
 
@@ -146,20 +150,24 @@ def _sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
 class _VocabParallelLogProbs(torch.autograd.Function):
     """Log-probs and entropies from vocabulary shards, with the analytic gradient.
 
-    Forward: ``s = Σ_v e^{z_v − m}`` (``m`` the global max; local sums, then a sum over the
+    ``z`` is the logits divided by the temperature ``T`` (not at all at 1). Forward:
+    ``s = Σ_v e^{z_v − m}`` (``m`` the global max; local sums, then a sum over the
     group), ``log p(x) = z_x − m − log s``, ``H = log s − Σ_v p_v (z_v − m)``. Backward, per
     rank and without communication (the upstream gradients are the same on every rank: the
     loss after them is computed alike on each): ``∂ log p(x)/∂z_v = 1[v = x] − p_v`` and
     ``∂H/∂z_v = −p_v (z_v − m − Σ_u p_u (z_u − m))``. Autograd through the sums could not do
-    this: ``p_v`` on one rank depends on every rank's shard through ``s``.
+    this: ``p_v`` on one rank depends on every rank's shard through ``s``. The gradient to
+    the logits is the gradient to ``z`` divided by ``T``.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, start: int, size: int | None, group):
+    def forward(ctx, logits, targets, start: int, size: int | None, group, temperature: float):
         import torch.distributed as dist
 
         dtype = logits.dtype
         logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
         local = logits.shape[-1]
         padding = None
         if size is not None and start + local > size:
@@ -187,6 +195,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         ctx.save_for_backward(shifted, log_norm, expected, local_target, inside)
         ctx.padding = padding
         ctx.dtype = dtype
+        ctx.temperature = temperature
         return log_probs, log_norm - expected
 
     @staticmethod
@@ -203,29 +212,39 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             )
         if grad_entropy is not None:
             grad -= grad_entropy.unsqueeze(-1) * probs * (shifted - expected.unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None, None, None
+        if ctx.temperature != 1.0:
+            grad /= ctx.temperature
+        return grad.to(ctx.dtype), None, None, None, None, None
 
 
 def vocab_parallel_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard, with_entropy: bool
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    shard: VocabShard,
+    with_entropy: bool,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` and entropies from this rank's vocabulary shard of ``logits``.
 
-    ``log p(x) = z_x − log Σ_v e^{z_v}`` and ``H = log Σ_v e^{z_v} − Σ_v p_v z_v``, in float32,
-    the sums over the vocabulary being local sums then a sum over the TP group; gradients to
-    ``logits`` (see ``_VocabParallelLogProbs``).
+    ``log p(x) = z_x − log Σ_v e^{z_v}`` and ``H = log Σ_v e^{z_v} − Σ_v p_v z_v`` with
+    ``z = logits / temperature`` (as ``algorithm.token_log_probs``), in float32, the sums over
+    the vocabulary being local sums then a sum over the TP group; gradients to ``logits``
+    (see ``_VocabParallelLogProbs``).
 
     Args:
         logits: ``[..., V_local]`` this rank's columns.
         targets: ``[...]`` vocabulary ids (any rank's).
         shard: where the columns sit, the model's vocabulary size, the TP group.
         with_entropy: also return the entropies.
+        temperature: > 0; 1: the raw logits.
 
     Returns:
         ``([...], [...] | None)``: log-probs and entropies.
     """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     log_probs, entropy = _VocabParallelLogProbs.apply(
-        logits, targets, shard.start, shard.size, shard.group
+        logits, targets, shard.start, shard.size, shard.group, temperature
     )
     return log_probs, entropy if with_entropy else None
 
@@ -233,7 +252,8 @@ def vocab_parallel_log_probs(
 def response_log_probs(
     logits: torch.Tensor, batch: MegatronBatch, shard: VocabShard, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The response tokens' log-probs (and entropies) as ``[B, width]``, right-aligned.
+    """The response tokens' log-probs (and entropies) of ``softmax(logits / T)``
+    (``batch.temperature``) as ``[B, width]``, right-aligned.
 
     Logit ``t`` of a row predicts its token ``t + 1``; only the positions from the earliest
     response's predictor on are computed. Columns before a row's response are 0.
@@ -243,7 +263,9 @@ def response_log_probs(
     start = min(int(predictors.min()), seq_len - 2)
     window = logits[:, start : seq_len - 1]
     targets = batch.input_ids[:, start + 1 : seq_len]
-    log_probs, entropy = vocab_parallel_log_probs(window, targets, shard, with_entropy)
+    log_probs, entropy = vocab_parallel_log_probs(
+        window, targets, shard, with_entropy, batch.temperature
+    )
     columns = torch.arange(batch.width, device=logits.device)
     # column c holds the row's token at L − width + c, predicted by logit L − width + c − 1
     source = (batch.lengths - batch.width - 1 - start)[:, None] + columns[None, :]

@@ -1,7 +1,10 @@
-"""One rank of a multi-rank ``convert_hf_to_megatron``, started by ``torchrun`` from the tests.
+"""One rank of multi-rank ``convert_hf_to_megatron`` runs, started by ``torchrun`` from the
+tests: one conversion per ``--layout TP,PP,EP``, each into ``OUT_DIR/tpTP-ppPP-epEP``, in one
+job (one process group; Megatron-Core's parallel state set up and torn down per layout), so
+the tests pay torchrun's and Megatron's start-up once.
 
     torchrun --nproc_per_node 2 tests/megatron/convert_worker.py HF_DIR OUT_DIR \\
-        --tp 2 --pp 1 --ep 1 --dtype fp32
+        --layout 2,1,1 --layout 1,2,1 --dtype fp32
 
 Without CUDA it applies the test-only CPU patches (``cpu_patches``), as the in-process tests
 do; with CUDA it runs unpatched.
@@ -10,7 +13,9 @@ do; with CUDA it runs unpatched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -23,8 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("hf_dir")
     parser.add_argument("out_dir")
-    for name in ("tp", "pp", "ep"):
-        parser.add_argument(f"--{name}", type=int, default=1)
+    parser.add_argument("--layout", action="append", required=True, help="TP,PP,EP")
     parser.add_argument("--dtype", default="fp32")
     args = parser.parse_args()
     cpu_patches.import_megatron_bridge()
@@ -33,19 +37,40 @@ def main() -> None:
     from trainer.megatron.bridge import convert_hf_to_megatron
     from trainer.megatron.layout import MegatronLayout
 
-    layout = MegatronLayout(
-        tp=args.tp,
-        pp=args.pp,
-        ep=args.ep,
-        sequence_parallel=args.tp > 1 and args.ep > 1,
-        params_dtype=args.dtype,
-    )
+    patches = contextlib.nullcontext() if torch.cuda.is_available() else cpu_patches.cpu_patches()
+    with patches, one_process_group():
+        for tp, pp, ep in (map(int, layout.split(",")) for layout in args.layout):
+            layout = MegatronLayout(
+                tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1 and ep > 1, params_dtype=args.dtype
+            )
+            convert_hf_to_megatron(
+                args.hf_dir, str(Path(args.out_dir) / layout_dir(tp, pp, ep)), layout
+            )
 
-    if torch.cuda.is_available():
-        convert_hf_to_megatron(args.hf_dir, args.out_dir, layout)
-    else:
-        with cpu_patches.cpu_patches():
-            convert_hf_to_megatron(args.hf_dir, args.out_dir, layout)
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[None]:
+    """torchrun's process group for the whole job (NCCL on the rank's GPU, else gloo): the
+    per-layout ``megatron_parallel`` contexts use it as it is and tear down only their
+    Megatron-Core parallel state."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def layout_dir(tp: int, pp: int, ep: int) -> str:
+    """The folder of one layout's output under the job's output folder."""
+    return f"tp{tp}-pp{pp}-ep{ep}"
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from convert_worker import layout_dir
 
 from plan import ParallelSizes
 from trainer.megatron import bridge
@@ -232,32 +233,60 @@ def test_failed_conversion_leaves_nothing(on_cpu, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-model"]
 
 
+def _torchrun(worker: str, *args: str) -> None:
+    """``worker`` (here) on 2 ranks (torchrun, gloo on a CPU), to its end."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(HERE / worker), *args]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _cpu_only() -> None:
+    """A module fixture of the CPU tests skips where CUDA is present, as ``on_cpu`` does
+    (module fixtures are set up before the function-scoped ``on_cpu``)."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: the unpatched @pytest.mark.gpu tests cover this")
+
+
+def _selected_layouts(request, test: str) -> list[tuple[int, int, int]]:
+    """The ``(tp, pp, ep)`` of ``test``'s cases this session runs (a ``slow`` one only under
+    ``-m slow``): a module's job runs those layouts, one after the other, and no other."""
+    return [
+        (item.callspec.params["tp"], item.callspec.params["pp"], item.callspec.params["ep"])
+        for item in request.session.items
+        if getattr(item, "originalname", None) == test and item.path == request.path
+    ]
+
+
+@pytest.fixture(scope="module")
+def two_rank_conversions(megatron_bridge, tiny_models, tmp_path_factory, request) -> Path:
+    """One torchrun job (2 ranks) converting the tiny model at each layout of
+    ``test_a_two_rank_checkpoint_reshards_to_one_rank_exactly``: ``tpT-ppP-epE`` folders."""
+    _cpu_only()
+    layouts = _selected_layouts(request, "test_a_two_rank_checkpoint_reshards_to_one_rank_exactly")
+    out = tmp_path_factory.mktemp("two-rank-conversions")
+    _torchrun(
+        "convert_worker.py",
+        str(tiny_models["default"]),
+        str(out),
+        *(arg for layout in layouts for arg in ("--layout", ",".join(map(str, layout)))),
+    )
+    return out
+
+
 @pytest.mark.parametrize(
     "tp, pp, ep",
     [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
     ids=["tp2", "pp2", "ep2"],
 )
 def test_a_two_rank_checkpoint_reshards_to_one_rank_exactly(
-    on_cpu, tiny_models, tmp_path, tp, pp, ep
+    on_cpu, tiny_models, two_rank_conversions, tmp_path, tp, pp, ep
 ):
-    """Convert with 2 ranks (torchrun, gloo), then load, compare and export on 1 rank."""
+    """Converted with 2 ranks (torchrun, gloo; the layouts in one job), then loaded, compared
+    and exported on 1 rank."""
     hf_dir = tiny_models["default"]
-    megatron_dir = tmp_path / "megatron"
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(HERE / "convert_worker.py"),
-        str(hf_dir),
-        str(megatron_dir),
-        *("--tp", str(tp), "--pp", str(pp), "--ep", str(ep)),
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    megatron_dir = two_rank_conversions / layout_dir(tp, pp, ep)
     check_megatron_checkpoint(megatron_dir)
     assert len(list((megatron_dir / bridge.ITERATION_DIR).glob("*.distcp"))) == 2
     check_logits(megatron_dir, hf_dir, "fp32", "cpu")
@@ -279,6 +308,40 @@ def test_the_training_layout_cannot_be_converted_in_the_one_process_the_step_is(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture(scope="module")
+def resharded_loads(megatron_bridge, tiny_models, tmp_path_factory, request) -> Path:
+    """The convert step's one-process checkpoint of the tiny model (``conversion_layout`` of
+    a training layout of TP 2 / EP 2), then one torchrun job (2 ranks) loading it at each
+    layout of ``test_the_convert_steps_one_process_checkpoint_loads_resharded_at_two_ranks``:
+    the folder holding ``megatron`` (the checkpoint), ``ids.json`` (the prompts) and a
+    ``tpT-ppP-epE`` folder a layout (its export ``hf`` and, where a CPU can run the forward,
+    ``logits.pt``)."""
+    from cpu_patches import cpu_patches
+
+    from trainer.megatron.layout import conversion_layout
+
+    _cpu_only()
+    test = "test_the_convert_steps_one_process_checkpoint_loads_resharded_at_two_ranks"
+    hf_dir = tiny_models["default"]
+    root = tmp_path_factory.mktemp("resharded-loads")
+    training = {"tp": 2, "ep": 2, "sequence_parallel": True, "gpus_per_node": 2}
+    layout = conversion_layout({**training, "params_dtype": "fp32"})
+    assert (layout.tp, layout.pp, layout.ep, layout.etp, layout.cp) == (1, 1, 1, 1, 1)
+    with cpu_patches():
+        bridge.convert_hf_to_megatron(str(hf_dir), str(root / "megatron"), layout)
+    (root / "ids.json").write_text(json.dumps(_prompt_ids(hf_dir)))
+    _torchrun(
+        "load_worker.py",
+        *(str(path) for path in (root / "megatron", hf_dir, root, root / "ids.json")),
+        *(
+            arg
+            for sizes in _selected_layouts(request, test)
+            for arg in ("--layout", ",".join(map(str, sizes)))
+        ),
+    )
+    return root
+
+
 @pytest.mark.parametrize(
     "tp, pp, ep",
     # TP 2 and EP 2 (the verl layout splits both) in the default run; PP 2 as slow
@@ -286,41 +349,24 @@ def test_the_training_layout_cannot_be_converted_in_the_one_process_the_step_is(
     ids=["tp2", "pp2", "ep2"],
 )
 def test_the_convert_steps_one_process_checkpoint_loads_resharded_at_two_ranks(
-    on_cpu, tiny_models, tmp_path, tp, pp, ep
+    on_cpu, tiny_models, resharded_loads, tp, pp, ep
 ):
     """Issue #39: the convert step runs as one process, so it writes the checkpoint at the
     one-process layout (``conversion_layout`` of a training layout of TP 2 / EP 2); loaded
-    under torchrun at TP 2, PP 2 or EP 2 (gloo), ``dist_checkpointing`` reshards it: the
-    export gathered back from the two ranks equals the source bit for bit, and at TP 2 the
-    logits match the HF model's."""
-    from trainer.megatron.layout import conversion_layout
-
+    under torchrun at TP 2, PP 2 or EP 2 (gloo; the layouts in one job),
+    ``dist_checkpointing`` reshards it: the export gathered back from the two ranks equals
+    the source bit for bit, and at TP 2 the logits match the HF model's."""
     hf_dir = tiny_models["default"]
-    training = {"tp": 2, "ep": 2, "sequence_parallel": True, "gpus_per_node": 2}
-    layout = conversion_layout({**training, "params_dtype": "fp32"})
-    assert (layout.tp, layout.pp, layout.ep, layout.etp, layout.cp) == (1, 1, 1, 1, 1)
-    megatron_dir = tmp_path / "megatron"
-    bridge.convert_hf_to_megatron(str(hf_dir), str(megatron_dir), layout)
-    check_megatron_checkpoint(megatron_dir)
-    assert len(list((megatron_dir / bridge.ITERATION_DIR).glob("*.distcp"))) == 1
-    ids_json = tmp_path / "ids.json"
-    ids_json.write_text(json.dumps(_prompt_ids(hf_dir)))
-    out = tmp_path / "loaded"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR")}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "load_worker.py"), str(megatron_dir), str(hf_dir), str(out), str(ids_json),
-        *("--tp", str(tp), "--pp", str(pp), "--ep", str(ep)),
-    ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    check_megatron_checkpoint(resharded_loads / "megatron")
+    assert len(list((resharded_loads / "megatron" / bridge.ITERATION_DIR).glob("*.distcp"))) == 1
+    out = resharded_loads / layout_dir(tp, pp, ep)
     source, exported = _hf_weights(hf_dir), _hf_weights(out / "hf")
     assert sorted(exported) == sorted(source)
     assert all(torch.equal(exported[name], tensor) for name, tensor in source.items())
     if pp == 1 and ep == 1:  # a CPU forward (load_worker.py says why not at PP 2 or EP 2)
         logits = torch.load(out / "logits.pt")
-        reference = _hf_logits(hf_dir, json.loads(ids_json.read_text()), torch.float32)
+        ids = json.loads((resharded_loads / "ids.json").read_text())
+        reference = _hf_logits(hf_dir, ids, torch.float32)
         assert (logits - reference).abs().max().item() <= LOGITS_ATOL[("cpu", "fp32")]
 
 

@@ -57,15 +57,10 @@ def _inputs(hf_dir: Path, root: Path) -> tuple[Path, Path, Path]:
     return hf_dir, checkpoint, data
 
 
-@pytest.fixture
-def megatron_run_inputs(megatron_bridge, tiny_models, tmp_path) -> tuple[Path, Path, Path]:
-    """The tiny model, its one-rank ``torch_dist`` checkpoint and prepared data."""
-    return _inputs(tiny_models["default"], tmp_path)
-
-
 @pytest.fixture(scope="module")
 def shared_run_inputs(megatron_bridge, tiny_models, tmp_path_factory) -> tuple[Path, Path, Path]:
-    """The same, made once for the tests that compare several runs."""
+    """The tiny model, its one-rank ``torch_dist`` checkpoint and prepared data, made once
+    for the module's runs."""
     return _inputs(tiny_models["default"], tmp_path_factory.mktemp("megatron-runs"))
 
 
@@ -114,10 +109,18 @@ def _run(run_dir: Path, name: str, cfg: dict, hf_dir: Path, data: Path) -> list[
     return grpo_step_lines(run_dir, name)
 
 
-def test_megatron_with_a_dedicated_engine_one_step_off_policy(megatron_run_inputs, tmp_path):
-    hf_dir, checkpoint, data = megatron_run_inputs
-    cfg = _megatron_config(checkpoint, eval_every=3)
-    lines = _run(tmp_path, "split", cfg, hf_dir, data)
+@pytest.fixture(scope="module")
+def one_trainer_run(shared_run_inputs, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One Megatron trainer and one engine, 3 steps and a held-out eval after the last: the
+    decoupled loop's metrics, and what several trainers must match (the eval comes after
+    every update it could touch). Its run directory (the run is ``one`` in it), step lines."""
+    hf_dir, checkpoint, data = shared_run_inputs
+    run_dir = tmp_path_factory.mktemp("one-trainer")
+    return run_dir, _run(run_dir, "one", _megatron_config(checkpoint, eval_every=3), hf_dir, data)
+
+
+def test_megatron_with_a_dedicated_engine_one_step_off_policy(one_trainer_run):
+    run_dir, lines = one_trainer_run
     print(json.dumps(lines, indent=1))
     assert [m["staleness"] for m in lines] == [0, 1, 1]
     # on-policy first step: the engine holds the policy's weights, every ratio is 1
@@ -134,7 +137,7 @@ def test_megatron_with_a_dedicated_engine_one_step_off_policy(megatron_run_input
         assert m["rollout_idle_s"] >= 0 and m["rollout_wait_s"] >= 0
         assert m["rollout_time_s"] > 0 and m["train_time_s"] > 0
     # the Megatron backend's GRPO output: a torch_dist checkpoint (export_hf makes it HF)
-    assert (tmp_path / "split" / "model" / "latest_checkpointed_iteration.txt").exists()
+    assert (run_dir / "one" / "model" / "latest_checkpointed_iteration.txt").exists()
 
 
 COMPARED = (
@@ -209,14 +212,6 @@ def test_kill_and_resume_with_a_batch_in_flight_matches_an_uninterrupted_run(
     assert ours[3]["sync_logprob_max_diff"] < 1e-5  # and step 4's weights before step 5
 
 
-@pytest.fixture(scope="module")
-def one_trainer_run(shared_run_inputs, tmp_path_factory) -> list[dict]:
-    """One Megatron trainer and one engine, 3 steps: what several trainers must match."""
-    hf_dir, checkpoint, data = shared_run_inputs
-    run_dir = tmp_path_factory.mktemp("one-trainer")
-    return _run(run_dir, "one", _megatron_config(checkpoint), hf_dir, data)
-
-
 @pytest.mark.parametrize(
     ("sizes", "tolerance"),
     [({"pp": 2}, 1e-5), ({}, 1e-5)],
@@ -234,18 +229,19 @@ def test_two_megatron_trainers_and_one_engine_train_like_one_trainer(
     sends it. The same seeds on the same weights: the same rollouts and the same updates as
     one trainer, up to the order of float sums."""
     hf_dir, checkpoint, data = shared_run_inputs
+    _, one_trainer = one_trainer_run
     layout = {"preset": "tiny-cpu", "gpus_per_node": 2, **sizes}
     cfg = _megatron_config(checkpoint, layout, nproc=2)
     ours = _run(tmp_path, "two", cfg, hf_dir, data)
     assert [m["staleness"] for m in ours] == [0, 1, 1]
     # the same rollouts: generated from the same prompts and seeds, on the same weights
-    for a, b in zip(ours, one_trainer_run, strict=True):
+    for a, b in zip(ours, one_trainer, strict=True):
         assert a["mean_reward"] == b["mean_reward"]
         assert a["response_length_mean"] == b["response_length_mean"]
-    gaps = _gaps(ours, one_trainer_run)
+    gaps = _gaps(ours, one_trainer)
     print(json.dumps(gaps))
     assert max(gaps.values()) < tolerance, gaps
     # the sync before step 3 put the policy's weights into the engine, the same bytes as
     # from one trainer (each tensor gathered whole before it is sent)
     assert ours[1]["sync_logprob_max_diff"] < 1e-5
-    assert ours[1]["sync_bytes"] == one_trainer_run[1]["sync_bytes"]
+    assert ours[1]["sync_bytes"] == one_trainer[1]["sync_bytes"]

@@ -134,31 +134,14 @@ def test_one_trainer_and_one_engine_process_train_like_one_process(
     assert (tmp_path / "split" / "model" / "config.json").exists()
 
 
-def test_two_deepspeed_training_processes_and_one_engine_train_like_colocated(
-    tmp_path, tiny_model_dir, prepared_data
-):
-    """Several training processes with dedicated engines: the trainers' default group holds
-    only them (DeepSpeed ZeRO-3 partitions over 2), the coordinator drives the engine over
-    a channel of its own and hands each trainer its share; the same seeds give the same
-    rollouts as each trainer sampling its share itself, so the same updates."""
-    pytest.importorskip("deepspeed")
-    steps = {
-        "max_steps": 2,
-        "checkpoint_every": 0,
-        "nproc": 2,
-        "micro_batch_size": 4,
-        "optim": {"backend": "deepspeed", "zero_stage": 3},
-    }
-    colocated = small_grpo_config(**steps)
-    theirs = _trained(tmp_path, "colocated", colocated, tiny_model_dir, prepared_data, 2)
-    cfg = small_grpo_config(**steps, **DEDICATED)
-    ours = _trained(tmp_path, "split", cfg, tiny_model_dir, prepared_data, 3)
-    assert [m["step"] for m in ours] == [1, 2]
-    for a, b in zip(ours, theirs, strict=True):
-        assert a["mean_reward"] == pytest.approx(b["mean_reward"], abs=1e-6)
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-    assert all(m["sync_logprob_max_diff"] < 1e-5 for m in ours)
-    assert (tmp_path / "split" / "model" / "config.json").exists()
+ZERO3_TWO_TRAINERS = {
+    "max_steps": 2,
+    "checkpoint_every": 0,
+    "nproc": 2,
+    "micro_batch_size": 4,
+    "optim": {"backend": "deepspeed", "zero_stage": 3},
+}
+"""Two DeepSpeed ZeRO-3 training processes, 2 steps."""
 
 
 SLOW_ENGINE = """
@@ -183,27 +166,25 @@ runpy.run_module("trainer.grpo", run_name="__main__")
 """
 
 
-def test_a_slow_starting_engine_does_not_time_the_trainers_out(
-    tmp_path, tiny_model_dir, prepared_data
-):
-    """Two ZeRO-3 trainers, 15-s collective timeouts, and an engine that starts building 25 s
-    after the trainers are ready. The coordinator's first message waits for the engine; had
-    the other trainer gone on, it would have sat in a ZeRO-3 gather with the coordinator past
-    its group's timeout and died. Both wait in the job's store, outside every collective,
-    for longer than that timeout, and the run trains."""
+@pytest.fixture(scope="module")
+def two_trainers_and_a_slow_engine(tmp_path_factory, tiny_model_dir, prepared_data):
+    """Two ZeRO-3 trainers and one dedicated engine (``torchrun --nproc_per_node 3``) with
+    15-s collective timeouts, the engine starting to build 25 s after the trainers are ready;
+    and the same two trainers colocated (each sampling its share itself). One run of each
+    serves both tests below: the run directory, the dedicated job's stderr, and the step
+    lines of the dedicated run and of the colocated one."""
     pytest.importorskip("deepspeed")
+    run_dir = tmp_path_factory.mktemp("two-trainers")
+    colocated = small_grpo_config(**ZERO3_TWO_TRAINERS)
+    theirs = _trained(run_dir, "colocated", colocated, tiny_model_dir, prepared_data, 2)
     cfg = small_grpo_config(
-        max_steps=2,
-        checkpoint_every=0,
-        nproc=2,
-        micro_batch_size=4,
+        **ZERO3_TWO_TRAINERS,
         collective_timeout_s=15,
-        optim={"backend": "deepspeed", "zero_stage": 3},
         rollout={**DEDICATED["rollout"], "start_timeout_s": 300},
     )
-    script = tmp_path / "slow_engine.py"
+    script = run_dir / "slow_engine.py"
     script.write_text(SLOW_ENGINE)
-    args = grpo_cli_args(tmp_path, "slow", cfg, tiny_model_dir, prepared_data)
+    args = grpo_cli_args(run_dir, "split", cfg, tiny_model_dir, prepared_data)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc_per_node=3", str(script), *args]
     done = subprocess.run(
@@ -214,9 +195,36 @@ def test_a_slow_starting_engine_does_not_time_the_trainers_out(
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    waits = re.findall(r"waited ([0-9.]+) s for rollout processes", done.stderr)
+    return run_dir, done.stderr, grpo_step_lines(run_dir, "split"), theirs
+
+
+def test_two_deepspeed_training_processes_and_one_engine_train_like_colocated(
+    two_trainers_and_a_slow_engine,
+):
+    """Several training processes with dedicated engines: the trainers' default group holds
+    only them (DeepSpeed ZeRO-3 partitions over 2), the coordinator drives the engine over
+    a channel of its own and hands each trainer its share; the same seeds give the same
+    rollouts as each trainer sampling its share itself, so the same updates (a late engine
+    and shorter collective timeouts change when, not what)."""
+    run_dir, _, ours, theirs = two_trainers_and_a_slow_engine
+    assert [m["step"] for m in ours] == [1, 2]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["mean_reward"] == pytest.approx(b["mean_reward"], abs=1e-6)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert all(m["sync_logprob_max_diff"] < 1e-5 for m in ours)
+    assert (run_dir / "split" / "model" / "config.json").exists()
+
+
+def test_a_slow_starting_engine_does_not_time_the_trainers_out(two_trainers_and_a_slow_engine):
+    """Two ZeRO-3 trainers, 15-s collective timeouts, and an engine that starts building 25 s
+    after the trainers are ready. The coordinator's first message waits for the engine; had
+    the other trainer gone on, it would have sat in a ZeRO-3 gather with the coordinator past
+    its group's timeout and died. Both wait in the job's store, outside every collective,
+    for longer than that timeout, and the run trains."""
+    _, stderr, ours, _ = two_trainers_and_a_slow_engine
+    waits = re.findall(r"waited ([0-9.]+) s for rollout processes", stderr)
     assert len(waits) == 2 and min(float(w) for w in waits) > 15  # both, past the timeout
-    assert [m["step"] for m in grpo_step_lines(tmp_path, "slow")] == [1, 2]
+    assert [m["step"] for m in ours] == [1, 2]
 
 
 def _rank_pid(root: int, rank: int) -> int | None:

@@ -56,10 +56,10 @@ def _node(python: Path, node_rank: int, port: int, entry: list[str]) -> list[str
 def test_a_megatron_trainer_and_a_vllm_engine_in_two_envs_train_as_one_job(
     tmp_path, vllm_model_dir, prepared_data, rollout_settings, megatron_python
 ):
-    checkpoint = tmp_path / "megatron"
     convert = [str(megatron_python), "-m", "torch.distributed.run", "--standalone"]
     convert += ["--nproc_per_node=1", str(MEGATRON_TESTS / "convert_worker.py")]
-    convert += [str(vllm_model_dir), str(checkpoint), "--dtype", "fp32"]
+    convert += [str(vllm_model_dir), str(tmp_path), "--layout", "1,1,1", "--dtype", "fp32"]
+    checkpoint = tmp_path / "tp1-pp1-ep1"  # convert_worker.layout_dir
     done = subprocess.run(convert, env=_megatron_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 

@@ -75,13 +75,21 @@ def _os_error(exc: OSError) -> str:
     return f"{where}: {cause}"
 
 
+def validation_message(error: dict) -> str:
+    """One pydantic error's problem, without the "Value error, " pydantic puts before the
+    message of a validator's ``ValueError`` (which already says what is wrong)."""
+    if error.get("type") == "value_error" and "error" in error.get("ctx", {}):
+        return str(error["ctx"]["error"])
+    return error.get("msg", "invalid")
+
+
 def describe_validation_error(exc, names: dict[str, str] | None = None) -> str:
     """One line for a pydantic ``ValidationError``: each field (or the command-line option
     ``names`` gives for it: ``{"sampling.n": "--samples"}``), the value given and the problem."""
     problems = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error.get("loc", ())) or exc.title
-        message = error.get("msg", "invalid")
+        message = validation_message(error)
         if names and field in names:
             problems.append(f"{names[field]} {error.get('input')!r}: {message} ({field})")
             continue

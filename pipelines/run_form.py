@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from core.errors import validation_message
 from pipelines.presets import (
     AssignmentError,
     Preset,
@@ -233,7 +234,7 @@ def resolve_run(carried: str, form: Mapping[str, Any], overrides: str = "") -> P
         problems = []
         for error in exc.errors():
             path = ".".join(str(part) for part in error["loc"])
-            problems.append(f"{path}{names.get(path, '')}: {error['msg']}")
+            problems.append(f"{path}{names.get(path, '')}: {validation_message(error)}")
         raise RunFormError(f"the run's values do not hold: {'; '.join(problems)}") from None
     except ValueError as exc:
         raise RunFormError(str(exc)) from None

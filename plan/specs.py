@@ -26,4 +26,7 @@ def lookup(registry: Mapping[str, S], name: str, field: str, what: str) -> S:
         return registry[name]
     except (KeyError, TypeError):
         known = ", ".join(sorted(registry))
-        raise UnknownSpecError(f"{field}={name!r} is not a {what}; valid names: {known}") from None
+        article = "an" if what[:1] in "aeiou" else "a"
+        raise UnknownSpecError(
+            f"{field}={name!r} is not {article} {what}; valid names: {known}"
+        ) from None

@@ -1,8 +1,6 @@
 """The trainer-backend, rollout-engine and job-API registries: one spec per name, the facts the
 layers above read, and one error for a name that is not registered."""
 
-import typing
-
 import pytest
 
 from plan import (
@@ -107,13 +105,26 @@ def test_the_registries_name_what_the_configs_accept_and_the_builders_build():
     from trainer.grpo.config import RolloutConfig
     from trainer.grpo.engines import ENGINES
 
-    optim_backends = typing.get_args(OptimConfig.model_fields["backend"].annotation)
-    assert set(optim_backends) == set(TRAINERS) == set(BACKENDS)
+    assert set(TRAINERS) == set(BACKENDS)
+    for backend in TRAINERS:  # the config's validator accepts what the registry holds
+        assert OptimConfig._a_registered_backend(backend) == backend
+    with pytest.raises(ValueError, match="optim.backend='jax' is not a trainer backend"):
+        OptimConfig(backend="jax")
     assert set(ENGINE_SPECS) == set(ENGINES)
     for engine in ENGINE_SPECS:  # the config accepts what the registry holds, and only that
         assert RolloutConfig(engine=engine).engine == engine
     with pytest.raises(ValueError, match="rollout.engine='sglang' is not a rollout engine"):
         RolloutConfig(engine="sglang")
+
+
+def test_the_eval_accepts_the_engines_it_can_build():
+    from eval.engines import DIRECTORY_ENGINES
+    from eval.eval_config import EvalConfig
+
+    for engine in DIRECTORY_ENGINES:
+        assert EvalConfig(engine=engine).engine == engine
+    with pytest.raises(ValueError, match="eval.engine='sglang' is not an eval engine; valid"):
+        EvalConfig(engine="sglang")
 
 
 def test_a_registered_engine_is_read_by_the_weight_sync_without_naming_it(monkeypatch):

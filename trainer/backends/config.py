@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from core.config_model import ConfigModel
 from plan import TrainerSpec, trainer_spec
@@ -98,7 +98,8 @@ class OptimConfig(ConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["torch", "deepspeed", "megatron"] = "torch"
+    backend: str = "torch"
+    """A trainer backend of ``plan.TRAINERS`` (``torch``, ``deepspeed``, ``megatron``)."""
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -117,6 +118,12 @@ class OptimConfig(ConfigModel):
     offload_optimizer: bool = False
     offload_params: bool = False
     megatron: MegatronSettings | None = None
+
+    @field_validator("backend")
+    @classmethod
+    def _a_registered_backend(cls, backend: str) -> str:
+        trainer_spec(backend)  # UnknownSpecError (a ValueError) naming the valid ones
+        return backend
 
     @model_validator(mode="after")
     def _backend_settings(self) -> OptimConfig:

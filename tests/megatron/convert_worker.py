@@ -19,7 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent.parent)]  # cpu_patches; the repository root
+if __name__ == "__main__":  # torchrun's script: cpu_patches, and the repository root
+    # (not when a test imports layout_dir: tests/megatron first on the tests' path would give
+    # their `from conftest import …` this folder's conftest)
+    sys.path[:0] = [str(HERE), str(HERE.parent.parent)]
 
 import cpu_patches  # noqa: E402
 

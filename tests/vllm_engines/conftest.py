@@ -32,6 +32,14 @@ from trainer.tiny_model import TinyModelConfig, build_tiny_model
 # vLLM's CPU build sizes its KV cache from a share of host RAM minus this process's RSS,
 # which a test process (torch, a model, other engines) can exceed: give it 1 GiB outright.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM's own switch for its CPU tests (vllm/platforms/cpu.py, check_and_update_config): the
+# model runs traced once by dynamo with the eager backend instead of compiled by inductor, and
+# the worker skips its warm-up forward (v1/worker/cpu_worker.py, _should_warm_up_model). What
+# these tests check (the weights an engine holds, its log-probs against the policy's, the
+# seeds, the wiring of engines, servers and jobs) does not depend on inductor's kernels; a
+# fresh machine (CI) otherwise compiles each engine configuration first. The processes the
+# tests start (torchrun jobs, servers) inherit it.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 VLLM_MODEL = TinyModelConfig(head_dim=64, num_attention_heads=2, num_key_value_heads=1)
 """The default tiny model with 64-wide heads (vLLM's CPU attention takes 32, 64, 80, … 512:

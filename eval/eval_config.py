@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
 from core.config_model import ConfigModel
 from generation.endpoint import EndpointSettings
@@ -70,9 +70,7 @@ class EvalConfig(ConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: str = "hf"
-    """An engine of ``eval.engines.DIRECTORY_ENGINES`` for a model directory (``hf``,
-    ``vllm``); a URL always goes to ``endpoint.api``'s client."""
+    engine: Literal["hf", "vllm"] = "hf"
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     endpoint: EndpointSettings = Field(default_factory=EndpointSettings)
     batch_size: int = Field(8, ge=1)
@@ -86,12 +84,3 @@ class EvalConfig(ConfigModel):
     max_failure_fraction: float = Field(0.1, ge=0.0, le=1.0)
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     vllm_max_num_batched_tokens: int | None = Field(None, ge=16)
-
-    @field_validator("engine")
-    @classmethod
-    def _a_registered_engine(cls, engine: str) -> str:
-        from eval.engines import DIRECTORY_ENGINES  # it builds engines from this config
-        from plan.specs import lookup
-
-        lookup(DIRECTORY_ENGINES, engine, "eval.engine", "eval engine")  # names the valid ones
-        return engine

@@ -85,7 +85,7 @@ def test_compile_into_an_existing_folder_is_one_line(tmp_path):
         ("--limit", "0", "--limit 0: Input should be greater than or equal to 1"),
         ("--temperature", "-1", "--temperature -1.0: Input should be greater than or equal"),
         ("--temperature", "nan", "--temperature nan: Input should be a finite number"),
-        ("--engine", "bogus", "--engine 'bogus': eval.engine='bogus' is not an eval engine; valid"),
+        ("--engine", "bogus", "--engine 'bogus': Input should be 'hf' or 'vllm'"),
     ],
 )
 def test_eval_option_values_out_of_range_are_one_line(option, value, cause, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,54 @@ def test_lora_grpo_on_deepspeed_zero2_with_kl_and_colocated_hf_engines(
     assert [m["step"] for m in steps] == [1, 2]
     assert abs(steps[0]["kl"]) < 1e-6 < steps[1]["kl"]  # the policy starts as the base
     _assert_merged_export(tmp_path / "ds2" / "model", tiny_model_dir)
+
+
+def test_sampling_with_lora_on_the_experts_builds_their_delta_once_and_samples_the_same(
+    tiny_model_dir, monkeypatch
+):
+    """``lora_parameters_fixed`` (the HF engine's ``generate``): the experts' base + delta is
+    built once a call instead of at every forward (peft's ``ParamWrapper``), and the rollouts
+    are the same tokens and log-probs, bit for bit; afterwards nothing of it is left."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from trainer.grpo.config import RolloutConfig
+    from trainer.grpo.rollout import HFRolloutEngine
+    from trainer.sft.config import LoraSettings
+    from trainer.sft.lora import apply_lora
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = apply_lora(base, LoraSettings(r=4, alpha=8, experts=True))
+    with torch.no_grad():  # an adapter that moves the experts (B starts at 0)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+    assert wrappers  # gate_up_proj and down_proj of every layer
+    built = []  # each activation registers the parametrization and builds the delta
+    activate = ParamWrapper._activate_lora
+    monkeypatch.setattr(
+        ParamWrapper, "_activate_lora", lambda self, a: built.append(1) or activate(self, a)
+    )
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = HFRolloutEngine(model, tokenizer, RolloutConfig(n_samples=2, max_new_tokens=12))
+    prompts = [tokenizer("Combien de jours ?")["input_ids"], tokenizer("Wie viele?")["input_ids"]]
+    seeds = [[1, 2], [3, 4]]
+
+    fixed = engine.generate(prompts, seeds)
+    once = len(built)
+    with monkeypatch.context() as per_forward:  # peft's own path: a delta every forward
+        per_forward.setattr(
+            "trainer.grpo.rollout.lora_parameters_fixed", lambda model: nullcontext()
+        )
+        built.clear()
+        theirs = engine.generate(prompts, seeds)
+    assert once <= len(wrappers) < len(built)  # once a wrapper, against once a forward
+    assert [r.response_ids for r in fixed] == [r.response_ids for r in theirs]
+    assert all(
+        torch.equal(torch.as_tensor(a.log_probs), torch.as_tensor(b.log_probs))
+        for a, b in zip(fixed, theirs, strict=True)
+    )
+    assert all("_activate_lora" not in vars(w) for w in wrappers)  # the class's again
+    experts = {w.get_base_layer() for w in wrappers}
+    assert not any(getattr(e, "parametrizations", None) for e in experts)  # none left

@@ -12,6 +12,7 @@ engine is a ``HFGenerator``, the vLLM ones ``VLLMGenerator`` s, as the eval's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ from trainer.grpo.algorithm import token_log_probs
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.routing import RoutingRecorder, routing_shape
 from trainer.placement import EnginePlacement
+from trainer.sft.lora import lora_parameters_fixed
 
 log = logging.getLogger(__name__)
 
@@ -303,11 +305,15 @@ class HFRolloutEngine(LocalRequests, HFGenerator):
                     "forwards are collective)"
                 )
         out: list[Rollout] = []
+        # LoRA on the experts: base + delta once per call, not once per token (a ZeRO-3
+        # partitioned model, lockstep, gathers its weights forward by forward)
+        fixed = contextlib.nullcontext() if self.lockstep else lora_parameters_fixed(self.model)
         try:
-            for start in range(0, len(prompts), per_call):
-                chunk = prompts[start : start + per_call]
-                rows = [s for group in seeds[start : start + per_call] for s in group]
-                out += self._generate_chunk(chunk, rows, start, n, device)
+            with fixed:
+                for start in range(0, len(prompts), per_call):
+                    chunk = prompts[start : start + per_call]
+                    rows = [s for group in seeds[start : start + per_call] for s in group]
+                    out += self._generate_chunk(chunk, rows, start, n, device)
         finally:
             self.model.train(was_training)
         return out

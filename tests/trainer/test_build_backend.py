@@ -6,8 +6,6 @@ DeepSpeed ZeRO-3's answers are checked under torchrun in ``test_zero3.py``."""
 
 from __future__ import annotations
 
-import typing
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,8 +17,12 @@ ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def test_the_registry_covers_every_backend_name_of_the_config():
-    names = typing.get_args(OptimConfig.model_fields["backend"].annotation)
-    assert sorted(BACKENDS) == sorted(names)
+    """The config accepts the names ``plan.TRAINERS`` holds, and each has its builder."""
+    from plan.backends import TRAINERS
+
+    assert sorted(BACKENDS) == sorted(TRAINERS)
+    for name in TRAINERS:
+        assert OptimConfig._a_registered_backend(name) == name
 
 
 def test_the_torch_backend_trains_the_policy_it_returns(tiny_model_dir, tmp_path):

@@ -6,8 +6,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 BIN = $(VENV)/bin
 # make test's pytest workers (pytest-xdist): the machine's cores, at most 4 (tests start
-# training processes of their own); TEST_WORKERS=0 runs the suite in one process. loadgroup: the
-# tests marked with one xdist_group share an expensive module fixture and run on one worker
+# training processes of their own); TEST_WORKERS=0 runs the suite in one process
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 # DeepSpeed (dev extra, CPU tests) installs without compiling its CUDA ops.
 export DS_BUILD_OPS = 0
@@ -35,7 +34,7 @@ demo: setup-runtime  ## run the whole pipeline locally (kfp.local, tiny model, b
 
 test: setup  ## lint, then the test suite (slow/gpu/cluster tests deselected by default)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup; rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 test-megatron:  ## the Megatron round trip HF -> Megatron -> HF on CPU, in a Python 3.12 env (tools/megatron_env.sh, ~5 GB)

@@ -13,10 +13,6 @@ from pipelines.local_console import LocalStepFailedError
 from pipelines.local_run import run_local, tracking_summary
 from pipelines.presets import apply_overrides, get_preset
 
-ONE_RUN = pytest.mark.xdist_group("local-run-fast-run")
-"""The tests that read ``fast_run``: on one pytest-xdist worker (``make test`` runs
-``--dist loadgroup``), so the run is made once, not once a worker."""
-
 
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory):
@@ -30,7 +26,6 @@ def fast_run(tmp_path_factory):
         return run_local(apply_overrides(get_preset("tiny-cpu"), FAST), root / "runs")
 
 
-@ONE_RUN
 def test_local_pipeline_run_writes_the_step_outputs(fast_run):
     result = fast_run
     train = read_jsonl(result.outputs["train_data"])
@@ -63,7 +58,6 @@ def test_local_pipeline_run_writes_the_step_outputs(fast_run):
 REPORTS = {"eval.html": "eval_report_html", "sft.html": "sft_report", "grpo.html": "grpo_report"}
 
 
-@ONE_RUN
 def test_the_reports_are_files_under_their_own_names(fast_run):
     """Copies, not symlinks to the extensionless outputs (issue #30: a browser showed those as
     source text)."""
@@ -75,7 +69,6 @@ def test_the_reports_are_files_under_their_own_names(fast_run):
         assert page.read_bytes() == fast_run.outputs[output].read_bytes()
 
 
-@ONE_RUN
 @pytest.mark.skipif(chromium() is None, reason="no chromium on PATH (apt-get install chromium)")
 @pytest.mark.parametrize("name", sorted(REPORTS))
 def test_each_report_renders_in_a_real_browser(fast_run, name, tmp_path):
@@ -98,7 +91,6 @@ def test_each_report_renders_in_a_real_browser(fast_run, name, tmp_path):
     assert colours is None or len(colours) > 50  # text, table rules and charts were drawn
 
 
-@ONE_RUN
 def test_the_run_tracks_to_an_sqlite_store_in_its_output_dir(fast_run):
     """No tracking URI set: one MLflow run for the pipeline, a nested run per step, in
     <output dir>/mlflow.db (artifacts beside it), read back by the lines the demo ends with."""

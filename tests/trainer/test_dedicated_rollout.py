@@ -166,11 +166,6 @@ runpy.run_module("trainer.grpo", run_name="__main__")
 """
 
 
-ONE_RUN = pytest.mark.xdist_group("two-zero3-trainers-and-a-slow-engine")
-"""The tests that read ``two_trainers_and_a_slow_engine``: on one pytest-xdist worker
-(``make test`` runs ``--dist loadgroup``), so its runs are made once, not once a worker."""
-
-
 @pytest.fixture(scope="module")
 def two_trainers_and_a_slow_engine(tmp_path_factory, tiny_model_dir, prepared_data):
     """Two ZeRO-3 trainers and one dedicated engine (``torchrun --nproc_per_node 3``) with
@@ -203,7 +198,6 @@ def two_trainers_and_a_slow_engine(tmp_path_factory, tiny_model_dir, prepared_da
     return run_dir, done.stderr, grpo_step_lines(run_dir, "split"), theirs
 
 
-@ONE_RUN
 def test_two_deepspeed_training_processes_and_one_engine_train_like_colocated(
     two_trainers_and_a_slow_engine,
 ):
@@ -221,7 +215,6 @@ def test_two_deepspeed_training_processes_and_one_engine_train_like_colocated(
     assert (run_dir / "split" / "model" / "config.json").exists()
 
 
-@ONE_RUN
 def test_a_slow_starting_engine_does_not_time_the_trainers_out(two_trainers_and_a_slow_engine):
     """Two ZeRO-3 trainers, 15-s collective timeouts, and an engine that starts building 25 s
     after the trainers are ready. The coordinator's first message waits for the engine; had

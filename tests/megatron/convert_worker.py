@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,11 +36,11 @@ def main() -> None:
     cpu_patches.import_megatron_bridge()
     import torch
 
-    from trainer.megatron.bridge import convert_hf_to_megatron
+    from trainer.megatron.bridge import convert_hf_to_megatron, process_group
     from trainer.megatron.layout import MegatronLayout
 
     patches = contextlib.nullcontext() if torch.cuda.is_available() else cpu_patches.cpu_patches()
-    with patches, one_process_group():
+    with patches, process_group():
         for tp, pp, ep in (map(int, layout.split(",")) for layout in args.layout):
             layout = MegatronLayout(
                 tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1 and ep > 1, params_dtype=args.dtype
@@ -49,26 +48,6 @@ def main() -> None:
             convert_hf_to_megatron(
                 args.hf_dir, str(Path(args.out_dir) / layout_dir(tp, pp, ep)), layout
             )
-
-
-@contextlib.contextmanager
-def one_process_group() -> Iterator[None]:
-    """torchrun's process group for the whole job (NCCL on the rank's GPU, else gloo): the
-    per-layout ``megatron_parallel`` contexts use it as it is and tear down only their
-    Megatron-Core parallel state."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def layout_dir(tp: int, pp: int, ep: int) -> str:

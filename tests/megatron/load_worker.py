@@ -35,14 +35,14 @@ def main() -> None:
     cpu_patches.import_megatron_bridge()
     import torch
     import torch.distributed as dist
-    from convert_worker import layout_dir, one_process_group
+    from convert_worker import layout_dir
 
     from plan import ParallelSizes
     from trainer.megatron import bridge
 
     ids = json.loads(Path(args.ids_json).read_text())
     patches = contextlib.nullcontext() if torch.cuda.is_available() else cpu_patches.cpu_patches()
-    with patches, one_process_group():
+    with patches, bridge.process_group():
         for tp, pp, ep in (map(int, layout.split(",")) for layout in args.layout):
             out = Path(args.out_dir) / layout_dir(tp, pp, ep)
             with bridge.megatron_parallel(ParallelSizes(tp=tp, pp=pp, ep=ep)):

@@ -109,11 +109,9 @@ def megatron_parallel(
 ) -> Iterator[None]:
     """``torch.distributed`` and Megatron-Core's parallel state, set up and torn down.
 
-    Under ``torchrun`` (``WORLD_SIZE`` and ``MASTER_ADDR`` set) the process group comes from
-    the environment; otherwise it is a group of one rank on a free local port. The backend is
-    NCCL when CUDA is available (each rank on ``LOCAL_RANK``'s GPU), gloo otherwise. A
-    process group or parallel state that already exists is used as it is (the sizes given
-    here are then ignored) and left alone; what this context created, it destroys on exit.
+    The process group is ``process_group``'s (torchrun's, or a group of one rank). A process
+    group or parallel state that already exists is used as it is (the sizes given here are
+    then ignored) and left alone; what this context created, it destroys on exit.
 
     Args:
         sizes: tp, pp, ep, etp and cp (default: all 1); Megatron-Core derives dp from the
@@ -123,8 +121,6 @@ def megatron_parallel(
         timeout: how long a collective of the groups this creates waits (None: torch's and
             Megatron-Core's defaults, 10 and 30 minutes).
     """
-    import torch.distributed as dist
-
     try:
         from megatron.core import parallel_state, tensor_parallel
     except ImportError as err:
@@ -132,19 +128,8 @@ def megatron_parallel(
 
     sizes = sizes or ParallelSizes()
     cuda = torch.cuda.is_available()
-    created_group = created_state = False
-    if not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        waits = {"timeout": timeout} if timeout else {}
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, **waits)
-        else:
-            address = f"tcp://127.0.0.1:{_free_port()}"
-            dist.init_process_group(backend, init_method=address, world_size=1, rank=0, **waits)
-        created_group = True
-    try:
+    created_state = False
+    with process_group(timeout):
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=sizes.tp,
@@ -162,12 +147,42 @@ def megatron_parallel(
             created_state = True
             if cuda:
                 tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        try:
+            yield
+        finally:
+            if created_state:
+                parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def process_group(timeout: timedelta | None = None) -> Iterator[None]:
+    """``torch.distributed``'s default process group, set up and torn down.
+
+    Under ``torchrun`` (``WORLD_SIZE`` and ``MASTER_ADDR`` set) it comes from the environment;
+    otherwise it is a group of one rank on a free local port. NCCL when CUDA is available
+    (each rank on ``LOCAL_RANK``'s GPU), gloo otherwise. A group that already exists is used
+    as it is and left alone; what this context created, it destroys on exit. ``timeout``: how
+    long its collectives wait (None: torch's default, 10 minutes).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if cuda else "gloo"
+    waits = {"timeout": timeout} if timeout else {}
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, **waits)
+    else:
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend, init_method=address, world_size=1, rank=0, **waits)
+    try:
         yield
     finally:
-        if created_state:
-            parallel_state.destroy_model_parallel()
-        if created_group:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def _current_sizes() -> MegatronSizes:

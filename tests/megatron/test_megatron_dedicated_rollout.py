@@ -109,20 +109,27 @@ def _run(run_dir: Path, name: str, cfg: dict, hf_dir: Path, data: Path) -> list[
     return grpo_step_lines(run_dir, name)
 
 
+UNINTERRUPTED = {"max_steps": 5, "checkpoint_every": 2, "max_ckpt_num": 2, "eval_every": 3}
+"""The one-trainer run: 5 steps, a checkpoint after steps 2 and 4, a held-out eval after steps
+3 and 5 (after every update the first 3 steps could touch)."""
+
+
 @pytest.fixture(scope="module")
 def one_trainer_run(shared_run_inputs, tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One Megatron trainer and one engine, 3 steps and a held-out eval after the last: the
-    decoupled loop's metrics, and what several trainers must match (the eval comes after
-    every update it could touch). Its run directory (the run is ``one`` in it), step lines."""
+    """One Megatron trainer and one engine (``UNINTERRUPTED``), run once for the module: the
+    decoupled loop's metrics, the run the killed and resumed one must match, and the run
+    several trainers must match (over as many steps: the learning rate follows a cosine over
+    the run's length). Its run directory (the run is ``one`` in it), its step lines."""
     hf_dir, checkpoint, data = shared_run_inputs
     run_dir = tmp_path_factory.mktemp("one-trainer")
-    return run_dir, _run(run_dir, "one", _megatron_config(checkpoint, eval_every=3), hf_dir, data)
+    cfg = _megatron_config(checkpoint, **UNINTERRUPTED)
+    return run_dir, _run(run_dir, "one", cfg, hf_dir, data)
 
 
 def test_megatron_with_a_dedicated_engine_one_step_off_policy(one_trainer_run):
     run_dir, lines = one_trainer_run
     print(json.dumps(lines, indent=1))
-    assert [m["staleness"] for m in lines] == [0, 1, 1]
+    assert [m["staleness"] for m in lines] == [0, 1, 1, 1, 1]
     # on-policy first step: the engine holds the policy's weights, every ratio is 1
     assert lines[0]["importance_ratio_max"] == pytest.approx(1.0, abs=1e-5)
     assert lines[0]["tis_clipped_fraction"] == 0 and lines[0]["rollout_kl"] < 1e-9
@@ -130,9 +137,12 @@ def test_megatron_with_a_dedicated_engine_one_step_off_policy(one_trainer_run):
         assert m["rollout_kl"] > lines[0]["rollout_kl"]
         assert 0.5 < m["importance_ratio_mean"] < 2.0
         assert m["importance_ratio_max"] >= m["importance_ratio_mean"]
-        # the engine took the Megatron weights (float32: the same forward)
-        assert m["sync_logprob_max_diff"] < 1e-5
-    assert "eval_mean_reward" in lines[-1]
+    # the engine took the Megatron weights (float32: the same forward) before it sampled each
+    # step; the held-out eval after step 3 put update 3 in it, so step 4 had nothing to send
+    synced = [m for m in lines if "sync_bytes" in m]
+    assert [m["step"] for m in synced] == [2, 3, 5]
+    assert all(m["sync_logprob_max_diff"] < 1e-5 and m["sync_bytes"] > 0 for m in synced)
+    assert [m["step"] for m in lines if "eval_mean_reward" in m] == [3, 5]
     for m in lines:
         assert m["rollout_idle_s"] >= 0 and m["rollout_wait_s"] >= 0
         assert m["rollout_time_s"] > 0 and m["train_time_s"] > 0
@@ -165,18 +175,18 @@ def _gaps(ours: list[dict], theirs: list[dict]) -> dict[str, float]:
 
 
 def test_kill_and_resume_with_a_batch_in_flight_matches_an_uninterrupted_run(
-    shared_run_inputs, tmp_path
+    shared_run_inputs, one_trainer_run, tmp_path
 ):
     """``async_steps: 1``, a checkpoint every 2 steps: the checkpoint at step 2 holds step 3's
     rollouts (sampled by the engine while step 2 trained, before the checkpoint's weights).
     The whole job is killed (SIGKILL, as a node loss) after step 3; the resumed job loads the
     Megatron model and optimizer (``torch_dist``) and the RNG, gives its new engine process the
     resumed policy's weights (the first sync), trains step 3 on the saved batch and goes on.
-    Every step matches the run never interrupted, bit for bit (float32 on a CPU: the same
-    operations on the same values)."""
+    Every step matches the run never interrupted (``one_trainer_run``, the same config), bit
+    for bit (float32 on a CPU: the same operations on the same values)."""
     hf_dir, checkpoint, data = shared_run_inputs
-    cfg = _megatron_config(checkpoint, max_steps=5, checkpoint_every=2, max_ckpt_num=2)
-    theirs = _run(tmp_path, "whole", cfg, hf_dir, data)
+    cfg = _megatron_config(checkpoint, **UNINTERRUPTED)
+    _, theirs = one_trainer_run
     job = subprocess.Popen(
         _job(tmp_path, "killed", cfg, hf_dir, data),
         env=_env(),
@@ -209,7 +219,8 @@ def test_kill_and_resume_with_a_batch_in_flight_matches_an_uninterrupted_run(
     # weights before it sampled step 4: that sync's check is on step 3's line
     resumed = ours[2]
     assert resumed["sync_bytes"] > 0 and resumed["sync_logprob_max_diff"] < 1e-5
-    assert ours[3]["sync_logprob_max_diff"] < 1e-5  # and step 4's weights before step 5
+    assert [m.get("sync_bytes") for m in ours] == [m.get("sync_bytes") for m in theirs]
+    assert ours[4]["sync_logprob_max_diff"] < 1e-5  # and the last update's, for the eval
 
 
 @pytest.mark.parametrize(
@@ -231,9 +242,10 @@ def test_two_megatron_trainers_and_one_engine_train_like_one_trainer(
     hf_dir, checkpoint, data = shared_run_inputs
     _, one_trainer = one_trainer_run
     layout = {"preset": "tiny-cpu", "gpus_per_node": 2, **sizes}
-    cfg = _megatron_config(checkpoint, layout, nproc=2)
+    steps = {"max_steps": UNINTERRUPTED["max_steps"], "eval_every": UNINTERRUPTED["eval_every"]}
+    cfg = _megatron_config(checkpoint, layout, nproc=2, **steps)  # no checkpoints: none resumed
     ours = _run(tmp_path, "two", cfg, hf_dir, data)
-    assert [m["staleness"] for m in ours] == [0, 1, 1]
+    assert [m["staleness"] for m in ours] == [0, 1, 1, 1, 1]
     # the same rollouts: generated from the same prompts and seeds, on the same weights
     for a, b in zip(ours, one_trainer, strict=True):
         assert a["mean_reward"] == b["mean_reward"]

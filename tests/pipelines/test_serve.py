@@ -90,11 +90,13 @@ def test_the_champion_is_downloaded_once_into_the_cache_and_served_as_a_folder(
 
 
 def _stand_in_python(path: Path) -> Path:
-    """An executable that records its argv and VLLM_CPU_KVCACHE_SPACE, then exits 3."""
+    """An executable that records its argv and VLLM_CPU_KVCACHE_SPACE, says why it refuses
+    (as vLLM's argument parser does) and exits 3."""
     path.write_text(
         "#!/bin/sh\n"
         f'printf "%s\\n" "$@" > {path.parent}/argv.txt\n'
         f'printf "%s" "$VLLM_CPU_KVCACHE_SPACE" > {path.parent}/kv.txt\n'
+        'echo "api_server.py: error: unrecognized arguments: --stand-in" >&2\n'
         "exit 3\n"
     )
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
@@ -117,6 +119,8 @@ def test_lingo_serve_starts_vllm_on_the_champions_folder(registry, tmp_path, mon
     assert (tmp_path / "kv.txt").read_text() == "1"
     assert content_sha256(served) == registry["sha"]
     assert result.exit_code == 1 and "exited with status 3" in result.stderr
+    # the server's own last words reach the user (its log's tail)
+    assert "error: unrecognized arguments: --stand-in" in result.stderr
 
 
 @pytest.mark.parametrize(

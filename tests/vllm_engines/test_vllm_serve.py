@@ -113,13 +113,6 @@ def test_a_folder_without_a_model_is_one_clear_line(tmp_path):
         model_folder(tmp_path)
 
 
-def test_a_server_that_cannot_start_says_why(tmp_path, harmony_model_dir):
-    command = server_command(model_folder(harmony_model_dir), sys.executable, port=_free_port())
-    command += ["--no-such-option"]
-    with pytest.raises(ServeError, match="exited with status"):
-        start_server(command, "http://127.0.0.1:1/v1", "x", tmp_path / "log", ready_timeout_s=120)
-
-
 def test_the_demo_s_champion_served_scores_what_the_in_process_eval_scores(
     tmp_path, demo_model_dir, monkeypatch
 ):

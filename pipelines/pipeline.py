@@ -108,220 +108,249 @@ def build_pipeline(
     and container environment, not on the content of a path given as an argument: the
     fingerprint puts that content in the key. The steps in ``NEVER_CACHED`` are never cached."""
     settings = platform_settings or get_platform(preset.hardware.platform)
-    platform = with_platform(settings)
-    carried = preset_json(preset)
     fields = [field.name for field in form_fields(preset)]
-    image_of = {image: name for name, image in IMAGES.items()}
-
-    def lingo_pipeline(p: dict) -> None:
-        """The DAG; ``p``: parameter name → the pipeline's parameter (a KFP channel)."""
-        run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
-
-        def step(task, display_name: str, name: str):
-            """``task``, shown as ``display_name``, with the platform's settings of step
-            ``name`` and its image from the image parameters."""
-            task.set_display_name(display_name)
-            task.set_container_image(p[image_of[task.container_spec.image]])
-            platform(task, name)
-            if name in NEVER_CACHED:
-                task.set_caching_options(False)
-            if fingerprint := (input_fingerprints or {}).get(name):
-                task.set_env_variable(INPUT_FINGERPRINT_ENV, fingerprint)
-            return task
-
-        def train_and_promote(config, prep, fingerprint, run, tracked) -> None:
-            """Everything after data prep, run only on new data (or ``force``): base model,
-            capacity check, SFT, GRPO, the eval with the champion, the gate; register and
-            publish on promote."""
-            base = step(
-                base_model(source=config["model_source"], tiny_config=config["tiny_config"]),
-                "base model",
-                "base-model",
-            )
-            capacity = capacity_check(
-                base_model=base.outputs["model"],
-                **run,
-                overrides=config["layout_overrides"],
-                sft_execution=config["sft_execution"],
-                grpo_execution=config["grpo_execution"],
-                backend=config["backend"],
-                megatron_layout=config["megatron_layout"],
-                megatron_optim=config["megatron_optim"],
-            )
-            step(capacity, "capacity check", "capacity-check")
-            images = dict(gpu_image=p["gpu_image"], megatron_image=p["megatron_image"])
-
-            def training_inputs(step_config, execution) -> dict:
-                """What both training steps take besides their input model."""
-                return dict(
-                    train_data=prep.outputs["train_data"],
-                    eval_data=prep.outputs["eval_data"],
-                    config=step_config,
-                    execution=execution,
-                    pipeline_run_id=run_id,
-                    **images,
-                    **tracked,
-                )
-
-            sft_inputs = training_inputs(config["sft"], config["sft_execution"])
-            sft_inputs.pop("megatron_image", None)  # SFT's jobs run the GPU image
-            tuned = sft(base_model=base.outputs["model"], **sft_inputs)
-            step(tuned, "SFT + merge", "sft").after(capacity)
-
-            def export_and_evaluate(policy_checkpoint, source_format: str) -> None:
-                """Both branches end in export_hf (a standard sharded HF directory with the
-                SFT model's tokenizer and chat template, checked to load), then eval."""
-                exported = export_hf(
-                    checkpoint=policy_checkpoint,
-                    template_model=tuned.outputs["model"],
-                    source_format=source_format,
-                )
-                step(exported, "export to HF", "export-hf")
-                evaluate_and_promote(exported.outputs["model"])
-
-            def evaluate_and_promote(policy_model) -> None:
-                """champion → eval → gate → on promote register, then publish and deploy:
-                in each backend's branch (kfp.local 2.17 cannot resolve a dsl.OneOf of
-                artifacts, so the branches do not merge)."""
-                held = champion(config=config["gate"], mlflow_tracking_uri=p["mlflow_tracking_uri"])
-                step(held, "champion from the registry", "champion")
-                held.set_caching_options(False)  # the alias moves
-                evaluation = evaluate(
-                    base_model=base.outputs["model"],
-                    sft_model=tuned.outputs["model"],
-                    grpo_model=policy_model,
-                    champion_model=held.outputs["model"],
-                    config=config["eval"],
-                    **tracked,
-                )
-                step(evaluation, "eval: base vs SFT vs GRPO vs champion", "evaluate")
-                results = evaluation.outputs["results"]
-                decision = gate(
-                    results=results, grpo_model=policy_model, config=config["gate"], **tracked
-                )
-                step(decision, "promotion gate", "gate")
-                with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
-                    registered = register(
-                        results=results,
-                        grpo_model=policy_model,
-                        config=config["gate"],
-                        data_fingerprint=fingerprint,
-                        **tracked,
-                    )
-                    step(registered, "register champion", "register")
-                    with dsl.If(p["export_uri"] != "", name="export-to-object-storage"):
-                        published = publish(
-                            grpo_model=policy_model,
-                            eval_results=results,
-                            eval_report=evaluation.outputs["report"],
-                            export_uri=p["export_uri"],
-                            pipeline_run_id=run_id,
-                        )
-                        step(published, "publish to object storage", "publish").after(registered)
-                        if preset.serving.enabled:  # the champion on KServe (cluster/serving.py)
-                            served = deploy(
-                                published_prefix=published.output,
-                                config=config["serving"],
-                                pipeline_run_id=run_id,
-                            )
-                            step(served, "serve the champion (KServe)", "deploy")
-
-            grpo_inputs = dict(  # the same GRPO inputs on both branches
-                sft_model=tuned.outputs["model"],
-                **training_inputs(config["grpo"], config["grpo_execution"]),
-            )
-
-            def grpo_on_hf_weights() -> None:
-                """GRPO on the HF weights (grpo.optim.backend: torch or deepspeed)."""
-                hf_policy = step(grpo(**grpo_inputs), "GRPO", "grpo")
-                export_and_evaluate(hf_policy.outputs["model"], "hf")
-
-            def grpo_on_megatron() -> None:
-                """GRPO on a Megatron checkpoint converted from the SFT model."""
-                converted = convert_megatron(
-                    hf_model=tuned.outputs["model"], layout=config["megatron_layout"]
-                )
-                step(converted, "convert to Megatron + precision check", "convert-megatron")
-                megatron_policy = grpo_megatron(
-                    **grpo_inputs,
-                    backend="megatron",
-                    megatron_checkpoint=converted.outputs["megatron_model"],
-                    megatron_layout=config["megatron_layout"],
-                    megatron_optim=config["megatron_optim"],
-                )
-                step(megatron_policy, "GRPO (Megatron)", "grpo")
-                export_and_evaluate(megatron_policy.outputs["model"], "megatron")
-
-            branches = {"hf": grpo_on_hf_weights, "megatron": grpo_on_megatron}
-            if len(preset.grpo_branches) == 1:
-                branches[preset.grpo_branches[0]]()
-            else:  # named for what runs
-                with dsl.If(p["backend"] != "megatron", name="grpo-on-hf-weights"):
-                    grpo_on_hf_weights()
-                with dsl.Else(name="grpo-on-megatron"):
-                    grpo_on_megatron()
-
-        cleanup = finalize(
-            pipeline_run_id=run_id,
-            mlflow_tracking_uri=p["mlflow_tracking_uri"],
-            mlflow_experiment=p["mlflow_experiment"],
-            delete_jobs=settings.training_jobs,
-        )
-        step(cleanup, "finalize: jobs, MLflow run", "finalize")
-        with dsl.ExitHandler(cleanup, name="lingo-rl"):
-            configured = configure(
-                preset=carried,
-                overrides=p["overrides"],
-                job_platform=job_platform_json(settings),
-                export_uri=p["export_uri"],
-                **{name: p[name] for name in fields},
-            )
-            step(configured, "run config: the form on the preset", "configure")
-            config = configured.outputs
-            # the run as the pipeline run records it and as the capacity check estimates it
-            run = dict(
-                hardware=config["hardware"], sft_config=config["sft"], grpo_config=config["grpo"]
-            )
-            tracking = start_tracking(
-                pipeline_run_id=run_id,
-                pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
-                data_source=config["data_source"],
-                model_source=config["model_source"],
-                **run,
-                mlflow_tracking_uri=p["mlflow_tracking_uri"],
-                mlflow_experiment=p["mlflow_experiment"],
-            )
-            step(tracking, "MLflow run", "start-tracking")
-            # each step's MLflow run nests under the pipeline's
-            tracked = dict(
-                mlflow_tracking_uri=p["mlflow_tracking_uri"],
-                mlflow_parent_run_id=tracking.output,
-            )
-            prep = step(data_prep(config=config["data_prep"], **tracked), "data prep", "data-prep")
-            prep.set_caching_options(False)  # its source can change under the same name
-            fingerprint = prep.outputs["Output"]
-            checked = data_check(
-                data_fingerprint=fingerprint,
-                gate_config=config["gate"],
-                mlflow_tracking_uri=p["mlflow_tracking_uri"],
-            )
-            step(checked, "new data? (fingerprint vs champion)", "data-check")
-            checked.set_caching_options(False)  # the champion's alias moves
-            with dsl.If(checked.outputs["Output"] == "retrain", name="new-data"):
-                train_and_promote(config, prep, fingerprint, run, tracked)
-
     signature = inspect.Signature(pipeline_parameters(preset))
 
     def pipeline(*args, **kwargs) -> None:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        lingo_pipeline(dict(bound.arguments))
+        _Dag(preset, settings, input_fingerprints or {}, dict(bound.arguments)).build(fields)
 
     pipeline.__signature__ = signature
     pipeline.__name__ = pipeline.__qualname__ = "lingo_pipeline"
     pipeline.__doc__ = describe_parameters(preset)
     with _frames_without_source():
         return dsl.pipeline(name=PIPELINE_NAME, description=DESCRIPTION)(pipeline)
+
+
+class _Dag:
+    """The DAG of one pipeline run, built while KFP traces the pipeline function: each method
+    adds one part of it. ``p``: parameter name → the pipeline's parameter (a KFP channel)."""
+
+    def __init__(
+        self,
+        preset: Preset,
+        settings: ClusterSettings,
+        input_fingerprints: dict[str, str],
+        p: dict,
+    ) -> None:
+        self.preset, self.settings, self.p = preset, settings, p
+        self.fingerprints = input_fingerprints
+        self.platform = with_platform(settings)
+        self.image_of = {image: name for name, image in IMAGES.items()}
+        self.run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+
+    def step(self, task, display_name: str, name: str):
+        """``task``, shown as ``display_name``, with the platform's settings of step ``name``
+        and its image from the image parameters."""
+        task.set_display_name(display_name)
+        task.set_container_image(self.p[self.image_of[task.container_spec.image]])
+        self.platform(task, name)
+        if name in NEVER_CACHED:
+            task.set_caching_options(False)
+        if fingerprint := self.fingerprints.get(name):
+            task.set_env_variable(INPUT_FINGERPRINT_ENV, fingerprint)
+        return task
+
+    def build(self, fields: list[str]) -> None:
+        """configure → MLflow run → data prep → new data? → ``train_and_promote``, inside an
+        exit handler that runs ``finalize`` whatever happens."""
+        p = self.p
+        cleanup = finalize(
+            pipeline_run_id=self.run_id,
+            mlflow_tracking_uri=p["mlflow_tracking_uri"],
+            mlflow_experiment=p["mlflow_experiment"],
+            delete_jobs=self.settings.training_jobs,
+        )
+        self.step(cleanup, "finalize: jobs, MLflow run", "finalize")
+        with dsl.ExitHandler(cleanup, name="lingo-rl"):
+            configured = configure(
+                preset=preset_json(self.preset),
+                overrides=p["overrides"],
+                job_platform=job_platform_json(self.settings),
+                export_uri=p["export_uri"],
+                **{name: p[name] for name in fields},
+            )
+            self.step(configured, "run config: the form on the preset", "configure")
+            self.config = configured.outputs
+            self.tracking_and_data()
+            with dsl.If(self.checked.outputs["Output"] == "retrain", name="new-data"):
+                self.train_and_promote()
+
+    def tracking_and_data(self) -> None:
+        """The pipeline run's MLflow run, data prep, and the check for new data."""
+        p, config = self.p, self.config
+        # the run as the pipeline run records it and as the capacity check estimates it
+        self.run = dict(
+            hardware=config["hardware"], sft_config=config["sft"], grpo_config=config["grpo"]
+        )
+        tracking = start_tracking(
+            pipeline_run_id=self.run_id,
+            pipeline_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
+            data_source=config["data_source"],
+            model_source=config["model_source"],
+            **self.run,
+            mlflow_tracking_uri=p["mlflow_tracking_uri"],
+            mlflow_experiment=p["mlflow_experiment"],
+        )
+        self.step(tracking, "MLflow run", "start-tracking")
+        # each step's MLflow run nests under the pipeline's
+        self.tracked = dict(
+            mlflow_tracking_uri=p["mlflow_tracking_uri"], mlflow_parent_run_id=tracking.output
+        )
+        self.prep = self.step(
+            data_prep(config=config["data_prep"], **self.tracked), "data prep", "data-prep"
+        )
+        self.prep.set_caching_options(False)  # its source can change under the same name
+        self.fingerprint = self.prep.outputs["Output"]
+        self.checked = data_check(
+            data_fingerprint=self.fingerprint,
+            gate_config=config["gate"],
+            mlflow_tracking_uri=p["mlflow_tracking_uri"],
+        )
+        self.step(self.checked, "new data? (fingerprint vs champion)", "data-check")
+        self.checked.set_caching_options(False)  # the champion's alias moves
+
+    def train_and_promote(self) -> None:
+        """Everything after data prep, run only on new data (or ``force``): base model,
+        capacity check, SFT, GRPO (the preset's branches), the eval with the champion, the
+        gate; register and publish on promote."""
+        config = self.config
+        self.base = self.step(
+            base_model(source=config["model_source"], tiny_config=config["tiny_config"]),
+            "base model",
+            "base-model",
+        )
+        capacity = capacity_check(
+            base_model=self.base.outputs["model"],
+            **self.run,
+            overrides=config["layout_overrides"],
+            sft_execution=config["sft_execution"],
+            grpo_execution=config["grpo_execution"],
+            backend=config["backend"],
+            megatron_layout=config["megatron_layout"],
+            megatron_optim=config["megatron_optim"],
+        )
+        self.step(capacity, "capacity check", "capacity-check")
+        sft_inputs = self.training_inputs(config["sft"], config["sft_execution"])
+        sft_inputs.pop("megatron_image", None)  # SFT's jobs run the GPU image
+        self.tuned = sft(base_model=self.base.outputs["model"], **sft_inputs)
+        self.step(self.tuned, "SFT + merge", "sft").after(capacity)
+        self.grpo_inputs = dict(  # the same GRPO inputs on both branches
+            sft_model=self.tuned.outputs["model"],
+            **self.training_inputs(config["grpo"], config["grpo_execution"]),
+        )
+        branches = {"hf": self.grpo_on_hf_weights, "megatron": self.grpo_on_megatron}
+        if len(self.preset.grpo_branches) == 1:
+            branches[self.preset.grpo_branches[0]]()
+        else:  # named for what runs
+            with dsl.If(self.p["backend"] != "megatron", name="grpo-on-hf-weights"):
+                self.grpo_on_hf_weights()
+            with dsl.Else(name="grpo-on-megatron"):
+                self.grpo_on_megatron()
+
+    def training_inputs(self, step_config, execution) -> dict:
+        """What both training steps take besides their input model."""
+        return dict(
+            train_data=self.prep.outputs["train_data"],
+            eval_data=self.prep.outputs["eval_data"],
+            config=step_config,
+            execution=execution,
+            pipeline_run_id=self.run_id,
+            gpu_image=self.p["gpu_image"],
+            megatron_image=self.p["megatron_image"],
+            **self.tracked,
+        )
+
+    def grpo_on_hf_weights(self) -> None:
+        """GRPO on the HF weights (grpo.optim.backend: torch or deepspeed)."""
+        hf_policy = self.step(grpo(**self.grpo_inputs), "GRPO", "grpo")
+        self.export_and_evaluate(hf_policy.outputs["model"], "hf")
+
+    def grpo_on_megatron(self) -> None:
+        """GRPO on a Megatron checkpoint converted from the SFT model."""
+        config = self.config
+        converted = convert_megatron(
+            hf_model=self.tuned.outputs["model"], layout=config["megatron_layout"]
+        )
+        self.step(converted, "convert to Megatron + precision check", "convert-megatron")
+        megatron_policy = grpo_megatron(
+            **self.grpo_inputs,
+            backend="megatron",
+            megatron_checkpoint=converted.outputs["megatron_model"],
+            megatron_layout=config["megatron_layout"],
+            megatron_optim=config["megatron_optim"],
+        )
+        self.step(megatron_policy, "GRPO (Megatron)", "grpo")
+        self.export_and_evaluate(megatron_policy.outputs["model"], "megatron")
+
+    def export_and_evaluate(self, policy_checkpoint, source_format: str) -> None:
+        """Both branches end in export_hf (a standard sharded HF directory with the SFT
+        model's tokenizer and chat template, checked to load), then eval."""
+        exported = export_hf(
+            checkpoint=policy_checkpoint,
+            template_model=self.tuned.outputs["model"],
+            source_format=source_format,
+        )
+        self.step(exported, "export to HF", "export-hf")
+        self.evaluate_and_promote(exported.outputs["model"])
+
+    def evaluate_and_promote(self, policy_model) -> None:
+        """champion → eval → gate → on promote ``register_and_publish``: in each backend's
+        branch (kfp.local 2.17 cannot resolve a dsl.OneOf of artifacts, so the branches do not
+        merge)."""
+        config, p = self.config, self.p
+        held = champion(config=config["gate"], mlflow_tracking_uri=p["mlflow_tracking_uri"])
+        self.step(held, "champion from the registry", "champion")
+        held.set_caching_options(False)  # the alias moves
+        evaluation = evaluate(
+            base_model=self.base.outputs["model"],
+            sft_model=self.tuned.outputs["model"],
+            grpo_model=policy_model,
+            champion_model=held.outputs["model"],
+            config=config["eval"],
+            **self.tracked,
+        )
+        self.step(evaluation, "eval: base vs SFT vs GRPO vs champion", "evaluate")
+        decision = gate(
+            results=evaluation.outputs["results"],
+            grpo_model=policy_model,
+            config=config["gate"],
+            **self.tracked,
+        )
+        self.step(decision, "promotion gate", "gate")
+        with dsl.If(decision.outputs["Output"] == "promote", name="beats-champion"):
+            self.register_and_publish(policy_model, evaluation)
+
+    def register_and_publish(self, policy_model, evaluation) -> None:
+        """Register the promoted model; publish it where ``export_uri`` is set, and serve it
+        on KServe where the preset says so (``cluster/serving.py``)."""
+        config, p = self.config, self.p
+        results = evaluation.outputs["results"]
+        registered = register(
+            results=results,
+            grpo_model=policy_model,
+            config=config["gate"],
+            data_fingerprint=self.fingerprint,
+            **self.tracked,
+        )
+        self.step(registered, "register champion", "register")
+        with dsl.If(p["export_uri"] != "", name="export-to-object-storage"):
+            published = publish(
+                grpo_model=policy_model,
+                eval_results=results,
+                eval_report=evaluation.outputs["report"],
+                export_uri=p["export_uri"],
+                pipeline_run_id=self.run_id,
+            )
+            self.step(published, "publish to object storage", "publish").after(registered)
+            if self.preset.serving.enabled:
+                served = deploy(
+                    published_prefix=published.output,
+                    config=config["serving"],
+                    pipeline_run_id=self.run_id,
+                )
+                self.step(served, "serve the champion (KServe)", "deploy")
 
 
 class _InspectWithoutSource:

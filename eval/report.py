@@ -105,13 +105,32 @@ def _clip(text: str | None, limit: int = EXAMPLE_CHARS) -> str:
 
 
 def _sections(results: dict) -> list[Section]:
-    models = results["models"]
-    labels = [m["label"] for m in models]
-    baseline = results["baseline"]
-    others = [label for label in labels if label != baseline]
-    sampling = results["sampling"]
-    sections = []
+    """The report's sections, in order (``render_markdown`` and ``render_html`` lay them out)."""
+    sections = [
+        _setup_section(results),
+        _overall_section(results),
+        _per_language_section(results),
+    ]
+    if "reasoning_length_ratio" in results:
+        sections.append(_reasoning_length_section(results))
+    sections += [
+        _confusion_section(results),
+        _failures_section(results),
+        _examples_section(results),
+    ]
+    return sections
 
+
+def _compared(results: dict) -> tuple[list[str], str, list[str]]:
+    """The models' labels, the baseline's, and the others' (each with a delta column)."""
+    labels = [m["label"] for m in results["models"]]
+    baseline = results["baseline"]
+    return labels, baseline, [label for label in labels if label != baseline]
+
+
+def _setup_section(results: dict) -> Section:
+    """The questions, the sampling, the intervals, and each model's engine and responses."""
+    sampling, baseline = results["sampling"], results["baseline"]
     setup = Section("Setup")
     setup.paragraphs.append(
         f"{results['questions']} questions from `{Path(results['questions_file']).name}` "
@@ -135,30 +154,40 @@ def _sections(results: dict) -> list[Section]:
                     str(m["summary"]["failed"]),
                     _number(m["wall_time_s"], 1),
                 ]
-                for m in models
+                for m in results["models"]
             ],
         )
     )
-    sections.append(setup)
+    return setup
 
-    headline = Section("Overall")
+
+def _overall_section(results: dict) -> Section:
+    """Each metric over every question, per model, with the deltas against the baseline."""
+    labels, baseline, others = _compared(results)
     rows = []
     for metric in METRICS:
         row = [METRIC_TITLES[metric]]
-        row += [_estimate(m["summary"]["overall"][metric]) for m in models]
+        row += [_estimate(m["summary"]["overall"][metric]) for m in results["models"]]
         row += [_signed(results["deltas"][label]["overall"][metric]) for label in others]
         rows.append(row)
+    headline = Section("Overall")
     headline.tables.append(
         Table(["metric", *labels, *[f"Δ {label} − {baseline}" for label in others]], rows)
     )
-    sections.append(headline)
+    return headline
 
+
+def _per_language_section(results: dict) -> Section:
+    """One table a metric: each language's figure per model, with the deltas."""
+    labels, _, others = _compared(results)
     per_language = Section("Per language")
     for metric in METRICS:
         rows = []
         for code in SUPPORTED_LANGUAGES:
             row = [f"{code} ({LANGUAGE_NAMES[code]})"]
-            row += [_estimate(m["summary"]["per_language"][code][metric]) for m in models]
+            row += [
+                _estimate(m["summary"]["per_language"][code][metric]) for m in results["models"]
+            ]
             row += [
                 _signed(results["deltas"][label]["per_language"][code][metric]) for label in others
             ]
@@ -170,32 +199,38 @@ def _sections(results: dict) -> list[Section]:
                 caption=METRIC_TITLES[metric],
             )
         )
-    sections.append(per_language)
+    return per_language
 
-    if "reasoning_length_ratio" in results:
-        reference = results["reasoning_length_reference"]
-        lengths = Section(
-            "Reasoning length",
+
+def _reasoning_length_section(results: dict) -> Section:
+    """Each model's median reasoning length over the reference model's, overall and per
+    language."""
+    reference = results["reasoning_length_reference"]
+    lengths = Section(
+        "Reasoning length",
+        [
+            f"Median reasoning words ÷ {reference}'s on the same questions "
+            "(`reasoning_length_ratio`; below 1: the model reasons less)."
+        ],
+    )
+    lengths.tables.append(
+        Table(
+            ["model", "overall", *SUPPORTED_LANGUAGES],
             [
-                f"Median reasoning words ÷ {reference}'s on the same questions "
-                "(`reasoning_length_ratio`; below 1: the model reasons less)."
+                [
+                    label,
+                    _number(ratio["overall"]),
+                    *(_number(ratio["per_language"][code]) for code in SUPPORTED_LANGUAGES),
+                ]
+                for label, ratio in results["reasoning_length_ratio"].items()
             ],
         )
-        lengths.tables.append(
-            Table(
-                ["model", "overall", *SUPPORTED_LANGUAGES],
-                [
-                    [
-                        label,
-                        _number(ratio["overall"]),
-                        *(_number(ratio["per_language"][code]) for code in SUPPORTED_LANGUAGES),
-                    ]
-                    for label, ratio in results["reasoning_length_ratio"].items()
-                ],
-            )
-        )
-        sections.append(lengths)
+    )
+    return lengths
 
+
+def _confusion_section(results: dict) -> Section:
+    """Requested against detected language, for each model's reasoning and answer."""
     confusion = Section(
         "Confusion matrices",
         [
@@ -204,7 +239,7 @@ def _sections(results: dict) -> list[Section]:
             "language's words, scored as the wrong language)."
         ],
     )
-    for m in models:
+    for m in results["models"]:
         for part in ("reasoning", "answer"):
             matrix = m["summary"]["confusion"][part]
             confusion.tables.append(
@@ -217,8 +252,12 @@ def _sections(results: dict) -> list[Section]:
                     caption=f"{m['label']}: {part}",
                 )
             )
-    sections.append(confusion)
+    return confusion
 
+
+def _failures_section(results: dict) -> Section:
+    """The first failed generations of each model, with their errors."""
+    labels, _, _ = _compared(results)
     failures = Section("Failures")
     failed = [r for r in results["responses"] if r.get("error")]
     if not failed:
@@ -236,8 +275,13 @@ def _sections(results: dict) -> list[Section]:
                     caption=f"{label} (first {MAX_FAILURES_LISTED})",
                 )
             )
-    sections.append(failures)
+    return failures
 
+
+def _examples_section(results: dict) -> Section:
+    """The first response in each language, per model: what was detected, its reward, its
+    reasoning and answer (clipped)."""
+    labels, _, _ = _compared(results)
     examples = Section("Examples", ["The first response in each language, per model."])
     for label in labels:
         rows = []
@@ -270,8 +314,7 @@ def _sections(results: dict) -> list[Section]:
                 caption=label,
             )
         )
-    sections.append(examples)
-    return sections
+    return examples
 
 
 def _md_cell(text: str) -> str:

@@ -110,6 +110,35 @@ def host_node_terms(
     Returns:
         The terms (zero-sized ones left out).
     """
+    terms = _offload_terms(spec, counts, layout, role)
+    training_phase = _training_phase_terms(spec, counts, layout, role)
+    terms += training_phase
+    phase_bytes = sum(term.bytes.high for term in training_phase)
+    parked = role.training_ranks * gpu_resident_per_rank
+    if layout.hybrid and layout.deepspeed_enable_sleep and parked.high > phase_bytes:
+        # Parked only while vLLM is awake, when there is no sleep backup and no HF save:
+        # the node's peak holds the larger of the two phases, so only the excess counts.
+        terms.append(
+            Term(
+                "training_sleep",
+                "training state parked while vLLM is awake (beyond the above)",
+                Bounds(
+                    max(0.0, parked.low - phase_bytes),
+                    max(0.0, parked.expected - phase_bytes),
+                    max(0.0, parked.high - phase_bytes),
+                ),
+                "non-hybrid (training states then stay on their GPUs)",
+            )
+        )
+    terms += _load_and_process_terms(spec, counts, layout, role, terms)
+    return terms
+
+
+def _offload_terms(
+    spec: ModelSpec, counts: ParameterCount, layout: Layout, role: NodeRole
+) -> list[Term]:
+    """The node's training ranks' offloaded optimizer shards and pinned buffers (adam
+    offload) and offloaded parameters (ZeRO-3 parameter offload)."""
     t = role.training_ranks
     terms: list[Term] = []
     if layout.adam_offload and t:
@@ -132,11 +161,18 @@ def host_node_terms(
                 "param_offload=false, or add training nodes",
             )
         )
-    training_phase = 0.0  # host bytes that exist only while training (vLLM asleep)
+    return terms
+
+
+def _training_phase_terms(
+    spec: ModelSpec, counts: ParameterCount, layout: Layout, role: NodeRole
+) -> list[Term]:
+    """Host bytes that exist only while training (vLLM asleep): vLLM's level-1 sleep backup
+    of its weight shards, and rank 0's final model (with its reload) or gathered HF save."""
+    terms: list[Term] = []
     if layout.hybrid and layout.vllm_sleep_level == 1 and role.rollout_gpus:
         tp = layout.vllm_tensor_parallel_size
         backup = role.rollout_gpus * rollout_weight_bytes(counts, layout.rollout_dtype) / tp
-        training_phase += backup
         terms.append(
             Term(
                 "vllm_sleep_backup",
@@ -146,48 +182,38 @@ def host_node_terms(
             )
         )
     if role.holds_rank0 and layout.final_model_on_rank0:
-        final = 2 * layout.weight_bytes * counts.total
-        training_phase += final
         terms.append(
             Term(
                 "final_model",
                 "final model whole on rank 0, and its reload (merge check)",
-                Bounds.exact(final),
+                Bounds.exact(2 * layout.weight_bytes * counts.total),
                 "add host memory to node 0",
             )
         )
     elif role.holds_rank0:
         saved = trainable_parameters(spec, counts, layout) if layout.lora_rank else counts.total
-        gathered = HF_SAVE_BYTES_PER_PARAM * saved
-        training_phase += gathered
         terms.append(
             Term(
                 "hf_save_gather",
                 "HF save: full bf16 state dict gathered on rank 0",
-                Bounds.exact(gathered),
+                Bounds.exact(HF_SAVE_BYTES_PER_PARAM * saved),
                 "add host memory to node 0",
             )
         )
-    parked = t * gpu_resident_per_rank
-    if layout.hybrid and layout.deepspeed_enable_sleep and parked.high > training_phase:
-        # Parked only while vLLM is awake, when there is no sleep backup and no HF save:
-        # the node's peak holds the larger of the two phases, so only the excess counts.
-        terms.append(
-            Term(
-                "training_sleep",
-                "training state parked while vLLM is awake (beyond the above)",
-                Bounds(
-                    max(0.0, parked.low - training_phase),
-                    max(0.0, parked.expected - training_phase),
-                    max(0.0, parked.high - training_phase),
-                ),
-                "non-hybrid (training states then stay on their GPUs)",
-            )
-        )
+    return terms
+
+
+def _load_and_process_terms(
+    spec: ModelSpec, counts: ParameterCount, layout: Layout, role: NodeRole, above: list[Term]
+) -> list[Term]:
+    """A whole-model load's host copies beyond the terms ``above``, and the processes' own
+    RSS (each training rank and each vLLM worker is its own process, hybrid or not)."""
+    t = role.training_ranks
+    terms: list[Term] = []
     if layout.whole_model_load and t:
         # each local rank's from_pretrained reads the whole model on the host first
         load = t * layout.weight_bytes * loaded_parameters(spec, counts, layout)
-        training_low = sum(term.bytes.low for term in terms)
+        training_low = sum(term.bytes.low for term in above)
         if load > training_low:
             terms.append(
                 Term(
@@ -197,7 +223,7 @@ def host_node_terms(
                     "load partitioned (DeepSpeed ZeRO-3 builds the model under zero.Init)",
                 )
             )
-    processes = t + role.rollout_gpus  # a vLLM worker is its own process, hybrid or not
+    processes = t + role.rollout_gpus
     if processes:
         rss = GPU_PROCESS_RSS_GIB if layout.device == "cuda" else CPU_PROCESS_RSS_GIB
         terms.append(

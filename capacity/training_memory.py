@@ -178,76 +178,16 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
     """
     w = layout.weight_bytes
     share = rank_share(spec, counts, layout)
-    zero = layout.trainer.zero
     lora = layout.lora_rank > 0
-    sharded = _sharded(layout)
-    terms: list[Term] = []
-    if not layout.param_offload and lora:
-        # LoRA: the base is frozen (no gradients, no optimizer state); only the adapter trains
-        terms.append(
-            Term(
-                "weights",
-                f"frozen base ({layout.dtype}, {format_count(share.weights)} params, "
-                "no grads/optimizer state)",
-                Bounds.exact(w * share.weights),
-                "zero_stage=3 (splits the base over the training GPUs)",
-            )
-        )
-        terms.append(
-            Term(
-                "adapter",
-                f"LoRA adapter (r={layout.lora_rank}"
-                f"{', experts' if layout.lora_experts else ''}, "
-                f"{format_count(share.adapter)} params on this rank)",
-                Bounds.exact(w * share.adapter),
-                "lower lora_rank",
-            )
-        )
-    elif not layout.param_offload:
-        terms.append(
-            Term(
-                "weights",
-                f"weights ({layout.dtype}, {format_count(share.weights)} params on this rank)",
-                Bounds.exact(w * share.weights),
-                "add training nodes (ZeRO-3 / EP split weights over more GPUs)",
-            )
-        )
-    if zero and layout.adam_offload and layout.training_gpus > 1:
-        # DeepSpeed sizes the bucket to what there is to reduce, at most reduce_bucket_size.
-        bucket = min(layout.reduce_bucket_size, trainable_parameters(spec, counts, layout)) * w
-        terms.append(
-            Term(
-                "gradients",
-                "gradient reduce buckets (gradients stream to the host)",
-                Bounds(0.5 * bucket, bucket, 2 * bucket),
-            )
-        )
-    elif zero:
-        terms.append(
-            Term(
-                "gradients",
-                f"{'adapter ' if lora else ''}gradients ({layout.dtype}, "
-                f"ZeRO-{layout.zero_stage}{sharded['gradients']})",
-                Bounds.exact(w * share.trainable),
-                "zero_stage=3 or add training nodes",
-            )
-        )
-    else:
-        terms.append(
-            Term(
-                "gradients",
-                "gradient buffer (param dtype; fp32 if grad_reduce_in_fp32)",
-                Bounds(w * share.trainable, w * share.trainable, 4 * share.trainable),
-                "raise expert_parallel / tensor_parallel",
-            )
-        )
+    terms = _weight_terms(layout, share) + [_gradient_term(spec, counts, layout, share)]
     if not layout.adam_offload:
         optimizer = optimizer_bytes_per_param(layout) * share.optimizer
         terms.append(
             Term(
                 "optimizer",
                 f"{'adapter ' if lora else ''}optimizer states "
-                f"({optimizer_bytes_per_param(layout)} B/trainable param{sharded['optimizer']})",
+                f"({optimizer_bytes_per_param(layout)} B/trainable param"
+                f"{_sharded(layout)['optimizer']})",
                 Bounds.exact(optimizer),
                 "adam_offload=true, or add training nodes",
             )
@@ -263,6 +203,70 @@ def gpu_resident_state(spec: ModelSpec, counts: ParameterCount, layout: Layout) 
             )
         )
     return terms
+
+
+def _weight_terms(layout: Layout, share: RankShare) -> list[Term]:
+    """The rank's weights on its GPU (none under parameter offload): the frozen base and the
+    adapter under LoRA, else the trained weights."""
+    w = layout.weight_bytes
+    if layout.param_offload:
+        return []
+    if layout.lora_rank > 0:  # the base is frozen (no gradients, no optimizer state)
+        return [
+            Term(
+                "weights",
+                f"frozen base ({layout.dtype}, {format_count(share.weights)} params, "
+                "no grads/optimizer state)",
+                Bounds.exact(w * share.weights),
+                "zero_stage=3 (splits the base over the training GPUs)",
+            ),
+            Term(
+                "adapter",
+                f"LoRA adapter (r={layout.lora_rank}"
+                f"{', experts' if layout.lora_experts else ''}, "
+                f"{format_count(share.adapter)} params on this rank)",
+                Bounds.exact(w * share.adapter),
+                "lower lora_rank",
+            ),
+        ]
+    return [
+        Term(
+            "weights",
+            f"weights ({layout.dtype}, {format_count(share.weights)} params on this rank)",
+            Bounds.exact(w * share.weights),
+            "add training nodes (ZeRO-3 / EP split weights over more GPUs)",
+        )
+    ]
+
+
+def _gradient_term(
+    spec: ModelSpec, counts: ParameterCount, layout: Layout, share: RankShare
+) -> Term:
+    """The rank's gradients: DeepSpeed's reduce buckets when they stream to the host (adam
+    offload), its ZeRO shard otherwise; Megatron's gradient buffer."""
+    w = layout.weight_bytes
+    if layout.trainer.zero and layout.adam_offload and layout.training_gpus > 1:
+        # DeepSpeed sizes the bucket to what there is to reduce, at most reduce_bucket_size.
+        bucket = min(layout.reduce_bucket_size, trainable_parameters(spec, counts, layout)) * w
+        return Term(
+            "gradients",
+            "gradient reduce buckets (gradients stream to the host)",
+            Bounds(0.5 * bucket, bucket, 2 * bucket),
+        )
+    if layout.trainer.zero:
+        return Term(
+            "gradients",
+            f"{'adapter ' if layout.lora_rank > 0 else ''}gradients ({layout.dtype}, "
+            f"ZeRO-{layout.zero_stage}{_sharded(layout)['gradients']})",
+            Bounds.exact(w * share.trainable),
+            "zero_stage=3 or add training nodes",
+        )
+    return Term(
+        "gradients",
+        "gradient buffer (param dtype; fp32 if grad_reduce_in_fp32)",
+        Bounds(w * share.trainable, w * share.trainable, 4 * share.trainable),
+        "raise expert_parallel / tensor_parallel",
+    )
 
 
 def _sharded(layout: Layout) -> dict[str, str]:

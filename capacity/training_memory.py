@@ -307,45 +307,7 @@ def training_rank_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout)
                 "megatron backend with expert_parallel (splits each layer's experts)",
             ),
         )
-    shards = layout.tensor_parallel if layout.trainer.model_parallel else 1
-    layers = spec.num_layers
-    tokens = layout.micro_train_batch_size * layout.sequence_length
-    eager = layout.attn_implementation == "eager"
-    kept = activation_bytes(
-        spec,
-        a=w,
-        tokens=tokens,
-        seq_len=layout.sequence_length,
-        layers=layers,
-        eager=eager,
-        checkpointing=layout.gradient_checkpointing,
-        shards=shards,
-    )
-    what = "checkpointed layer inputs" if layout.gradient_checkpointing else "all layers"
-    terms.append(
-        Term(
-            "activations",
-            f"activations ({what}, {tokens} tokens)",
-            kept,
-            "gradient_checkpointing=true, lower micro_train_batch_size, shorter generate_max_len",
-        )
-    )
-    peak = logits_bytes(spec, a=w, tokens=tokens, shards=shards)
-    label = f"logits + fp32 log-probs (vocab {spec.vocab_size})"
-    if layout.gradient_checkpointing:
-        recompute = recomputed_layer_bytes(
-            spec, a=w, tokens=tokens, seq_len=layout.sequence_length, eager=eager, shards=shards
-        )
-        peak = peak.maximum(recompute)
-        label = "backward peak: logits + log-probs, or one recomputed layer"
-    terms.append(
-        Term(
-            "logits",
-            label,
-            peak,
-            "lower micro_train_batch_size or shorter generate_max_len (tokens × vocab)",
-        )
-    )
+    terms += _step_terms(spec, layout)
     if layout.device == "cuda":
         subtotal = ZERO
         for term in terms:
@@ -363,3 +325,45 @@ def training_rank_terms(spec: ModelSpec, counts: ParameterCount, layout: Layout)
             )
         )
     return terms
+
+
+def _step_terms(spec: ModelSpec, layout: Layout) -> list[Term]:
+    """What one micro-batch's forward and backward hold: the activations kept for the backward
+    and its peak (the logits and fp32 log-probs, or one recomputed layer)."""
+    w = layout.weight_bytes
+    shards = layout.tensor_parallel if layout.trainer.model_parallel else 1
+    tokens = layout.micro_train_batch_size * layout.sequence_length
+    eager = layout.attn_implementation == "eager"
+    kept = activation_bytes(
+        spec,
+        a=w,
+        tokens=tokens,
+        seq_len=layout.sequence_length,
+        layers=spec.num_layers,
+        eager=eager,
+        checkpointing=layout.gradient_checkpointing,
+        shards=shards,
+    )
+    what = "checkpointed layer inputs" if layout.gradient_checkpointing else "all layers"
+    peak = logits_bytes(spec, a=w, tokens=tokens, shards=shards)
+    label = f"logits + fp32 log-probs (vocab {spec.vocab_size})"
+    if layout.gradient_checkpointing:
+        recompute = recomputed_layer_bytes(
+            spec, a=w, tokens=tokens, seq_len=layout.sequence_length, eager=eager, shards=shards
+        )
+        peak = peak.maximum(recompute)
+        label = "backward peak: logits + log-probs, or one recomputed layer"
+    return [
+        Term(
+            "activations",
+            f"activations ({what}, {tokens} tokens)",
+            kept,
+            "gradient_checkpointing=true, lower micro_train_batch_size, shorter generate_max_len",
+        ),
+        Term(
+            "logits",
+            label,
+            peak,
+            "lower micro_train_batch_size or shorter generate_max_len (tokens × vocab)",
+        ),
+    ]

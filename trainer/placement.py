@@ -204,56 +204,7 @@ def plan_placement(
             tile the ranks.
     """
     rollout = rollout or RolloutEngines()
-    counts = {"nodes": nodes, "gpus_per_node": gpus_per_node, "rollout tp": rollout.tp}
-    problems = [f"{name}={value} must be ≥ 1" for name, value in counts.items() if value < 1]
-    if sizes.dp is None:
-        problems.append(
-            "the parallel sizes have no dp: fit them to the training processes first "
-            "(ParallelSizes.for_world)"
-        )
-    if problems:
-        raise PlacementError("; ".join(problems))
-    train = sizes.tp * sizes.pp * sizes.cp * sizes.dp
-    total = nodes * gpus_per_node
-    problems += sizes.problems(train, "training processes")
-    if gpus_per_node % sizes.tp:
-        problems.append(
-            f"training TP {sizes.tp} does not divide gpus_per_node {gpus_per_node}: a TP group "
-            "would cross nodes"
-        )
-    if gpus_per_node % rollout.tp:
-        problems.append(
-            f"rollout TP {rollout.tp} does not divide gpus_per_node {gpus_per_node}: an "
-            "engine would cross nodes"
-        )
-    if rollout.colocate:
-        dedicated = 0
-        if rollout.dedicated:
-            problems.append(
-                f"rollout_engines={rollout.dedicated} is for dedicated GPUs; colocated "
-                "runs have one engine per rollout-TP group of training processes"
-            )
-        if train % rollout.tp:
-            problems.append(
-                f"{train} training processes are not a multiple of rollout TP "
-                f"{rollout.tp} (colocated engines tile the training GPUs)"
-            )
-    else:
-        dedicated = rollout.dedicated * rollout.tp
-        if rollout.dedicated < 1:
-            problems.append("dedicated rollout GPUs (colocate=false) need rollout_engines ≥ 1")
-        if train % rollout.tp:
-            problems.append(
-                f"{train} training processes are not a multiple of rollout TP "
-                f"{rollout.tp}: the first dedicated engine would cross a node"
-            )
-    if train + dedicated > total:
-        problems.append(
-            f"{train} training + {dedicated} rollout GPUs > {nodes} nodes × {gpus_per_node} = "
-            f"{total}"
-        )
-    if problems:
-        raise PlacementError("cannot place the run: " + "; ".join(problems))
+    train, dedicated = _check_placement(nodes, gpus_per_node, sizes, rollout)
 
     def device(rank: int) -> Device:
         return Device(rank // gpus_per_node, rank % gpus_per_node)
@@ -288,6 +239,71 @@ def plan_placement(
     )
     tp_groups = tuple(tuple(range(start, start + sizes.tp)) for start in range(0, train, sizes.tp))
     return PlacementPlan(nodes, gpus_per_node, sizes, rollout, tuple(processes), engines, tp_groups)
+
+
+def _check_placement(
+    nodes: int, gpus_per_node: int, sizes: ParallelSizes, rollout: RolloutEngines
+) -> tuple[int, int]:
+    """The training processes and dedicated rollout GPUs of a placement that fits, or a
+    ``PlacementError`` naming every reason it does not (``plan_placement``'s Raises)."""
+    counts = {"nodes": nodes, "gpus_per_node": gpus_per_node, "rollout tp": rollout.tp}
+    problems = [f"{name}={value} must be ≥ 1" for name, value in counts.items() if value < 1]
+    if sizes.dp is None:
+        problems.append(
+            "the parallel sizes have no dp: fit them to the training processes first "
+            "(ParallelSizes.for_world)"
+        )
+    if problems:
+        raise PlacementError("; ".join(problems))
+    train = sizes.tp * sizes.pp * sizes.cp * sizes.dp
+    total = nodes * gpus_per_node
+    problems += sizes.problems(train, "training processes")
+    if gpus_per_node % sizes.tp:
+        problems.append(
+            f"training TP {sizes.tp} does not divide gpus_per_node {gpus_per_node}: a TP group "
+            "would cross nodes"
+        )
+    if gpus_per_node % rollout.tp:
+        problems.append(
+            f"rollout TP {rollout.tp} does not divide gpus_per_node {gpus_per_node}: an "
+            "engine would cross nodes"
+        )
+    dedicated = 0 if rollout.colocate else rollout.dedicated * rollout.tp
+    problems += _engine_problems(train, rollout)
+    if train + dedicated > total:
+        problems.append(
+            f"{train} training + {dedicated} rollout GPUs > {nodes} nodes × {gpus_per_node} = "
+            f"{total}"
+        )
+    if problems:
+        raise PlacementError("cannot place the run: " + "; ".join(problems))
+    return train, dedicated
+
+
+def _engine_problems(train: int, rollout: RolloutEngines) -> list[str]:
+    """Why the rollout engines do not tile ``train`` training processes (colocated) or fill
+    GPUs of their own (dedicated)."""
+    problems = []
+    if rollout.colocate:
+        if rollout.dedicated:
+            problems.append(
+                f"rollout_engines={rollout.dedicated} is for dedicated GPUs; colocated "
+                "runs have one engine per rollout-TP group of training processes"
+            )
+        if train % rollout.tp:
+            problems.append(
+                f"{train} training processes are not a multiple of rollout TP "
+                f"{rollout.tp} (colocated engines tile the training GPUs)"
+            )
+        return problems
+    if rollout.dedicated < 1:
+        problems.append("dedicated rollout GPUs (colocate=false) need rollout_engines ≥ 1")
+    if train % rollout.tp:
+        problems.append(
+            f"{train} training processes are not a multiple of rollout TP "
+            f"{rollout.tp}: the first dedicated engine would cross a node"
+        )
+    return problems
 
 
 def grpo_sizes(cfg: GRPOConfig, training: int) -> ParallelSizes:

@@ -295,21 +295,7 @@ def pytorchjob_pods(job: dict) -> list[ExpandedPod]:
     total = sum(int(r.get("replicas", 1)) for r in replicas.values())
     nproc = str(spec.get("nprocPerNode") or "auto")
     world = total * (int(nproc) if nproc.isdigit() else 1)
-    master_env: list[dict] = []
-    if "Master" in replicas:
-        containers = replicas["Master"]["template"]["spec"]["containers"]
-        ports = next((c.get("ports") or [] for c in containers if c["name"] == "pytorch"), [])
-        port = next(
-            (p["containerPort"] for p in ports if p.get("name") == PYTORCHJOB_PORT_NAME),
-            PYTORCHJOB_DEFAULT_PORT,
-        )
-        addr = f"{name}-master-0"
-        master_env = [
-            {"name": "MASTER_PORT", "value": str(port)},
-            {"name": "PET_MASTER_PORT", "value": str(port)},
-            {"name": "MASTER_ADDR", "value": addr},
-            {"name": "PET_MASTER_ADDR", "value": addr},
-        ]
+    master_env = _pytorchjob_master_env(name, replicas)
     pods = []
     for rtype in ("Master", "Worker"):
         if rtype not in replicas:
@@ -351,6 +337,26 @@ def pytorchjob_pods(job: dict) -> list[ExpandedPod]:
                 )
             )  # fmt: skip
     return pods
+
+
+def _pytorchjob_master_env(name: str, replicas: dict) -> list[dict]:
+    """The Master's address and port as every replica's env gets them (none without a
+    Master): the Master's ``pytorchjob-port``, 23456 by default."""
+    if "Master" not in replicas:
+        return []
+    containers = replicas["Master"]["template"]["spec"]["containers"]
+    ports = next((c.get("ports") or [] for c in containers if c["name"] == "pytorch"), [])
+    port = next(
+        (p["containerPort"] for p in ports if p.get("name") == PYTORCHJOB_PORT_NAME),
+        PYTORCHJOB_DEFAULT_PORT,
+    )
+    addr = f"{name}-master-0"
+    return [
+        {"name": "MASTER_PORT", "value": str(port)},
+        {"name": "PET_MASTER_PORT", "value": str(port)},
+        {"name": "MASTER_ADDR", "value": addr},
+        {"name": "PET_MASTER_ADDR", "value": addr},
+    ]
 
 
 PRIMARY_POD_RULE = {JOB_INDEX_LABEL: "0", COMPLETION_INDEX_LABEL: "0"}

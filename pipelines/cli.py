@@ -415,14 +415,7 @@ def serve(
     and the `lingo eval` command that scores it (through /v1/completions for a gpt-oss model
     with its own tokenizer, which vLLM's chat cannot render); run until interrupted (Ctrl-C or
     SIGTERM: the server is stopped with it)."""
-    from pipelines.serve_local import (
-        chat_api_problem,
-        resolve_model,
-        server_command,
-        start_server,
-        terminate_as_interrupt,
-        vllm_python,
-    )
+    from pipelines.serve_local import chat_api_problem, resolve_model, server_command, vllm_python
 
     folder = resolve_model(model, cache_dir)
     if folder != Path(model):
@@ -445,9 +438,19 @@ def serve(
         cpu=not torch.cuda.is_available(),
         dtype="auto" if torch.cuda.is_available() else "float32",
     )
-    base = f"http://{host}:{port}/v1"
-    echo(f"starting vLLM on {model} (log: {log_file}) …")
     api = "chat" if problem is None else "completions"
+    _serve_until_stopped(model, command, f"http://{host}:{port}/v1", name, log_file, api)
+
+
+def _serve_until_stopped(
+    model: str, command: list[str], base: str, name: str, log_file: Path, api: str
+) -> None:
+    """Start the server, print its endpoint and the command that scores it, and wait until it
+    ends or is interrupted (Ctrl-C or SIGTERM: the server is stopped with it); exit 1 when it
+    did not start or ended with an error."""
+    from pipelines.serve_local import start_server, terminate_as_interrupt
+
+    echo(f"starting vLLM on {model} (log: {log_file}) …")
     server = None
     with terminate_as_interrupt():
         try:  # interrupted while it starts, start_server stops the process it started
@@ -964,7 +967,7 @@ def setup(
     variables are set here (S3, MLflow, Hugging Face: all optional)."""
     import os
 
-    from cluster.setup import SecretSource, describe_secret, setup_plan
+    from cluster.setup import SecretSource, setup_plan
     from components.images import GPU_IMAGE
     from pipelines.platform import get_platform
     from pipelines.presets import training_runtime
@@ -987,14 +990,7 @@ def setup(
     sources = [SecretSource(s.secret_name, s.key_to_env, s.steps) for s in platform.secrets]
     plan = setup_plan(namespace, service_account, runtime, workspace, sources, os.environ)
     if dry_run:
-        from cluster.pytorchjob import manifest_yaml
-
-        documents = [manifest_yaml(m) for m in plan.manifests() if m["kind"] != "Secret"]
-        comments = [describe_secret(m) for m in plan.namespaced if m["kind"] == "Secret"]
-        comments += [f"# {line}" for line in plan.skipped]
-        typer.echo(SETUP_HEADER + "---\n".join(documents), nl=False)
-        for line in comments:
-            echo(line)
+        _print_setup(plan)
         return
     from cluster.setup import apply_plan
 
@@ -1005,6 +1001,20 @@ def setup(
         echo(f"error: {line}", err=True)
     if failed:
         raise typer.Exit(1)
+
+
+def _print_setup(plan) -> None:
+    """``lingo setup --dry-run``: the plan's manifests as YAML documents, its Secrets as
+    comments that name their keys (never their values), and what it would skip."""
+    from cluster.pytorchjob import manifest_yaml
+    from cluster.setup import describe_secret
+
+    documents = [manifest_yaml(m) for m in plan.manifests() if m["kind"] != "Secret"]
+    comments = [describe_secret(m) for m in plan.namespaced if m["kind"] == "Secret"]
+    comments += [f"# {line}" for line in plan.skipped]
+    typer.echo(SETUP_HEADER + "---\n".join(documents), nl=False)
+    for line in comments:
+        echo(line)
 
 
 def _context_namespace(fallback: str | None = None) -> str:

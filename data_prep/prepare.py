@@ -166,29 +166,48 @@ def prepare_dataset(
         with (work / "duplicates").open("rb", buffering=IO_BUFFER) as dups:
             shutil.copyfileobj(dups, quarantine)  # after the bad rows, as they were found
         _count_statistics(report, kept, eval_rows)
-        if config.augment_factor == "auto" and not config.synthetic_per_row:
-            log.info("augment_factor auto: %s is not the bundled sample, no synthetic rows",
-                     config.source)  # fmt: skip
-        if config.synthetic_per_row:
-            train.flush()
-            report.synthetic_rows = append_synthetic(
-                outputs.temp_path(train_path), train, config.synthetic_per_row, config.seed,
-                config.reasoning_effort,
-            )  # fmt: skip
-        if config.question_sets:
-            try:
-                questions = append_question_prompts(
-                    config.question_sets, train, quarantine, config.reasoning_effort,
-                    config.max_field_chars,
-                )  # fmt: skip
-            except QuestionSetError as exc:
-                _fail(exc, outputs, quarantine_path, (train_path, eval_path, card_path))
-            report.prompt_only_rows = questions.kept
-            report.question_rows_bad = questions.bad
-            report.prompt_only_by_language.update(questions.by_language)
+        paths = (train_path, eval_path, quarantine_path, card_path)
+        _append_added_rows(config, report, outputs, train, quarantine, paths)
         if card_path is not None:
             outputs.open(card_path).write(render_card(config, report).encode())
         outputs.commit()  # every output appears at once
+    _log_report(report)
+    return report
+
+
+def _append_added_rows(
+    config: DataPrepConfig, report: DataPrepReport, outputs: PendingFiles, train, quarantine, paths
+) -> None:
+    """After the source's rows: the synthetic rows (``synthetic_per_row``) and the question
+    sets' prompt-only rows (their bad rows to the quarantine), counted in ``report``.
+
+    ``paths``: the train, eval, quarantine and card paths (a question set that fails fails the
+    step as ``_fail`` does)."""
+    train_path, eval_path, quarantine_path, card_path = paths
+    if config.augment_factor == "auto" and not config.synthetic_per_row:
+        log.info("augment_factor auto: %s is not the bundled sample, no synthetic rows",
+                 config.source)  # fmt: skip
+    if config.synthetic_per_row:
+        train.flush()
+        report.synthetic_rows = append_synthetic(
+            outputs.temp_path(train_path), train, config.synthetic_per_row, config.seed,
+            config.reasoning_effort,
+        )  # fmt: skip
+    if config.question_sets:
+        try:
+            questions = append_question_prompts(
+                config.question_sets, train, quarantine, config.reasoning_effort,
+                config.max_field_chars,
+            )  # fmt: skip
+        except QuestionSetError as exc:
+            _fail(exc, outputs, quarantine_path, (train_path, eval_path, card_path))
+        report.prompt_only_rows = questions.kept
+        report.question_rows_bad = questions.bad
+        report.prompt_only_by_language.update(questions.by_language)
+
+
+def _log_report(report: DataPrepReport) -> None:
+    """The data fingerprint and the step's counts, in the log."""
     log.info("data fingerprint %s", report.fingerprint.sha256)
     log.info(
         "data prep: %d rows read, %d train (+%d synthetic, +%d prompt-only from question sets), "
@@ -201,7 +220,6 @@ def prepare_dataset(
         report.quarantined,
         report.rows_duplicate,
     )
-    return report
 
 
 def _fail(failure: Exception, outputs: PendingFiles, quarantine_path, stale_paths) -> None:

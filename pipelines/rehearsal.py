@@ -529,13 +529,6 @@ def rehearse(
 ) -> RehearsalReport:
     """Run ``preset_name``'s compiled pipeline as a cluster would, on this machine (its
     cluster serving ``job_api``: ``trainjob`` or ``pytorchjob``)."""
-    from google.protobuf import json_format
-    from kfp import local
-    from kfp.local import pipeline_orchestrator
-    from kfp.pipeline_spec import pipeline_spec_pb2
-
-    from cluster.local_cluster import LocalCluster
-    from components.images import GPU_IMAGE
     from core.tracking import local_store_uri
 
     started = time.monotonic()
@@ -567,9 +560,46 @@ def rehearse(
             "no cluster Secrets here",
         )  # fmt: skip
     )
-    pythons = image_pythons()
     trainer = branch_trainer(preset)
-    if trainer.image == "megatron":  # its TE layers and CUDA: a CPU stand-in
+    pythons = image_pythons()
+    subs += _image_substitutions(pythons, trainer.image == "megatron", output_dir)
+    subs.append(
+        Substitution(
+            "CPU threads",
+            "OMP_NUM_THREADS as each job pod's spec sets it (its CPU request over its ranks)",
+            f"the same value, each process held to {POD_THREAD_LIMIT} thread (OMP_THREAD_LIMIT)",
+            "a node's ranks sized for its CPUs (8 × 22 threads) wait on each other's threads "
+            "at every parallel region on a few cores; the OMP check reads the spec's value",
+        )
+    )
+    runner, pods, expanded, static = _run_on_local_cluster(
+        preset, (spec, platform, arguments, configs), output_dir, pythons, secrets, job_api, subs
+    )
+    ran = {r.task for r in runner.records}
+    not_run = sorted(
+        label.removeprefix("exec-") for label in spec["deploymentSpec"]["executors"]
+        if label.removeprefix("exec-") not in ran
+    )  # fmt: skip
+    checks = [
+        omp_check(pods, static),
+        primary_pod_check({**static, **expanded}),
+        mismatch_gate_check(preset, workspace, ran),
+    ]
+    if trainer.needs_conversion:
+        checks.insert(0, conversion_check(spec, platform, configs, output_dir / "kfp"))
+    return RehearsalReport(
+        preset.name, preset.backend, runner.records, not_run, pods, checks, subs, output_dir,
+        time.monotonic() - started,
+    )  # fmt: skip
+
+
+def _image_substitutions(
+    pythons: dict[str, str], megatron: bool, output_dir: Path
+) -> list[Substitution]:
+    """Each image's Python environment on this machine (``pythons``: image → Python, which the
+    Megatron image's CPU stand-in joins when the branch trains on Megatron)."""
+    subs = []
+    if megatron:  # its TE layers and CUDA: a CPU stand-in
         from components.images import MEGATRON_IMAGE
 
         pythons[MEGATRON_IMAGE] = str(megatron_cpu_python(output_dir))
@@ -582,23 +612,38 @@ def rehearse(
                 "TE and CUDA need a GPU; each patch says why it cannot change a number",
             )
         )
-    subs += [
+    return subs + [
         Substitution("image", image, python, "the image's Python environment on this machine")
         for image, python in pythons.items()
     ]
+
+
+def _run_on_local_cluster(
+    preset: Preset,
+    compiled: tuple[dict, dict, dict, dict],
+    output_dir: Path,
+    pythons: dict[str, str],
+    secrets: dict,
+    job_api: str,
+    subs: list[Substitution],
+):
+    """Run the compiled pipeline (``compile_rehearsal``'s spec, platform, arguments and
+    configs) with kfp.local, each task as its pod, on a local cluster serving ``job_api``
+    (its Kubernetes API substitution joins ``subs``). The pod runner, the pods the cluster
+    ran, the jobs it expanded, and the pods each training step's job would make."""
+    from google.protobuf import json_format
+    from kfp import local
+    from kfp.local import pipeline_orchestrator
+    from kfp.pipeline_spec import pipeline_spec_pb2
+
+    from cluster.local_cluster import LocalCluster
+    from components.images import GPU_IMAGE
+
+    spec, platform, arguments, configs = compiled
     controllers = {
         "trainjob": "Trainer v2.3.0 and JobSet controllers",
         "pytorchjob": "Training Operator v1.9.0 (PyTorchJob) controller",
     }[job_api]
-    subs.append(
-        Substitution(
-            "CPU threads",
-            "OMP_NUM_THREADS as each job pod's spec sets it (its CPU request over its ranks)",
-            f"the same value, each process held to {POD_THREAD_LIMIT} thread (OMP_THREAD_LIMIT)",
-            "a node's ranks sized for its CPUs (8 × 22 threads) wait on each other's threads "
-            "at every parallel region on a few cores; the OMP check reads the spec's value",
-        )
-    )
     with LocalCluster(
         output_dir / "cluster", pythons, secrets, REPO_ROOT, "default", job_apis=(job_api,),
         thread_limit=POD_THREAD_LIMIT,
@@ -633,22 +678,7 @@ def rehearse(
         pods = list(cluster.pods)
         expanded = dict(cluster.expanded)
         static = static_job_pods(preset, configs, cluster, job_api)
-    ran = {r.task for r in runner.records}
-    not_run = sorted(
-        label.removeprefix("exec-") for label in spec["deploymentSpec"]["executors"]
-        if label.removeprefix("exec-") not in ran
-    )  # fmt: skip
-    checks = [
-        omp_check(pods, static),
-        primary_pod_check({**static, **expanded}),
-        mismatch_gate_check(preset, workspace, ran),
-    ]
-    if trainer.needs_conversion:
-        checks.insert(0, conversion_check(spec, platform, configs, output_dir / "kfp"))
-    return RehearsalReport(
-        preset.name, preset.backend, runner.records, not_run, pods, checks, subs, output_dir,
-        time.monotonic() - started,
-    )  # fmt: skip
+    return runner, pods, expanded, static
 
 
 def rehearsal_runtime(configs: dict, image: str) -> dict:

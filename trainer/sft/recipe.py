@@ -135,30 +135,15 @@ def run_sft(
 
     tokenizer = load_tokenizer(base_model)
     dtype = resolve_dtype(cfg.dtype, info.device)
-    # under ZeRO-3 built partitioned: no rank ever holds the whole model (GRPO loads the same)
-    model, ds_config = load_training_model(
-        base_model, dtype, cfg.optim, info, cfg.micro_batch_size, cfg.gradient_accumulation_steps
-    )
+    model, ds_config = _training_model(cfg, base_model, dtype, info)
     vocab_size = model.config.vocab_size  # the loss of a uniform guess is ln(vocab_size)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    model = apply_lora(model, cfg.lora)
 
     train, stats = load_examples(train_path, tokenizer, cfg.max_seq_len, cfg.overlong)
     evals = (
         load_examples(eval_path, tokenizer, cfg.max_seq_len, cfg.overlong)[0] if eval_path else []
     )
     evals = evals[: cfg.eval_max_examples]
-    lengths = [len(e.input_ids) for e in train]
-    per_step = cfg.gradient_accumulation_steps * info.world_size
-    steps_per_epoch = len(micro_batches(lengths, cfg.micro_batch_size, cfg.seed, 0)) // per_step
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"{train_path}: {len(train)} examples are fewer than one global batch "
-            f"(micro_batch_size {cfg.micro_batch_size} × gradient_accumulation_steps "
-            f"{cfg.gradient_accumulation_steps} × {info.world_size} processes)"
-        )
+    steps_per_epoch = _steps_per_epoch(cfg, train, info.world_size, train_path)
     max_steps = cfg.max_steps or math.ceil(cfg.num_epochs * steps_per_epoch)
 
     backend = make_backend(
@@ -178,14 +163,7 @@ def run_sft(
         "train_data": file_fingerprint(train_path),
         "eval_data": file_fingerprint(eval_path),
     }
-    guard = DivergenceGuard(
-        "SFT",
-        checkpoints,
-        info,
-        cfg.optim.max_zero_grad_steps,
-        uniform_loss=math.log(vocab_size),
-        max_loss_spike=cfg.optim.max_loss_spike,
-    )
+    guard = _divergence_guard(cfg, checkpoints, info, vocab_size)
     start_step = SFTState.from_json(resume(checkpoints, backend, info, run_config, guard)).step
 
     with (
@@ -195,14 +173,9 @@ def run_sft(
         # training by epochs, ``epoch`` counts them; by steps, the run is one planned epoch
         planned_epochs = cfg.num_epochs if not cfg.max_steps else 1.0
         writer = MetricsWriter(
-            work_dir / METRICS_FILE,
-            max_steps,
-            planned_epochs,
-            info.is_main,
-            start_step,
-            run,
+            work_dir / METRICS_FILE, max_steps, planned_epochs, info.is_main, start_step, run,
             progress,
-        )
+        )  # fmt: skip
         sft_run = _SFTRun(
             cfg, info, backend, train, evals, tokenizer.pad_token_id, checkpoints, run_config, guard
         )
@@ -216,32 +189,84 @@ def run_sft(
         merge = merge_and_save(
             final.cpu(), tokenizer, prompts[: cfg.merge_check_prompts], model_output
         )
-        lines = read_metrics(work_dir / METRICS_FILE)
-        plot = plot_metrics(
-            work_dir / METRICS_FILE,
-            work_dir / "loss.png",
-            ["loss", "eval_loss", "learning_rate", "grad_norm"],
-            "SFT",
+        return _write_result(work_dir, model_output, max_steps, stats, merge, run is not None)
+
+
+def _divergence_guard(cfg: SFTConfig, checkpoints: Path, info, vocab_size: int):
+    """SFT's divergence guard: stops after ``max_zero_grad_steps`` steps with a zero gradient
+    or on a loss spike (a uniform guess's loss, ln(vocab_size), is its scale)."""
+    return DivergenceGuard(
+        "SFT",
+        checkpoints,
+        info,
+        cfg.optim.max_zero_grad_steps,
+        uniform_loss=math.log(vocab_size),
+        max_loss_spike=cfg.optim.max_loss_spike,
+    )
+
+
+def _training_model(cfg: SFTConfig, base_model: str | Path, dtype: torch.dtype, info):
+    """The model SFT trains and its DeepSpeed config: under ZeRO-3 built partitioned (no rank
+    ever holds the whole model; GRPO loads the same), gradient checkpointing as configured,
+    the LoRA adapter on it when ``cfg.lora`` asks."""
+    model, ds_config = load_training_model(
+        base_model, dtype, cfg.optim, info, cfg.micro_batch_size, cfg.gradient_accumulation_steps
+    )
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return apply_lora(model, cfg.lora), ds_config
+
+
+def _steps_per_epoch(cfg: SFTConfig, train: list, world_size: int, train_path) -> int:
+    """Optimizer steps in one pass over ``train`` (its micro-batches over the processes and
+    the accumulation).
+
+    Raises:
+        ValueError: fewer examples than one global batch (named with its sizes)."""
+    lengths = [len(e.input_ids) for e in train]
+    per_step = cfg.gradient_accumulation_steps * world_size
+    steps = len(micro_batches(lengths, cfg.micro_batch_size, cfg.seed, 0)) // per_step
+    if steps == 0:
+        raise ValueError(
+            f"{train_path}: {len(train)} examples are fewer than one global batch "
+            f"(micro_batch_size {cfg.micro_batch_size} × gradient_accumulation_steps "
+            f"{cfg.gradient_accumulation_steps} × {world_size} processes)"
         )
-        losses = [m["loss"] for m in lines if m.get("loss") is not None]
-        eval_losses = [m["eval_loss"] for m in lines if m.get("eval_loss") is not None]
-        result = SFTResult(
-            model_dir=str(model_output),
-            metrics_file=str(work_dir / METRICS_FILE),
-            loss_plot=str(plot) if plot else None,
-            steps=max_steps,
-            first_loss=losses[0] if losses else float("nan"),
-            last_loss=losses[-1] if losses else float("nan"),
-            eval_loss=eval_losses[-1] if eval_losses else None,
-            examples=stats.kept,
-            dropped_overlong=stats.dropped_overlong + stats.dropped_prompt_too_long,
-            truncated=stats.truncated,
-            merge=merge,
-        )
-        (work_dir / SUMMARY_FILE).write_text(json.dumps(asdict(result), indent=2))
-        if run is not None and plot:
-            log_artifact(plot)
-        return result
+    return steps
+
+
+def _write_result(
+    work_dir: Path, model_output: Path, max_steps: int, stats, merge, tracked: bool
+) -> SFTResult:
+    """Rank 0 after the merge: the loss plot, the run's summary file (and the plot in the
+    MLflow run when ``tracked``)."""
+    lines = read_metrics(work_dir / METRICS_FILE)
+    plot = plot_metrics(
+        work_dir / METRICS_FILE,
+        work_dir / "loss.png",
+        ["loss", "eval_loss", "learning_rate", "grad_norm"],
+        "SFT",
+    )
+    losses = [m["loss"] for m in lines if m.get("loss") is not None]
+    eval_losses = [m["eval_loss"] for m in lines if m.get("eval_loss") is not None]
+    result = SFTResult(
+        model_dir=str(model_output),
+        metrics_file=str(work_dir / METRICS_FILE),
+        loss_plot=str(plot) if plot else None,
+        steps=max_steps,
+        first_loss=losses[0] if losses else float("nan"),
+        last_loss=losses[-1] if losses else float("nan"),
+        eval_loss=eval_losses[-1] if eval_losses else None,
+        examples=stats.kept,
+        dropped_overlong=stats.dropped_overlong + stats.dropped_prompt_too_long,
+        truncated=stats.truncated,
+        merge=merge,
+    )
+    (work_dir / SUMMARY_FILE).write_text(json.dumps(asdict(result), indent=2))
+    if tracked and plot:
+        log_artifact(plot)
+    return result
 
 
 @dataclass

@@ -132,41 +132,17 @@ def policy_update(
     local_mini = cfg.mini_batch_size // dp.size
     device = dp.device
     correction = _correction(cfg, stale)
-    recorded = all(r.log_probs is not None for r in batch.rollouts)
-    if correction != "none" and not recorded:
-        missing = next(i for i, r in enumerate(batch.rollouts) if r.log_probs is None)
-        raise ValueError(
-            f"rollout {missing} of the batch has no behaviour log-probs: the engine must record "
-            f"them for algorithm.rollout_correction {correction!r} (and for an off-policy "
-            "update, rollout.async_steps)"
-        )
+    recorded = _recorded(batch, correction)
     meter = MismatchMeter(a.seq_mask_low, a.seq_mask_high) if recorded else None
     counts = RouterCounts()
     # one on-policy update: the old log-probs equal the current ones, so reuse them (detached)
     single_update = a.ppo_epochs == 1 and local_mini >= n
     old_log_probs: list[torch.Tensor] = []
     if not single_update:
-        chunks = [
-            list(range(start, min(start + cfg.micro_batch_size, n)))
-            for start in range(0, n, cfg.micro_batch_size)
-        ]
-        chunk_layouts = [_laid_out(cfg, batch, chunk, pad_id, device, counts) for chunk in chunks]
-        old_log_probs = backend.log_probs(chunk_layouts)
-        if meter is not None:
-            for chunk, layout, old in zip(chunks, chunk_layouts, old_log_probs, strict=True):
-                meter.add(old, _behaviour_block(batch, chunk, layout.width), layout.mask)
-    sums = {
-        "loss": 0.0,
-        "grad_norm": 0.0,
-        "clip_fraction": 0.0,
-        "entropy": 0.0,
-        "kl": 0.0,
-        "learning_rate": 0.0,
-    }
-    if recorded:
-        sums |= {key: 0.0 for key in CORRECTION_MEANS}
-    ratio_max = 0.0
-    updates = 0
+        old_log_probs = _proximal_log_probs(cfg, backend, batch, pad_id, counts, meter)
+    summed = ("loss", "grad_norm", "clip_fraction", "entropy", "kl", "learning_rate")
+    sums = dict.fromkeys(summed + (CORRECTION_MEANS if recorded else ()), 0.0)
+    ratio_max, updates = 0.0, 0
     order = list(range(n))
     for epoch in range(a.ppo_epochs):
         if a.ppo_epochs > 1:
@@ -186,62 +162,107 @@ def policy_update(
             local_count = sum(float(agg.count(m)) for m in masks)
             normalizer = max(dp.all_reduce_sum(local_count), 1e-8)
             ref_log_probs = backend.log_probs(layouts, reference=True) if a.kl_loss_coef else None
-            behaviour = None
-            if recorded:
-                behaviour = [
-                    _behaviour_block(batch, micro, layout.width).to(device)
-                    for micro, layout in zip(micros, layouts, strict=True)
-                ]
-            measured = None
-            if meter is not None and single_update:  # the only forward before the update
+            behaviour = _behaviour_blocks(batch, micros, layouts, device) if recorded else None
+            measured = None  # the mismatch, measured here on the only forward before the update
+            if meter is not None and single_update:
                 measured = [layout.mask for layout in layouts]
             loss = _loss_fn(
-                cfg,
-                batch,
-                micros,
-                masks,
-                normalizer,
-                old_log_probs,
-                ref_log_probs,
-                device,
-                behaviour,
-                correction,
-                measured,
-            )
+                cfg, batch, micros, masks, normalizer, old_log_probs, ref_log_probs, device,
+                behaviour, correction, measured,
+            )  # fmt: skip
             micro_stats = backend.forward_backward(layouts, loss)
             for stats in micro_stats:  # on every rank, whichever stage measured it
                 if "mismatch" in stats:
                     meter.merge(stats.pop("mismatch"))
-            mini_loss = mini_clip = mini_entropy = mini_kl = 0.0
-            for stats in micro_stats:
-                mini_loss += stats["loss"]
-                mini_entropy += stats["entropy"]
-                mini_kl += stats["kl"]
-                mini_clip += stats["clipped_tokens"]
             sums["learning_rate"] += backend.learning_rate()
             sums["grad_norm"] += backend.step()
-            sums["loss"] += dp.all_reduce_sum(mini_loss)
-            sums["entropy"] += dp.all_reduce_sum(mini_entropy)
-            sums["kl"] += dp.all_reduce_sum(mini_kl)
-            masked_tokens = max(dp.all_reduce_sum(sum(float(m.sum()) for m in masks)), 1e-8)
-            sums["clip_fraction"] += dp.all_reduce_sum(mini_clip) / masked_tokens
-            if recorded:
-                for key in CORRECTION_MEANS:
-                    total = sum(stats[key] for stats in micro_stats)
-                    sums[key] += dp.all_reduce_sum(total) / masked_tokens
-                ratio_max = max(
-                    ratio_max, *(stats["importance_ratio_max"] for stats in micro_stats)
-                )
+            ratio_max = max(ratio_max, _add_mini_batch(sums, micro_stats, masks, dp, recorded))
             updates += 1
     out = {k: v / max(1, updates) for k, v in sums.items()}
     if recorded:  # the largest over every mini-batch and replica: one reduce for the step
         out["importance_ratio_max"] = dp.all_reduce_max(ratio_max)
-    if meter is not None:
-        out |= meter.metrics(dp.group, dp.size)
+    return out | _measured_metrics(meter, counts, dp)
+
+
+def _recorded(batch: Batch, correction: str) -> bool:
+    """Whether the engine recorded every rollout's behaviour log-probs.
+
+    Raises:
+        ValueError: a rollout without them when ``correction`` (or an off-policy update)
+            needs them, naming the rollout."""
+    recorded = all(r.log_probs is not None for r in batch.rollouts)
+    if correction != "none" and not recorded:
+        missing = next(i for i, r in enumerate(batch.rollouts) if r.log_probs is None)
+        raise ValueError(
+            f"rollout {missing} of the batch has no behaviour log-probs: the engine must record "
+            f"them for algorithm.rollout_correction {correction!r} (and for an off-policy "
+            "update, rollout.async_steps)"
+        )
+    return recorded
+
+
+def _behaviour_blocks(batch: Batch, micros: list[list[int]], layouts: list, device) -> list:
+    """The engine's recorded log-probs of each micro-batch's rollouts, laid out as its
+    log-probs are (``_behaviour_block``), on ``device``."""
+    return [
+        _behaviour_block(batch, micro, layout.width).to(device)
+        for micro, layout in zip(micros, layouts, strict=True)
+    ]
+
+
+def _measured_metrics(meter: MismatchMeter | None, counts: RouterCounts, dp) -> dict:
+    """The step's mismatch metrics (engine against trainer log-probs, when recorded) and its
+    router mismatch rate (when the engine recorded its routing and the model routes)."""
+    out = dict(meter.metrics(dp.group, dp.size)) if meter is not None else {}
     compared = dp.all_reduce_sum(counts.compared)
-    if compared:  # the engine recorded its routing and the model routes (MoE)
+    if compared:
         out["router_mismatch_rate"] = dp.all_reduce_sum(counts.differ) / compared
     return out
+
+
+def _proximal_log_probs(
+    cfg: GRPOConfig,
+    backend: TrainingBackend,
+    batch: Batch,
+    pad_id: int,
+    counts: RouterCounts,
+    meter: MismatchMeter | None,
+) -> list[torch.Tensor]:
+    """The policy's log-probs of every rollout before the update (the proximal policy), one
+    tensor a micro-batch in rollout order; the mismatch against the engine's recorded
+    log-probs is measured on them (``meter``) and the routing compared (``counts``)."""
+    n = len(batch.rollouts)
+    chunks = [
+        list(range(start, min(start + cfg.micro_batch_size, n)))
+        for start in range(0, n, cfg.micro_batch_size)
+    ]
+    device = backend.data_parallel.device
+    layouts = [_laid_out(cfg, batch, chunk, pad_id, device, counts) for chunk in chunks]
+    old_log_probs = backend.log_probs(layouts)
+    if meter is not None:
+        for chunk, layout, old in zip(chunks, layouts, old_log_probs, strict=True):
+            meter.add(old, _behaviour_block(batch, chunk, layout.width), layout.mask)
+    return old_log_probs
+
+
+def _add_mini_batch(
+    sums: dict[str, float], micro_stats: list[dict], masks: list, dp, recorded: bool
+) -> float:
+    """Add one mini-batch's statistics, summed over its micro-batches and the data-parallel
+    replicas, to ``sums`` (the clip fraction and the correction's means per masked token);
+    the largest importance ratio of its micro-batches on this rank (0 without recorded
+    log-probs)."""
+    for key, stat in (("loss", "loss"), ("entropy", "entropy"), ("kl", "kl")):
+        sums[key] += dp.all_reduce_sum(sum((stats[stat] for stats in micro_stats), 0.0))
+    masked_tokens = max(dp.all_reduce_sum(sum(float(m.sum()) for m in masks)), 1e-8)
+    clipped = sum((stats["clipped_tokens"] for stats in micro_stats), 0.0)
+    sums["clip_fraction"] += dp.all_reduce_sum(clipped) / masked_tokens
+    if not recorded:
+        return 0.0
+    for key in CORRECTION_MEANS:
+        total = sum(stats[key] for stats in micro_stats)
+        sums[key] += dp.all_reduce_sum(total) / masked_tokens
+    return max(stats["importance_ratio_max"] for stats in micro_stats)
 
 
 def _laid_out(
@@ -295,6 +316,26 @@ def _correction(cfg: GRPOConfig, stale: bool) -> str:
     return "token_tis" if stale else "none"
 
 
+def _policy_loss_settings(
+    cfg: GRPOConfig, normalizer: float, correction: str
+) -> algo.PolicyLossSettings:
+    """``algorithm``'s clipping, aggregation and rollout-correction settings of the policy
+    loss, normalized by ``normalizer`` (the mini-batch's, summed over the replicas)."""
+    a = cfg.algorithm
+    return algo.PolicyLossSettings(
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
+        norm_length=cfg.rollout.max_new_tokens,
+        global_normalizer=normalizer,
+        correction=correction,
+        tis_cap=a.tis_cap,
+        seq_mask_low=a.seq_mask_low,
+        seq_mask_high=a.seq_mask_high,
+    )
+
+
 def _loss_fn(
     cfg: GRPOConfig,
     batch: Batch,
@@ -319,18 +360,7 @@ def _loss_fn(
     # algorithm.policy_loss; with the engine's log-probs recorded (behaviour), each loss
     # corrects for the engine's policy (ppo_clip: the decoupled loss)
     policy_loss = algo.get_policy_loss(a.policy_loss)
-    settings = algo.PolicyLossSettings(
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode,
-        norm_length=cfg.rollout.max_new_tokens,
-        global_normalizer=normalizer,
-        correction=correction,
-        tis_cap=a.tis_cap,
-        seq_mask_low=a.seq_mask_low,
-        seq_mask_high=a.seq_mask_high,
-    )
+    settings = _policy_loss_settings(cfg, normalizer, correction)
 
     def loss(k: int, log_probs: torch.Tensor, entropy: torch.Tensor):
         micro, mask = micros[k], masks[k]

@@ -217,21 +217,8 @@ def compare_logits(
     Raises:
         ValueError: shapes that cannot be compared.
     """
-    import torch
-
-    hf = torch.as_tensor(hf_logits).detach().float().cpu()
-    mg = torch.as_tensor(megatron_logits).detach().float().cpu()
-    if hf.dim() != 2 or mg.dim() != 2 or hf.shape[0] != mg.shape[0]:
-        raise ValueError(
-            f"logits must be [prompts, vocab] with the same number of prompts; "
-            f"HF {tuple(hf.shape)}, Megatron {tuple(mg.shape)}"
-        )
+    hf, mg = _comparable_logits(hf_logits, megatron_logits)
     vocab = hf.shape[1]
-    if mg.shape[1] < vocab:
-        raise ValueError(f"Megatron vocabulary {mg.shape[1]} is smaller than HF's {vocab}")
-    mg = mg[:, :vocab]
-    if not torch.isfinite(hf).all() or not torch.isfinite(mg).all():
-        raise ValueError("logits contain NaN or inf; the model itself is broken")
     n = hf.shape[0]
     names = list(names) if names is not None else [f"prompt-{i}" for i in range(n)]
     lengths = list(tokens) if tokens is not None else [0] * n
@@ -262,6 +249,56 @@ def compare_logits(
     overall_mean = float(diff.mean())
     top1 = sum(r.top1_match for r in rows) / n
     topk = sum(r.topk_agreement for r in rows) / n
+    failures = _failures(rows, (overall_max, overall_mean, top1, topk), tolerance, k)
+    return VerificationReport(
+        dtype=dtype,
+        tolerance=tolerance,
+        top_k=k,
+        vocab_size=vocab,
+        prompts=rows,
+        max_abs_diff=overall_max,
+        mean_abs_diff=overall_mean,
+        top1_agreement=top1,
+        topk_agreement=topk,
+        passed=not failures,
+        failures=failures,
+    )
+
+
+def _comparable_logits(hf_logits, megatron_logits):
+    """Both logits as float CPU tensors ``[prompts, vocab]``, Megatron's padded vocabulary cut
+    to HF's.
+
+    Raises:
+        ValueError: other shapes, a smaller Megatron vocabulary, NaN or inf."""
+    import torch
+
+    hf = torch.as_tensor(hf_logits).detach().float().cpu()
+    mg = torch.as_tensor(megatron_logits).detach().float().cpu()
+    if hf.dim() != 2 or mg.dim() != 2 or hf.shape[0] != mg.shape[0]:
+        raise ValueError(
+            f"logits must be [prompts, vocab] with the same number of prompts; "
+            f"HF {tuple(hf.shape)}, Megatron {tuple(mg.shape)}"
+        )
+    vocab = hf.shape[1]
+    if mg.shape[1] < vocab:
+        raise ValueError(f"Megatron vocabulary {mg.shape[1]} is smaller than HF's {vocab}")
+    mg = mg[:, :vocab]
+    if not torch.isfinite(hf).all() or not torch.isfinite(mg).all():
+        raise ValueError("logits contain NaN or inf; the model itself is broken")
+    return hf, mg
+
+
+def _failures(
+    rows: list[PromptComparison],
+    overall: tuple[float, float, float, float],
+    tolerance: Tolerance,
+    k: int,
+) -> list[str]:
+    """Each bound of ``tolerance`` the comparison breaks, as a line naming the figure (and the
+    worst or flipped prompts); ``overall``: the max and mean absolute difference, the top-1
+    agreement and the top-k overlap."""
+    overall_max, overall_mean, top1, topk = overall
     failures = []
     if overall_max > tolerance.max_abs_diff:
         worst = max(rows, key=lambda r: r.max_abs_diff)
@@ -278,19 +315,7 @@ def compare_logits(
         )
     if topk < tolerance.min_topk_agreement:
         failures.append(f"top-{k} overlap {topk:.3f} < {tolerance.min_topk_agreement:g}")
-    return VerificationReport(
-        dtype=dtype,
-        tolerance=tolerance,
-        top_k=k,
-        vocab_size=vocab,
-        prompts=rows,
-        max_abs_diff=overall_max,
-        mean_abs_diff=overall_mean,
-        top1_agreement=top1,
-        topk_agreement=topk,
-        passed=not failures,
-        failures=failures,
-    )
+    return failures
 
 
 def encode_prompts(tokenizer, prompts: Sequence[VerificationPrompt]) -> list[list[int]]:

@@ -1,8 +1,10 @@
 """Shared test inputs for the trainer tests: small texts for tokenizers, fixed GRPO rollouts,
 and the command line of a GRPO run in a process of its own."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -40,6 +42,26 @@ VERL_COLOCATED_OVERRIDES = {
     "grpo.rollout.async_steps": "0",  # colocated: nothing to overlap with
     "grpo.rollout.gpu_memory_utilization": "0.5",
 }
+
+
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL a torchrun job and every process under it at once, as a node loss takes them
+    all. Killing the launcher's process group is not that: torchrun starts each rank in a
+    session of its own (torch.distributed.elastic's ``SubprocessHandler``,
+    ``start_new_session=True``), so the ranks die later, on their own, and a rank's
+    multiprocessing children outlive them (Megatron-Core's ``torch_dist`` save starts a
+    write-results ``Manager``: one such process, ~540 MB, outlived every run of the Megatron
+    kill-and-resume test). ``job`` was started with ``start_new_session=True``."""
+    import psutil
+
+    try:  # the tree before anything dies: a killed parent's children go to init
+        tree = psutil.Process(job.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    os.killpg(job.pid, signal.SIGKILL)
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def small_grpo_config(**overrides) -> dict:

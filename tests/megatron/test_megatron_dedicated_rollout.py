@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from tests_helpers_trainer import grpo_cli_args, grpo_step_lines, small_grpo_config
+from tests_helpers_trainer import grpo_cli_args, grpo_step_lines, kill_job, small_grpo_config
 
 from trainer.megatron.layout import MegatronLayout
 from trainer.metrics import METRICS_FILE
@@ -198,7 +197,7 @@ def test_kill_and_resume_with_a_batch_in_flight_matches_an_uninterrupted_run(
     metrics = tmp_path / "killed" / "work" / METRICS_FILE
     while job.poll() is None and time.monotonic() < deadline:
         if metrics.exists() and len(grpo_step_lines(tmp_path, "killed")) >= 3:
-            os.killpg(job.pid, signal.SIGKILL)  # the whole job, Megatron's writers with it
+            kill_job(job)  # every process of the job, Megatron's writers with them
             break
         time.sleep(0.05)
     job.wait(timeout=60)

@@ -17,6 +17,7 @@ import torch
 from tests_helpers_trainer import (
     grpo_cli_args,
     grpo_step_lines,
+    kill_job,
     small_grpo_config,
     subprocess_env,
 )
@@ -294,7 +295,7 @@ def test_a_trainer_failing_before_the_engines_are_ready_ends_the_job(
     try:
         out, _ = job.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
+        kill_job(job)
         job.wait()
         pytest.fail("the job still runs 120 s after its trainer failed")
     assert job.returncode != 0
@@ -360,7 +361,7 @@ def test_kill_and_resume_with_a_batch_in_flight_matches_an_uninterrupted_run(
     while job.poll() is None and time.monotonic() < deadline:
         metrics = tmp_path / "killed" / "work" / METRICS_FILE
         if metrics.exists() and len(grpo_step_lines(tmp_path, "killed")) >= 3:
-            os.killpg(job.pid, signal.SIGKILL)  # the whole job, as a node loss would
+            kill_job(job)  # the whole job, as a node loss would
             break
         time.sleep(0.05)
     job.wait(timeout=60)

@@ -173,12 +173,13 @@ class _Dag:
             )
             self.step(configured, "run config: the form on the preset", "configure")
             self.config = configured.outputs
-            self.tracking_and_data()
-            with dsl.If(self.checked.outputs["Output"] == "retrain", name="new-data"):
+            checked = self.tracking_and_data()
+            with dsl.If(checked.outputs["Output"] == "retrain", name="new-data"):
                 self.train_and_promote()
 
-    def tracking_and_data(self) -> None:
-        """The pipeline run's MLflow run, data prep, and the check for new data."""
+    def tracking_and_data(self):
+        """The pipeline run's MLflow run, data prep, and the check for new data (returned: its
+        output says whether to train)."""
         p, config = self.p, self.config
         # the run as the pipeline run records it and as the capacity check estimates it
         self.run = dict(
@@ -203,13 +204,14 @@ class _Dag:
         )
         self.prep.set_caching_options(False)  # its source can change under the same name
         self.fingerprint = self.prep.outputs["Output"]
-        self.checked = data_check(
+        checked = data_check(
             data_fingerprint=self.fingerprint,
             gate_config=config["gate"],
             mlflow_tracking_uri=p["mlflow_tracking_uri"],
         )
-        self.step(self.checked, "new data? (fingerprint vs champion)", "data-check")
-        self.checked.set_caching_options(False)  # the champion's alias moves
+        self.step(checked, "new data? (fingerprint vs champion)", "data-check")
+        checked.set_caching_options(False)  # the champion's alias moves
+        return checked
 
     def train_and_promote(self) -> None:
         """Everything after data prep, run only on new data (or ``force``): base model,

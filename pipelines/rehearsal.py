@@ -561,8 +561,8 @@ def rehearse(
         )  # fmt: skip
     )
     trainer = branch_trainer(preset)
-    pythons = image_pythons()
-    subs += _image_substitutions(pythons, trainer.image == "megatron", output_dir)
+    pythons, image_subs = _image_pythons(trainer.image == "megatron", output_dir)
+    subs += image_subs
     subs.append(
         Substitution(
             "CPU threads",
@@ -593,11 +593,11 @@ def rehearse(
     )  # fmt: skip
 
 
-def _image_substitutions(
-    pythons: dict[str, str], megatron: bool, output_dir: Path
-) -> list[Substitution]:
-    """Each image's Python environment on this machine (``pythons``: image → Python, which the
-    Megatron image's CPU stand-in joins when the branch trains on Megatron)."""
+def _image_pythons(megatron: bool, output_dir: Path) -> tuple[dict[str, str], list[Substitution]]:
+    """Each image's Python environment on this machine (image → Python: ``image_pythons``,
+    with the Megatron image's CPU stand-in when the branch trains on Megatron), and the
+    substitutions that say so."""
+    pythons = image_pythons()
     subs = []
     if megatron:  # its TE layers and CUDA: a CPU stand-in
         from components.images import MEGATRON_IMAGE
@@ -612,7 +612,7 @@ def _image_substitutions(
                 "TE and CUDA need a GPU; each patch says why it cannot change a number",
             )
         )
-    return subs + [
+    return pythons, subs + [
         Substitution("image", image, python, "the image's Python environment on this machine")
         for image, python in pythons.items()
     ]

@@ -252,8 +252,8 @@ def _add_mini_batch(
     replicas, to ``sums`` (the clip fraction and the correction's means per masked token);
     the largest importance ratio of its micro-batches on this rank (0 without recorded
     log-probs)."""
-    for key, stat in (("loss", "loss"), ("entropy", "entropy"), ("kl", "kl")):
-        sums[key] += dp.all_reduce_sum(sum((stats[stat] for stats in micro_stats), 0.0))
+    for key in ("loss", "entropy", "kl"):
+        sums[key] += dp.all_reduce_sum(sum((stats[key] for stats in micro_stats), 0.0))
     masked_tokens = max(dp.all_reduce_sum(sum(float(m.sum()) for m in masks)), 1e-8)
     clipped = sum((stats["clipped_tokens"] for stats in micro_stats), 0.0)
     sums["clip_fraction"] += dp.all_reduce_sum(clipped) / masked_tokens

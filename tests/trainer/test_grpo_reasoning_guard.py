@@ -11,7 +11,13 @@ import pytest
 from eval.eval_metrics import reasoning_length_ratios, summarize
 from reward.outcome import LOOP, HeldOutResult, Outcome
 from trainer.grpo.config import GRPOConfig
-from trainer.grpo.recipe import ReasoningCollapsedError, _better, _on_collapse, reasoning_collapsed
+from trainer.grpo.recipe import (
+    ReasoningCollapsedError,
+    _better,
+    _on_collapse,
+    looping,
+    reasoning_collapsed,
+)
 
 
 def _outcomes(words_fr: list[int], words_de: list[int], loops_fr: int = 0) -> list[Outcome]:
@@ -56,6 +62,21 @@ def test_the_guard_flags_a_collapse_in_one_language() -> None:
     stop = GRPOConfig.model_validate({"guard": {"reasoning_collapse": "stop"}})
     with pytest.raises(ReasoningCollapsedError, match="step 10: .*reasoning_length_ratio_fr"):
         _on_collapse(stop, ratios, 10)
+
+
+def test_a_policy_that_loops_in_one_language_is_not_kept() -> None:
+    # fr: 1 loop in 3 responses (0.333); overall 1 in 5 (0.2); de none
+    grpo = HeldOutResult.from_outcomes(_outcomes([10, 12, 14], [8, 10], loops_fr=1), [True] * 5)
+    better_reward = HeldOutResult(**{**grpo.__dict__, "mean_reward": 5.0})
+    assert looping(GRPOConfig(), better_reward) == {}  # the default (1.0): never
+    assert _better(GRPOConfig(), better_reward, SFT, SFT)
+    cfg = GRPOConfig.model_validate({"guard": {"max_loop_rate": 0.25}})
+    assert looping(cfg, better_reward) == {"loop_rate_fr": 0.333}  # overall 0.2 holds
+    assert not _better(cfg, better_reward, SFT, SFT)
+    at_the_bar = GRPOConfig.model_validate({"guard": {"max_loop_rate": 1 / 3}})
+    assert _better(at_the_bar, better_reward, SFT, SFT)  # at the bar is within it
+    strict = GRPOConfig.model_validate({"guard": {"max_loop_rate": 0.1}})
+    assert looping(strict, better_reward) == {"loop_rate": 0.2, "loop_rate_fr": 0.333}
 
 
 def test_the_eval_reports_the_ratio_against_the_sft_model() -> None:

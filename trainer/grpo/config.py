@@ -247,6 +247,12 @@ class GuardConfig(ConfigModel):
     not kept as the best; 0: never."""
     reasoning_collapse: Literal["flag", "stop"] = "flag"
     """On a collapse: ``flag`` (a warning, the run goes on) or ``stop`` the run."""
+    max_loop_rate: float = Field(1.0, ge=0, le=1)
+    """A policy whose held-out loop rate (``reward.outcome.Outcome.loop``: a repetition loop,
+    a stopword salad or a copy of the question), overall or in any language, is above this
+    share is not kept as the best (flagged: ``eval_looping``); 1: never. The reward already
+    scores a loop as the wrong language, but a policy can raise its mean reward while a
+    language loops more (issue #43: the demo's Spanish, 0.06 at the eval's temperature)."""
 
     @property
     def stops_on_collapse(self) -> bool:

@@ -417,16 +417,25 @@ def _train(
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
                 held_out = _evaluate(run, producer.ready_engine())
                 ratios = held_out.reasoning_length_ratios(state.baseline)
-                collapsed = reasoning_collapsed(cfg, ratios)
+                collapsed, loops = reasoning_collapsed(cfg, ratios), looping(cfg, held_out)
                 # merged onto this step's line: the last line always carries the train loss
                 writer.log(
                     done,
                     **{f"eval_{k}": v for k, v in (held_out.metrics() | ratios).items()},
                     eval_reasoning_collapsed=float(collapsed),
+                    eval_looping=float(bool(loops)),
                     **sync_metrics(producer.sync_reports()),
                 )
                 if collapsed:
                     _on_collapse(cfg, ratios, done)
+                if loops:
+                    log.warning(
+                        "step %d: the held-out loop rate is above guard.max_loop_rate=%s: %s; "
+                        "this policy is not kept as the best",
+                        done,
+                        cfg.guard.max_loop_rate,
+                        loops,
+                    )
                 state.last_eval = held_out.at_step(done)
                 # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
                 if broadcast_object(_better(cfg, held_out, state.baseline, state.best), info):
@@ -565,8 +574,19 @@ def _better(
     return (
         held_out.real_word_share >= floor
         and not collapsed
+        and not looping(cfg, held_out)
         and held_out.mean_reward > best.mean_reward
     )
+
+
+def looping(cfg: GRPOConfig, held_out: HeldOutResult) -> dict[str, float]:
+    """The held-out loop rates above ``guard.max_loop_rate`` (``loop_rate`` overall,
+    ``loop_rate_<language>`` per language); empty when none is."""
+    rates = {"loop_rate": held_out.loop_rate} | {
+        f"loop_rate_{language}": result.loop_rate
+        for language, result in held_out.per_language.items()
+    }
+    return {k: round(v, 3) for k, v in rates.items() if v > cfg.guard.max_loop_rate}
 
 
 class ReasoningCollapsedError(RuntimeError):

@@ -138,7 +138,7 @@ def test_a_form_field_its_overrides_item_and_cli_set_give_byte_identical_step_co
         if field not in form_defaults(path):
             continue  # not in this preset's form
         assignment = f"{paths[field]}={text}"
-        cli_configs = step_configs(cli._load_preset(name, [assignment]))
+        cli_configs = step_configs(cli.load_preset(name, [assignment]))
         form_configs = configure_run(path, **{field: value})
         overrides_configs = configure_run(path, overrides=shlex.quote(assignment))
         assert _bytes(form_configs) == _bytes(cli_configs) == _bytes(overrides_configs), field

@@ -1,4 +1,4 @@
-"""GRPO's held-out eval runs on the rollout engine (``trainer.grpo.recipe.evaluate_policy``), as
+"""GRPO's held-out eval runs on the rollout engine (``trainer.grpo.held_out.evaluate_policy``), as
 verl and OpenRLHF validate with theirs: what it scores is what the engine draws for each
 (prompt, sample) seed, decoded with its special tokens, and every evaluation draws the same
 seeds (common random numbers)."""
@@ -13,7 +13,7 @@ from core.seeds import group_seeds
 from reward.scoring import ComplianceScorer
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.prompts import Prompt
-from trainer.grpo.recipe import evaluate_policy
+from trainer.grpo.held_out import evaluate_policy
 from trainer.grpo.rollout import HFRolloutEngine
 
 QUESTIONS = {

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,8 +29,7 @@ from core.modeling import load_tokenizer, resolve_dtype
 from core.seeds import group_seeds
 from core.tracking import log_artifact, mlflow_run
 from reward.adapters import LanguageComplianceReward
-from reward.degeneracy import measure_degeneracy
-from reward.outcome import HeldOutResult, Outcome
+from reward.outcome import HeldOutResult
 from reward.scoring import ComplianceScorer, RewardWeights
 from trainer.backends import DataParallel, TrainingBackend, build_backend
 from trainer.checkpoint import (
@@ -53,6 +51,7 @@ from trainer.divergence import DivergenceGuard
 from trainer.grpo import engines
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.dynamic_sampling import fill_signal_groups
+from trainer.grpo.held_out import better, evaluate_policy, held_out_line, on_guard_flags
 from trainer.grpo.mismatch import MismatchGate
 from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompt_sets, resample_prompts, step_prompts
@@ -61,7 +60,6 @@ from trainer.grpo.sync_check import SyncBudget, SyncCheck, SyncGap, sync_metrics
 from trainer.grpo.update import (
     Batch,
     backend_request,
-    decode,
     policy_update,
     reward_metrics,
     score_rollouts,
@@ -103,28 +101,6 @@ class GRPOResult:
         return cls(
             **{k: HeldOutResult.from_json(v) if k in held_out else v for k, v in data.items()}
         )
-
-
-def evaluate_policy(
-    engine, tokenizer, prompts: list[Prompt], scorer, samples: int, seed: int
-) -> HeldOutResult:
-    """Held-out metrics: mean reward, language accuracies, and text degeneracy.
-
-    Every evaluation draws the same seeds (common random numbers: policies are compared on
-    the same draws), one per (held-out prompt, sample).
-    """
-    seeds = group_seeds(seed, "held-out", range(len(prompts)), samples)
-    rollouts = engine.generate([p.ids for p in prompts], seeds)
-    texts = [decode(tokenizer, r.response_ids) for r in rollouts]
-    asked = [prompts[r.prompt_index] for r in rollouts]
-    results = scorer.score_batch(texts, [p.label for p in asked], prompts=[p.text for p in asked])
-    outcomes = []
-    for result in results:  # per language of the prompt: its reasoning label
-        language = result.labels.answer if result.labels else "en"
-        measured = measure_degeneracy(result.parsed.reasoning, result.parsed.final, language)
-        reasoning = result.labels.reasoning if result.labels else None
-        outcomes.append(Outcome.scored(reasoning, result, measured))
-    return HeldOutResult.from_outcomes(outcomes, [r.finished for r in rollouts])
 
 
 def run_grpo(
@@ -289,28 +265,7 @@ def _train(
     """The training processes' part of ``run_grpo`` (``remote``: the dedicated engines;
     ``engines_ready`` says this process is ready and waits, outside every collective, until
     they are)."""
-    tokenizer = load_tokenizer(sft_model)
-    dtype = resolve_dtype(cfg.dtype, info.device)
-    request = backend_request(cfg, sft_model, dtype, info, tokenizer.pad_token_id)
-    backend, policy = build_backend(request)
-    train_prompts, eval_prompts = load_prompt_sets(cfg, tokenizer, train_path, eval_path)
-    scorer = ComplianceScorer(weights=RewardWeights(**cfg.reward_weights))
-    site = engines.EngineSite(cfg, sft_model, tokenizer, plan, info)
-    # colocated, the engine samples with the policy (the HF engine: the trained module itself)
-    engine = remote or engines.colocated_engine(site, policy, backend)
-    run = _Run(
-        cfg,
-        info,
-        tokenizer,
-        dtype,
-        backend,
-        train_prompts,
-        eval_prompts,
-        scorer,
-        LanguageComplianceReward(scorer),
-        engine,
-        site,
-    )
+    run = _build_run(cfg, sft_model, train_path, eval_path, info, plan, remote)
     checkpoints = work_dir / "checkpoints"
     run_config = {
         **cfg.model_dump(mode="json"),
@@ -319,29 +274,14 @@ def _train(
         "eval_data": file_fingerprint(eval_path),
     }
     guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
-    state = RunState.from_json(resume(checkpoints, backend, info, run_config, guard))
-    check = SyncCheck(
-        dtype,
-        cfg.rollout.sync_check_factor,
-        cfg.rollout.sync_check_tolerance,
-        SyncGap.from_json(state.sync_floor),
-    )
-    gate = MismatchGate(
-        cfg.rollout.max_mismatch_kl,
-        cfg.rollout.mismatch_floor_factor,
-        cfg.rollout.mismatch_action,
-        {
-            k: v
-            for k, v in ((0, state.mismatch_floor), (1, state.stale_mismatch_floor))
-            if v is not None
-        },
-    )
+    state = RunState.from_json(resume(checkpoints, run.backend, info, run_config, guard))
+    check, gate = _sync_check(cfg, run.dtype, state), _mismatch_gate(cfg, state)
     if engines_ready is not None:  # no process enters a collective while an engine loads
         engines_ready()
     producer = _producer(run, state, check)  # on-policy, it syncs the engine here
     with (
         mlflow_run("grpo", cfg.model_dump(), info.is_main) as tracking,
-        contextlib.closing(backend),
+        contextlib.closing(run.backend),
         serve_progress(info.is_main) as progress,
     ):
         # GRPO plans steps, not epochs: the run is one planned epoch (``epoch`` 0 … 1)
@@ -354,21 +294,8 @@ def _train(
             tracking,
             progress,
         )
-        engine = producer.ready_engine()  # the engine takes the (resumed) policy's weights
-        # a fresh run logs this first sync's check on the baseline's line (step 0); a resumed
-        # run on its first step's line, which shows that the engine (a new process, loaded
-        # from the SFT model) took the checkpoint's weights
-        first_sync = sync_metrics(producer.sync_reports()) if state.baseline is None else {}
-        if first_sync:
-            log.info("weight sync check at step %d: %s", state.step, first_sync)
-        state.sync_floor = check.floor.to_json() if check.floor else None
-        if state.baseline is None:
-            state.baseline = _evaluate(run, engine)
-            state.best = state.baseline.at_step(0)
-            writer.log(
-                0, **{f"eval_{k}": v for k, v in state.baseline.metrics().items()}, **first_sync
-            )
-            save_policy_dir(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
+        best_dir = work_dir / BEST_DIR
+        _start(run, state, check, producer, writer, best_dir, sft_model)
         progress = tqdm(
             total=cfg.max_steps,
             initial=state.step,
@@ -378,76 +305,18 @@ def _train(
         )
         for step in range(state.step, cfg.max_steps):
             done = step + 1
-            started = time.monotonic()
-            made = producer.take(step)  # async: step + 1 starts on the engine here …
-            batch = score_rollouts(
-                cfg, tokenizer, run.reward_fn, run.my_prompts(step), made.rollouts
-            )
-            batch, sampling = fill_signal_groups(
-                cfg.algorithm.dynamic_sampling, batch, _resampler(run, producer, step), run.dp
-            )
-            producer.start_next(step)  # … or here, after dynamic sampling's rounds
-            scored = time.monotonic()
-            run.engine.sleep()  # colocated vLLM frees the GPU for the update
-            stats = policy_update(
-                cfg, backend, batch, tokenizer.pad_token_id, step, made.staleness > 0
-            )
-            train_time = time.monotonic() - scored
-            # before anything from this step is saved (checkpoint, best policy, export)
-            signal = run.dp.all_reduce_sum(float(batch.keep.sum())) > 0
-            guard.check(done, stats["loss"], stats["grad_norm"], backend.module, signal)
-            producer.updated(done)  # an idle engine takes the new weights now
-            step_time = time.monotonic() - started
-            tokens = run.dp.all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)))
-            writer.log(
-                done,
-                data_passes=round(done * cfg.prompts_per_step / len(train_prompts), 4),
-                **stats,
-                **reward_metrics(batch, run.dp),
-                **made.timing_metrics(tokens, train_time, step_time),
-                **sync_metrics(producer.sync_reports()),
-                **sampling,
-            )
-            if "rollout_kl" in stats:  # after the line: a stopped run shows the step's value
-                gate.check(stats["rollout_kl"], done, made.staleness)
-                state.mismatch_floor = gate.floors.get(0)
-                state.stale_mismatch_floor = gate.floors.get(1)
+            batch = _step(run, state, producer, guard, gate, writer, step)
             progress.update(1)
             progress.set_postfix(reward=f"{float(batch.rewards.mean()):.2f}")
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.max_steps):
-                held_out = _evaluate(run, producer.ready_engine())
-                ratios = held_out.reasoning_length_ratios(state.baseline)
-                collapsed, loops = reasoning_collapsed(cfg, ratios), looping(cfg, held_out)
-                # merged onto this step's line: the last line always carries the train loss
-                writer.log(
-                    done,
-                    **{f"eval_{k}": v for k, v in (held_out.metrics() | ratios).items()},
-                    eval_reasoning_collapsed=float(collapsed),
-                    eval_looping=float(bool(loops)),
-                    **sync_metrics(producer.sync_reports()),
-                )
-                if collapsed:
-                    _on_collapse(cfg, ratios, done)
-                if loops:
-                    log.warning(
-                        "step %d: the held-out loop rate is above guard.max_loop_rate=%s: %s; "
-                        "this policy is not kept as the best",
-                        done,
-                        cfg.guard.max_loop_rate,
-                        loops,
-                    )
-                state.last_eval = held_out.at_step(done)
-                # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
-                if broadcast_object(_better(cfg, held_out, state.baseline, state.best), info):
-                    state.best = held_out.at_step(done)
-                    save_policy_dir(backend, tokenizer, work_dir / BEST_DIR, dtype, sft_model, info)
+                _held_out_eval(run, state, producer, writer, done, best_dir, sft_model)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
                 producer.drain()  # what is in flight is saved with the step, not lost
                 state.step, state.in_flight = done, producer.pending()
                 save_checkpoint(
                     checkpoints,
                     done,
-                    backend,
+                    run.backend,
                     state.to_json(),
                     info,
                     cfg.max_ckpt_num,
@@ -456,6 +325,153 @@ def _train(
                 )
         progress.close()
         return _finish(run, state, work_dir, model_output, sft_model, tracking)
+
+
+def _build_run(
+    cfg: GRPOConfig,
+    sft_model: str | Path,
+    train_path: str | Path,
+    eval_path: str | Path,
+    info: DistInfo,
+    plan: PlacementPlan,
+    remote,
+) -> _Run:
+    """The backend and its policy, the prompts, the scorer and the engine of one run."""
+    tokenizer = load_tokenizer(sft_model)
+    dtype = resolve_dtype(cfg.dtype, info.device)
+    request = backend_request(cfg, sft_model, dtype, info, tokenizer.pad_token_id)
+    backend, policy = build_backend(request)
+    train_prompts, eval_prompts = load_prompt_sets(cfg, tokenizer, train_path, eval_path)
+    scorer = ComplianceScorer(weights=RewardWeights(**cfg.reward_weights))
+    site = engines.EngineSite(cfg, sft_model, tokenizer, plan, info)
+    # colocated, the engine samples with the policy (the HF engine: the trained module itself)
+    engine = remote or engines.colocated_engine(site, policy, backend)
+    return _Run(
+        cfg,
+        info,
+        tokenizer,
+        dtype,
+        backend,
+        train_prompts,
+        eval_prompts,
+        scorer,
+        LanguageComplianceReward(scorer),
+        engine,
+        site,
+    )
+
+
+def _sync_check(cfg: GRPOConfig, dtype: torch.dtype, state: RunState) -> SyncCheck:
+    """The weight sync's check, with the noise floor a resumed run learned before."""
+    rollout = cfg.rollout
+    floor = SyncGap.from_json(state.sync_floor)
+    return SyncCheck(dtype, rollout.sync_check_factor, rollout.sync_check_tolerance, floor)
+
+
+def _mismatch_gate(cfg: GRPOConfig, state: RunState) -> MismatchGate:
+    """The mismatch gate, with the floors (on-policy, one update stale) a resumed run kept."""
+    floors = ((0, state.mismatch_floor), (1, state.stale_mismatch_floor))
+    return MismatchGate(
+        cfg.rollout.max_mismatch_kl,
+        cfg.rollout.mismatch_floor_factor,
+        cfg.rollout.mismatch_action,
+        {k: v for k, v in floors if v is not None},
+    )
+
+
+def _start(
+    run: _Run,
+    state: RunState,
+    check: SyncCheck,
+    producer: RolloutProducer,
+    writer: MetricsWriter,
+    best_dir: Path,
+    sft_model,
+) -> None:
+    """The engine takes the (resumed) policy's weights; a fresh run evaluates the SFT model
+    (the baseline, step 0) and keeps it as the best so far."""
+    engine = producer.ready_engine()
+    # a fresh run logs this first sync's check on the baseline's line (step 0); a resumed
+    # run on its first step's line, which shows that the engine (a new process, loaded
+    # from the SFT model) took the checkpoint's weights
+    first_sync = sync_metrics(producer.sync_reports()) if state.baseline is None else {}
+    if first_sync:
+        log.info("weight sync check at step %d: %s", state.step, first_sync)
+    state.sync_floor = check.floor.to_json() if check.floor else None
+    if state.baseline is None:
+        state.baseline = _evaluate(run, engine)
+        state.best = state.baseline.at_step(0)
+        writer.log(0, **{f"eval_{k}": v for k, v in state.baseline.metrics().items()}, **first_sync)
+        save_policy_dir(run.backend, run.tokenizer, best_dir, run.dtype, sft_model, run.info)
+
+
+def _step(
+    run: _Run,
+    state: RunState,
+    producer: RolloutProducer,
+    guard: DivergenceGuard,
+    gate: MismatchGate,
+    writer: MetricsWriter,
+    step: int,
+) -> Batch:
+    """One GRPO step: its rollouts scored (and refilled), the update, the divergence guard,
+    the weights to the engine, the step's line, the mismatch gate. Returns the batch."""
+    cfg, done = run.cfg, step + 1
+    started = time.monotonic()
+    made = producer.take(step)  # async: step + 1 starts on the engine here …
+    batch = score_rollouts(cfg, run.tokenizer, run.reward_fn, run.my_prompts(step), made.rollouts)
+    batch, sampling = fill_signal_groups(
+        cfg.algorithm.dynamic_sampling, batch, _resampler(run, producer, step), run.dp
+    )
+    producer.start_next(step)  # … or here, after dynamic sampling's rounds
+    scored = time.monotonic()
+    run.engine.sleep()  # colocated vLLM frees the GPU for the update
+    pad_id = run.tokenizer.pad_token_id
+    stats = policy_update(cfg, run.backend, batch, pad_id, step, made.staleness > 0)
+    train_time = time.monotonic() - scored
+    # before anything from this step is saved (checkpoint, best policy, export)
+    signal = run.dp.all_reduce_sum(float(batch.keep.sum())) > 0
+    guard.check(done, stats["loss"], stats["grad_norm"], run.backend.module, signal)
+    producer.updated(done)  # an idle engine takes the new weights now
+    step_time = time.monotonic() - started
+    tokens = run.dp.all_reduce_sum(float(sum(len(r.response_ids) for r in batch.rollouts)))
+    writer.log(
+        done,
+        data_passes=round(done * cfg.prompts_per_step / len(run.train_prompts), 4),
+        **stats,
+        **reward_metrics(batch, run.dp),
+        **made.timing_metrics(tokens, train_time, step_time),
+        **sync_metrics(producer.sync_reports()),
+        **sampling,
+    )
+    if "rollout_kl" in stats:  # after the line: a stopped run shows the step's value
+        gate.check(stats["rollout_kl"], done, made.staleness)
+        state.mismatch_floor = gate.floors.get(0)
+        state.stale_mismatch_floor = gate.floors.get(1)
+    return batch
+
+
+def _held_out_eval(
+    run: _Run,
+    state: RunState,
+    producer: RolloutProducer,
+    writer: MetricsWriter,
+    done: int,
+    best_dir: Path,
+    sft_model,
+) -> None:
+    """The held-out eval after step ``done``: merged onto the step's line (the last line
+    always carries the train loss), the guard's flags, and the policy kept if it is the best
+    under the guard."""
+    held_out = _evaluate(run, producer.ready_engine())
+    line = held_out_line(run.cfg, held_out, state.baseline)
+    writer.log(done, **line, **sync_metrics(producer.sync_reports()))
+    on_guard_flags(run.cfg, held_out, state.baseline, done)
+    state.last_eval = held_out.at_step(done)
+    # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
+    if broadcast_object(better(run.cfg, held_out, state.baseline, state.best), run.info):
+        state.best = held_out.at_step(done)
+        save_policy_dir(run.backend, run.tokenizer, best_dir, run.dtype, sft_model, run.info)
 
 
 def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
@@ -562,58 +578,6 @@ def _export(run: _Run, source: Path, sft_model, model_output: Path) -> None:
         adapted, run.tokenizer, prompts[: run.cfg.merge_check_prompts], model_output
     )
     log.info("LoRA adapter merged into %s: %s", model_output, report)
-
-
-def _better(
-    cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult, best: HeldOutResult
-) -> bool:
-    """A held-out result beats the best so far without its text degenerating or its reasoning
-    collapsing (the guard)."""
-    floor = (1.0 - cfg.guard.max_real_word_drop) * baseline.real_word_share
-    collapsed = reasoning_collapsed(cfg, held_out.reasoning_length_ratios(baseline))
-    return (
-        held_out.real_word_share >= floor
-        and not collapsed
-        and not looping(cfg, held_out)
-        and held_out.mean_reward > best.mean_reward
-    )
-
-
-def looping(cfg: GRPOConfig, held_out: HeldOutResult) -> dict[str, float]:
-    """The held-out loop rates above ``guard.max_loop_rate`` (``loop_rate`` overall,
-    ``loop_rate_<language>`` per language); empty when none is."""
-    rates = {"loop_rate": held_out.loop_rate} | {
-        f"loop_rate_{language}": result.loop_rate
-        for language, result in held_out.per_language.items()
-    }
-    return {k: round(v, 3) for k, v in rates.items() if v > cfg.guard.max_loop_rate}
-
-
-class ReasoningCollapsedError(RuntimeError):
-    """The held-out reasoning shrank below ``guard.min_reasoning_length_ratio`` of the SFT
-    model's, and ``guard.reasoning_collapse`` is ``stop``."""
-
-
-def reasoning_collapsed(cfg: GRPOConfig, ratios: dict[str, float]) -> bool:
-    """Whether the held-out reasoning collapsed: overall or in a language, the median
-    reasoning length fell below ``guard.min_reasoning_length_ratio`` of the SFT model's
-    (``HeldOutResult.reasoning_length_ratios``; NaN ratios, where the SFT model did not
-    reason, are not judged)."""
-    floor = cfg.guard.min_reasoning_length_ratio
-    return any(ratio < floor for ratio in ratios.values() if not math.isnan(ratio))
-
-
-def _on_collapse(cfg: GRPOConfig, ratios: dict[str, float], step: int) -> None:
-    """Flag (a warning; the policy is not kept as the best) or stop the run."""
-    low = {k: round(v, 3) for k, v in ratios.items() if v < cfg.guard.min_reasoning_length_ratio}
-    message = (
-        f"step {step}: the held-out reasoning collapsed below "
-        f"guard.min_reasoning_length_ratio={cfg.guard.min_reasoning_length_ratio} of the SFT "
-        f"model's median length: {low}"
-    )
-    if cfg.guard.stops_on_collapse:
-        raise ReasoningCollapsedError(message + " (guard.reasoning_collapse=stop)")
-    log.warning("%s; this policy is not kept as the best", message)
 
 
 def read_summary(work_dir: str | Path) -> GRPOResult:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from core.languages import LanguageLabels, UnknownLanguageError
 from core.parsing import ParsedResponse, ResponseFormat
+from reward import terms
 from reward.labels import parse_labels
 from reward.scoring import ComplianceScorer, RewardWeights, Verdict, result_to_dict
 
@@ -383,13 +384,20 @@ def test_any_weights_stay_in_their_bounds(
     assert low <= result.reward <= high
 
 
-def test_a_new_reward_term_is_one_function_and_one_registration(monkeypatch) -> None:
+@pytest.fixture
+def reward_terms_restored():
+    """Registration adds to the one registry (``reward.terms.REWARD_TERMS``, which the scorer
+    reads): it is put back as it was after the test."""
+    saved = dict(terms.REWARD_TERMS)
+    yield
+    terms.REWARD_TERMS.clear()
+    terms.REWARD_TERMS.update(saved)
+
+
+def test_a_new_reward_term_is_one_function_and_one_registration(reward_terms_restored) -> None:
     """Registered with its weights, a term is summed, bounded, reported and settable."""
-    from reward import scoring
 
-    monkeypatch.setattr(scoring, "REWARD_TERMS", dict(scoring.REWARD_TERMS))
-
-    @scoring.reward_term("finished", finished_answer=0.25, unfinished_answer=-0.75)
+    @terms.reward_term("finished", finished_answer=0.25, unfinished_answer=-0.75)
     def _finished(judged, w):
         return (
             w.finished_answer
@@ -405,6 +413,6 @@ def test_a_new_reward_term_is_one_function_and_one_registration(monkeypatch) -> 
     tuned = ComplianceScorer(weights=RewardWeights(finished_answer=1.0))
     assert tuned.score(respond(FR_REASONING, FR_ANSWER), "fr").reward == 8.0
     with pytest.raises(ValueError, match="registered already"):
-        scoring.reward_term("brevity", brief_answer=1.0)(_finished)
+        terms.reward_term("brevity", brief_answer=1.0)(_finished)
     with pytest.raises(ValueError, match="registered already"):
-        scoring.reward_term("other", finished_answer=1.0)(_finished)
+        terms.reward_term("other", finished_answer=1.0)(_finished)

@@ -236,7 +236,7 @@ def eval_cmd(
     """Run the 50-question multilingual eval on one or more models; writes results.json and
     the Markdown/HTML reports. Every wait on an endpoint is bounded (--timeout,
     --connect-timeout, --request-timeout, --run-timeout)."""
-    from eval.runner import run_eval_cli
+    from eval.cli import run_eval_cli
 
     report = run_eval_cli(
         model,

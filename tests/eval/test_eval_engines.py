@@ -449,7 +449,7 @@ def test_vllm_engine_on_the_tiny_model(tmp_path):
 
 
 def test_run_eval_cli_on_a_model_directory(tiny_model_dir, tmp_path):
-    from eval.runner import run_eval_cli
+    from eval.cli import run_eval_cli
 
     report = run_eval_cli(
         [f"tiny={tiny_model_dir}"], tmp_path, max_tokens=4, limit=2, device="cpu", seed=1
@@ -468,7 +468,7 @@ def test_run_eval_cli_on_a_model_directory(tiny_model_dir, tmp_path):
 
 
 def test_every_model_location_is_checked_before_any_generation(tiny_model_dir, tmp_path):
-    from eval.runner import run_eval_cli
+    from eval.cli import run_eval_cli
 
     models = [f"good={tiny_model_dir}", f"gone={tmp_path / 'nope'}", f"empty={tmp_path}"]
     with pytest.raises(ModelNotFoundError) as err:
@@ -481,7 +481,8 @@ def test_a_model_that_fails_to_load_keeps_the_finished_models_results(tiny_model
     # issue #17: on main "good"'s finished results were thrown away when "bad" failed to load
     import shutil
 
-    from eval.runner import ModelEvalError, run_eval_cli
+    from eval.cli import run_eval_cli
+    from eval.runner import ModelEvalError
 
     bad = tmp_path / "bad"
     shutil.copytree(tiny_model_dir, bad)
@@ -507,7 +508,7 @@ def test_the_pre_check_names_missing_tokenizer_files_and_damaged_weights(tiny_mo
     # with "install sentencepiece or tiktoken"
     import shutil
 
-    from eval.runner import run_eval_cli
+    from eval.cli import run_eval_cli
 
     no_tokenizer = tmp_path / "no-tokenizer"
     shutil.copytree(tiny_model_dir, no_tokenizer)
@@ -531,7 +532,8 @@ def test_non_finite_weights_stop_the_eval_before_any_generation(tiny_model_dir, 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from eval.runner import NonFiniteWeightsError, run_eval_cli
+    from eval.cli import run_eval_cli
+    from eval.runner import NonFiniteWeightsError
 
     nan = tmp_path / "nan"
     shutil.copytree(tiny_model_dir, nan)

@@ -240,7 +240,7 @@ def test_a_gzip_bomb_is_bounded_by_its_decompressed_size():
 
 
 def test_the_cap_is_a_lingo_eval_option_checked_at_the_edge(tmp_path):
-    from eval.runner import EvalSettingsError, run_eval_cli
+    from eval.cli import EvalSettingsError, run_eval_cli
 
     with pytest.raises(EvalSettingsError, match="--max-reply-bytes"):
         run_eval_cli(["m=http://127.0.0.1:1/v1#m"], tmp_path, max_reply_bytes=10)

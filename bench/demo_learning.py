@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.languages import SUPPORTED_LANGUAGES  # noqa: E402
 from data_prep.prepare import prepare_dataset  # noqa: E402
 from eval.runner import run_eval  # noqa: E402
-from pipelines.presets import Preset, apply_overrides, get_preset  # noqa: E402
+from pipelines.overrides import apply_overrides
+from pipelines.presets import Preset, get_preset
 from trainer.grpo.recipe import run_grpo  # noqa: E402
 from trainer.sft.recipe import run_sft  # noqa: E402
 from trainer.tiny_model import build_tiny_model  # noqa: E402

@@ -86,13 +86,8 @@ def config_value_problems(preset: Preset) -> list[str]:
     (its conversion)."""
     from capacity.layouts import LayoutError
     from cluster.torchrun import processes_problem
-    from pipelines.presets import (
-        branch_trainer,
-        capacity_layout,
-        grpo_plan,
-        megatron_grpo_config,
-        megatron_layout,
-    )
+    from pipelines.preset_capacity import capacity_layout, grpo_plan
+    from pipelines.presets import branch_trainer, megatron_grpo_config, megatron_layout
     from reward.scoring import RewardWeights
     from trainer.capacity_check import grpo_layout, sft_layout
     from trainer.megatron.layout import resolve_megatron_layout

@@ -4,16 +4,16 @@ A preset holds one typed config per step and states its machines once (``hardwar
 preset compiles to a pipeline of its own that carries it whole (``preset_json``); what the
 steps take is derived from it at run time (``step_configs``): the platform, each training
 step's execution (``step_execution``), the capacity check's layout, the Megatron layout's
-machine fields and the GRPO placement plan (``grpo_plan``) all come from ``hardware``; their
-defaults come from the config classes, so the local run, the compiled pipeline and the
-cluster job share one source of every default. A run changes a preset with ``--set``
-assignments (``apply_overrides``), from the CLI or the run form (``pipelines.run_form``).
+machine fields and the GRPO placement plan (``pipelines.preset_capacity``) all come from
+``hardware``; their defaults come from the config classes, so the local run, the compiled
+pipeline and the cluster job share one source of every default. A run changes a preset
+with ``--set`` assignments (``pipelines.overrides``), from the CLI or the run form
+(``pipelines.run_form``).
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -141,10 +141,10 @@ def _derived(config: ConfigModel, **fields: object) -> ConfigModel:
     stated (``model_fields_set``): a preset rebuilt from this one (``apply_overrides``)
     derives them again from its own ``hardware``."""
     validated = type(config).model_validate({**config.model_dump(), **fields})
-    return _unstated(validated, *fields)
+    return unstated(validated, *fields)
 
 
-def _unstated(config: ConfigModel, *fields: str) -> ConfigModel:
+def unstated(config: ConfigModel, *fields: str) -> ConfigModel:
     """``config`` as it is, with ``fields`` counted as not stated."""
     stated = config.model_fields_set - set(fields)
     return type(config).model_construct(_fields_set=stated, **dict(config))
@@ -429,114 +429,6 @@ def get_preset(name: str) -> Preset:
         raise UnknownPresetError(name) from None
 
 
-PRESET_FIELDS = ("backend",)
-"""The preset's own fields an override sets by name (``backend=megatron``)."""
-
-
-class AssignmentError(ValueError):
-    """A ``--set`` item or an ``overrides`` word that is not ``STEP.FIELD=VALUE``."""
-
-
-def parse_assignments(items: list[str], where: str = "--set") -> dict[str, str]:
-    """``["sft.max_steps=50", ...]`` → ``{"sft.max_steps": "50"}``: the ``--set`` syntax, which
-    the CLI's ``--set`` and the run form's ``overrides`` share. A field given twice with the
-    same value counts once.
-
-    Raises:
-        AssignmentError: an item without ``=``, or a field given twice with two values (one
-            of them would be dropped without a word); the message names ``where`` and the item.
-    """
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise AssignmentError(f"{where}: {item!r} is not STEP.FIELD=VALUE")
-        key = key.strip()
-        if key in out and out[key] != value:
-            raise AssignmentError(
-                f"{where}: {key} is given twice ({out[key]!r}, then {value!r}); give it once"
-            )
-        out[key] = value
-    return out
-
-
-def parse_overrides(text: str) -> dict[str, str]:
-    """The run form's ``overrides`` string: ``--set`` items separated by spaces or newlines,
-    quoted as in a shell where a value holds spaces (``eval.persona='You are …'``).
-
-    Raises:
-        AssignmentError: unbalanced quotes, or an item that is not ``STEP.FIELD=VALUE``.
-    """
-    try:
-        items = shlex.split(text)
-    except ValueError as exc:
-        raise AssignmentError(f"overrides: {exc} in {text!r}") from None
-    return parse_assignments(items, where="overrides")
-
-
-def _parse_value(value: str) -> Any:
-    """A JSON value when it parses as one (numbers, booleans, lists), else the string."""
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value
-
-
-def apply_overrides(preset: Preset, overrides: dict[str, str]) -> Preset:
-    """A copy of ``preset`` with ``step.field[.subfield]=value`` overrides, validated.
-
-    Examples: ``{"data_prep.eval_fraction": "0.2", "sft.optim.learning_rate": "1e-3"}``,
-    ``{"backend": "megatron"}`` (``PRESET_FIELDS``).
-
-    Raises:
-        ValueError: an unknown step or field, or a value the field does not accept.
-    """
-    data = preset.model_dump()
-    for dotted, value in overrides.items():
-        path = dotted.split(".")
-        if dotted in PRESET_FIELDS:
-            data[dotted] = value
-            continue
-        if path[0] not in STEPS or len(path) < 2:
-            raise ValueError(
-                f"override {dotted!r}: use STEP.FIELD with STEP one of {', '.join(STEPS)} "
-                f"(or {', '.join(PRESET_FIELDS)})"
-            )
-        node = data
-        for depth, key in enumerate(path[:-1]):
-            if not isinstance(node.get(key), dict):
-                raise ValueError(
-                    f"override {dotted!r}: {'.'.join(path[: depth + 1])} has no fields"
-                )
-            node = node[key]
-        if path[-1] not in node:
-            fields = ", ".join(node)
-            raise ValueError(f"override {dotted!r}: no field {path[-1]!r} ({fields})")
-        node[path[-1]] = _parse_value(value) if not isinstance(node[path[-1]], str) else value
-    # a cluster step's processes come from the (new) hardware again, unless stated; given
-    # before the step configs are validated, which check their batch sizes against them
-    derived = [
-        step
-        for step in TRAINING_STEPS
-        if "nproc" not in getattr(preset, step).model_fields_set
-        and f"{step}.nproc" not in overrides
-    ]
-    try:
-        hardware = Hardware.model_validate(data["hardware"])
-    except ValidationError:
-        hardware = None  # Preset.model_validate says what is wrong with it
-    for step in derived:
-        processes = hardware.processes(step) if hardware is not None else None
-        if processes is None:
-            del data[step]["nproc"]  # local: the step's default
-        else:
-            data[step]["nproc"] = processes
-    result = Preset.model_validate(data)
-    for step in derived:
-        setattr(result, step, _unstated(getattr(result, step), "nproc"))
-    return result
-
-
 def step_execution(
     preset: Preset, step: Step, platform: Mapping[str, Any] | None = None
 ) -> ExecutionConfig:
@@ -687,36 +579,3 @@ def preset_from_json(text: str) -> Preset:
         pydantic.ValidationError: ``text`` is not a valid preset.
     """
     return Preset.model_validate_json(text)
-
-
-def grpo_plan(preset: Preset):
-    """The GRPO step's ``trainer.placement.PlacementPlan``: training processes on its job's
-    nodes, dedicated rollout engines on the nodes after them."""
-    from trainer.placement import grpo_placement
-
-    return grpo_placement(preset.grpo, *preset.hardware.cluster("grpo", preset.grpo.nproc))
-
-
-def capacity_layout(preset: Preset, layout: str | None = None):
-    """The machines the capacity check estimates on: ``hardware``'s (or the planner's layout
-    preset ``layout``, ``lingo estimate --layout``), as a ``capacity.Layout``."""
-    from trainer.capacity_check import hardware_layout
-
-    return layout or hardware_layout(preset.hardware)
-
-
-def run_estimates(preset: Preset, model: str, layout: str | None = None, overrides=None):
-    """``(plan, {"sft": Estimate, "grpo": Estimate})`` of ``preset`` as the capacity check
-    estimates it (``overrides``: planner layout fields, after the preset's own)."""
-    from trainer.capacity_check import run_estimates as estimates
-
-    grpo = grpo_branch_config(preset)  # the preset's backend branch, as the pipeline runs it
-    return estimates(
-        model,
-        capacity_layout(preset, layout),
-        preset.sft,
-        grpo,
-        preset.hardware.cluster("sft", preset.sft.nproc),
-        preset.hardware.cluster("grpo", grpo.nproc),
-        {**preset.layout_overrides, **(overrides or {})},
-    )

@@ -37,14 +37,8 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.presets import (
-    Preset,
-    apply_overrides,
-    branch_trainer,
-    get_preset,
-    job_platform_json,
-    step_configs,
-)
+from pipelines.overrides import apply_overrides
+from pipelines.presets import Preset, branch_trainer, get_preset, job_platform_json, step_configs
 from plan import engine_spec, job_spec
 
 log = logging.getLogger(__name__)

@@ -22,15 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from core.errors import validation_message
-from pipelines.presets import (
-    AssignmentError,
-    Preset,
-    apply_overrides,
-    branch_trainer,
-    parse_overrides,
-    preset_from_json,
-    step_configs,
-)
+from pipelines.overrides import AssignmentError, apply_overrides, parse_overrides
+from pipelines.presets import Preset, branch_trainer, preset_from_json, step_configs
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,8 @@ import typer
 
 from core.errors import describe_error
 from core.redact import configure_logging, for_console
-from pipelines.presets import (
-    PRESETS,
-    AssignmentError,
-    apply_overrides,
-    get_preset,
-    parse_assignments,
-)
+from pipelines.overrides import AssignmentError, apply_overrides, parse_assignments
+from pipelines.presets import PRESETS, get_preset
 
 log = logging.getLogger(__name__)
 

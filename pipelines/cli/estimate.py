@@ -87,7 +87,7 @@ def _estimate_preset(
 ) -> None:
     """``lingo estimate --preset``: the placement plan, then SFT's and GRPO's tables."""
     from capacity import MODEL_PRESETS, Verdict, format_table
-    from pipelines.presets import run_estimates
+    from pipelines.preset_capacity import run_estimates
 
     if model is None:  # the preset's model, where the planner knows it by name
         name = "tiny-gpt-oss" if preset.model.source == "tiny" else preset.model.source

@@ -11,7 +11,8 @@ from capacity.layouts import Layout, node_fields
 from capacity.model_spec import count_lora_parameters, count_parameters, load_model_spec
 from capacity.sync_time import HOP_LATENCY_S, NoSync, describe_sync, model_sync
 from cluster.nodes import LOCAL, NODE_TYPES, sender_network_gbps
-from pipelines.presets import get_preset, run_estimates
+from pipelines.preset_capacity import run_estimates
+from pipelines.presets import get_preset
 
 GPT_OSS_20B = count_parameters(load_model_spec("gpt-oss-20b"))
 

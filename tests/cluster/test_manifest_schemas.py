@@ -23,7 +23,8 @@ from cluster.pytorchjob import build_pytorchjob, manifest_yaml
 from cluster.step_job import StepJob, build_step_manifest, job_name, step_cluster
 from cluster.trainjob import build_trainjob
 from components.images import GPU_IMAGE
-from pipelines.presets import PRESETS, Preset, apply_overrides, step_execution, training_runtime
+from pipelines.overrides import apply_overrides
+from pipelines.presets import PRESETS, Preset, step_execution, training_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYED_RUNTIME = ROOT / "deploy" / "cluster-training-runtime.yaml"

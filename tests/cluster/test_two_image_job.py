@@ -32,7 +32,8 @@ from cluster.step_job import (
 )
 from cluster.trainjob import ROLLOUT, TORCH_MASTER_PORT, master_addr
 from components.images import GPU_IMAGE, MEGATRON_IMAGE
-from pipelines.presets import PRESETS, apply_overrides, step_execution
+from pipelines.overrides import apply_overrides
+from pipelines.presets import PRESETS, step_execution
 from trainer.grpo.config import GRPOConfig
 
 NAMESPACE = "team"

@@ -21,8 +21,9 @@ from kfp.local.cache import LocalCache
 
 from eval.runner import BUNDLED_QUESTIONS
 from pipelines.local_run import input_fingerprints, run_local
+from pipelines.overrides import apply_overrides
 from pipelines.pipeline import INPUT_FINGERPRINT_ENV, NEVER_CACHED, build_pipeline
-from pipelines.presets import apply_overrides, get_preset
+from pipelines.presets import get_preset
 
 
 def _spec(preset, tmp_path, fingerprints=None) -> dict:

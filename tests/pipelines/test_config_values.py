@@ -4,7 +4,8 @@ rejected when the overrides are parsed, naming the field."""
 import pytest
 from pydantic import ValidationError
 
-from pipelines.presets import DEFAULT_PRESET, apply_overrides, get_preset
+from pipelines.overrides import apply_overrides
+from pipelines.presets import DEFAULT_PRESET, get_preset
 from trainer.backends.config import OptimConfig
 from trainer.grpo.config import GRPOConfig
 

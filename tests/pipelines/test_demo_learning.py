@@ -32,7 +32,8 @@ from bench.demo_learning import (
     sft_convergence,
 )
 from pipelines.local_run import run_local
-from pipelines.presets import TINY_CPU, Preset, apply_overrides
+from pipelines.overrides import apply_overrides
+from pipelines.presets import TINY_CPU, Preset
 
 LORA = {  # docs/benchmarks.md, "LoRA GRPO on the demo"
     "grpo.lora.r": "16",

@@ -11,16 +11,10 @@ from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
 from capacity.layouts import Layout
 from cluster.hardware import Hardware
 from cluster.nodes import NODE_TYPES
+from pipelines.overrides import apply_overrides
 from pipelines.platform import get_platform
-from pipelines.presets import (
-    PRESETS,
-    Preset,
-    apply_overrides,
-    capacity_layout,
-    grpo_plan,
-    megatron_layout,
-    step_execution,
-)
+from pipelines.preset_capacity import capacity_layout, grpo_plan
+from pipelines.presets import PRESETS, Preset, megatron_layout, step_execution
 from trainer.capacity_check import grpo_layout, sft_layout
 from trainer.megatron.layout import resolve_megatron_layout
 

@@ -22,7 +22,8 @@ from pipelines.kfp_client import (
     submit_preset,
     wait_for_run,
 )
-from pipelines.presets import apply_overrides, get_preset
+from pipelines.overrides import apply_overrides
+from pipelines.presets import get_preset
 from pipelines.run_form import form_arguments
 
 TOKEN = "kfp-test-token-9f8e7d6c5b4a"

@@ -11,7 +11,8 @@ from core.tracking import mlflow_ui_command
 from eval.gate import GateConfig
 from pipelines.local_console import LocalStepFailedError
 from pipelines.local_run import run_local, tracking_summary
-from pipelines.presets import apply_overrides, get_preset
+from pipelines.overrides import apply_overrides
+from pipelines.presets import get_preset
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from kfp_run_emulator import RunOutputsEmulator, spec_tasks
 from nbclient import NotebookClient
 from s3_server import moto_s3_server
 
-from pipelines.presets import apply_overrides, get_preset
+from pipelines.overrides import apply_overrides
+from pipelines.presets import get_preset
 from pipelines.run_form import form_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +147,7 @@ def test_the_notebook_runs_top_to_bottom_against_an_emulated_pipeline_server(tmp
     assert _text(configure) == "gpt-oss-20b | GRPO max_steps 100 | samples/prompt 8\n"
 
     from capacity import format_table
-    from pipelines.presets import run_estimates
+    from pipelines.preset_capacity import run_estimates
 
     preset = apply_overrides(
         get_preset("gpt-oss-20b"),

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from eval.runner import BUNDLED_QUESTIONS
 from pipelines.cli import app
-from pipelines.presets import DEFAULT_PRESET, apply_overrides, get_preset
+from pipelines.overrides import apply_overrides
+from pipelines.presets import DEFAULT_PRESET, get_preset
 
 runner = CliRunner()
 

@@ -41,7 +41,8 @@ from typer.testing import CliRunner
 from data_prep.sources import BUNDLED_DIR
 from eval.gate import GateConfig
 from pipelines.cli import app
-from pipelines.presets import apply_overrides, get_preset
+from pipelines.overrides import apply_overrides
+from pipelines.presets import get_preset
 from pipelines.run_form import form_arguments
 
 MODEL = GateConfig().registered_model

@@ -17,17 +17,8 @@ from hypothesis import strategies as st
 from pipelines import cli
 from pipelines.compile import compiled_path
 from pipelines.configure import configure
-from pipelines.presets import (
-    PRESETS,
-    TRAINING_STEPS,
-    AssignmentError,
-    apply_overrides,
-    parse_assignments,
-    parse_overrides,
-    preset_from_json,
-    preset_json,
-    step_configs,
-)
+from pipelines.overrides import AssignmentError, apply_overrides, parse_assignments, parse_overrides
+from pipelines.presets import PRESETS, TRAINING_STEPS, preset_from_json, preset_json, step_configs
 from pipelines.run_form import FORM_FIELDS, RunFormError, check_export_uri, form_fields
 
 GPT = compiled_path("gpt-oss-20b")

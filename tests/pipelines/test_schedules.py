@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from pipelines.cli import app
 from pipelines.kfp_client import KfpConnection, submit_preset
-from pipelines.presets import apply_overrides, get_preset
+from pipelines.overrides import apply_overrides
+from pipelines.presets import get_preset
 from pipelines.schedules import (
     ScheduleNotFoundError,
     list_schedules,

@@ -106,7 +106,7 @@ def test_a_local_eval_questions_path_compiled_in_is_one_warning(tmp_path, caplog
 
     questions.write_bytes(BUNDLED_QUESTIONS.read_bytes())
     from pipelines.compile import compile_pipeline
-    from pipelines.presets import apply_overrides
+    from pipelines.overrides import apply_overrides
 
     preset = apply_overrides(get_preset("tiny-cpu"), {"eval.questions": str(questions)})
     with caplog.at_level(logging.WARNING, logger="pipelines.preflight"):

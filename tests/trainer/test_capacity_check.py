@@ -7,15 +7,9 @@ import pytest
 from tests_helpers_trainer import VERL_COLOCATED_OVERRIDES
 
 from capacity import LayoutDoesNotFit, LayoutError, Verdict, estimate
-from pipelines.presets import (
-    PRESETS,
-    apply_overrides,
-    capacity_layout,
-    config_dict,
-    grpo_plan,
-    run_estimates,
-    step_execution,
-)
+from pipelines.overrides import apply_overrides
+from pipelines.preset_capacity import capacity_layout, grpo_plan, run_estimates
+from pipelines.presets import PRESETS, config_dict, step_execution
 from trainer.capacity_check import check_run, grpo_layout, sft_layout
 
 

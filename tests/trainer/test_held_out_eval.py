@@ -12,8 +12,8 @@ from core.modeling import load_causal_lm, load_tokenizer
 from core.seeds import group_seeds
 from reward.scoring import ComplianceScorer
 from trainer.grpo.config import RolloutConfig
-from trainer.grpo.prompts import Prompt
 from trainer.grpo.held_out import evaluate_policy
+from trainer.grpo.prompts import Prompt
 from trainer.grpo.rollout import HFRolloutEngine
 
 QUESTIONS = {

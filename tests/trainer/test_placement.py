@@ -7,7 +7,9 @@ from collections import Counter
 import pytest
 from tests_helpers_trainer import VERL_COLOCATED_OVERRIDES, VERL_MEGATRON_OVERRIDES
 
-from pipelines.presets import PRESETS, apply_overrides, grpo_plan
+from pipelines.overrides import apply_overrides
+from pipelines.preset_capacity import grpo_plan
+from pipelines.presets import PRESETS
 from plan import ParallelSizes
 from trainer.placement import (
     Device,

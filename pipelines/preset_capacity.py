@@ -1,0 +1,40 @@
+"""What the capacity check and the placement plan say of a preset: the GRPO step's placement
+plan, the machines the estimates run on, and the estimates themselves (``lingo estimate``,
+the preflight check, the notebook)."""
+
+from __future__ import annotations
+
+from pipelines.presets import Preset, grpo_branch_config
+
+
+def grpo_plan(preset: Preset):
+    """The GRPO step's ``trainer.placement.PlacementPlan``: training processes on its job's
+    nodes, dedicated rollout engines on the nodes after them."""
+    from trainer.placement import grpo_placement
+
+    return grpo_placement(preset.grpo, *preset.hardware.cluster("grpo", preset.grpo.nproc))
+
+
+def capacity_layout(preset: Preset, layout: str | None = None):
+    """The machines the capacity check estimates on: ``hardware``'s (or the planner's layout
+    preset ``layout``, ``lingo estimate --layout``), as a ``capacity.Layout``."""
+    from trainer.capacity_check import hardware_layout
+
+    return layout or hardware_layout(preset.hardware)
+
+
+def run_estimates(preset: Preset, model: str, layout: str | None = None, overrides=None):
+    """``(plan, {"sft": Estimate, "grpo": Estimate})`` of ``preset`` as the capacity check
+    estimates it (``overrides``: planner layout fields, after the preset's own)."""
+    from trainer.capacity_check import run_estimates as estimates
+
+    grpo = grpo_branch_config(preset)  # the preset's backend branch, as the pipeline runs it
+    return estimates(
+        model,
+        capacity_layout(preset, layout),
+        preset.sft,
+        grpo,
+        preset.hardware.cluster("sft", preset.sft.nproc),
+        preset.hardware.cluster("grpo", grpo.nproc),
+        {**preset.layout_overrides, **(overrides or {})},
+    )

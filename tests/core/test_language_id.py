@@ -133,13 +133,13 @@ def test_invalid_settings_raise_value_error() -> None:
         LanguageIdentifier(top_language=lambda t: ("en", 1.0)).profile("text", max_pieces=0)
 
 
-_OUTCOMES = {*SUPPORTED_LANGUAGES, OTHER, UNDETERMINED}
+OUTCOMES = {*SUPPORTED_LANGUAGES, OTHER, UNDETERMINED}
 
 
 @settings(max_examples=150)
 @given(st.text(max_size=300))
 def test_identify_never_raises_and_stays_in_the_outcomes(text: str) -> None:
-    assert identify_language(text) in _OUTCOMES
+    assert identify_language(text) in OUTCOMES
 
 
 @settings(max_examples=150)
@@ -275,7 +275,7 @@ _WORDS = st.text(alphabet=st.sampled_from("aeiouyàéüßñçstrnlmdkhgwAEBDGS' 
 def test_profile_of_a_short_text_agrees_with_identify(text: str) -> None:
     identifier = default_identifier()
     outcome = identifier.identify(text)
-    assert outcome in _OUTCOMES
+    assert outcome in OUTCOMES
     profile = identifier.profiles([text])[0]
     if profile.pieces == 1:
         assert profile.dominant == outcome

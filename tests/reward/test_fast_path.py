@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core.fasttext_batch import OUTCOMES
 from core.language_id import (
-    _OUTCOMES,
     MAX_PROFILE_CHARS,
     MAX_PROFILE_PIECES,
     LanguageIdentifier,
@@ -56,7 +56,7 @@ def careful_profile(
             pieces.append((piece_start, len(text), letters))
     if len(pieces) > max_pieces:
         pieces = _stratified_sample(pieces, max_pieces)
-    counts = dict.fromkeys(_OUTCOMES, 0)
+    counts = dict.fromkeys(OUTCOMES, 0)
     judged = total = 0
     for start, end, letters in pieces:
         total += letters
@@ -148,7 +148,7 @@ def test_batched_model_gives_fasttexts_label_and_probability() -> None:
     codes, probabilities = identifier._batch_model.top_many(lines)
     for text, code, probability in zip(lines, codes.tolist(), probabilities.tolist(), strict=True):
         label, expected = identifier._top(text)
-        assert _OUTCOMES[code] == (label if label in _OUTCOMES[:-1] else _OUTCOMES[-1])
+        assert OUTCOMES[code] == (label if label in OUTCOMES[:-1] else OUTCOMES[-1])
         assert probability == pytest.approx(expected, abs=1e-5)
 
 

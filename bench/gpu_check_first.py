@@ -345,8 +345,8 @@ def check_sync_floor(sizes: Sizes, work: Path) -> dict:
 
     from trainer.distributed import DistInfo
     from trainer.grpo.config import RolloutConfig
-    from trainer.grpo.rollout import VLLMRolloutEngine
     from trainer.grpo.sync_check import FLOOR_CEILING
+    from trainer.grpo.vllm_rollout import VLLMRolloutEngine
     from trainer.grpo.weight_sync import probe_gap
 
     info = DistInfo(0, 1, 0, torch.device(sizes.device))

@@ -468,7 +468,7 @@ def check_routing_replay(sizes: Sizes, work: Path) -> dict:
         # wheel, which the GPU machine does not have and is too large to carry
         figures["vllm"] = "not installed: the vLLM routing path did not run"
         return figures
-    from trainer.grpo.rollout import VLLMRolloutEngine
+    from trainer.grpo.vllm_rollout import VLLMRolloutEngine
 
     vllm_engine = VLLMRolloutEngine(
         str(model),

@@ -98,7 +98,7 @@ def vllm_sampling_kwargs(
         stop_ids: The engine's stop tokens (``vllm_stop_ids``).
         logprobs: Return the sampled token's own log-prob, of what the engine's
             ``logprobs_mode`` says (rollout engines: ``processed_logprobs``, the tempered
-            distribution, ``trainer.grpo.rollout.VLLM_BEHAVIOUR_LOGPROBS``): rollouts
+            distribution, ``trainer.grpo.vllm_rollout.VLLM_BEHAVIOUR_LOGPROBS``): rollouts
             record the behaviour policy's.
         stop_text: Keep the stop token's text in the output text (the eval reads text).
     """

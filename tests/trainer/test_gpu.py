@@ -49,7 +49,7 @@ def test_grpo_on_gpu_with_hf_rollouts(tmp_path, tiny_model_dir, prepared_data):
 def _vllm_engine(tmp_path, sleep_mode: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.grpo.rollout import VLLMRolloutEngine
+    from trainer.grpo.vllm_rollout import VLLMRolloutEngine
 
     # vLLM's attention kernels want head_dim >= 64
     model_dir = build_tiny_model(

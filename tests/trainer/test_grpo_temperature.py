@@ -18,8 +18,9 @@ from trainer.grpo import update
 from trainer.grpo.config import GRPOConfig, RolloutConfig
 from trainer.grpo.micro_batch import micro_log_probs, sequences
 from trainer.grpo.prompts import Prompt
-from trainer.grpo.rollout import HFRolloutEngine, Rollout, vllm_engine_kwargs
+from trainer.grpo.rollout import HFRolloutEngine, Rollout
 from trainer.grpo.sync_check import SyncProbe, sync_probe
+from trainer.grpo.vllm_rollout import vllm_engine_kwargs
 from trainer.grpo.weight_sync import probe_gap
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.grpo.rollout import QuantizedEngineError, refuse_quantized_reload
+from trainer.grpo.vllm_rollout import QuantizedEngineError, refuse_quantized_reload
 
 
 def test_an_unquantized_engine_takes_the_policys_weights():
@@ -55,7 +55,7 @@ def test_a_vllm_engine_running_mxfp4_refuses_bf16_weights(tmp_path):
 
     from core.modeling import load_causal_lm
     from trainer.grpo.config import RolloutConfig
-    from trainer.grpo.rollout import VLLMRolloutEngine
+    from trainer.grpo.vllm_rollout import VLLMRolloutEngine
     from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
     # vLLM's attention wants head_dim >= 64, its MXFP4 MoE kernels widths of 128 or more

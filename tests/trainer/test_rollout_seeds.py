@@ -11,12 +11,8 @@ from core.seeds import group_seeds
 from generation.vllm import vllm_sampling_kwargs
 from plan import ParallelSizes
 from trainer.grpo.config import RolloutConfig
-from trainer.grpo.rollout import (
-    HFRolloutEngine,
-    Rollout,
-    generate_share,
-    vllm_engine_kwargs,
-)
+from trainer.grpo.rollout import HFRolloutEngine, Rollout, generate_share
+from trainer.grpo.vllm_rollout import vllm_engine_kwargs
 from trainer.placement import RolloutEngines, plan_placement
 
 

@@ -16,7 +16,7 @@ from generation.vllm import vllm_scheduling_kwargs
 from trainer.backends import OptimConfig, make_backend
 from trainer.distributed import DistInfo
 from trainer.grpo.config import RolloutConfig
-from trainer.grpo.rollout import HFRolloutEngine, vllm_engine_kwargs
+from trainer.grpo.rollout import HFRolloutEngine
 from trainer.grpo.sync_check import (
     ProbeText,
     SyncBudget,
@@ -30,6 +30,7 @@ from trainer.grpo.sync_check import (
     sync_tolerance,
     worst,
 )
+from trainer.grpo.vllm_rollout import vllm_engine_kwargs
 from trainer.grpo.weight_sync import sync_engine
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -132,7 +133,7 @@ def test_vllm_kwargs_never_split_prompts_on_cpu():
 
 
 def test_a_one_process_vllm_engine_refuses_tensor_parallel():
-    from trainer.grpo.rollout import VLLMRolloutEngine
+    from trainer.grpo.vllm_rollout import VLLMRolloutEngine
 
     with pytest.raises(ValueError, match="torchrun with tensor_parallel_size processes"):
         VLLMRolloutEngine("/m", None, RolloutConfig(engine="vllm", tensor_parallel_size=2))

@@ -23,8 +23,8 @@ from core.seeds import group_seeds
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.micro_batch import micro_log_probs, sequences
 from trainer.grpo.prompts import Prompt
-from trainer.grpo.rollout import VLLMRolloutEngine
 from trainer.grpo.sync_check import SyncCheck, SyncGap, WeightSyncError
+from trainer.grpo.vllm_rollout import VLLMRolloutEngine
 from trainer.grpo.vllm_weights import VLLMWeights
 
 

@@ -20,8 +20,8 @@ from bench.routing_replay import sampled_batch, update_stats
 from trainer.grpo import update
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.prompts import Prompt
-from trainer.grpo.rollout import VLLMRolloutEngine
 from trainer.grpo.routing import RoutingRecorder, moe_routers
+from trainer.grpo.vllm_rollout import VLLMRolloutEngine
 
 QUESTIONS = [
     "<|start|>user<|message|>Quelle est la capitale de la France ?<|end|><|start|>assistant",

@@ -40,7 +40,7 @@ class RolloutConfig(ConfigModel):
     (``micro_batch.Micro.temperature``); 1: the raw logits."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus mass of the rollouts; below 1, vLLM's recorded log-probs are the nucleus's
-    renormalized ones (``rollout.VLLM_BEHAVIOUR_LOGPROBS``), the HF engine's and the
+    renormalized ones (``vllm_rollout.VLLM_BEHAVIOUR_LOGPROBS``), the HF engine's and the
     trainer's are not."""
     # vLLM only
     tensor_parallel_size: int = Field(1, ge=1)

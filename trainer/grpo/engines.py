@@ -76,7 +76,7 @@ def _hf_colocated(site: EngineSite, policy: torch.nn.Module, backend: TrainingBa
 def _vllm_colocated(site: EngineSite, policy: torch.nn.Module, backend: TrainingBackend):
     """The vLLM engine this process is a worker of in the plan (on its own GPU, with the other
     ranks of its engine), in the policy's dtype; it sleeps during the update on a GPU."""
-    from trainer.grpo.rollout import VLLMRolloutEngine
+    from trainer.grpo.vllm_rollout import VLLMRolloutEngine
 
     cfg, info = site.cfg, site.info
     engine = site.plan.engine_of(info.rank) if info.world_size > 1 else None

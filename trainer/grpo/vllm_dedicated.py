@@ -31,7 +31,7 @@ import torch
 from generation.vllm import VLLMGenerator
 from trainer.grpo.config import RolloutConfig
 from trainer.grpo.remote import buckets, flatten_bucket
-from trainer.grpo.rollout import (
+from trainer.grpo.vllm_rollout import (
     VLLM_MISSING,
     VLLMRolloutEngine,
     enable_routed_experts,

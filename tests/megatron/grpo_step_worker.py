@@ -67,7 +67,7 @@ def grpo_step(
     cfg = GRPOConfig.model_validate({**base, "nproc": world})
     info = DistInfo(rank, world, rank, torch.device("cpu"))
     if export_only:  # no update: the layout is checked as one that does not train
-        from trainer.megatron.backend import build_megatron_backend
+        from trainer.megatron.build import build_megatron_backend
 
         backend = build_megatron_backend(cfg.optim, 6, info, hf_dir, True, training=False)
     else:

@@ -205,7 +205,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
     from trainer.checkpoint import load_checkpoint, save_checkpoint
     from trainer.grpo import micro_batch, update
     from trainer.megatron import bridge
-    from trainer.megatron.backend import _unwrap
+    from trainer.megatron.backend import unwrap
 
     tol = {"cpu": 1e-5, "cuda": 2e-3}[device]
     checkpoint = tmp_path / "megatron"
@@ -227,7 +227,7 @@ def check_grpo_step(hf_dir: Path, tmp_path: Path, device: str, distributed_optim
         for s in range(0, 16, 4)
     ]
     backend = build()
-    actor = _unwrap(backend.model[0])
+    actor = unwrap(backend.model[0])
 
     # 1. schedule log-probs == the same Megatron model on each row alone
     through_schedule = backend.log_probs(micros)

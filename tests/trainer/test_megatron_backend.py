@@ -39,12 +39,11 @@ from trainer.grpo.config import GRPOConfig
 from trainer.megatron.backend import (
     MegatronBackend,
     ParallelContext,
-    VocabShard,
     megatron_batch,
     padded_length,
     response_log_probs,
-    vocab_parallel_log_probs,
 )
+from trainer.megatron.vocab_parallel import VocabShard, vocab_parallel_log_probs
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -509,9 +508,8 @@ _TWO_RANKS = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from trainer.backends import DataParallel
     from trainer.grpo import algorithm as algo
-    from trainer.megatron.backend import (
-        MegatronBackend, ParallelContext, VocabShard, vocab_parallel_log_probs,
-    )
+    from trainer.megatron.backend import MegatronBackend, ParallelContext
+    from trainer.megatron.vocab_parallel import VocabShard, vocab_parallel_log_probs
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -93,7 +93,7 @@ def _megatron(b: _Built) -> TrainingBackend:
             "backend 'megatron' needs the Hugging Face model directory (hf_dir) for its "
             "config and tokenizer; it runs in the GRPO step only"
         )
-    from trainer.megatron.backend import build_megatron_backend
+    from trainer.megatron.build import build_megatron_backend
 
     backend = build_megatron_backend(
         b.cfg, b.total_steps, b.info, b.hf_dir, b.with_reference, b.seed, b.pad_id

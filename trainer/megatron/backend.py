@@ -50,7 +50,7 @@ import torch
 from trainer.backends.config import OptimConfig
 from trainer.backends.interface import DataParallel, LossFn, ResponseBatch
 from trainer.backends.schedule import lr_factor
-from trainer.distributed import DistInfo
+from trainer.megatron.vocab_parallel import VocabShard, vocab_parallel_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -121,132 +121,6 @@ def megatron_batch(micro: ResponseBatch, seq_len: int, pad_id: int, device) -> M
         width=micro.mask.shape[1],
         temperature=micro.temperature,
     )
-
-
-# --- log-probs from vocabulary-parallel logits ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class VocabShard:
-    """This rank's slice of the (padded) vocabulary in the logits."""
-
-    start: int = 0
-    """Vocabulary id of the first logit column on this rank (``tp_rank × columns``)."""
-    size: int | None = None
-    """The model's own vocabulary size; columns at or past it (Megatron's padding) are
-    masked. ``None``: no padding."""
-    group: Any = None
-    """The tensor-parallel process group; ``None``: the logits hold the whole vocabulary."""
-
-
-def _sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, group=group)
-    return tensor
-
-
-class _VocabParallelLogProbs(torch.autograd.Function):
-    """Log-probs and entropies from vocabulary shards, with the analytic gradient.
-
-    ``z`` is the logits divided by the temperature ``T`` (not at all at 1). Forward:
-    ``s = Σ_v e^{z_v − m}`` (``m`` the global max; local sums, then a sum over the
-    group), ``log p(x) = z_x − m − log s``, ``H = log s − Σ_v p_v (z_v − m)``. Backward, per
-    rank and without communication (the upstream gradients are the same on every rank: the
-    loss after them is computed alike on each): ``∂ log p(x)/∂z_v = 1[v = x] − p_v`` and
-    ``∂H/∂z_v = −p_v (z_v − m − Σ_u p_u (z_u − m))``. Autograd through the sums could not do
-    this: ``p_v`` on one rank depends on every rank's shard through ``s``. The gradient to
-    the logits is the gradient to ``z`` divided by ``T``.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, start: int, size: int | None, group, temperature: float):
-        import torch.distributed as dist
-
-        dtype = logits.dtype
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        local = logits.shape[-1]
-        padding = None
-        if size is not None and start + local > size:
-            padding = torch.arange(start, start + local, device=logits.device) >= size
-        # padded columns: out of the max, and 0 in every later term (no infinities)
-        visible = logits if padding is None else logits.masked_fill(padding, -math.inf)
-        maximum = visible.amax(dim=-1)
-        if group is not None:
-            dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - maximum.unsqueeze(-1)
-        if padding is not None:
-            shifted = shifted.masked_fill(padding, 0.0)
-        exp = shifted.exp()
-        if padding is not None:
-            exp = exp.masked_fill(padding, 0.0)
-        total = _sum_over(exp.sum(-1), group)
-        log_norm = total.log()
-        local_target = targets - start
-        inside = (local_target >= 0) & (local_target < local)
-        local_target = local_target.clamp(0, local - 1)
-        chosen = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside
-        log_probs = _sum_over(chosen, group) - log_norm
-        probs = exp / total.unsqueeze(-1)
-        expected = _sum_over((probs * shifted).sum(-1), group)  # Σ_v p_v (z_v − m)
-        ctx.save_for_backward(shifted, log_norm, expected, local_target, inside)
-        ctx.padding = padding
-        ctx.dtype = dtype
-        ctx.temperature = temperature
-        return log_probs, log_norm - expected
-
-    @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
-        shifted, log_norm, expected, local_target, inside = ctx.saved_tensors
-        probs = (shifted - log_norm.unsqueeze(-1)).exp()
-        if ctx.padding is not None:
-            probs = probs.masked_fill(ctx.padding, 0.0)
-        grad = torch.zeros_like(shifted)
-        if grad_log_probs is not None:
-            grad -= probs * grad_log_probs.unsqueeze(-1)
-            grad.scatter_add_(
-                -1, local_target.unsqueeze(-1), (grad_log_probs * inside).unsqueeze(-1)
-            )
-        if grad_entropy is not None:
-            grad -= grad_entropy.unsqueeze(-1) * probs * (shifted - expected.unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad /= ctx.temperature
-        return grad.to(ctx.dtype), None, None, None, None, None
-
-
-def vocab_parallel_log_probs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    shard: VocabShard,
-    with_entropy: bool,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``targets`` and entropies from this rank's vocabulary shard of ``logits``.
-
-    ``log p(x) = z_x − log Σ_v e^{z_v}`` and ``H = log Σ_v e^{z_v} − Σ_v p_v z_v`` with
-    ``z = logits / temperature`` (as ``algorithm.token_log_probs``), in float32, the sums over
-    the vocabulary being local sums then a sum over the TP group; gradients to ``logits``
-    (see ``_VocabParallelLogProbs``).
-
-    Args:
-        logits: ``[..., V_local]`` this rank's columns.
-        targets: ``[...]`` vocabulary ids (any rank's).
-        shard: where the columns sit, the model's vocabulary size, the TP group.
-        with_entropy: also return the entropies.
-        temperature: > 0; 1: the raw logits.
-
-    Returns:
-        ``([...], [...] | None)``: log-probs and entropies.
-    """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    log_probs, entropy = _VocabParallelLogProbs.apply(
-        logits, targets, shard.start, shard.size, shard.group, temperature
-    )
-    return log_probs, entropy if with_entropy else None
 
 
 def response_log_probs(
@@ -321,7 +195,7 @@ def gpt_forward(chunk, batch: MegatronBatch) -> torch.Tensor:
     return chunk(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None)
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The model inside DDP / Float16Module wrappers (whose state dicts, sharded or not,
     carry a ``module.`` prefix that checkpoints of the bare model do not have)."""
     while isinstance(getattr(chunk, "module", None), torch.nn.Module):
@@ -484,7 +358,7 @@ class MegatronBackend:
         state: dict[str, Any] = {}
         for i, chunk in enumerate(self.model):
             key = "model" if len(self.model) == 1 else f"model{i}"
-            state[key] = _unwrap(chunk).sharded_state_dict(metadata=dict(self.checkpoint_metadata))
+            state[key] = unwrap(chunk).sharded_state_dict(metadata=dict(self.checkpoint_metadata))
         state["optimizer"] = self.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=dict(self.checkpoint_metadata)
         )
@@ -519,7 +393,7 @@ class MegatronBackend:
         )
         for i, chunk in enumerate(self.model):
             key = "model" if len(self.model) == 1 else f"model{i}"
-            _load_model_state(_unwrap(chunk), loaded[key], directory)
+            load_model_state(unwrap(chunk), loaded[key], directory)
         self.optimizer.load_state_dict(loaded["optimizer"])
         self._step = int(loaded["lr_step"])
 
@@ -560,7 +434,7 @@ class MegatronBackend:
         are not needed). Collective."""
         from trainer.megatron.bridge import save_megatron_model
 
-        save_megatron_model([_unwrap(chunk) for chunk in self.model], directory)
+        save_megatron_model([unwrap(chunk) for chunk in self.model], directory)
 
     def save_hf_pretrained(self, directory: Path, base_model: str | Path, dtype) -> None:
         """The actor as a HF directory: the weights streamed to safetensors shards of at most
@@ -589,58 +463,14 @@ class MegatronBackend:
         dist.barrier()
 
     def unwrapped(self) -> torch.nn.Module:
-        return torch.nn.ModuleList(_unwrap(chunk) for chunk in self.model)
+        return torch.nn.ModuleList(unwrap(chunk) for chunk in self.model)
 
     def close(self) -> None:
         """Tear down the Megatron parallel state this backend set up."""
         self._cleanup.close()
 
 
-# --- building it from the checkpoint --------------------------------------------------------
-
-
-def _checkpoint_metadata(use_distributed_optimizer: bool) -> dict:
-    """``sharded_state_dict`` metadata as megatron-bridge's checkpointing writes it."""
-    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if use_distributed_optimizer:
-        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
-    return metadata
-
-
-def _provider(auto_bridge, layout, settings, dtype: torch.dtype):
-    """megatron-bridge's provider for the HF model, with the layout and recompute options."""
-    from trainer.megatron import bridge as mb
-
-    provider = auto_bridge.to_megatron_provider(load_weights=False)
-    mb._configure_provider(provider, auto_bridge.hf_pretrained.config, dtype)
-    mb._set_sizes(provider, mb.MegatronSizes.of(layout))
-    provider.recompute_granularity = settings.recompute_granularity
-    provider.recompute_method = settings.recompute_method
-    provider.recompute_num_layers = settings.recompute_num_layers
-    if settings.recompute_modules:
-        provider.recompute_modules = list(settings.recompute_modules)
-    provider.perform_initialization = False  # every weight comes from the checkpoint
-    provider.calculate_per_token_loss = False  # the loop normalizes its own loss
-    provider.variable_seq_lengths = False  # every micro-batch of a call has one length
-    provider.finalize()
-    return provider
-
-
-def _load_weights(model: list[torch.nn.Module], checkpoint: Path, metadata: dict) -> None:
-    """The converted checkpoint's weights into ``model`` (resharded to this layout)."""
-    from megatron.core import dist_checkpointing
-
-    keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
-    sharded = {
-        key: _unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
-        for key, chunk in zip(keys, model, strict=True)
-    }
-    loaded = dist_checkpointing.load(sharded, str(checkpoint), strict="raise_all")
-    for key, chunk in zip(keys, model, strict=True):
-        _load_model_state(_unwrap(chunk), loaded[key], checkpoint)
-
-
-def _load_model_state(chunk: torch.nn.Module, state: dict, source) -> None:
+def load_model_state(chunk: torch.nn.Module, state: dict, source) -> None:
     """``chunk.load_state_dict`` that fails on any missing or unexpected weight; only
     Transformer Engine's ``_extra_state`` (fp8 metadata) may be absent, as in
     ``trainer.megatron.bridge``'s loader."""
@@ -652,149 +482,3 @@ def _load_model_state(chunk: torch.nn.Module, state: dict, source) -> None:
         raise MegatronCheckpointError(
             f"{source}: does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
-
-
-def build_megatron_backend(
-    cfg: OptimConfig,
-    total_steps: int,
-    dist_info: DistInfo,
-    hf_dir: str | Path,
-    with_reference: bool,
-    seed: int = 0,
-    pad_id: int = 0,
-    training: bool = True,
-) -> MegatronBackend:
-    """The Megatron backend for ``cfg.megatron``: layout checked against ``hf_dir``'s config
-    and the world size, parallel state set up, actor (DDP) and reference loaded from
-    ``cfg.megatron.checkpoint``, distributed optimizer built.
-
-    ``training=False`` checks the layout as one that only scores and exports (no
-    ``forward_backward``): a MoE model with TP > 1 may then lack sequence parallelism
-    (``validate_layout``'s ``training`` rules).
-
-    Raises:
-        ImportError: megatron-core / megatron-bridge missing, or Python < 3.12.
-        ValueError: no checkpoint given; ``LayoutError`` for a layout that cannot run.
-        MegatronCheckpointError: no checkpoint there, or one in another dtype than the layout.
-    """
-    require_megatron()
-    from megatron.bridge import AutoBridge
-    from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.utils import get_model_config
-
-    from trainer.megatron import bridge as mb
-    from trainer.megatron.layout import validate_layout
-
-    settings = cfg.megatron
-    if not settings.checkpoint:
-        raise ValueError(
-            "optim.megatron.checkpoint: set it to the Megatron checkpoint convert_megatron "
-            f"wrote from {hf_dir}"
-        )
-    layout = validate_layout(
-        hf_dir, settings.layout, world_size=dist_info.world_size, training=training
-    ).layout
-    dtype = layout.torch_dtype
-    checkpoint = mb.checkpoint_iteration_dir(settings.checkpoint)
-    saved = mb.checkpoint_dtype(settings.checkpoint)
-    if saved != dtype:
-        raise mb.MegatronCheckpointError(
-            f"{settings.checkpoint} holds {saved} weights but layout {layout.name!r} trains in "
-            f"{layout.params_dtype}; convert again with that dtype or change params_dtype"
-        )
-    metadata = _checkpoint_metadata(settings.use_distributed_optimizer)
-    cleanup = contextlib.ExitStack()
-    try:
-        cleanup.enter_context(
-            mb.megatron_parallel(
-                layout.parallel_sizes,
-                vpp=layout.vpp,
-                seed=seed,
-                timeout=dist_info.timeout,
-            )
-        )
-        auto_bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=dtype)
-        on_cpu = not torch.cuda.is_available()
-        ddp = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            overlap_param_gather=False,
-            use_distributed_optimizer=settings.use_distributed_optimizer,
-        )
-        actor = _provider(auto_bridge, layout, settings, dtype).provide_distributed_model(
-            ddp_config=ddp, wrap_with_ddp=True, use_cpu_initialization=on_cpu
-        )
-        _load_weights(actor, checkpoint, metadata)
-        offload = settings.optimizer_offload_fraction
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=cfg.learning_rate,
-                min_lr=cfg.learning_rate * cfg.min_lr_ratio,
-                weight_decay=cfg.weight_decay,
-                adam_beta1=cfg.betas[0],
-                adam_beta2=cfg.betas[1],
-                clip_grad=cfg.max_grad_norm,
-                bf16=dtype == torch.bfloat16,
-                fp16=dtype == torch.float16,
-                params_dtype=dtype,
-                use_distributed_optimizer=settings.use_distributed_optimizer,
-                optimizer_cpu_offload=offload > 0,
-                optimizer_offload_fraction=offload,
-                use_precision_aware_optimizer=offload > 0,
-                overlap_cpu_optimizer_d2h_h2d=offload > 0,
-            ),
-            actor,
-            config_overrides={},  # weight decay on every parameter, as the other backends
-        )
-        model_config = get_model_config(actor[0])
-        model_config.finalize_model_grads_func = finalize_model_grads
-        model_config.grad_scale_func = optimizer.scale_loss
-        reference = None
-        if with_reference:
-            reference = _provider(auto_bridge, layout, settings, dtype).provide_distributed_model(
-                wrap_with_ddp=False, use_cpu_initialization=on_cpu
-            )
-            _load_weights(reference, checkpoint, metadata)
-            for chunk in reference:
-                chunk.eval().requires_grad_(False)
-        device = dist_info.device if on_cpu else torch.device("cuda", torch.cuda.current_device())
-        vocab = auto_bridge.hf_pretrained.config.vocab_size
-        columns = _unwrap(actor[-1]).vocab_size // layout.tp
-        backend = MegatronBackend(
-            model=actor,
-            optimizer=optimizer,
-            cfg=cfg,
-            total_steps=total_steps,
-            parallel=ParallelContext.from_parallel_state(device, layout.sequence_parallel),
-            vocab=VocabShard(
-                start=mpu.get_tensor_model_parallel_rank() * columns,
-                size=vocab,
-                group=mpu.get_tensor_model_parallel_group() if layout.tp > 1 else None,
-            ),
-            pad_id=pad_id,
-            schedule=get_forward_backward_func(),
-            reference=reference,
-            bridge=auto_bridge,
-            dtype=dtype,
-            checkpoint_metadata=metadata,
-            cleanup=cleanup,
-        )
-    except BaseException:
-        cleanup.close()
-        raise
-    log.info(
-        "Megatron backend: layout %s (tp %d pp %d ep %d etp %d dp %d, %s) from %s",
-        layout.name,
-        layout.tp,
-        layout.pp,
-        layout.ep,
-        layout.etp,
-        layout.dp,
-        layout.params_dtype,
-        settings.checkpoint,
-    )
-    return backend

@@ -221,9 +221,14 @@ TINY_CPU = Preset(
         # thread costs more in synchronization than it gains (and ~10x when a core is busy)
         cpu_threads=1,
     ),
-    # the 50 questions for base, SFT and GRPO side by side; the tiny model's answers are short
-    # 5 samples per question: 250 responses per model, so a difference of 0.15 is not noise
-    eval=EvalConfig(sampling=SamplingSettings(max_tokens=160, n=5), batch_size=50, dtype="float32"),
+    # the 50 questions for base, SFT and GRPO side by side; the tiny model's answers are short.
+    # 10 samples per question: 500 responses per model, 100 per language. Issue #43's bar is
+    # per language (loops <= 0.05): at 5 samples one response is 0.02 of a language, and the
+    # same GRPO model measured en loops 0.06, 0.00, 0.00 at eval seeds 0, 1, 2
+    # (docs/benchmarks.md, "The held-out guard and the eval's resolution")
+    eval=EvalConfig(
+        sampling=SamplingSettings(max_tokens=160, n=10), batch_size=50, dtype="float32"
+    ),
 )
 
 GPT_OSS_20B = Preset(

@@ -11,7 +11,7 @@ import pytest
 from eval.gate import GateConfig
 from eval.paired import compare, paired_bootstrap, per_question_scores
 
-QUESTIONS, SAMPLES = 50, 5  # the presets' eval: 50 questions, tiny-cpu's 5 samples each
+QUESTIONS, SAMPLES = 50, 5  # 50 questions, 5 samples each (tiny-cpu's eval takes 10)
 SEEDS = 200
 METRIC = "both_language_accuracy"
 

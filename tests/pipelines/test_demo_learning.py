@@ -3,7 +3,7 @@ language it is asked in, better than after SFT alone, on the 50-question eval.
 
 Slow (minutes on 2 cores): the whole local pipeline, exactly as ``make demo`` runs it
 (``tiny-cpu`` preset, fixed seed, kfp.local), then issue #16's bar on its eval results, over
-questions × samples (250 responses per model): GRPO's both-language accuracy ≥ 0.40 and ≥
+questions × samples (500 responses per model): GRPO's both-language accuracy ≥ 0.40 and ≥
 SFT's + 0.15, GRPO's mean reward ≥ SFT's + 1.0, real-word share no more than 10% below SFT's,
 and SFT trained to convergence (held-out loss down by at most 2% over its last fifth); and
 issue #29's per-language floors, over each language's 50 responses: GRPO's both-language

@@ -4,7 +4,7 @@ The Megatron branch's decoupled GRPO job spans two images: the trainers run the 
 image (NGC PyTorch 25.10, its own torch build), the dedicated vLLM engines the GPU image
 (torch 2.14.0). One torchrun job holds both, so one c10d TCPStore (hosted by node 0's
 torchrun agent, a trainer pod) and the gloo channels built from it
-(``trainer.grpo.remote``) carry messages and weights between two torch releases.
+(``trainer.grpo.channels``) carry messages and weights between two torch releases.
 
 This runs that wire with each side in its own Python, as two torchrun "nodes" of one static
 rendezvous on 127.0.0.1 (node 0 hosts the store). Each process runs the project's own code:
@@ -22,7 +22,7 @@ bytes, seconds, pass or fail with the error.
     python bench/channel_compat.py --python-a .venv/bin/python \\
         --python-b .venv-torch-old/bin/python [--bucket-mb 64] [--json results.jsonl]
 
-Each Python needs torch and what ``trainer.grpo.remote`` imports (numpy, pydantic, tqdm:
+Each Python needs torch and what ``trainer.grpo.channels`` imports (numpy, pydantic, tqdm:
 both images carry the whole project); the repository goes on its ``PYTHONPATH``. The
 figures are in docs/megatron.md, "Two torch releases in one job".
 """
@@ -134,7 +134,7 @@ def run_node(bucket_mb: int, timeout_s: float) -> dict:
     report on node 0 (both sides' checks, gathered over the channel); None on node 1."""
     import torch
 
-    from trainer.grpo import remote
+    from trainer.grpo import channels
 
     rank = int(os.environ["RANK"])
     other = 1 - rank
@@ -148,11 +148,11 @@ def run_node(bucket_mb: int, timeout_s: float) -> dict:
         seconds[name] = round(time.perf_counter() - started, 4)
         return out
 
-    store = timed("store", remote.job_store, timeout)
-    channel, weights = timed("channels", remote.open_channels, store, [1], [1], rank, timeout)
+    store = timed("store", channels.job_store, timeout)
+    channel, weights = timed("channels", channels.open_channels, store, [1], [1], rank, timeout)
     assert channel is weights and channel.members == [0, 1]
-    remote.announce_ready(store, rank)
-    timed("ready", remote.wait_until_ready, store, [other], timeout, "the other node")
+    channels.announce_ready(store, rank)
+    timed("ready", channels.wait_until_ready, store, [other], timeout, "the other node")
 
     expected = _message()
     received = timed("object", channel.broadcast_object, expected if rank == 0 else None)
@@ -232,7 +232,7 @@ _PROBE = """
 import json, platform, torch
 versions = {"torch": torch.__version__, "python": platform.python_version()}
 try:
-    import trainer.grpo.remote
+    import trainer.grpo.channels
 except ImportError as exc:
     versions["missing"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(versions))
@@ -249,7 +249,7 @@ def python_versions(python: str) -> dict:
     versions = json.loads(done.stdout.strip().splitlines()[-1])
     if "missing" in versions:
         raise SystemExit(
-            f"{python}: cannot import trainer.grpo.remote ({versions['missing']}): install "
+            f"{python}: cannot import trainer.grpo.channels ({versions['missing']}): install "
             f"what it needs beside torch: {python} -m pip install numpy pydantic tqdm"
         )
     return {"bin": python, **versions}
@@ -285,7 +285,7 @@ def _error_line(output: str) -> str | None:
 
 
 def _handshake_lines(output: str) -> list[str]:
-    """What the coordinator's torch-release handshake logged (``remote.check_torch_releases``)."""
+    """What the coordinator's torch-release handshake logged (``channels.check_torch_releases``)."""
     marks = ("rollout channel members", "torch releases")
     return [line for line in output.splitlines() if any(m in line for m in marks)]
 

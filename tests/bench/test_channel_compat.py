@@ -100,4 +100,4 @@ def test_two_torch_releases_speak_one_wire_in_both_orders(tmp_path, pair):
         _assert_bit_exact(report, 64)
         assert report["node0"]["torch"] != report["node1"]["torch"]
         [warning] = [line for line in report["handshake"] if "two torch releases" in line]
-        assert "measured in one job" in warning  # a pair remote.MEASURED_RELEASE_PAIRS holds
+        assert "measured in one job" in warning  # a pair channels.MEASURED_RELEASE_PAIRS holds

@@ -3,7 +3,7 @@
     python handshake_worker.py RANK PORT [TORCH_VERSION]
 
 Rank 0 hosts the job's TCPStore on 127.0.0.1:PORT (as torchrun's agent does); both open the
-channel with ``trainer.grpo.remote.open_channels`` (whose handshake logs to stderr) and pass
+channel with ``trainer.grpo.channels.open_channels`` (whose handshake logs to stderr) and pass
 one object over it. ``TORCH_VERSION`` fakes this process's torch version string, as a process
 of the other image would report it.
 """
@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.grpo.remote import open_channels
+from trainer.grpo.channels import open_channels
 
 
 def main(rank: int, port: int, torch_version: str | None) -> None:

@@ -149,14 +149,14 @@ SLOW_ENGINE = """
 import os, runpy, sys, time
 from datetime import timedelta
 
-from trainer.grpo import engines, remote
+from trainer.grpo import channels, engines, remote
 
 build = engines.rollout_only_engine
 
 
 def slow(*args, **kwargs):  # an engine that starts late (vLLM at 20B: minutes)
-    store = remote.job_store()
-    remote.wait_until_ready(store, [0], timedelta(minutes=10), "trainers")  # they wait now
+    store = channels.job_store()
+    channels.wait_until_ready(store, [0], timedelta(minutes=10), "trainers")  # they wait now
     time.sleep(float(os.environ["SLOW_ENGINE_S"]))
     return build(*args, **kwargs)
 

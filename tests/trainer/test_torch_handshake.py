@@ -1,4 +1,4 @@
-"""The rollout channels' torch-release handshake (trainer/grpo/remote.py): in the Megatron
+"""The rollout channels' torch-release handshake (trainer/grpo/channels.py): in the Megatron
 branch the trainers (NGC's torch) and the dedicated engines (the GPU image's) run two torch
 builds in one job; before a channel's first collective each member publishes its torch and
 Python in the job's store, and the coordinator logs them once and warns when the releases
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from conftest import free_port
 from tests_helpers_trainer import subprocess_env
 
-from trainer.grpo.remote import (
+from trainer.grpo.channels import (
     MEASURED_RELEASE_PAIRS,
     check_torch_releases,
     runtime_versions,
@@ -74,7 +74,7 @@ def _coordinator_log(caplog, *others: str) -> list[logging.LogRecord]:
     store = dist.HashStore()
     for rank, version in enumerate(others, start=1):
         store.set(f"versions/{rank}", json.dumps({"torch": version, "python": "3.12.3"}))
-    with caplog.at_level(logging.INFO, logger="trainer.grpo.remote"):
+    with caplog.at_level(logging.INFO, logger="trainer.grpo.channels"):
         versions = check_torch_releases(store, range(len(others) + 1), 0, timedelta(seconds=5))
     assert [v["torch"] for v in versions.values()] == [torch.__version__, *others]
     return caplog.records
@@ -118,7 +118,7 @@ def test_the_channels_pickle_with_protocol_4_whatever_the_python():
 
     import numpy as np
 
-    from trainer.grpo.remote import channel_pickle
+    from trainer.grpo.channels import channel_pickle
 
     data = channel_pickle({"routed_experts": np.zeros((2, 3), dtype=np.int16)})
     protocols = {arg for op, arg, _ in pickletools.genops(data) if op.name == "PROTO"}

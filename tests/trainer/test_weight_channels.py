@@ -16,15 +16,9 @@ import torch.distributed as dist
 from tests_helpers_trainer import run_threads
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trainer.grpo.channels import announce_ready, open_channels, wait_until_ready
 from trainer.grpo.config import RolloutConfig
-from trainer.grpo.remote import (
-    EngineFollower,
-    RemoteRolloutEngine,
-    announce_ready,
-    open_channels,
-    serve,
-    wait_until_ready,
-)
+from trainer.grpo.remote import EngineFollower, RemoteRolloutEngine, serve
 from trainer.grpo.rollout import HFRolloutEngine
 
 TIMEOUT = timedelta(seconds=60)

@@ -25,14 +25,8 @@ import torch
 import torch.distributed as dist
 from tests_helpers_trainer import run_threads
 
-from trainer.grpo.remote import (
-    DirectTransfer,
-    EngineFollower,
-    RemoteRolloutEngine,
-    _unflat,
-    open_channels,
-    serve,
-)
+from trainer.grpo.channels import open_channels
+from trainer.grpo.remote import DirectTransfer, EngineFollower, RemoteRolloutEngine, _unflat, serve
 from trainer.grpo.vllm_dedicated import DedicatedVLLMEngine
 from trainer.grpo.weight_transfer import (
     GlooSender,

@@ -191,11 +191,11 @@ def engine_share(site: EngineSite, dp: DataParallel) -> tuple[int, ...]:
 def serve_rollouts(site: EngineSite, store, channel, weights, start: timedelta) -> None:
     """A rollout-only process's whole run: build its engine, say it is ready, wait for the
     training coordinator, then answer it until the run ends (``trainer.grpo.remote``)."""
-    from trainer.grpo import remote
+    from trainer.grpo import channels, remote
 
     engine = rollout_only_engine(site)
-    remote.announce_ready(store, site.info.rank)
-    remote.wait_until_ready(store, [0], start, "the training coordinator")
+    channels.announce_ready(store, site.info.rank)
+    channels.wait_until_ready(store, [0], start, "the training coordinator")
     index = site.plan.engine_of(site.info.rank).index
     remote.serve(engine, index, len(site.plan.engines), channel, weights)
 

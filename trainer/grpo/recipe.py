@@ -115,7 +115,7 @@ def run_grpo(
 
     With dedicated engines the job is split: the training processes' default group holds
     only them, and the coordinator (training rank 0) and the rollout-only processes talk
-    over a ``Channel`` of their own (``trainer.grpo.remote``).
+    over a ``Channel`` of their own (``trainer.grpo.channels``).
     """
     work_dir, model_output = Path(work_dir), Path(model_output)
     check_output_dir(model_output, "--model-output", work_dir=work_dir)
@@ -127,11 +127,11 @@ def run_grpo(
         info = init_distributed(cfg.device, cfg.cpu_threads, timeout=timeout)
         seed_everything(cfg.seed)
         return _train(cfg, sft_model, train_path, eval_path, model_output, work_dir, info, plan)
-    from trainer.grpo import remote as dedicated
+    from trainer.grpo import channels
 
-    store = dedicated.job_store(timeout)
+    store = channels.job_store(timeout)
     leads = [engine.ranks[0] for engine in plan.engines]
-    channel, weights = dedicated.open_channels(
+    channel, weights = channels.open_channels(
         store, plan.rollout_only_ranks, leads, job.rank, timeout
     )
     seed_everything(cfg.seed)
@@ -144,8 +144,8 @@ def run_grpo(
     remote = engines.remote_engines(cfg, plan, channel, weights, info)
 
     def engines_ready() -> None:
-        dedicated.announce_ready(store, job.rank)
-        dedicated.wait_until_ready(store, plan.rollout_only_ranks, start, "rollout processes")
+        channels.announce_ready(store, job.rank)
+        channels.wait_until_ready(store, plan.rollout_only_ranks, start, "rollout processes")
 
     result = _train(
         cfg,

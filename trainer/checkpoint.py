@@ -105,6 +105,19 @@ def file_fingerprint(path: str | Path | None) -> str | None:
     return None if path is None else "sha256 " + file_sha256(path)
 
 
+def run_fingerprint(
+    config: dict, model: str | Path, train_path: str | Path, eval_path: str | Path | None
+) -> dict:
+    """What a checkpoint must have been saved by to be resumed (``resume``): the step's
+    config (JSON) and what identifies its model and data."""
+    return {
+        **config,
+        "model": model_fingerprint(model),
+        "train_data": file_fingerprint(train_path),
+        "eval_data": file_fingerprint(eval_path),
+    }
+
+
 def _flatten(config: dict, prefix: str = "") -> dict[str, object]:
     flat: dict[str, object] = {}
     for key, value in config.items():

@@ -34,9 +34,8 @@ from reward.scoring import ComplianceScorer, RewardWeights
 from trainer.backends import DataParallel, TrainingBackend, build_backend
 from trainer.checkpoint import (
     export_policy,
-    file_fingerprint,
-    model_fingerprint,
     resume,
+    run_fingerprint,
     save_checkpoint,
     save_policy_dir,
 )
@@ -267,12 +266,7 @@ def _train(
     they are)."""
     run = _build_run(cfg, sft_model, train_path, eval_path, info, plan, remote)
     checkpoints = work_dir / "checkpoints"
-    run_config = {
-        **cfg.model_dump(mode="json"),
-        "model": model_fingerprint(sft_model),
-        "train_data": file_fingerprint(train_path),
-        "eval_data": file_fingerprint(eval_path),
-    }
+    run_config = run_fingerprint(cfg.model_dump(mode="json"), sft_model, train_path, eval_path)
     guard = DivergenceGuard("GRPO", checkpoints, info, cfg.optim.max_zero_grad_steps)
     state = RunState.from_json(resume(checkpoints, run.backend, info, run_config, guard))
     check, gate = _sync_check(cfg, run.dtype, state), _mismatch_gate(cfg, state)

@@ -126,7 +126,6 @@ def policy_update(
     update, every response token).
     """
     a = cfg.algorithm
-    agg = algo.get_loss_agg_mode(a.loss_agg_mode)
     dp = backend.data_parallel
     n = len(batch.rollouts)
     local_mini = cfg.mini_batch_size // dp.size
@@ -154,22 +153,25 @@ def policy_update(
                 for s in range(0, len(mini), cfg.micro_batch_size)
             ]
             measuring = counts if single_update else None  # the forward before the update
-            layouts = [_laid_out(cfg, batch, micro, pad_id, device, measuring) for micro in micros]
-            masks = [
-                layout.mask * batch.keep[micro].to(device)[:, None]
-                for layout, micro in zip(layouts, micros, strict=True)
-            ]
-            local_count = sum(float(agg.count(m)) for m in masks)
-            normalizer = max(dp.all_reduce_sum(local_count), 1e-8)
+            layouts, masks, normalizer = _mini_batch_rows(cfg, batch, micros, pad_id, dp, measuring)
             ref_log_probs = backend.log_probs(layouts, reference=True) if a.kl_loss_coef else None
             behaviour = _behaviour_blocks(batch, micros, layouts, device) if recorded else None
             measured = None  # the mismatch, measured here on the only forward before the update
             if meter is not None and single_update:
                 measured = [layout.mask for layout in layouts]
             loss = _loss_fn(
-                cfg, batch, micros, masks, normalizer, old_log_probs, ref_log_probs, device,
-                behaviour, correction, measured,
-            )  # fmt: skip
+                cfg,
+                batch,
+                micros,
+                masks,
+                normalizer,
+                old_log_probs,
+                ref_log_probs,
+                device,
+                behaviour,
+                correction,
+                measured,
+            )
             micro_stats = backend.forward_backward(layouts, loss)
             for stats in micro_stats:  # on every rank, whichever stage measured it
                 if "mismatch" in stats:
@@ -182,6 +184,28 @@ def policy_update(
     if recorded:  # the largest over every mini-batch and replica: one reduce for the step
         out["importance_ratio_max"] = dp.all_reduce_max(ratio_max)
     return out | _measured_metrics(meter, counts, dp)
+
+
+def _mini_batch_rows(
+    cfg: GRPOConfig,
+    batch: Batch,
+    micros: list[list[int]],
+    pad_id: int,
+    dp: DataParallel,
+    measuring: RouterCounts | None,
+) -> tuple[list, list[torch.Tensor], float]:
+    """A mini-batch's micro-batches laid out as the backend takes them, their loss masks (the
+    response tokens of the groups that carry signal) and the loss's normalizer: the masks'
+    count (``algorithm.loss_agg_mode``) summed over the data-parallel replicas."""
+    device = dp.device
+    layouts = [_laid_out(cfg, batch, micro, pad_id, device, measuring) for micro in micros]
+    masks = [
+        layout.mask * batch.keep[micro].to(device)[:, None]
+        for layout, micro in zip(layouts, micros, strict=True)
+    ]
+    agg = algo.get_loss_agg_mode(cfg.algorithm.loss_agg_mode)
+    local_count = sum(float(agg.count(m)) for m in masks)
+    return layouts, masks, max(dp.all_reduce_sum(local_count), 1e-8)
 
 
 def _recorded(batch: Batch, correction: str) -> bool:

@@ -20,7 +20,7 @@ from core.modeling import load_causal_lm, load_tokenizer, resolve_dtype
 from core.tracking import log_artifact, mlflow_run
 from trainer.backends import TorchBackend, TrainingBackend, make_backend
 from trainer.backends.loading import load_training_model
-from trainer.checkpoint import file_fingerprint, model_fingerprint, resume, save_checkpoint
+from trainer.checkpoint import resume, run_fingerprint, save_checkpoint
 from trainer.distributed import DistInfo, all_reduce_sum, init_distributed, seed_everything
 from trainer.divergence import DivergenceGuard
 from trainer.metrics import METRICS_FILE, MetricsWriter, plot_metrics, read_metrics
@@ -157,12 +157,7 @@ def run_sft(
         ds_config=ds_config,
     )
     checkpoints = work_dir / "checkpoints"
-    run_config = {
-        **cfg.model_dump(mode="json"),
-        "model": model_fingerprint(base_model),
-        "train_data": file_fingerprint(train_path),
-        "eval_data": file_fingerprint(eval_path),
-    }
+    run_config = run_fingerprint(cfg.model_dump(mode="json"), base_model, train_path, eval_path)
     guard = _divergence_guard(cfg, checkpoints, info, vocab_size)
     start_step = SFTState.from_json(resume(checkpoints, backend, info, run_config, guard)).step
 
@@ -173,9 +168,14 @@ def run_sft(
         # training by epochs, ``epoch`` counts them; by steps, the run is one planned epoch
         planned_epochs = cfg.num_epochs if not cfg.max_steps else 1.0
         writer = MetricsWriter(
-            work_dir / METRICS_FILE, max_steps, planned_epochs, info.is_main, start_step, run,
+            work_dir / METRICS_FILE,
+            max_steps,
+            planned_epochs,
+            info.is_main,
+            start_step,
+            run,
             progress,
-        )  # fmt: skip
+        )
         sft_run = _SFTRun(
             cfg, info, backend, train, evals, tokenizer.pad_token_id, checkpoints, run_config, guard
         )

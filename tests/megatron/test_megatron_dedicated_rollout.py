@@ -233,7 +233,7 @@ def test_two_megatron_trainers_and_one_engine_train_like_one_trainer(
     """Two Megatron training processes (two pipeline stages, or two data-parallel replicas)
     and one engine process: ``torchrun --nproc_per_node 3``. The coordinator asks the engine
     for every data-parallel rank's prompts and hands each trainer the step's rollouts; each
-    keeps its replica's share (``keep_share`` by Megatron's data-parallel rank; both stages of
+    keeps its replica's share (``rank_slots`` by Megatron's data-parallel rank; both stages of
     one replica keep all of them). For the weight stream every training rank draws
     ``export_hf_weights`` in step (each tensor gathered over its stage), only the coordinator
     sends it. The same seeds on the same weights: the same rollouts and the same updates as

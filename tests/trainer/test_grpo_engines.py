@@ -52,7 +52,7 @@ def test_the_colocated_hf_engine_samples_with_the_trained_module(colocated):
     assert engine.model is backend.unwrapped() and not engine.lockstep
     # nothing to sync: the engine is the policy
     assert sync_engine(engine, backend, None, None, 0, ONE, 1) is None
-    assert engines.engine_share(site, backend.data_parallel) == (0,)
+    assert engines.engine_ranks(site, backend.data_parallel) == (0,)
 
 
 def test_a_rollout_only_hf_engine_loads_its_own_frozen_copy(colocated):
@@ -80,16 +80,16 @@ def test_a_colocated_vllm_engine_generates_for_all_its_workers(monkeypatch):
     info = DistInfo(13, 16, 5, torch.device("cpu"))
     dp = DataParallel(13, 16, torch.device("cpu"))
     site = engines.EngineSite(cfg, "model", None, run_placement(cfg, info), info)
-    assert engines.engine_share(site, dp) == (12, 13, 14, 15)
+    assert engines.engine_ranks(site, dp) == (12, 13, 14, 15)
     hf = GRPOConfig(**{**config, "rollout": {"engine": "hf", "n_samples": 8}})
     site = engines.EngineSite(hf, "model", None, run_placement(hf, info), info)
-    assert engines.engine_share(site, dp) == (13,)
+    assert engines.engine_ranks(site, dp) == (13,)
     dedicated = GRPOConfig(
         **{**config, "rollout": {**config["rollout"], "colocate": False, "num_engines": 2}}
     )
     wide = DistInfo(0, 24, 0, torch.device("cpu"))
     site = engines.EngineSite(dedicated, "model", None, run_placement(dedicated, wide), wide)
-    assert engines.engine_share(site, DataParallel(0, 16, torch.device("cpu"))) == tuple(range(16))
+    assert engines.engine_ranks(site, DataParallel(0, 16, torch.device("cpu"))) == tuple(range(16))
 
 
 def test_in_process_engines_take_one_request_at_a_time_and_sleep_as_a_no_op(colocated):

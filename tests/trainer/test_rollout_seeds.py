@@ -11,7 +11,7 @@ from core.seeds import group_seeds
 from generation.vllm import vllm_sampling_kwargs
 from plan import ParallelSizes
 from trainer.grpo.config import RolloutConfig
-from trainer.grpo.rollout import HFRolloutEngine, Rollout, generate_share
+from trainer.grpo.rollout import HFRolloutEngine, Rollout, generate_group_slots
 from trainer.grpo.vllm_rollout import vllm_engine_kwargs
 from trainer.placement import RolloutEngines, plan_placement
 
@@ -108,7 +108,7 @@ def test_every_worker_of_an_engine_submits_the_same_requests_and_keeps_its_share
     prompts = [[100 + s] for s in range(8)]  # 4 ranks × 2 prompts
     seeds = group_seeds(0, 0, range(8), 2)
     recorders = [_Recorder() for _ in range(4)]
-    shares = [generate_share(recorders[r], prompts, seeds, (2, 3), r, 2) for r in (2, 3)]
+    shares = [generate_group_slots(recorders[r], prompts, seeds, (2, 3), r, 2) for r in (2, 3)]
     assert recorders[2].calls == recorders[3].calls  # identical requests on both workers
     assert recorders[2].calls[0][0] == prompts[4:8]
     assert [(r.prompt_index, r.response_ids[0]) for r in shares[0]] == [

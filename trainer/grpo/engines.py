@@ -3,7 +3,7 @@
 Each entry of ``ENGINES`` says how to build the engine a training process samples with when
 the engines are colocated (``colocated``), the engine a rollout-only process serves when they
 are dedicated (``rollout_only``), and which data-parallel ranks' prompts one colocated engine
-generates (``colocated_share``). The recipe asks for an engine by the config's name and calls
+generates (``colocated_ranks``). The recipe asks for an engine by the config's name and calls
 what the ``RolloutEngine`` protocol has; the engine classes live in ``rollout`` (in-process
 HF and vLLM), ``vllm_dedicated`` and ``remote`` (the engines in processes of their own).
 """
@@ -62,7 +62,7 @@ class EngineBuilders:
     """A training process's engine, given the HF policy and the backend that trains it."""
     rollout_only: Callable[[EngineSite], RolloutEngine]
     """A rollout-only process's engine, loaded from the SFT model."""
-    colocated_share: Callable[[EngineSite, DataParallel], tuple[int, ...]]
+    colocated_ranks: Callable[[EngineSite, DataParallel], tuple[int, ...]]
     """The data-parallel ranks whose prompts this process's colocated engine generates."""
 
 
@@ -126,18 +126,18 @@ def _vllm_rollout_only(site: EngineSite):
     )
 
 
-def _own_share(site: EngineSite, dp: DataParallel) -> tuple[int, ...]:
+def _own_rank(site: EngineSite, dp: DataParallel) -> tuple[int, ...]:
     return (dp.rank,)
 
 
-def _engine_share(site: EngineSite, dp: DataParallel) -> tuple[int, ...]:
+def _engine_ranks(site: EngineSite, dp: DataParallel) -> tuple[int, ...]:
     """All of the workers of this process's vLLM engine."""
     return site.plan.engine_of(site.info.rank).ranks
 
 
 ENGINES: dict[str, EngineBuilders] = {
-    "hf": EngineBuilders(_hf_colocated, _hf_rollout_only, _own_share),
-    "vllm": EngineBuilders(_vllm_colocated, _vllm_rollout_only, _engine_share),
+    "hf": EngineBuilders(_hf_colocated, _hf_rollout_only, _own_rank),
+    "vllm": EngineBuilders(_vllm_colocated, _vllm_rollout_only, _engine_ranks),
 }
 
 
@@ -180,12 +180,12 @@ def rollout_only_engine(site: EngineSite) -> RolloutEngine:
     return engine
 
 
-def engine_share(site: EngineSite, dp: DataParallel) -> tuple[int, ...]:
+def engine_ranks(site: EngineSite, dp: DataParallel) -> tuple[int, ...]:
     """The data-parallel ranks whose prompts this rank's engine generates: every training
     rank's (dedicated engines), all of a colocated vLLM engine's workers, or this rank's own."""
     if site.plan.rollout_only_ranks:
         return tuple(range(dp.size))
-    return engine_builders(site.cfg.rollout.engine).colocated_share(site, dp)
+    return engine_builders(site.cfg.rollout.engine).colocated_ranks(site, dp)
 
 
 def serve_rollouts(site: EngineSite, store, channel, weights, start: timedelta) -> None:

@@ -54,7 +54,7 @@ from trainer.grpo.held_out import better, evaluate_policy, held_out_line, on_gua
 from trainer.grpo.mismatch import MismatchGate
 from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompt_sets, resample_prompts, step_prompts
-from trainer.grpo.rollout import RolloutEngine, keep_share, share_request
+from trainer.grpo.rollout import RolloutEngine, group_slots_request, rank_slots
 from trainer.grpo.sync_check import SyncBudget, SyncCheck, SyncGap, sync_metrics, sync_probe
 from trainer.grpo.update import (
     Batch,
@@ -474,7 +474,7 @@ def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
     checkpoint."""
     cfg, info = run.cfg, run.info
     per_rank = cfg.prompts_per_step // run.dp.size
-    share = engines.engine_share(run.site, run.dp)
+    group = engines.engine_ranks(run.site, run.dp)
     probe_from = run.eval_prompts or run.train_prompts
     probe = sync_probe([p.ids for p in probe_from], cfg.rollout.sync_check_tokens)
     pad_id = run.tokenizer.pad_token_id
@@ -485,7 +485,7 @@ def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
         key = f"{step}/resample{round_}" if round_ else step
         seeds = group_seeds(cfg.seed, key, range(cfg.prompts_per_step), cfg.rollout.n_samples)
         prompts = [p.ids for p in run.step_prompts(step, round_)]
-        return share_request(prompts, seeds, share, per_rank)
+        return group_slots_request(prompts, seeds, group, per_rank)
 
     budget = SyncBudget(cfg.rollout.sync_budget_s)
     producer = RolloutProducer(
@@ -496,7 +496,7 @@ def _producer(run: _Run, state: RunState, check: SyncCheck) -> RolloutProducer:
         ),
         cfg.rollout.async_steps,
         cfg.max_steps,
-        select=lambda out: keep_share(out, share, run.dp.rank, per_rank),
+        select=lambda out: rank_slots(out, group, run.dp.rank, per_rank),
         resampling=cfg.algorithm.dynamic_sampling.enabled,
     )
 

@@ -158,7 +158,7 @@ def group_size(prompts: Sequence, seeds: Sequence[Sequence[int]]) -> int:
     return len(seeds[0]) if seeds else 0
 
 
-def generate_share(
+def generate_group_slots(
     engine: RolloutEngine,
     prompts: Sequence[list[int]],
     seeds: Sequence[Sequence[int]],
@@ -171,26 +171,25 @@ def generate_share(
     ``prompts`` and ``seeds`` are the whole step's (slot ``s`` belongs to rank
     ``s // per_rank``). The engine generates every slot of the group — the ranks of a vLLM
     engine in ``external_launcher`` mode must all submit the same requests — and ``rank``
-    keeps its own, with prompt indices relative to its share.
+    keeps its own slots, with prompt indices relative to its first slot.
     """
-    return keep_share(
-        engine.generate(*share_request(prompts, seeds, group, per_rank)), group, rank, per_rank
-    )
+    rollouts = engine.generate(*group_slots_request(prompts, seeds, group, per_rank))
+    return rank_slots(rollouts, group, rank, per_rank)
 
 
-def share_request(
+def group_slots_request(
     prompts: Sequence[list[int]],
     seeds: Sequence[Sequence[int]],
     group: Sequence[int],
     per_rank: int,
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """The prompts and seeds of every slot of the ranks in ``group`` (``generate_share``)."""
+    """The prompts and seeds of every slot of the ranks in ``group`` (``generate_group_slots``)."""
     slots = [s for member in group for s in range(member * per_rank, (member + 1) * per_rank)]
     return [prompts[s] for s in slots], [list(seeds[s]) for s in slots]
 
 
-def keep_share(out: list[Rollout], group: Sequence[int], rank: int, per_rank: int) -> list[Rollout]:
-    """``rank``'s rollouts of what the engine generated for ``share_request``."""
+def rank_slots(out: list[Rollout], group: Sequence[int], rank: int, per_rank: int) -> list[Rollout]:
+    """``rank``'s rollouts of what the engine generated for ``group_slots_request``."""
     first = list(group).index(rank) * per_rank
     return [
         replace(r, prompt_index=r.prompt_index - first)

@@ -72,7 +72,7 @@ VOCABULARY = [
     "pipeline is a **task** (KFP's word: data_prep, sft, grpo, evaluate, …). Names that users",
     "type or that a compiled pipeline carries keep the older word: `--set STEP.FIELD`,",
     "`Preset`'s step fields, `<task>_execution` parameters, `components/` (\"one component per",
-    "step\"); renaming them would break saved run forms, schedules and compiled pipelines, so",
+    'step"); renaming them would break saved run forms, schedules and compiled pipelines, so',
     "they stay, and new code and docs say task.",
     "",
     "**share** is a fraction and says of what: `real_word_share` (of a text's words, those its",

@@ -41,8 +41,9 @@ language can no longer be told, or dropping it, never raises the reward
 (``tests/reward/test_scoring.py`` checks it on every prefix of a response).
 
 Bounds: the reward always lies in ``RewardWeights.bounds()`` — with the defaults
-[-7.5, +7.0]. A response whose labels cannot be read (unknown language code) gets the neutral
-reward 0.0 (clamped into the bounds) and ``error`` set; GRPO reads every prompt's labels
+[-9.5, +7.0] (-7.5 without a degenerate part). A response whose labels cannot be read
+(unknown language code) gets the neutral reward 0.0 (clamped into the bounds) and ``error``
+set; GRPO reads every prompt's labels
 when it loads them (``trainer.grpo.prompts.load_prompts``), so that this never happens
 mid-training.
 """

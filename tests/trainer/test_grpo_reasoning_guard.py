@@ -14,6 +14,7 @@ from trainer.grpo.config import GRPOConfig
 from trainer.grpo.held_out import (
     ReasoningCollapsedError,
     better,
+    judge,
     looping,
     on_collapse,
     reasoning_collapsed,
@@ -55,9 +56,11 @@ def test_the_guard_flags_a_collapse_in_one_language() -> None:
     assert reasoning_collapsed(cfg, ratios)  # fr: 5 / 12 < 0.5, the others hold
     assert not reasoning_collapsed(cfg, SFT.reasoning_length_ratios(SFT))
     better_reward = HeldOutResult(**{**collapsed.__dict__, "mean_reward": 5.0})
-    assert not better(cfg, better_reward, SFT, SFT)  # a collapsed policy is never kept
+    assert not better(
+        better_reward, SFT, judge(cfg, better_reward, SFT)
+    )  # a collapsed policy is never kept
     off = GRPOConfig.model_validate({"guard": {"min_reasoning_length_ratio": 0.0}})
-    assert better(off, better_reward, SFT, SFT)
+    assert better(better_reward, SFT, judge(off, better_reward, SFT))
     on_collapse(cfg, ratios, 10)  # flag: a warning only
     stop = GRPOConfig.model_validate({"guard": {"reasoning_collapse": "stop"}})
     with pytest.raises(ReasoningCollapsedError, match="step 10: .*reasoning_length_ratio_fr"):
@@ -69,12 +72,14 @@ def test_a_policy_that_loops_in_one_language_is_not_kept() -> None:
     grpo = HeldOutResult.from_outcomes(_outcomes([10, 12, 14], [8, 10], loops_fr=1), [True] * 5)
     better_reward = HeldOutResult(**{**grpo.__dict__, "mean_reward": 5.0})
     assert looping(GRPOConfig(), better_reward) == {}  # the default (1.0): never
-    assert better(GRPOConfig(), better_reward, SFT, SFT)
+    assert better(better_reward, SFT, judge(GRPOConfig(), better_reward, SFT))
     cfg = GRPOConfig.model_validate({"guard": {"max_loop_rate": 0.25}})
     assert looping(cfg, better_reward) == {"loop_rate_fr": 0.333}  # overall 0.2 holds
-    assert not better(cfg, better_reward, SFT, SFT)
+    assert not better(better_reward, SFT, judge(cfg, better_reward, SFT))
     at_the_bar = GRPOConfig.model_validate({"guard": {"max_loop_rate": 1 / 3}})
-    assert better(at_the_bar, better_reward, SFT, SFT)  # at the bar is within it
+    assert better(
+        better_reward, SFT, judge(at_the_bar, better_reward, SFT)
+    )  # at the bar is within it
     strict = GRPOConfig.model_validate({"guard": {"max_loop_rate": 0.1}})
     assert looping(strict, better_reward) == {"loop_rate": 0.2, "loop_rate_fr": 0.333}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 from core.seeds import group_seeds
 from reward.degeneracy import measure_degeneracy
@@ -39,19 +40,41 @@ def evaluate_policy(
     return HeldOutResult.from_outcomes(outcomes, [r.finished for r in rollouts])
 
 
-def better(
-    cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult, best: HeldOutResult
-) -> bool:
-    """A held-out result beats the best so far without its text degenerating or its reasoning
-    collapsing (the guard)."""
+@dataclass(frozen=True)
+class Verdict:
+    """The guard's judgement of one held-out result against the SFT model's (``judge``)."""
+
+    ratios: dict[str, float]
+    """``HeldOutResult.reasoning_length_ratios`` against the SFT model's."""
+    real_text: bool
+    """The real-word share stayed within ``guard.max_real_word_drop`` of the SFT model's."""
+    collapsed: bool
+    """``reasoning_collapsed``: the reasoning shrank below ``guard.min_reasoning_length_ratio``."""
+    loops: dict[str, float]
+    """``looping``: the loop rates above ``guard.max_loop_rate`` (empty: none)."""
+
+    @property
+    def keepable(self) -> bool:
+        """Whether the policy may be kept as the best: its text stays real, its reasoning does
+        not collapse, it does not loop."""
+        return self.real_text and not self.collapsed and not self.loops
+
+
+def judge(cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult) -> Verdict:
+    """The guard's verdict on ``held_out`` against ``baseline`` (the SFT model's result)."""
+    ratios = held_out.reasoning_length_ratios(baseline)
     floor = (1.0 - cfg.guard.max_real_word_drop) * baseline.real_word_share
-    collapsed = reasoning_collapsed(cfg, held_out.reasoning_length_ratios(baseline))
-    return (
-        held_out.real_word_share >= floor
-        and not collapsed
-        and not looping(cfg, held_out)
-        and held_out.mean_reward > best.mean_reward
+    return Verdict(
+        ratios=ratios,
+        real_text=held_out.real_word_share >= floor,
+        collapsed=reasoning_collapsed(cfg, ratios),
+        loops=looping(cfg, held_out),
     )
+
+
+def better(held_out: HeldOutResult, best: HeldOutResult, verdict: Verdict) -> bool:
+    """A held-out result beats the best so far and the guard's ``verdict`` keeps it."""
+    return verdict.keepable and held_out.mean_reward > best.mean_reward
 
 
 def looping(cfg: GRPOConfig, held_out: HeldOutResult) -> dict[str, float]:
@@ -91,32 +114,27 @@ def on_collapse(cfg: GRPOConfig, ratios: dict[str, float], step: int) -> None:
     log.warning("%s; this policy is not kept as the best", message)
 
 
-def held_out_line(cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult) -> dict:
+def held_out_line(held_out: HeldOutResult, verdict: Verdict) -> dict:
     """What a held-out eval adds to its step's metrics line: ``eval_<metric>`` for the held-out
-    metrics and the reasoning length ratios against ``baseline`` (the SFT model's), and the
-    guard's flags ``eval_reasoning_collapsed`` and ``eval_looping`` (1.0 or 0.0)."""
-    ratios = held_out.reasoning_length_ratios(baseline)
-    return {f"eval_{k}": v for k, v in (held_out.metrics() | ratios).items()} | {
-        "eval_reasoning_collapsed": float(reasoning_collapsed(cfg, ratios)),
-        "eval_looping": float(bool(looping(cfg, held_out))),
+    metrics and the reasoning length ratios, and the guard's flags
+    ``eval_reasoning_collapsed`` and ``eval_looping`` (1.0 or 0.0)."""
+    return {f"eval_{k}": v for k, v in (held_out.metrics() | verdict.ratios).items()} | {
+        "eval_reasoning_collapsed": float(verdict.collapsed),
+        "eval_looping": float(bool(verdict.loops)),
     }
 
 
-def on_guard_flags(
-    cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult, step: int
-) -> None:
+def on_guard_flags(cfg: GRPOConfig, verdict: Verdict, step: int) -> None:
     """After the line is logged: a collapse is flagged or stops the run (``on_collapse``), a
     loop rate above ``guard.max_loop_rate`` is a warning (the policy is not kept either way:
-    ``better``)."""
-    ratios = held_out.reasoning_length_ratios(baseline)
-    if reasoning_collapsed(cfg, ratios):
-        on_collapse(cfg, ratios, step)
-    loops = looping(cfg, held_out)
-    if loops:
+    ``Verdict.keepable``)."""
+    if verdict.collapsed:
+        on_collapse(cfg, verdict.ratios, step)
+    if verdict.loops:
         log.warning(
             "step %d: the held-out loop rate is above guard.max_loop_rate=%s: %s; "
             "this policy is not kept as the best",
             step,
             cfg.guard.max_loop_rate,
-            loops,
+            verdict.loops,
         )

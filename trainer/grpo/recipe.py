@@ -50,7 +50,13 @@ from trainer.divergence import DivergenceGuard
 from trainer.grpo import engines
 from trainer.grpo.config import GRPOConfig
 from trainer.grpo.dynamic_sampling import fill_signal_groups
-from trainer.grpo.held_out import better, evaluate_policy, held_out_line, on_guard_flags
+from trainer.grpo.held_out import (
+    better,
+    evaluate_policy,
+    held_out_line,
+    judge,
+    on_guard_flags,
+)
 from trainer.grpo.mismatch import MismatchGate
 from trainer.grpo.producer import RolloutProducer, StepRollouts
 from trainer.grpo.prompts import Prompt, load_prompt_sets, resample_prompts, step_prompts
@@ -458,12 +464,13 @@ def _held_out_eval(
     always carries the train loss), the guard's flags, and the policy kept if it is the best
     under the guard."""
     held_out = _evaluate(run, producer.ready_engine())
-    line = held_out_line(run.cfg, held_out, state.baseline)
+    verdict = judge(run.cfg, held_out, state.baseline)
+    line = held_out_line(held_out, verdict)
     writer.log(done, **line, **sync_metrics(producer.sync_reports()))
-    on_guard_flags(run.cfg, held_out, state.baseline, done)
+    on_guard_flags(run.cfg, verdict, done)
     state.last_eval = held_out.at_step(done)
     # rank 0 decides for all: every rank must take part in the save (ZeRO-3 gathers)
-    if broadcast_object(better(run.cfg, held_out, state.baseline, state.best), run.info):
+    if broadcast_object(better(held_out, state.best, verdict), run.info):
         state.best = held_out.at_step(done)
         save_policy_dir(run.backend, run.tokenizer, best_dir, run.dtype, sft_model, run.info)
 

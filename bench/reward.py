@@ -39,6 +39,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -222,14 +223,19 @@ def _time_side_by_side(
     """Best-of-``rounds`` CPU time of this process for each, run alternately. CPU time, not
     wall time: on a shared machine other processes' load stretched the wall time of one side
     more than the other's (the same code read 23.8x and 35x a few minutes apart, 2026-12-06);
-    both sides run on one core, so their CPU times are their costs."""
+    both sides run on one core, so their CPU times are their costs. Each side starts after a
+    full garbage collection: the collection one side's allocations made due otherwise fell on
+    the other side's first allocation (a full walk of both sides' models: +100 ms to our
+    800 responses, 2026-12-08)."""
     ours_s = reference_s = float("inf")
     ours_out: list = []
     reference_out: list = []
     for _ in range(rounds):
+        gc.collect()
         start = time.process_time()
         ours_out = ours()
         ours_s = min(ours_s, time.process_time() - start)
+        gc.collect()
         start = time.process_time()
         reference_out = reference()
         reference_s = min(reference_s, time.process_time() - start)

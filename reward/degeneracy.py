@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import filterfalse
 
 import numpy as np
 
@@ -252,58 +253,100 @@ def window_extremes(
     min_dominant_count: int = LOOP_MIN_DOMINANT_COUNT,
 ) -> WindowExtremes:
     """Each repetition signal in the worst stretch of ``window`` consecutive tokens (the whole
-    list when shorter).
-
-    Vectorised over all stretches at once from each token's previous occurrence ``prev``: a
-    stretch ``[s, s + size)`` holds ``#{i in it: prev[i] < s}`` distinct tokens (the same for
-    word pairs); the dominant word's count is ``_most_in_a_stretch``'s. No Python loop over
-    the tokens but the id map (~10x faster than counting in a sliding window: the reward
-    scores every rollout).
+    list when shorter): ``window_extremes_many`` for one list.
 
     Raises:
         ValueError: fewer than two tokens, or ``window`` below 2.
     """
+    return window_extremes_many([tokens], window, min_dominant_count)[0]
+
+
+def window_extremes_many(
+    token_lists: Sequence[Sequence[str]],
+    window: int = LOOP_WINDOW,
+    min_dominant_count: int = LOOP_MIN_DOMINANT_COUNT,
+) -> list[WindowExtremes]:
+    """``window_extremes`` of each list, all measured in one vectorised pass: the reward
+    scores a whole rollout batch, and one numpy pass per part cost more in call overhead than
+    in counting (issue #43: the reward's throughput).
+
+    The lists are concatenated; a token's id carries its list (``local``), so a word is never
+    matched with its twin in another list, and each list has its stretch size (``window``, or
+    its length when shorter). From each position's previous occurrence ``prev`` (of its word,
+    and of its word pair): position ``i`` repeats an earlier token of the stretch starting at
+    ``s`` when ``prev[i] >= s`` and ``i < s + size``, that is for the starts ``s`` in
+    ``[i - size + 1, prev[i]]``; a difference array summed once gives every stretch's repeats
+    in O(tokens), with no [stretch, position] matrix. The dominant word's count is
+    ``_most_in_a_stretch``'s.
+
+    Raises:
+        ValueError: a list of fewer than two tokens, or ``window`` below 2.
+    """
     if window < 2:
         raise ValueError(f"window must be >= 2, got {window}")
-    if len(tokens) < 2:
-        raise ValueError(f"need at least 2 tokens, got {len(tokens)}")
-    n = len(tokens)
-    size = min(window, n)
-    if n == size:  # one stretch: count it directly
-        counts = Counter(tokens)
-        top = max((c for t, c in counts.items() if not str(t).isdigit()), default=0)
-        return WindowExtremes(
-            repeated_bigrams=1.0 - len(set(zip(tokens, tokens[1:], strict=False))) / (n - 1),
-            distinct_ratio=len(set(tokens)) / n,
-            dominant_share=top / n if top >= min_dominant_count else 0.0,
+    for k, tokens in enumerate(token_lists):
+        if len(tokens) < 2:
+            raise ValueError(f"need at least 2 tokens, got {len(tokens)} (list {k})")
+    if not token_lists:
+        return []
+    lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+    flat = [token for tokens in token_lists for token in tokens]
+    index = {token: i for i, token in enumerate(dict.fromkeys(flat))}
+    ids = np.fromiter(map(index.__getitem__, flat), dtype=np.int64, count=len(flat))
+    owner = np.repeat(np.arange(len(token_lists)), lengths)
+    first = np.cumsum(lengths) - lengths  # each list's first position
+    sizes = np.minimum(lengths, window)
+    local = owner * len(index) + ids
+    # the starts of the stretches of each list, in one array, and where each list's begin
+    per_list = lengths - sizes + 1
+    begins = np.cumsum(per_list) - per_list
+    starts = np.arange(per_list.sum()) - np.repeat(begins - first, per_list)
+    from_start = first[owner]
+    repeats = _repeats_per_start(_previous_occurrence(local), sizes[owner], from_start)
+    prev_pair = _previous_occurrence(local[:-1] * len(index) + ids[1:])
+    prev_pair[(first + lengths - 1)[:-1]] = -1  # a list's last word and the next list's first
+    pair_repeats = _repeats_per_start(prev_pair, sizes[owner[:-1]] - 1, from_start[:-1])
+    distinct = sizes - np.maximum.reduceat(repeats[starts], begins)
+    distinct_pairs = sizes - 1 - np.maximum.reduceat(pair_repeats[starts], begins)
+    is_number = np.array([token.isdigit() for token in index], dtype=bool)
+    top = np.maximum.reduceat(_most_in_a_stretch(local, is_number[ids], sizes[owner]), first)
+    return [
+        WindowExtremes(
+            repeated_bigrams=1.0 - pairs / (size - 1),
+            distinct_ratio=words / size,
+            dominant_share=most / size if most >= min_dominant_count else 0.0,
         )
-    index = {token: i for i, token in enumerate(dict.fromkeys(tokens))}
-    ids = np.array([index[token] for token in tokens], dtype=np.int64)
-    starts = np.arange(n - size + 1)
-    offsets = starts[:, None] + np.arange(size)[None, :]  # [stretch, position in it]
-    prev = _previous_occurrence(ids)
-    distinct = (prev[offsets] < starts[:, None]).sum(1).min() / size
-    pairs = ids[:-1] * len(index) + ids[1:]
-    prev_pair = _previous_occurrence(pairs)
-    distinct_pairs = (prev_pair[offsets[:, :-1]] < starts[:, None]).sum(1)
-    repeated = 1.0 - distinct_pairs.min() / (size - 1)
-    top = _most_in_a_stretch(ids, np.array([str(t).isdigit() for t in index]), size)
-    dominant = top / size if top >= min_dominant_count else 0.0
-    return WindowExtremes(float(repeated), float(distinct), dominant)
+        for pairs, words, most, size in zip(
+            distinct_pairs.tolist(), distinct.tolist(), top.tolist(), sizes.tolist(), strict=True
+        )
+    ]
 
 
-def _most_in_a_stretch(ids: np.ndarray, is_number: np.ndarray, size: int) -> int:
-    """The most occurrences of one word (an id whose ``is_number`` is False) in ``size``
-    consecutive positions of ``ids``. Occurrences ``p_i < … < p_j`` of one id fit in one
-    stretch when ``p_j - p_i < size``, so it is the largest count of an id's positions in
-    ``[p, p + size)`` from one of its positions ``p``: one sort and one ``searchsorted`` over
-    ``id * 2n + position`` (no loop over counts; ``len(ids) > size``)."""
+def _repeats_per_start(prev: np.ndarray, size: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """For each start ``s``, ``#{i in [s, s + size): prev[i] >= s}``: position ``i`` counts
+    for the starts in ``[i - size + 1, prev[i]]``, no earlier than its list's ``first``
+    position (``size`` and ``first`` per position; ``size`` counts the items of a stretch:
+    words, or word pairs)."""
+    position = np.arange(len(prev))
+    low = np.maximum(position - size + 1, first)
+    counted = prev >= low
+    step = np.bincount(low[counted], minlength=len(prev) + 1)
+    step -= np.bincount(prev[counted] + 1, minlength=len(prev) + 1)
+    return np.cumsum(step)
+
+
+def _most_in_a_stretch(ids: np.ndarray, is_number: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """For each position ``p``, the occurrences of its id in ``[p, p + size[p])`` (0 where
+    ``is_number[p]``); their largest is the most occurrences of one word in a stretch.
+    Occurrences ``p_i < … < p_j`` of one id fit in one stretch when ``p_j - p_i < size``. One
+    sort and one ``searchsorted`` over ``id * 2n + position``, no loop over counts."""
     n = len(ids)
     order = np.argsort(ids, kind="stable")  # positions grouped by id, ascending in each
     key = ids[order] * (2 * n) + order
-    counts = np.searchsorted(key, key + size, side="left") - np.arange(n)
-    counts = counts[~is_number[ids[order]]]
-    return int(counts.max()) if counts.size else 0
+    counts = np.empty(n, dtype=np.int64)
+    counts[order] = np.searchsorted(key, key + size[order], side="left") - np.arange(n)
+    counts[is_number] = 0
+    return counts
 
 
 def _previous_occurrence(ids: np.ndarray) -> np.ndarray:
@@ -328,9 +371,15 @@ def known_word_share(tokens: Iterable[str], language: str) -> float:
 
     A token found in the list as it is is known (a set look-up); only the others are asked
     of wordfreq, which may split them as it would (``_known``)."""
+    tokens = tokens if isinstance(tokens, Sequence) else list(tokens)
+    if not tokens:
+        return math.nan
     vocabulary = _vocabularies()[SUPPORTED_LANGUAGES.index(language)]
-    flags = [token in vocabulary or _known(token, language) for token in tokens]
-    return sum(flags) / len(flags) if flags else math.nan
+    missing = set(tokens).difference(vocabulary)  # most text: none or a few
+    unknown = {token for token in missing if not _known(token, language)}
+    if not unknown:
+        return 1.0
+    return (len(tokens) - sum(map(unknown.__contains__, tokens))) / len(tokens)
 
 
 def stutters(tokens: Sequence[str]) -> bool:
@@ -343,10 +392,9 @@ def stutters(tokens: Sequence[str]) -> bool:
     """
     for n, times in ((1, LOOP_STUTTER_WORD), (2, LOOP_STUTTER_PHRASE), (3, LOOP_STUTTER_PHRASE)):
         needed, run = (times - 1) * n, 0
-        equal = [a == b for a, b in zip(tokens, tokens[n:], strict=False)]
-        if sum(equal) < needed:  # most text: too few repeats at this distance
+        if sum(map(operator.eq, tokens, tokens[n:])) < needed:  # most text: too few repeats
             continue
-        for i, same in enumerate(equal):
+        for i, same in enumerate(map(operator.eq, tokens, tokens[n:])):
             run = run + 1 if same and not tokens[i].isdigit() else 0
             if run >= needed:
                 return True
@@ -421,12 +469,20 @@ class LoopDetector:
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"LoopDetector.{name} must be in (0, 1], got {value}")
 
+    def stretches(self, token_lists: Sequence[Sequence[str]]) -> list[WindowExtremes | None]:
+        """The worst stretch of each list of tokens, measured together (``None`` for a list
+        under ``min_words``, which ``signal`` does not measure): a batch's ``worst``."""
+        measured = [tokens for tokens in token_lists if len(tokens) >= self.min_words]
+        found = iter(window_extremes_many(measured, self.window, self.min_dominant_count))
+        return [next(found) if len(t) >= self.min_words else None for t in token_lists]
+
     def signal(
         self,
         text: str | None,
         language: str | None,
         prompt_tokens: Sequence[str] = (),
         tokens: Sequence[str] | None = None,
+        worst: WindowExtremes | None = None,
     ) -> LoopSignal | None:
         """The first loop signal ``text`` shows as text in ``language``, or ``None``.
 
@@ -438,10 +494,12 @@ class LoopDetector:
             prompt_tokens: The question's ``loop_words``; a part that copies them is
                 degenerate (empty: not checked).
             tokens: ``loop_words(text)`` when the caller has them already.
+            worst: ``stretches([tokens])[0]`` when the caller has it already.
         """
         tokens = loop_words(text) if tokens is None else tokens
         if len(tokens) >= self.min_words:
-            worst = window_extremes(tokens, self.window, self.min_dominant_count)
+            if worst is None:
+                worst = window_extremes(tokens, self.window, self.min_dominant_count)
             if worst.repeated_bigrams >= self.max_repeated_bigrams:
                 return LoopSignal.REPEATED_NGRAMS
             if worst.distinct_ratio < self.min_distinct_ratio:
@@ -460,13 +518,13 @@ class LoopDetector:
             return None
         if len(tokens) >= SALAD_MIN_WORDS:
             common = function_words(language)
-            content = sum(token not in common for token in tokens)  # numbers are content
+            content = len(tokens) - sum(map(common.__contains__, tokens))  # numbers: content
             if not content or (
                 len(tokens) >= self.min_words
                 and 1 - content / len(tokens) >= self.max_function_share
             ):
                 return LoopSignal.FUNCTION_WORDS
-        words = [token for token in tokens if not token.isdigit()]
+        words = list(filterfalse(str.isdigit, tokens))
         if (
             len(words) >= self.min_words
             and known_word_share(words, language) < self.min_known_share

@@ -55,6 +55,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import filterfalse
 
 from core.language_id import LanguageIdentifier, LanguageProfile, default_identifier
 from core.languages import LanguageLabels, UnknownLanguageError
@@ -63,6 +64,7 @@ from core.sentences import count_sentences
 from reward.degeneracy import (
     LoopDetector,
     LoopSignal,
+    WindowExtremes,
     function_words,
     known_word_share,
     loop_words,
@@ -93,6 +95,17 @@ _CONTENT = re.compile(r"[^\W_]")  # a letter or digit: a part without one is mis
 
 _PartProfiles = tuple[LanguageProfile | None, LanguageProfile | None]
 """Profiles of a response's final answer and reasoning; ``None`` for a missing part."""
+
+
+@dataclass(frozen=True)
+class _Words:
+    """A response's ``loop_words`` (final answer, reasoning) and their worst stretches
+    (``LoopDetector.stretches``; ``None``: not measured)."""
+
+    answer: list[str]
+    reasoning: list[str]
+    answer_worst: WindowExtremes | None = None
+    reasoning_worst: WindowExtremes | None = None
 
 
 def _is_present(text: str | None) -> bool:
@@ -278,14 +291,15 @@ class ComplianceScorer:
         parsed = [r if isinstance(r, ParsedResponse) else parse_response(r) for r in responses]
         try:
             profiles = self._profiles(parsed)
+            words = self._words(parsed)
         except Exception:  # noqa: BLE001 - score one by one, so only the bad item is unscored
             logger.exception("batch language identification failed; scoring one by one")
             items = zip(parsed, label_list, expected, asked, strict=True)
             return [self.score(p, lab, e, q) for p, lab, e, q in items]  # type: ignore[arg-type]
-        items = zip(parsed, label_list, expected, profiles, asked, strict=True)
+        items = zip(parsed, label_list, expected, profiles, asked, words, strict=True)
         return [
-            self._score_one(p, lab, e, profile, q)  # type: ignore[arg-type]
-            for p, lab, e, profile, q in items
+            self._score_one(p, lab, e, profile, q, w)  # type: ignore[arg-type]
+            for p, lab, e, profile, q, w in items
         ]
 
     # -- internals -------------------------------------------------------------------------
@@ -309,6 +323,15 @@ class ComplianceScorer:
             for parsed in batch
         ]
 
+    def _words(self, batch: Sequence[ParsedResponse]) -> list[_Words]:
+        """Each response's loop words, and (with a loop detector) their worst stretches, all
+        measured in one pass."""
+        words = [(loop_words(parsed.final), loop_words(parsed.reasoning)) for parsed in batch]
+        if self.loop_detector is None:
+            return [_Words(answer, reasoning) for answer, reasoning in words]
+        worst = iter(self.loop_detector.stretches([part for pair in words for part in pair]))
+        return [_Words(answer, reasoning, next(worst), next(worst)) for answer, reasoning in words]
+
     def _score_one(
         self,
         parsed: ParsedResponse,
@@ -316,8 +339,10 @@ class ComplianceScorer:
         expected_answer: object,
         profiles: _PartProfiles | None,
         prompt: str | None = None,
+        words: _Words | None = None,
     ) -> ComplianceResult:
-        """``score`` for a parsed response, with its parts' profiles if already computed."""
+        """``score`` for a parsed response, with its parts' profiles and words if already
+        computed."""
         try:
             parsed_labels = parse_labels(labels)
         except UnknownLanguageError as err:
@@ -325,7 +350,9 @@ class ComplianceScorer:
         try:
             if profiles is None:
                 profiles = self._profiles([parsed])[0]
-            return self._score(parsed, parsed_labels, expected_answer, profiles, prompt)
+            if words is None:
+                words = self._words([parsed])[0]
+            return self._score(parsed, parsed_labels, expected_answer, profiles, words, prompt)
         except Exception as err:  # noqa: BLE001 - the batch API must not stop training
             logger.exception("scoring failed; giving the neutral reward")
             return self._unscored(parsed, f"internal error: {type(err).__name__}: {err}")
@@ -345,7 +372,12 @@ class ComplianceScorer:
         )
 
     def _loop(
-        self, words: Sequence[str], verdict: Verdict, language: str, asked: Sequence[str]
+        self,
+        words: Sequence[str],
+        worst: WindowExtremes | None,
+        verdict: Verdict,
+        language: str,
+        asked: Sequence[str],
     ) -> tuple[Verdict, LoopSignal | None]:
         """A part's verdict after the loop check, and the signal found. A part in the
         requested language is checked on every signal, one in another language (or whose
@@ -355,7 +387,7 @@ class ComplianceScorer:
         if verdict in (Verdict.MISSING, Verdict.NEUTRAL) or not words:
             return verdict, None
         checked = language if verdict is Verdict.MATCH else None
-        signal = self.loop_detector.signal(None, checked, asked, tokens=words)
+        signal = self.loop_detector.signal(None, checked, asked, tokens=words, worst=worst)
         return (Verdict.LOOP, signal) if signal else (verdict, None)
 
     def _judge(
@@ -377,6 +409,7 @@ class ComplianceScorer:
         labels: LanguageLabels,
         expected_answer: object,
         profiles: _PartProfiles,
+        words: _Words,
         prompt: str | None = None,
     ) -> ComplianceResult:
         w = self.weights
@@ -394,7 +427,7 @@ class ComplianceScorer:
             # Scored on its text, a policy gains by never stopping: a longer answer is easier
             # to identify (seen in the demo: GRPO stopped ending its answers, 77% -> 23%)
             answer_verdict = Verdict.MISSING
-        answer_words, reasoning_words = loop_words(parsed.final), loop_words(parsed.reasoning)
+        answer_words, reasoning_words = words.answer, words.reasoning
         if reasoning_verdict is Verdict.MATCH and not _enough_reasoning(
             reasoning_words, labels.reasoning
         ):
@@ -405,10 +438,10 @@ class ComplianceScorer:
         if self.loop_detector is not None:
             asked = loop_words(_question(prompt)) if prompt else ()
             answer_verdict, answer_loop = self._loop(
-                answer_words, answer_verdict, labels.answer, asked
+                answer_words, words.answer_worst, answer_verdict, labels.answer, asked
             )
             reasoning_verdict, reasoning_loop = self._loop(
-                reasoning_words, reasoning_verdict, labels.reasoning, asked
+                reasoning_words, words.reasoning_worst, reasoning_verdict, labels.reasoning, asked
             )
         has_answer = answer_verdict is not Verdict.MISSING
         final = parsed.final or ""
@@ -463,7 +496,7 @@ def _enough_reasoning(tokens: Sequence[str], language: str) -> bool:
     of them known in ``language``'s word list."""
     if len(tokens) < REASONING_MIN_WORDS:
         return False
-    words = [token for token in tokens if not token.isdigit()]
+    words = list(filterfalse(str.isdigit, tokens))
     return len(words) >= REASONING_MIN_REAL_WORDS and (
         known_word_share(words, language) * len(words) >= REASONING_MIN_REAL_WORDS
     )
@@ -472,8 +505,7 @@ def _enough_reasoning(tokens: Sequence[str], language: str) -> bool:
 def _has_content(tokens: Sequence[str], language: str) -> bool:
     """A number, or a word that is not one of ``language``'s function words (``tokens``:
     ``loop_words``; numbers are never function words)."""
-    common = function_words(language)
-    return any(token not in common for token in tokens)
+    return not function_words(language).issuperset(tokens)
 
 
 def _is_language_neutral(text: str) -> bool:

@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from bench.loops import real_texts
 from core.languages import SUPPORTED_LANGUAGES
-from reward.degeneracy import LOOP_WINDOW, LoopDetector, LoopSignal, loop_words, window_extremes
+from reward.degeneracy import (
+    LOOP_WINDOW,
+    LoopDetector,
+    LoopSignal,
+    loop_words,
+    window_extremes,
+    window_extremes_many,
+)
 from reward.scoring import ComplianceScorer, Verdict, result_to_dict
 
 DEMO_LOOP = "La con una con una con con una con una con una con una conci delle con una con con un."
@@ -170,6 +177,34 @@ def test_window_extremes_are_the_worst_stretch(tokens: list[str], window: int, m
     assert (found.repeated_bigrams, found.distinct_ratio, found.dominant_share) == pytest.approx(
         brute
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lists=st.lists(
+        st.lists(st.sampled_from(["a", "b", "c", "d", "1"]), min_size=2, max_size=40),
+        min_size=1,
+        max_size=6,
+    ),
+    window=st.integers(2, 12),
+    min_count=st.integers(1, 4),
+)
+def test_lists_measured_together_are_measured_alone(
+    lists: list[list[str]], window: int, min_count: int
+) -> None:
+    """Concatenated in one pass, no list's stretch sees another list's words (the lists
+    share their vocabulary, so a leak would show)."""
+    together = window_extremes_many(lists, window, min_count)
+    for tokens, found in zip(lists, together, strict=True):
+        brute = _brute_extremes(tokens, window, min_count)
+        assert (found.repeated_bigrams, found.distinct_ratio, found.dominant_share) == (
+            pytest.approx(brute)
+        )
+
+
+def test_a_list_too_short_to_measure_is_named() -> None:
+    with pytest.raises(ValueError, match="list 1"):
+        window_extremes_many([["a", "b"], ["a"]])
 
 
 @settings(max_examples=100, deadline=None)

@@ -96,7 +96,8 @@ def grpo_only(
     (``out/grpo/{model,training_log,job_manifest}``, ``out/sets.json``)."""
     from cluster.config import JobLaunch
     from components.images import GPU_IMAGE
-    from trainer.grpo.config import GRPOConfig, branch_config
+    from plan import branch_config
+    from trainer.grpo.config import GRPOConfig
     from trainer.grpo.step import run_grpo_step
 
     params = run_parameters(config_run or run)

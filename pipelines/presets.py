@@ -87,7 +87,7 @@ class Preset(BaseModel):
     ``megatron``: recompute, optimizer offload) in place of ``grpo.optim``, whose ZeRO and
     offload flags are DeepSpeed's; its ``gradient_checkpointing`` is then off (recompute
     stands for it). Empty: ``grpo.optim`` with ``backend: megatron``
-    (``trainer.grpo.config.branch_config``)."""
+    (``plan.branch_config``)."""
 
     @model_validator(mode="after")
     def _backend_is_a_branch(self) -> Preset:
@@ -480,14 +480,15 @@ def megatron_layout(preset: Preset) -> dict[str, Any]:
 
 def grpo_branch_config(preset: Preset, backend: str | None = None):
     """The GRPO config the pipeline's ``backend`` branch (default: the preset's) runs for
-    ``preset``, as the ``grpo`` component builds it (``trainer.grpo.config.branch_config``):
+    ``preset``, as the ``grpo`` component builds it (``plan.branch_config``):
     on ``megatron``, ``grpo`` with ``megatron_optim`` and ``megatron_layout`` (the checkpoint
     is ``convert_megatron``'s, known at run time).
 
     Raises:
         pydantic.ValidationError: the branch's config does not hold.
     """
-    from trainer.grpo.config import GRPOConfig, branch_config
+    from plan import branch_config
+    from trainer.grpo.config import GRPOConfig
 
     config = branch_config(
         config_dict(preset.grpo),

@@ -1,7 +1,8 @@
 """The plan of a run: what shape it has, stated once, that every layer above reads.
 
 Today it holds ``ParallelSizes`` (the one "layout": tp, pp, ep, etp, cp, dp) and the one set
-of rules a world of processes must meet to hold them, and the registries of the trainer
+of rules a world of processes must meet to hold them, the config a pipeline branch runs
+(``branch_config``), and the registries of the trainer
 backends (``TrainerSpec``, ``trainer_spec``), the rollout engines (``EngineSpec``,
 ``engine_spec``) and the job APIs (``JobSpec``, ``job_spec``): the facts of each that the
 layers above read instead of comparing names.
@@ -9,12 +10,14 @@ It imports only ``core`` and ``cluster``'s machine facts.
 """
 
 from plan.backends import TRAINERS, TrainerSpec, branch_backend, trainer_spec
+from plan.branches import DEFAULT_MEGATRON_LAYOUT, branch_config
 from plan.engines import ENGINE_SPECS, EngineSpec, engine_spec
 from plan.jobs import JobSpec, job_spec
 from plan.parallel_sizes import ParallelSizes, ParallelSizesError
 from plan.specs import UnknownSpecError
 
 __all__ = [
+    "DEFAULT_MEGATRON_LAYOUT",
     "ENGINE_SPECS",
     "TRAINERS",
     "EngineSpec",
@@ -24,6 +27,7 @@ __all__ = [
     "TrainerSpec",
     "UnknownSpecError",
     "branch_backend",
+    "branch_config",
     "engine_spec",
     "job_spec",
     "trainer_spec",

@@ -250,7 +250,7 @@ def check_run(
     ``backend``, ``megatron_layout`` and ``megatron_optim`` are the pipeline's parameters: on
     its Megatron branch (``backend="megatron"``) GRPO is estimated as that branch runs it
     (Megatron-Core with the layout and the branch's optimizer block,
-    ``trainer.grpo.config.branch_config``), not with the config's own backend.
+    ``plan.branch_config``), not with the config's own backend.
 
     Raises:
         LayoutError, PlacementError, ModelSpecError: the run cannot be described at all.
@@ -259,7 +259,8 @@ def check_run(
     from capacity.report import format_table
     from cluster.config import ExecutionConfig
     from cluster.hardware import Hardware
-    from trainer.grpo.config import GRPOConfig, branch_config
+    from plan import branch_config
+    from trainer.grpo.config import GRPOConfig
     from trainer.sft.config import SFTConfig
 
     sft = SFTConfig.model_validate(sft_config)

@@ -307,7 +307,8 @@ def test_the_verl_presets_megatron_branch_rolls_out_on_dedicated_vllm_engines():
     from compiled_form import configure_run
 
     from cluster.config import ExecutionConfig
-    from trainer.grpo.config import GRPOConfig, branch_config
+    from plan import branch_config
+    from trainer.grpo.config import GRPOConfig
     from trainer.placement import grpo_placement
 
     spec = _load(VERL)

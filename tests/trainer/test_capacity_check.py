@@ -137,40 +137,6 @@ def test_the_megatron_branch_is_checked_as_that_branch_runs():
     assert "Megatron TP=8 PP=1 EP=8" in text and "2 vLLM engines TP=4" in text
 
 
-def test_branch_config_sets_the_backend_layout_and_checkpoint():
-    from trainer.grpo.config import branch_config
-
-    config = {"optim": {"backend": "deepspeed", "learning_rate": 1e-6}, "nproc": 8}
-    assert branch_config(config) == config and branch_config(config, "hf") == config
-    layout = {"preset": "tiny-cpu", "nodes": 1}
-    megatron = branch_config(config, "megatron", layout, "/ckpt")
-    assert megatron["optim"] == {
-        "backend": "megatron",
-        "learning_rate": 1e-6,
-        "megatron": {"layout": layout, "checkpoint": "/ckpt"},
-    }
-    assert config["optim"]["backend"] == "deepspeed"  # the input is not changed
-    # a layout the config names wins over the pipeline's
-    named = {"optim": {"backend": "megatron", "megatron": {"layout": "verl-gpt-oss-8x8-h100"}}}
-    assert branch_config(named, "megatron", layout)["optim"]["megatron"] == {
-        "layout": "verl-gpt-oss-8x8-h100"
-    }
-    assert branch_config({}, "megatron")["optim"]["megatron"] == {"layout": "tiny-cpu"}
-    # the branch's own optim block replaces the config's DeepSpeed one, and recompute stands
-    # for the HF model's gradient checkpointing
-    optim = {"learning_rate": 5e-7, "megatron": {"recompute_granularity": "full"}}
-    deepspeed = {**config, "gradient_checkpointing": True}
-    branch = branch_config(deepspeed, "megatron", layout, "/ckpt", optim)
-    assert branch["optim"] == {
-        "learning_rate": 5e-7,
-        "backend": "megatron",
-        "megatron": {"recompute_granularity": "full", "layout": layout, "checkpoint": "/ckpt"},
-    }
-    assert branch["gradient_checkpointing"] is False and branch["nproc"] == 8
-    assert branch_config(deepspeed, "hf", layout, None, optim) == deepspeed  # the hf branch
-    assert optim == {"learning_rate": 5e-7, "megatron": {"recompute_granularity": "full"}}
-
-
 def test_changing_max_new_tokens_or_the_layout_changes_the_estimate():
     preset = PRESETS["gpt-oss-20b"]
     _, base = _estimates(preset)

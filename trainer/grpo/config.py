@@ -1,15 +1,19 @@
-"""The typed configuration of the GRPO step, validated once at start (not at step 40)."""
+"""The typed configuration of the GRPO step, validated once at start (not at step 40).
+
+``branch_config`` (the config a pipeline branch runs) is ``plan.branch_config``, imported here
+for the GRPO component, whose compiled body imports it from this module.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from core.config_model import ConfigModel
 from generation.requests import SamplingParams
-from plan import branch_backend, engine_spec
+from plan import branch_config as branch_config  # re-exported: the GRPO component imports it here
+from plan import engine_spec
 from trainer.backends.config import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import (
     get_advantage_estimator,
@@ -403,46 +407,3 @@ def _megatron_data_parallel(cfg: GRPOConfig) -> int:
     if problems:
         raise ValueError("optim.backend=megatron: " + "; ".join(problems))
     return world // layout.parallel_sizes.model_parallel
-
-
-def branch_config(
-    config: Mapping[str, Any],
-    backend: str = "",
-    megatron_layout: Mapping[str, Any] | str | None = None,
-    megatron_checkpoint: str | None = None,
-    megatron_optim: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The GRPO config (as the pipeline passes it, a dict) that a pipeline branch runs; the
-    GRPO step, the capacity check and the compile-time checks derive it here alike.
-
-    ``backend``: the pipeline's ``backend`` parameter; ``megatron`` sets ``optim.backend``
-    (any other optimizer backend's name too), ``""`` or ``hf`` (the branch that trains the HF
-    weights) keep the config's own. On ``megatron``:
-
-    - ``megatron_optim`` (the pipeline's parameter), when given, replaces the config's
-      ``optim``, and ``gradient_checkpointing`` is off: the pipeline takes one ``grpo_config``
-      for both branches, and what differs is the optimizer's settings (DeepSpeed's ZeRO stage
-      and offload flags, the Hugging Face model's ``gradient_checkpointing``), whose
-      Megatron-Core equivalents live in ``optim.megatron`` (``optimizer_offload_fraction``,
-      ``recompute_granularity``). Without it the config's ``optim`` is kept (and the config's
-      checks say what does not fit Megatron).
-    - the actor's layout is ``megatron_layout`` unless the optim block names one (``tiny-cpu``
-      when neither does), and ``megatron_checkpoint`` (``convert_megatron``'s output, when
-      known) is where it starts.
-
-    Rollout, algorithm and batch settings are the run's, unchanged.
-    """
-    config = {**config, "optim": dict(config.get("optim") or {})}
-    if (branch := branch_backend(backend)) is not None:
-        config["optim"]["backend"] = branch
-    if config["optim"].get("backend") != "megatron":
-        return config
-    if megatron_optim:
-        config["optim"] = {**megatron_optim, "backend": "megatron"}
-        config["gradient_checkpointing"] = False
-    megatron = dict(config["optim"].get("megatron") or {})
-    megatron.setdefault("layout", megatron_layout or "tiny-cpu")
-    if megatron_checkpoint is not None:
-        megatron["checkpoint"] = megatron_checkpoint
-    config["optim"]["megatron"] = megatron
-    return config

@@ -27,7 +27,7 @@ from core.config_model import ConfigModel
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
-from plan import TrainerSpec, branch_backend, trainer_spec
+from plan import MEGATRON_MACHINE_FIELDS, TrainerSpec, branch_backend, trainer_spec
 from trainer.backends.config import OptimConfig
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, GuardConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
@@ -148,10 +148,6 @@ def unstated(config: ConfigModel, *fields: str) -> ConfigModel:
     """``config`` as it is, with ``fields`` counted as not stated."""
     stated = config.model_fields_set - set(fields)
     return type(config).model_construct(_fields_set=stated, **dict(config))
-
-
-MEGATRON_MACHINE_FIELDS = ("nodes", "gpus_per_node", "gpu_memory_gib")
-"""``MegatronLayout`` fields that ``Preset.hardware`` decides."""
 
 
 TINY_CPU = Preset(

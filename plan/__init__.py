@@ -2,7 +2,8 @@
 
 Today it holds ``ParallelSizes`` (the one "layout": tp, pp, ep, etp, cp, dp) and the one set
 of rules a world of processes must meet to hold them, the config a pipeline branch runs
-(``branch_config``), and the registries of the trainer
+(``branch_config``), the named Megatron layouts' fields and sizes (``megatron_sizes``), and
+the registries of the trainer
 backends (``TrainerSpec``, ``trainer_spec``), the rollout engines (``EngineSpec``,
 ``engine_spec``) and the job APIs (``JobSpec``, ``job_spec``): the facts of each that the
 layers above read instead of comparing names.
@@ -13,22 +14,34 @@ from plan.backends import TRAINERS, TrainerSpec, branch_backend, trainer_spec
 from plan.branches import DEFAULT_MEGATRON_LAYOUT, branch_config
 from plan.engines import ENGINE_SPECS, EngineSpec, engine_spec
 from plan.jobs import JobSpec, job_spec
+from plan.megatron_layouts import (
+    MEGATRON_LAYOUT_PRESETS,
+    MEGATRON_MACHINE_FIELDS,
+    UnknownMegatronLayoutError,
+    megatron_layout_fields,
+    megatron_sizes,
+)
 from plan.parallel_sizes import ParallelSizes, ParallelSizesError
 from plan.specs import UnknownSpecError
 
 __all__ = [
     "DEFAULT_MEGATRON_LAYOUT",
     "ENGINE_SPECS",
+    "MEGATRON_LAYOUT_PRESETS",
+    "MEGATRON_MACHINE_FIELDS",
     "TRAINERS",
     "EngineSpec",
     "JobSpec",
     "ParallelSizes",
     "ParallelSizesError",
     "TrainerSpec",
+    "UnknownMegatronLayoutError",
     "UnknownSpecError",
     "branch_backend",
     "branch_config",
     "engine_spec",
     "job_spec",
+    "megatron_layout_fields",
+    "megatron_sizes",
     "trainer_spec",
 ]

@@ -50,13 +50,17 @@ from capacity import (
     load_model_spec,
 )
 from capacity import LayoutError as PlannerLayoutError
+from cluster.nodes import H100_GIB
 from core.config_model import ConfigModel
 from plan import ParallelSizes
+from plan.megatron_layouts import (
+    MEGATRON_LAYOUT_PRESETS,
+    UnknownMegatronLayoutError,
+    megatron_layout_fields,
+    verl_gpt_oss_fields,
+)
 
 log = logging.getLogger(__name__)
-
-H100_GIB = 79.65
-"""An H100/H800 80 GB as nvidia-smi reports it (81559 MiB)."""
 
 # Planner fields the Megatron layout sets itself; the rest may be given in ``planner``.
 _DERIVED_PLANNER_FIELDS = frozenset(
@@ -197,43 +201,15 @@ class MegatronLayout(ConfigModel):
 
 
 def verl_gpt_oss_layout(nodes: int = 8, gpu_memory_gib: float = H100_GIB) -> MegatronLayout:
-    """verl's gpt-oss Megatron recipe on ``nodes`` × 8 H100/H800: TP 8, EP 8, ETP 1, PP = nodes.
-
-    Rollouts run colocated vLLM engines of TP 4; actor, gradients, optimizer and reference
-    are offloaded to the host between phases (the recipe's ``offload=True``), recompute is
-    full.
-    """
-    return MegatronLayout(
-        name=f"verl-gpt-oss-{nodes}x8-h100",
-        tp=8,
-        pp=nodes,
-        ep=8,
-        etp=1,
-        cp=1,
-        sequence_parallel=True,
-        params_dtype="bf16",
-        nodes=nodes,
-        gpus_per_node=8,
-        gpu_memory_gib=gpu_memory_gib,
-        rollout_tp=4,
-        planner={
-            "micro_train_batch_size": 1,
-            "prompt_max_len": 1024,
-            "generate_max_len": 1024,
-            "adam_offload": True,
-            "ref_offload": True,
-            "gradient_checkpointing": True,
-            "attn_implementation": "flash",
-        },
-    )
+    """verl's gpt-oss Megatron recipe on ``nodes`` × 8 H100/H800 (``plan.megatron_layouts``:
+    TP 8, EP 8, ETP 1, PP = nodes, colocated vLLM of TP 4, host offload, full recompute)."""
+    return MegatronLayout.model_validate(verl_gpt_oss_fields(nodes, gpu_memory_gib))
 
 
 MEGATRON_LAYOUTS: dict[str, MegatronLayout] = {
-    # verl's reference: 8 nodes × 8 H100/H800, TP 8, EP 8, PP = nodes, rollout TP 4.
-    "verl-gpt-oss-8x8-h100": verl_gpt_oss_layout(8),
-    # The CPU round trip of the tiny model: one process, nothing split, fp32.
-    "tiny-cpu": MegatronLayout(name="tiny-cpu", params_dtype="fp32"),
+    name: MegatronLayout.model_validate(fields) for name, fields in MEGATRON_LAYOUT_PRESETS.items()
 }
+"""The named layouts (``plan.MEGATRON_LAYOUT_PRESETS``), checked as layouts."""
 
 
 def resolve_megatron_layout(layout: str | Mapping[str, Any] | MegatronLayout) -> MegatronLayout:
@@ -249,11 +225,10 @@ def resolve_megatron_layout(layout: str | Mapping[str, Any] | MegatronLayout) ->
     fields = dict(layout)
     preset = fields.pop("preset", None)
     if preset is not None:
-        if preset not in MEGATRON_LAYOUTS:
-            raise LayoutError(
-                [f"preset: unknown Megatron layout {preset!r}; presets: "
-                 f"{', '.join(sorted(MEGATRON_LAYOUTS))}"]
-            )  # fmt: skip
+        try:
+            megatron_layout_fields({"preset": preset})  # the one check of the name
+        except UnknownMegatronLayoutError as error:
+            raise LayoutError([str(error)]) from None
         fields = {**MEGATRON_LAYOUTS[preset].model_dump(), **fields}
     try:
         return MegatronLayout.model_validate(fields)

@@ -22,6 +22,7 @@ from plan.megatron_layouts import (
     megatron_sizes,
 )
 from plan.parallel_sizes import ParallelSizes, ParallelSizesError
+from plan.rollout import RolloutEngines, rollout_engines
 from plan.specs import UnknownSpecError
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "JobSpec",
     "ParallelSizes",
     "ParallelSizesError",
+    "RolloutEngines",
     "TrainerSpec",
     "UnknownMegatronLayoutError",
     "UnknownSpecError",
@@ -43,5 +45,6 @@ __all__ = [
     "job_spec",
     "megatron_layout_fields",
     "megatron_sizes",
+    "rollout_engines",
     "trainer_spec",
 ]

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from cluster.nodes import rollout_nodes
-from plan import ParallelSizes, ParallelSizesError, engine_spec
+from plan import ParallelSizes, ParallelSizesError, engine_spec, rollout_engines
+from plan import RolloutEngines as RolloutEngines  # re-exported: placement's input
 
 if TYPE_CHECKING:
     from trainer.distributed import DistInfo
@@ -39,25 +40,6 @@ Role = Literal["train", "rollout"]
 
 class PlacementError(ValueError):
     """A run that cannot be placed on the cluster; the message names the numbers."""
-
-
-@dataclass(frozen=True)
-class RolloutEngines:
-    """The rollout engines of a run, as placement reads them.
-
-    Attributes:
-        tp: GPUs per engine (vLLM ``tensor_parallel_size``; 1 for the HF engine).
-        colocate: engines on the training GPUs (hybrid) rather than on GPUs of their own.
-        dedicated: engines on GPUs of their own (``colocate=False`` only; colocated runs have
-            one per ``tp`` consecutive training processes).
-        engine: its ``rollout.engine`` name (``plan.ENGINE_SPECS``): ``vllm``, or ``hf``
-            (each training process samples with its own model).
-    """
-
-    tp: int = 1
-    colocate: bool = True
-    dedicated: int = 0
-    engine: str = "vllm"
 
 
 @dataclass(frozen=True)
@@ -326,11 +308,8 @@ def grpo_rollout_engines(cfg: GRPOConfig) -> RolloutEngines:
     """The rollout engines of a GRPO config: vLLM's of ``tensor_parallel_size`` GPUs, or the HF
     engine's of TP 1 (one per training process when colocated)."""
     rollout = cfg.rollout
-    return RolloutEngines(
-        tp=engine_spec(rollout.engine).gpus_per_engine(rollout.tensor_parallel_size),
-        colocate=rollout.colocate,
-        dedicated=0 if rollout.colocate else rollout.num_engines,
-        engine=rollout.engine,
+    return rollout_engines(
+        rollout.engine, rollout.tensor_parallel_size, rollout.colocate, rollout.num_engines
     )
 
 

@@ -175,3 +175,22 @@ def test_each_job_api_states_its_runtimes_and_builds_its_manifest():
     assert _builder(pytorch.builder) is pytorchjob.build_pytorchjob
     with pytest.raises(ValueError, match="a PyTorchJob has no runtime of its own"):
         pytorch.build_own_runtime("job", None, "trainer.sft", [])
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_SPECS))
+@pytest.mark.parametrize("colocate", [True, False])
+def test_the_rollout_engines_a_config_asks_for(engine, colocate):
+    """One derivation of the engines (``plan.rollout_engines``) for placement and for the
+    processes a job starts beside the trainers (``GRPOConfig.rollout_processes``)."""
+    from plan import rollout_engines
+    from trainer.grpo.config import GRPOConfig
+
+    rollout = {"engine": engine, "tensor_parallel_size": 2, "colocate": colocate}
+    engines = rollout_engines(engine, 2, colocate, 3)
+    assert engines.tp == engine_spec(engine).gpus_per_engine(2)
+    assert engines.dedicated == (0 if colocate else 3)
+    assert engines.processes == (0 if colocate else 3 * engines.tp)
+    if not colocate:  # a colocated config states no engine count (one per TP group)
+        rollout["num_engines"] = 3
+    config = GRPOConfig.model_validate({"rollout": rollout})
+    assert config.rollout_processes == engines.processes

@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from core.config_model import ConfigModel
 from generation.requests import SamplingParams
 from plan import branch_config as branch_config  # re-exported: the GRPO component imports it here
-from plan import engine_spec
+from plan import engine_spec, rollout_engines
 from trainer.backends.config import OptimConfig, ProcessSettings
 from trainer.grpo.algorithm import (
     get_advantage_estimator,
@@ -308,10 +308,10 @@ class GRPOConfig(ProcessSettings):
         """Rollout-only processes started beside the ``nproc`` training processes: 0 when the
         engines are colocated, else ``num_engines × tensor_parallel_size`` (1 per HF
         engine)."""
-        if self.rollout.colocate:
-            return 0
-        engine = engine_spec(self.rollout.engine)
-        return self.rollout.num_engines * engine.gpus_per_engine(self.rollout.tensor_parallel_size)
+        rollout = self.rollout
+        return rollout_engines(
+            rollout.engine, rollout.tensor_parallel_size, rollout.colocate, rollout.num_engines
+        ).processes
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> GRPOConfig:

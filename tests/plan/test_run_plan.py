@@ -1,0 +1,111 @@
+"""``RunPlan.resolve``: the shape of a run from a preset's values, equal to what each layer
+derives today on its own (the GRPO step's branch config, placement, the machines' jobs), for
+every preset, every branch it compiles and both forms the values come in."""
+
+import pytest
+
+from cluster.jobs import AUTO
+from components.config_fields import config_dict
+from pipelines.overrides import apply_overrides
+from pipelines.presets import PRESETS, grpo_branch_config, megatron_layout, step_configs
+from plan import RunPlan, RunPlanError, UnknownSpecError, trainer_spec
+from tests.tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
+from trainer.grpo.config import GRPOConfig
+from trainer.placement import grpo_placement, grpo_rollout_engines
+
+CASES = [
+    (name, branch, form)
+    for name, preset in PRESETS.items()
+    for branch in preset.grpo_branches
+    for form in ("dump", "step_configs")
+]
+
+
+def _values(preset, form):
+    return preset.model_dump(mode="json") if form == "dump" else step_configs(preset)
+
+
+@pytest.mark.parametrize(("name", "branch", "form"), CASES)
+def test_the_plan_is_what_each_layer_derives(name, branch, form):
+    preset = PRESETS[name]
+    plan = RunPlan.resolve(_values(preset, form), {"backend": branch})
+    grpo = grpo_branch_config(preset, branch)  # the GRPO step's config, as it builds it
+    assert plan.branch == branch
+    assert GRPOConfig.model_validate(plan.grpo_config) == grpo
+    assert plan.trainer == trainer_spec(grpo.optim.backend) == grpo.optim.trainer
+    assert plan.engine.name == grpo.rollout.engine
+    placement = grpo_placement(grpo, *preset.hardware.cluster("grpo", grpo.nproc))
+    assert plan.grpo.sizes.for_world(grpo.nproc) == placement.sizes
+    assert plan.grpo.rollout == grpo_rollout_engines(grpo)
+    assert plan.grpo.rollout_processes == grpo.rollout_processes
+    assert plan.grpo.job_nodes == placement.nodes
+    assert (plan.grpo.nodes, plan.grpo.gpus_per_node) == preset.hardware.cluster("grpo", grpo.nproc)
+    assert (plan.sft.nodes, plan.sft.gpus_per_node) == preset.hardware.cluster(
+        "sft", preset.sft.nproc
+    )
+    assert plan.sft.trainer == preset.sft.optim.trainer
+    assert plan.sft.rollout is None and plan.sft.training_processes == preset.sft.nproc
+    assert dict(plan.megatron_layout) == megatron_layout(preset)
+    assert plan.job_api == preset.cluster.job_api
+    if not preset.hardware.local:  # the job the step starts: training, then engine nodes
+        assert plan.grpo.job_nodes == preset.hardware.job_nodes("grpo", grpo.rollout_processes)
+
+
+def test_a_megatron_branch_is_split_as_its_layout_says():
+    """gpt-oss-20b-verl's Megatron branch: verl's TP 8 / EP 8 on its one training node, the
+    two dedicated vLLM engines (TP 4) on the next."""
+    values = PRESETS["gpt-oss-20b-verl"].model_dump(mode="json")
+    plan = RunPlan.resolve(values, {"backend": "megatron"})
+    assert plan.trainer.model_parallel and plan.trainer.needs_conversion
+    assert (plan.grpo.sizes.tp, plan.grpo.sizes.ep, plan.grpo.sizes.pp) == (8, 8, 1)
+    assert plan.grpo.sizes.for_world(plan.grpo.training_processes).dp == 1
+    assert (plan.grpo.rollout.tp, plan.grpo.rollout.dedicated) == (4, 2)
+    assert (plan.grpo.nodes, plan.grpo.job_nodes) == (1, 2)
+    hf = RunPlan.resolve(values)
+    assert hf.branch == "hf" and not hf.trainer.model_parallel
+    assert hf.grpo.sizes.for_world(hf.grpo.training_processes).dp == 8
+
+
+def test_a_config_that_runs_megatron_on_the_hf_branch_is_split_by_its_own_layout():
+    """The ``hf`` branch keeps the config's own backend, Megatron included."""
+    preset = apply_overrides(PRESETS["gpt-oss-20b-verl"], VERL_MEGATRON_OVERRIDES)
+    plan = RunPlan.resolve(preset.model_dump(mode="json"))
+    assert plan.branch == "hf" and plan.trainer.model_parallel
+    assert (plan.grpo.sizes.tp, plan.grpo.sizes.ep) == (8, 8)
+
+
+def test_a_runs_picks_come_last():
+    preset = PRESETS["gpt-oss-20b-verl"]
+    values = config_dict(preset)
+    plan = RunPlan.resolve(
+        values,
+        {
+            "backend": "megatron",
+            "megatron_checkpoint": "/ckpt",
+            "layout_overrides": {"vllm_max_num_seqs": "64"},
+            "job_api": "pytorchjob",
+        },
+    )
+    assert plan.grpo_config["optim"]["megatron"]["checkpoint"] == "/ckpt"
+    assert plan.layout_overrides == {**preset.layout_overrides, "vllm_max_num_seqs": "64"}
+    assert plan.job_api == "pytorchjob" and plan.job.kind == "PyTorchJob"
+    assert RunPlan.resolve(values).job is None  # auto: the API server's discovery decides
+    assert RunPlan.resolve(config_dict(PRESETS["tiny-cpu"]), {"job_api": "trainjob"}).job is None
+
+
+def test_the_job_api_of_the_configure_steps_outputs_is_the_grpo_jobs():
+    preset = apply_overrides(PRESETS["gpt-oss-20b"], {"cluster.job_api": "trainjob"})
+    assert RunPlan.resolve(step_configs(preset)).job_api == "trainjob"
+    assert RunPlan.resolve(step_configs(PRESETS["gpt-oss-20b"])).job_api == AUTO
+
+
+def test_unknown_names_and_missing_fields_are_named():
+    values = config_dict(PRESETS["tiny-cpu"])
+    with pytest.raises(UnknownSpecError, match=r"^grpo.rollout.engine='sglang' is not a"):
+        RunPlan.resolve({**values, "grpo": {**values["grpo"], "rollout": {"engine": "sglang"}}})
+    with pytest.raises(UnknownSpecError, match=r"^grpo.optim.backend='jax' is not a"):
+        RunPlan.resolve({**values, "grpo": {**values["grpo"], "optim": {"backend": "jax"}}})
+    with pytest.raises(RunPlanError, match=r"no grpo.nproc: pass the configs as they dump"):
+        RunPlan.resolve({**values, "grpo": {"optim": {"backend": "torch"}}})
+    with pytest.raises(RunPlanError, match=r"no sft"):
+        RunPlan.resolve({"grpo": values["grpo"]})

@@ -81,17 +81,19 @@ def check_run_inputs(preset: Preset, output_dir: Path | None = None, local: bool
 def config_value_problems(preset: Preset) -> list[str]:
     """The config values a step would refuse when it starts, checked from the configs alone:
     ``grpo.reward_weights`` (GRPO builds its reward from them), each training step's processes
-    and backend (its launch), the GRPO placement plan and the capacity check's layouts with
-    ``layout_overrides`` (the capacity-check step), the Megatron layout of the Megatron branch
-    (its conversion)."""
+    and backend (its launch), the Megatron layout and GRPO config of every model-parallel
+    branch the pipeline compiles (its conversion, its GRPO step), and the GRPO placement plan
+    and the capacity check's layouts with ``layout_overrides`` (the capacity-check step), on
+    the branch the run starts (``Preset.backend``, as ``plan.RunPlan`` shapes it)."""
     from capacity.layouts import LayoutError
     from cluster.torchrun import processes_problem
-    from pipelines.preset_capacity import capacity_layout, grpo_plan
-    from pipelines.presets import branch_trainer, megatron_grpo_config, megatron_layout
+    from pipelines.preset_capacity import capacity_layout
+    from pipelines.presets import run_plan
     from reward.scoring import RewardWeights
     from trainer.capacity_check import grpo_layout, sft_layout
+    from trainer.grpo.config import GRPOConfig
     from trainer.megatron.layout import resolve_megatron_layout
-    from trainer.placement import PlacementError
+    from trainer.placement import PlacementError, step_placement
 
     problems = []
     try:
@@ -101,25 +103,32 @@ def config_value_problems(preset: Preset) -> list[str]:
     for step, config in (("sft", preset.sft), ("grpo", preset.grpo)):
         if (problem := processes_problem(config)) is not None:
             problems.append(f"{step}: {problem}")
-    if branch_trainer(preset).model_parallel or preset.megatron_optim:
+    configs = {}  # each branch's GRPO config that validates
+    for branch in dict.fromkeys((*preset.grpo_branches, preset.backend)):
         try:
-            resolve_megatron_layout(megatron_layout(preset))
-        except LayoutError as exc:
+            shaped = run_plan(preset, backend=branch)
+            if shaped.trainer.model_parallel:  # what its convert step resolves
+                resolve_megatron_layout(shaped.grpo_config["optim"]["megatron"]["layout"])
+        except (LayoutError, ValueError) as exc:  # the layout's own sizes, or its preset
             problems.append(f"megatron_layout: {_one_line(exc)}")
-        else:
-            try:  # what the Megatron branch's GRPO step will validate at run time
-                megatron_grpo_config(preset)
-            except ValidationError as exc:
-                problems.append(f"the Megatron branch's grpo config: {_one_line(exc)}")
+            continue
+        try:  # what the branch's GRPO step will validate at run time
+            configs[branch] = GRPOConfig.model_validate(shaped.grpo_config)
+        except ValidationError as exc:
+            problems.append(f"the {branch} branch's grpo config: {_one_line(exc)}")
+    if preset.backend not in configs:
+        return problems
+    plan = run_plan(preset)
     try:
-        plan = grpo_plan(preset)
+        placement = step_placement(plan.grpo)
     except PlacementError as exc:
         return [*problems, f"grpo: the placement plan: {exc}"]
     machines = capacity_layout(preset)
-    sft_cluster = preset.hardware.cluster("sft", preset.sft.nproc)
     try:
-        sft_layout(machines, preset.sft, *sft_cluster, preset.layout_overrides)
-        grpo_layout(machines, preset.grpo, plan, preset.layout_overrides)
+        sft_layout(
+            machines, preset.sft, plan.sft.nodes, plan.sft.gpus_per_node, plan.layout_overrides
+        )
+        grpo_layout(machines, configs[preset.backend], placement, plan.layout_overrides)
     except LayoutError as exc:
         problems.append(f"the capacity check's layout (layout_overrides): {_one_line(exc)}")
     return problems

@@ -4,15 +4,16 @@ the preflight check, the notebook)."""
 
 from __future__ import annotations
 
-from pipelines.presets import Preset, grpo_branch_config
+from pipelines.presets import Preset, grpo_branch_config, run_plan
 
 
 def grpo_plan(preset: Preset):
-    """The GRPO step's ``trainer.placement.PlacementPlan``: training processes on its job's
-    nodes, dedicated rollout engines on the nodes after them."""
-    from trainer.placement import grpo_placement
+    """The GRPO step's ``trainer.placement.PlacementPlan`` on the preset's branch
+    (``Preset.backend``): training processes on its job's nodes, dedicated rollout engines on
+    the nodes after them."""
+    from trainer.placement import step_placement
 
-    return grpo_placement(preset.grpo, *preset.hardware.cluster("grpo", preset.grpo.nproc))
+    return step_placement(run_plan(preset).grpo)
 
 
 def capacity_layout(preset: Preset, layout: str | None = None):

@@ -27,7 +27,7 @@ from core.config_model import ConfigModel
 from data_prep.config import HUB_DATASET_ID, DataPrepConfig
 from eval.eval_config import EvalConfig, SamplingSettings
 from eval.gate import GateConfig
-from plan import MEGATRON_MACHINE_FIELDS, TrainerSpec, branch_backend, trainer_spec
+from plan import MEGATRON_MACHINE_FIELDS, RunPlan
 from trainer.backends.config import OptimConfig
 from trainer.grpo.config import AlgorithmConfig, GRPOConfig, GuardConfig, RolloutConfig
 from trainer.sft.config import LoraSettings, SFTConfig
@@ -469,9 +469,16 @@ def training_runtime(preset: Preset, image: str) -> dict:
     return build_training_runtime(execution.cluster_job(image, default_namespace="default"))
 
 
+def run_plan(preset: Preset, **picks: Any) -> RunPlan:
+    """The shape of ``preset``'s run (``plan.RunPlan``), with a run's ``picks``: ``backend``
+    (the GRPO branch; default the preset's), ``megatron_checkpoint``, ``layout_overrides``,
+    ``job_api``."""
+    return RunPlan.resolve(config_dict(preset), picks)
+
+
 def megatron_layout(preset: Preset) -> dict[str, Any]:
     """The Megatron branch's layout: the preset's parallel sizes on ``hardware``'s machines."""
-    return {**preset.megatron_layout, **preset.hardware.megatron_fields(preset.grpo.nproc)}
+    return dict(run_plan(preset).megatron_layout)
 
 
 def grpo_branch_config(preset: Preset, backend: str | None = None):
@@ -483,22 +490,10 @@ def grpo_branch_config(preset: Preset, backend: str | None = None):
     Raises:
         pydantic.ValidationError: the branch's config does not hold.
     """
-    from plan import branch_config
     from trainer.grpo.config import GRPOConfig
 
-    config = branch_config(
-        config_dict(preset.grpo),
-        preset.backend if backend is None else backend,
-        megatron_layout(preset),
-        megatron_optim=preset.megatron_optim,
-    )
-    return GRPOConfig.model_validate(config)
-
-
-def branch_trainer(preset: Preset) -> TrainerSpec:
-    """The trainer backend the preset's GRPO branch runs: the branch's own (``megatron``),
-    else ``grpo.optim.backend`` (``plan.branch_backend``, as ``branch_config`` decides)."""
-    return trainer_spec(branch_backend(preset.backend) or preset.grpo.optim.backend)
+    picks = {} if backend is None else {"backend": backend}
+    return GRPOConfig.model_validate(run_plan(preset, **picks).grpo_config)
 
 
 def megatron_grpo_config(preset: Preset):

@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from pipelines.overrides import apply_overrides
-from pipelines.presets import Preset, branch_trainer, get_preset, job_platform_json, step_configs
+from pipelines.presets import Preset, get_preset, job_platform_json, run_plan, step_configs
 from plan import engine_spec, job_spec
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ def rehearsal_preset(name: str, backend: str | None = None) -> tuple[Preset, lis
     if backend is not None:
         preset = Preset.model_validate({**dict(preset), "backend": backend})
     overrides, subs = substitutions(preset)
-    if branch_trainer(preset).model_parallel:
+    if run_plan(preset).trainer.model_parallel:
         preset, layout_sub = megatron_cpu_layout(preset)
         subs.append(layout_sub)
     return apply_overrides(preset, overrides), subs
@@ -554,7 +554,7 @@ def rehearse(
             "no cluster Secrets here",
         )  # fmt: skip
     )
-    trainer = branch_trainer(preset)
+    trainer = run_plan(preset).trainer
     pythons, image_subs = _image_pythons(trainer.image == "megatron", output_dir)
     subs += image_subs
     subs.append(

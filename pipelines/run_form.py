@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from core.errors import validation_message
 from pipelines.overrides import AssignmentError, apply_overrides, parse_overrides
-from pipelines.presets import Preset, branch_trainer, preset_from_json, step_configs
+from pipelines.presets import Preset, preset_from_json, run_plan, step_configs
 
 
 @dataclass(frozen=True)
@@ -237,9 +237,9 @@ def resolve_run(carried: str, form: Mapping[str, Any], overrides: str = "") -> P
             f"{resolved.model.source!r} (model_source)"
         )
     # megatron_optim stands in for grpo.optim where the branch trains model-parallel
-    # (trainer.grpo.config.branch_config)
+    # (plan.branch_config)
     if (
-        branch_trainer(resolved).model_parallel
+        run_plan(resolved).trainer.model_parallel
         and resolved.megatron_optim
         and "grpo.optim.learning_rate" in changed
     ):

@@ -27,8 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from cluster.nodes import rollout_nodes
-from plan import ParallelSizes, ParallelSizesError, engine_spec, rollout_engines
+from plan import ParallelSizes, ParallelSizesError, StepShape, engine_spec, rollout_engines
 from plan import RolloutEngines as RolloutEngines  # re-exported: placement's input
 
 if TYPE_CHECKING:
@@ -295,9 +294,17 @@ def grpo_sizes(cfg: GRPOConfig, training: int) -> ParallelSizes:
     Raises:
         PlacementError: the sizes break Megatron-Core's grids on ``training`` processes.
     """
-    sizes = ParallelSizes()
+    return _fitted(_config_sizes(cfg), training)
+
+
+def _config_sizes(cfg: GRPOConfig) -> ParallelSizes:
+    """A GRPO config's parallel sizes, not fitted: its Megatron layout's, else none."""
     if cfg.optim.trainer.model_parallel:
-        sizes = cfg.optim.megatron.resolved_layout().parallel_sizes
+        return cfg.optim.megatron.resolved_layout().parallel_sizes
+    return ParallelSizes()
+
+
+def _fitted(sizes: ParallelSizes, training: int) -> ParallelSizes:
     try:
         return sizes.for_world(training, "training processes")
     except ParallelSizesError as error:
@@ -316,10 +323,22 @@ def grpo_rollout_engines(cfg: GRPOConfig) -> RolloutEngines:
 def grpo_placement(cfg: GRPOConfig, nodes: int, gpus_per_node: int) -> PlacementPlan:
     """The plan of a GRPO config whose training processes fill ``nodes × gpus_per_node``
     (its job); dedicated rollout engines go on the nodes after them."""
-    sizes = grpo_sizes(cfg, nodes * gpus_per_node)
+    training = nodes * gpus_per_node
     rollout = grpo_rollout_engines(cfg)
-    extra = rollout_nodes(rollout.dedicated * rollout.tp, gpus_per_node)
-    return plan_placement(nodes + extra, gpus_per_node, sizes, rollout)
+    trainer, sizes = cfg.optim.trainer, _config_sizes(cfg)
+    return step_placement(StepShape(trainer, nodes, gpus_per_node, training, sizes, rollout))
+
+
+def step_placement(shape: StepShape) -> PlacementPlan:
+    """The plan of a GRPO step's shape (``plan.RunPlan``'s ``grpo``): its training processes
+    fill ``nodes × gpus_per_node``, its dedicated rollout engines the nodes after them.
+
+    Raises:
+        PlacementError: the sizes break Megatron-Core's grids on the training processes, or
+            the run cannot be placed (``plan_placement``).
+    """
+    sizes = _fitted(shape.sizes, shape.nodes * shape.gpus_per_node)
+    return plan_placement(shape.job_nodes, shape.gpus_per_node, sizes, shape.rollout)
 
 
 def run_placement(cfg: GRPOConfig, info: DistInfo) -> PlacementPlan:

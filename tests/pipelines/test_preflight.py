@@ -175,7 +175,7 @@ def test_layout_overrides_and_the_megatron_layout_are_checked_before_their_steps
     verl = get_preset("gpt-oss-20b-verl")
     offloading = {**verl.megatron_optim, "offload_optimizer": True}  # DeepSpeed's flag
     (problem,) = config_value_problems(verl.model_copy(update={"megatron_optim": offloading}))
-    assert problem.startswith("the Megatron branch's grpo config: ") and "offload" in problem
+    assert problem.startswith("the megatron branch's grpo config: ") and "offload" in problem
     assert "\n" not in problem
     # without its optim block the branch keeps grpo.optim, whose ZeRO-3 offload and gradient
     # checkpointing Megatron refuses: the preset needs it

@@ -87,6 +87,28 @@ def test_the_verl_plan_trains_on_one_node_and_samples_on_the_next():
     assert plan.processes[5].roles == ("train", "rollout")
 
 
+def test_the_plan_is_the_branch_the_run_starts():
+    """``backend=megatron`` (the run form's parameter): the plan and the preflight are the
+    Megatron branch's, TP 8 / EP 8, with no config faking it. Before the run plan they were
+    the ``hf`` branch's whatever the branch: DeepSpeed, dp 8."""
+    from pipelines.preflight import config_value_problems
+
+    verl = PRESETS["gpt-oss-20b-verl"]
+    megatron = verl.model_copy(update={"backend": "megatron"})
+    plan = grpo_plan(megatron)
+    check_plan(plan)
+    assert (plan.sizes.tp, plan.sizes.ep, plan.sizes.dp) == (8, 8, 1)
+    assert [e.ranks for e in plan.engines] == [(8, 9, 10, 11), (12, 13, 14, 15)]
+    assert (grpo_plan(verl).sizes.tp, grpo_plan(verl).sizes.dp) == (1, 8)
+    assert config_value_problems(megatron) == []
+    # the Megatron branch's own placement problem is found, not the hf branch's
+    bad = megatron.model_copy(
+        update={"megatron_layout": {"preset": "verl-gpt-oss-8x8-h100", "tp": 3}}
+    )
+    (problem,) = config_value_problems(bad)
+    assert "tp × pp × cp" in problem and "3" in problem, problem
+
+
 def test_the_verl_megatron_plan_with_dedicated_engines_trains_first_then_rolls_out(monkeypatch):
     """verl's decoupled gpt-oss-20b run: Megatron TP 8 / EP 8 on one node of 8 H200, two vLLM
     engines of TP 4 on a second node. The Megatron ranks come first (one TP group, node 0),

@@ -4,7 +4,7 @@ the preflight check, the notebook)."""
 
 from __future__ import annotations
 
-from pipelines.presets import Preset, grpo_branch_config, run_plan
+from pipelines.presets import Preset, run_plan
 
 
 def grpo_plan(preset: Preset):
@@ -29,13 +29,6 @@ def run_estimates(preset: Preset, model: str, layout: str | None = None, overrid
     estimates it (``overrides``: planner layout fields, after the preset's own)."""
     from trainer.capacity_check import run_estimates as estimates
 
-    grpo = grpo_branch_config(preset)  # the preset's backend branch, as the pipeline runs it
-    return estimates(
-        model,
-        capacity_layout(preset, layout),
-        preset.sft,
-        grpo,
-        preset.hardware.cluster("sft", preset.sft.nproc),
-        preset.hardware.cluster("grpo", grpo.nproc),
-        {**preset.layout_overrides, **(overrides or {})},
-    )
+    # the preset's backend branch, as the pipeline runs it
+    run = run_plan(preset, layout_overrides=overrides or {})
+    return estimates(model, capacity_layout(preset, layout), run)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.config import ExecutionConfig
 from cluster.hardware import Hardware, Step
 from cluster.jobs import AUTO
 from cluster.nodes import rollout_nodes
@@ -121,7 +122,8 @@ class RunPlan:
             preset: the preset's values: ``sft`` and ``grpo`` (config dicts with their
                 defaults, ``nproc`` derived from the machines), ``hardware``, and, when the
                 preset has them, ``backend``, ``megatron_layout``, ``megatron_optim``,
-                ``layout_overrides``, ``cluster`` (its ``job_api``) or ``grpo_execution``.
+                ``layout_overrides``, ``cluster`` (its ``job_api``), ``sft_execution`` and
+                ``grpo_execution`` (where the steps' jobs run).
             overrides: what a run picks: ``backend`` (the branch: the run form's parameter),
                 ``megatron_checkpoint`` (the convert step's output), ``layout_overrides``
                 (after the preset's), ``job_api``.
@@ -151,8 +153,8 @@ class RunPlan:
         return cls(
             branch=branch,
             machines=machines,
-            sft=_step(machines, "sft", sft),
-            grpo=_step(machines, "grpo", grpo_config, engine),
+            sft=_step(machines, "sft", sft, preset.get("sft_execution")),
+            grpo=_step(machines, "grpo", grpo_config, preset.get("grpo_execution"), engine),
             engine=engine,
             job_api=picks.get("job_api") or _job_api(preset),
             sft_config=sft,
@@ -180,9 +182,19 @@ def _field(values: Mapping[str, Any], path: str, where: str = "") -> Any:
 
 
 def _step(
-    machines: Hardware, step: Step, config: Mapping[str, Any], engine: EngineSpec | None = None
+    machines: Hardware,
+    step: Step,
+    config: Mapping[str, Any],
+    execution: Mapping[str, Any] | None,
+    engine: EngineSpec | None = None,
 ) -> StepShape:
-    """A training step's shape from its config (the branch's, for GRPO)."""
+    """A training step's shape from its config (the branch's, for GRPO). Its nodes are its
+    execution's where the values carry one (the configure step's outputs: a run form may
+    change a job's nodes), else the machines'.
+
+    Raises:
+        ValueError: the execution's job leaves no node for training processes.
+    """
     nproc = _field(config, "nproc", step)
     trainer = trainer_spec(_field(config, "optim.backend", step), f"{step}.optim.backend")
     sizes = ParallelSizes()
@@ -197,7 +209,11 @@ def _step(
             settings["colocate"],
             settings["num_engines"],
         )
-    nodes, per_node = machines.cluster(step, nproc)
+    if execution is None:
+        nodes, per_node = machines.cluster(step, nproc)
+    else:
+        engines = rollout.processes if rollout is not None else 0
+        nodes, per_node = ExecutionConfig.model_validate(execution).cluster(nproc, engines)
     return StepShape(trainer, nodes, per_node, nproc, sizes, rollout)
 
 

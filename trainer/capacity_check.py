@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from capacity.layouts import Layout, LayoutError, node_fields, resolve_layout
 from core.attention import training_attention
-from plan import engine_spec
+from plan import RunPlan, engine_spec
 
 if TYPE_CHECKING:
     from cluster.hardware import Hardware
@@ -194,38 +194,32 @@ def sft_layout(
     return _validated(base, f"{base.name} (SFT as configured)", fields, overrides)
 
 
-def run_estimates(
-    model,
-    hardware: str | Layout,
-    sft: SFTConfig,
-    grpo: GRPOConfig,
-    sft_cluster: tuple[int, int],
-    grpo_cluster: tuple[int, int],
-    overrides: dict[str, str] | None = None,
-):
+def run_estimates(model, hardware: str | Layout, run: RunPlan):
     """The SFT and GRPO estimates of a run, with the GRPO placement plan.
 
     Args:
         model: see ``load_model_spec`` (preset, directory, ``config.json``, mapping).
         hardware: the machines: a layout preset name or a ``Layout`` (``hardware_layout``).
-        sft: the SFT step's config.
-        grpo: the GRPO step's config.
-        sft_cluster: ``(nodes, processes per node)`` of the SFT job.
-        grpo_cluster: ``(nodes, processes per node)`` of the GRPO job (its training
-            processes; dedicated rollout engines are placed on the nodes after them).
-        overrides: layout fields applied last, to both.
+        run: the run's plan: each step's config (the GRPO branch's) and shape (nodes,
+            processes per node; dedicated rollout engines placed on the nodes after the
+            training processes), and the layout fields applied last, to both.
 
     Returns:
-        ``(plan, {"sft": Estimate, "grpo": Estimate})``.
+        ``(placement plan, {"sft": Estimate, "grpo": Estimate})``.
     """
     from capacity.estimate import estimate_layout
     from capacity.model_spec import load_model_spec
-    from trainer.placement import grpo_placement
+    from trainer.grpo.config import GRPOConfig
+    from trainer.placement import step_placement
+    from trainer.sft.config import SFTConfig
 
     spec = load_model_spec(model)
-    plan = grpo_placement(grpo, *grpo_cluster)
+    sft = SFTConfig.model_validate(run.sft_config)
+    grpo = GRPOConfig.model_validate(run.grpo_config)
+    plan = step_placement(run.grpo)
+    overrides = dict(run.layout_overrides)
     layouts = {
-        "sft": sft_layout(hardware, sft, *sft_cluster, overrides),
+        "sft": sft_layout(hardware, sft, run.sft.nodes, run.sft.gpus_per_node, overrides),
         "grpo": grpo_layout(hardware, grpo, plan, overrides),
     }
     return plan, {step: estimate_layout(spec, layout) for step, layout in layouts.items()}
@@ -249,30 +243,28 @@ def check_run(
 
     ``backend``, ``megatron_layout`` and ``megatron_optim`` are the pipeline's parameters: on
     its Megatron branch (``backend="megatron"``) GRPO is estimated as that branch runs it
-    (Megatron-Core with the layout and the branch's optimizer block,
-    ``plan.branch_config``), not with the config's own backend.
+    (Megatron-Core with the layout and the branch's optimizer block, ``plan.RunPlan``), not
+    with the config's own backend; each step on its execution's nodes.
 
     Raises:
         LayoutError, PlacementError, ModelSpecError: the run cannot be described at all.
     """
     from capacity.quantities import Verdict
     from capacity.report import format_table
-    from cluster.config import ExecutionConfig
-    from cluster.hardware import Hardware
-    from plan import branch_config
-    from trainer.grpo.config import GRPOConfig
-    from trainer.sft.config import SFTConfig
+    from plan import RunPlan
 
-    sft = SFTConfig.model_validate(sft_config)
-    branch = branch_config(grpo_config, backend, megatron_layout, megatron_optim=megatron_optim)
-    grpo = GRPOConfig.model_validate(branch)
-    sft_cluster = ExecutionConfig.model_validate(sft_execution).cluster(sft.nproc)
-    grpo_execution_config = ExecutionConfig.model_validate(grpo_execution)
-    grpo_cluster = grpo_execution_config.cluster(grpo.nproc, grpo.rollout_processes)
-    machines = hardware_layout(Hardware.model_validate(hardware))
-    plan, estimates = run_estimates(
-        model, machines, sft, grpo, sft_cluster, grpo_cluster, overrides
-    )
+    values = {
+        "hardware": hardware,
+        "sft": sft_config,
+        "grpo": grpo_config,
+        "sft_execution": sft_execution,
+        "grpo_execution": grpo_execution,
+        "backend": backend,
+        "megatron_layout": megatron_layout or {},
+        "megatron_optim": megatron_optim or {},
+    }
+    run = RunPlan.resolve(values, {"layout_overrides": overrides or {}})
+    plan, estimates = run_estimates(model, hardware_layout(run.machines), run)
     failing = next((e for e in estimates.values() if e.verdict is Verdict.DOES_NOT_FIT), None)
     verdicts = ", ".join(f"{step.upper()} {e.verdict.value}" for step, e in estimates.items())
     parts = [f"# Capacity check: {verdicts}", "", "## GRPO placement", "", "```", plan.render()]

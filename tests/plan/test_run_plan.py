@@ -3,13 +3,13 @@ derives today on its own (the GRPO step's branch config, placement, the machines
 every preset, every branch it compiles and both forms the values come in."""
 
 import pytest
+from tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
 
 from cluster.jobs import AUTO
 from components.config_fields import config_dict
 from pipelines.overrides import apply_overrides
 from pipelines.presets import PRESETS, grpo_branch_config, megatron_layout, step_configs
 from plan import RunPlan, RunPlanError, UnknownSpecError, trainer_spec
-from tests.tests_helpers_trainer import VERL_MEGATRON_OVERRIDES
 from trainer.grpo.config import GRPOConfig
 from trainer.placement import grpo_placement, grpo_rollout_engines
 
@@ -109,3 +109,16 @@ def test_unknown_names_and_missing_fields_are_named():
         RunPlan.resolve({**values, "grpo": {"optim": {"backend": "torch"}}})
     with pytest.raises(RunPlanError, match=r"no sft"):
         RunPlan.resolve({"grpo": values["grpo"]})
+
+
+def test_a_step_runs_on_its_executions_nodes():
+    """The configure step's outputs carry each step's execution, which a run form may change:
+    the plan places the step on its job's nodes, after the dedicated engines' nodes."""
+    values = step_configs(PRESETS["gpt-oss-20b"])
+    job = {**values["grpo_execution"]["job"], "nodes": 8}
+    plan = RunPlan.resolve({**values, "grpo_execution": {**values["grpo_execution"], "job": job}})
+    assert (plan.grpo.nodes, plan.grpo.gpus_per_node, plan.grpo.job_nodes) == (6, 4, 8)
+    assert RunPlan.resolve(values).grpo.nodes == 4  # the machines' GRPO nodes
+    job["nodes"] = 2  # the two engines' nodes and no training node
+    with pytest.raises(ValueError, match="leave no node for training"):
+        RunPlan.resolve({**values, "grpo_execution": {**values["grpo_execution"], "job": job}})

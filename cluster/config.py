@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from cluster.jobs import AUTO, wanted_job_apis
+from cluster.jobs import AUTO, PYTORCHJOB, wanted_job_apis
 from cluster.nodes import OMP_THREADS_ENV, cpu_cores, job_fields, omp_threads, rollout_nodes
 from core.config_model import ConfigModel
 
@@ -339,8 +339,8 @@ class ExecutionConfig(ConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _pytorchjob_mode_is_a_job(cls, data):
-        if isinstance(data, dict) and data.get("mode") == "pytorchjob":
-            job = {"job_api": "pytorchjob", **(data.get("job") or {})}
+        if isinstance(data, dict) and data.get("mode") == PYTORCHJOB.api:
+            job = {"job_api": PYTORCHJOB.api, **(data.get("job") or {})}
             return {**data, "mode": "job", "job": job}
         return data
 

@@ -89,26 +89,15 @@ def export_hf(
     policy, re-sharded in ``dtype``), ``deepspeed`` (a GRPO work dir, ``checkpoints/``
     root or ``step-<N>`` dir; ZeRO shards consolidated by DeepSpeed) or ``megatron`` (a
     Megatron checkpoint, exported by megatron-bridge; ``dtype`` and ``max_shard_size`` are
-    the bridge's then).
+    the bridge's then): ``trainer.export_hf.EXPORTERS``.
     """
     from core.processes import start_step_process
-    from trainer.export_hf import export_deepspeed, export_hf_directory, export_megatron
+    from trainer.export_hf import export_checkpoint
 
     start_step_process()  # dies with its parent; every log line redacted
-    if source_format == "hf":
-        result = export_hf_directory(
-            checkpoint.path, template_model.path, model.path, dtype, max_shard_size
-        )
-    elif source_format == "deepspeed":
-        result = export_deepspeed(
-            checkpoint.path, template_model.path, model.path, dtype, max_shard_size
-        )
-    elif source_format == "megatron":
-        result = export_megatron(checkpoint.path, template_model.path, model.path)
-    else:
-        raise ValueError(
-            f"source_format={source_format!r}: expected 'hf', 'deepspeed' or 'megatron'"
-        )
+    result = export_checkpoint(
+        source_format, checkpoint.path, template_model.path, model.path, dtype, max_shard_size
+    )
     model.metadata.update(
         format="huggingface",
         source_format=result.source_format,

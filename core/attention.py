@@ -39,11 +39,13 @@ HF_ATTN_IMPLEMENTATION: AttentionKernel = "eager"
 device: the one kernel of the pinned stack that trains GPT-OSS's sinks (above)."""
 
 
-def training_attention(backend: str, fused_sinks: bool) -> AttentionKernel:
+def training_attention(trains_hf_module: bool, fused_sinks: bool) -> AttentionKernel:
     """The attention kernel a training process runs.
 
     Args:
-        backend: the training backend (``torch``, ``deepspeed``: the HF model; ``megatron``).
+        trains_hf_module: the backend trains the Hugging Face module (``torch``,
+            ``deepspeed``: ``plan.TrainerSpec.trains_hf_module``); else its own model
+            (``megatron``: Megatron-Core with Transformer Engine).
         fused_sinks: the GPU has a fused attention kernel that takes sinks (Hopper).
 
     Returns:
@@ -51,6 +53,6 @@ def training_attention(backend: str, fused_sinks: bool) -> AttentionKernel:
         Megatron, ``flash`` (Transformer Engine's fused attention) where ``fused_sinks``,
         else ``eager``.
     """
-    if backend == "megatron":
-        return "flash" if fused_sinks else "eager"
-    return HF_ATTN_IMPLEMENTATION
+    if trains_hf_module:
+        return HF_ATTN_IMPLEMENTATION
+    return "flash" if fused_sinks else "eager"

@@ -33,6 +33,7 @@ from pipelines.run_form import (
     field_value,
     form_fields,
 )
+from plan import HF_BRANCH, MEGATRON_BRANCH
 
 PIPELINE_NAME = "lingo-rl"
 DESCRIPTION = (
@@ -242,11 +243,11 @@ class _Dag:
             sft_model=self.tuned.outputs["model"],
             **self.training_inputs(config["grpo"], config["grpo_execution"]),
         )
-        branches = {"hf": self.grpo_on_hf_weights, "megatron": self.grpo_on_megatron}
+        branches = {HF_BRANCH: self.grpo_on_hf_weights, MEGATRON_BRANCH: self.grpo_on_megatron}
         if len(self.preset.grpo_branches) == 1:
             branches[self.preset.grpo_branches[0]]()
         else:  # named for what runs
-            with dsl.If(self.p["backend"] != "megatron", name="grpo-on-hf-weights"):
+            with dsl.If(self.p["backend"] != MEGATRON_BRANCH, name="grpo-on-hf-weights"):
                 self.grpo_on_hf_weights()
             with dsl.Else(name="grpo-on-megatron"):
                 self.grpo_on_megatron()

@@ -300,7 +300,7 @@ def _tail(path: Path | None, lines: int) -> list[str]:
 def rehearsal_preset(name: str, backend: str | None = None) -> tuple[Preset, list[Substitution]]:
     """The preset ``name`` (``backend``: its GRPO branch) as the rehearsal runs it."""
     preset = get_preset(name)
-    if preset.hardware.node_type == "local":
+    if preset.hardware.local:
         raise ValueError(
             f"preset {name!r} runs on this machine already (lingo run --local); rehearse a "
             "cluster preset: gpt-oss-20b, gpt-oss-20b-verl"
@@ -555,7 +555,7 @@ def rehearse(
         )  # fmt: skip
     )
     trainer = run_plan(preset).trainer
-    pythons, image_subs = _image_pythons(trainer.image == "megatron", output_dir)
+    pythons, image_subs = _image_pythons(trainer.image, output_dir)
     subs += image_subs
     subs.append(
         Substitution(
@@ -587,15 +587,17 @@ def rehearse(
     )  # fmt: skip
 
 
-def _image_pythons(megatron: bool, output_dir: Path) -> tuple[dict[str, str], list[Substitution]]:
+def _image_pythons(
+    trainer_image: str, output_dir: Path
+) -> tuple[dict[str, str], list[Substitution]]:
     """Each image's Python environment on this machine (image → Python: ``image_pythons``,
-    with the Megatron image's CPU stand-in when the branch trains on Megatron), and the
-    substitutions that say so."""
+    with the Megatron image's CPU stand-in when the branch trains in it: ``trainer_image``,
+    ``plan.TrainerSpec.image``), and the substitutions that say so."""
+    from components.images import MEGATRON_IMAGE, TRAINER_IMAGES
+
     pythons = image_pythons()
     subs = []
-    if megatron:  # its TE layers and CUDA: a CPU stand-in
-        from components.images import MEGATRON_IMAGE
-
+    if TRAINER_IMAGES[trainer_image] == MEGATRON_IMAGE:  # its TE layers and CUDA: a stand-in
         pythons[MEGATRON_IMAGE] = str(megatron_cpu_python(output_dir))
         subs.append(
             Substitution(

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from core.errors import validation_message
 from pipelines.overrides import AssignmentError, apply_overrides, parse_overrides
 from pipelines.presets import Preset, preset_from_json, run_plan, step_configs
+from plan import MEGATRON_BRANCH
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,8 @@ def resolve_run(carried: str, form: Mapping[str, Any], overrides: str = "") -> P
 def _does_not_apply(preset: Preset, path: str) -> str | None:
     """Why ``path`` cannot be overridden in ``preset``'s pipeline, or None."""
     step = path.split(".")[0]
-    if step in ("megatron_layout", "megatron_optim") and "megatron" not in preset.grpo_branches:
+    megatron = MEGATRON_BRANCH not in preset.grpo_branches
+    if step in ("megatron_layout", "megatron_optim") and megatron:
         return (
             f"applies to the Megatron branch, which the pipeline of preset {preset.name} "
             "does not hold (grpo_branches)"

@@ -11,7 +11,15 @@ reads (``RolloutEngines``); and the registries of the trainer backends (``Traine
 names. It imports only ``core`` and ``cluster``'s machine facts.
 """
 
-from plan.backends import TRAINERS, TrainerSpec, branch_backend, trainer_spec
+from plan.backends import (
+    GRPO_BRANCHES,
+    HF_BRANCH,
+    MEGATRON_BRANCH,
+    TRAINERS,
+    TrainerSpec,
+    branch_backend,
+    trainer_spec,
+)
 from plan.branches import DEFAULT_MEGATRON_LAYOUT, branch_config
 from plan.engines import ENGINE_SPECS, EngineSpec, engine_spec
 from plan.jobs import JobSpec, job_spec
@@ -30,6 +38,9 @@ from plan.specs import UnknownSpecError
 __all__ = [
     "DEFAULT_MEGATRON_LAYOUT",
     "ENGINE_SPECS",
+    "GRPO_BRANCHES",
+    "HF_BRANCH",
+    "MEGATRON_BRANCH",
     "MEGATRON_LAYOUT_PRESETS",
     "MEGATRON_MACHINE_FIELDS",
     "TRAINERS",

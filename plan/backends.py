@@ -21,6 +21,14 @@ HF_BRANCH = "hf"
 """The pipeline's GRPO branch that trains the Hugging Face weights with the config's own
 ``optim.backend`` (``Preset.backend``, the pipeline's ``backend`` parameter)."""
 
+MEGATRON_BRANCH = "megatron"
+"""The pipeline's GRPO branch that converts the SFT model to a Megatron checkpoint, trains it
+with the ``megatron`` trainer backend and exports it back (named after that backend:
+``branch_backend``)."""
+
+GRPO_BRANCHES = (HF_BRANCH, MEGATRON_BRANCH)
+"""The GRPO branches a pipeline can compile (``Preset.grpo_branches``)."""
+
 
 @dataclass(frozen=True)
 class TrainerSpec:

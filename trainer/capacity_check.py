@@ -62,8 +62,8 @@ def _training_fields(optim: OptimConfig, hardware: Layout) -> dict[str, object]:
     kernel that backend runs on ``hardware`` (``core.attention.training_attention``: the HF
     model runs eager attention even where the GPU has a fused kernel with sinks)."""
     fused_sinks = hardware.attn_implementation == "flash"
-    attention = {"attn_implementation": training_attention(optim.backend, fused_sinks)}
     trainer = optim.trainer
+    attention = {"attn_implementation": training_attention(trainer.trains_hf_module, fused_sinks)}
     if trainer.model_parallel:
         return {
             **attention,

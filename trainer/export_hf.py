@@ -486,3 +486,46 @@ def export_megatron(
     return _publish_export(
         tmp, output_dir, megatron_dir, "megatron", dtype, tensors, parameters, copied
     )
+
+
+def _megatron_exporter(
+    checkpoint: str | Path,
+    template_dir: str | Path,
+    output_dir: str | Path,
+    dtype: ExportDType = "auto",
+    max_shard_size: str | int = "5GB",
+) -> ExportResult:
+    """``export_megatron``: the bridge picks the dtype and the shard size."""
+    return export_megatron(checkpoint, template_dir, output_dir)
+
+
+EXPORTERS = {
+    "hf": export_hf_directory,
+    "deepspeed": export_deepspeed,
+    "megatron": _megatron_exporter,
+}
+"""The exporter of each checkpoint format a training step writes: ``hf`` (a HF directory: the
+``hf`` branch's GRPO policy), ``deepspeed`` (a GRPO work dir, ``checkpoints/`` root or
+``step-<N>`` dir) or ``megatron`` (a Megatron checkpoint: megatron-bridge's ``dtype`` and
+shard size)."""
+
+
+def export_checkpoint(
+    source_format: str,
+    checkpoint: str | Path,
+    template_dir: str | Path,
+    output_dir: str | Path,
+    dtype: ExportDType = "auto",
+    max_shard_size: str | int = "5GB",
+) -> ExportResult:
+    """Export a checkpoint of ``source_format`` (``EXPORTERS``) as a standard HF directory.
+
+    Raises:
+        ValueError: ``source_format`` is not one of ``EXPORTERS`` (the message names them).
+    """
+    try:
+        exporter = EXPORTERS[source_format]
+    except KeyError:
+        expected = ", ".join(repr(name) for name in EXPORTERS)
+        raise ValueError(f"source_format={source_format!r}: expected one of {expected}") from None
+    return exporter(checkpoint, template_dir, output_dir, dtype, max_shard_size)

@@ -35,15 +35,17 @@ def rehearse(
     scaled-down model; print what ran, what was substituted and the result; exit 1 when
     anything failed."""
     from pipelines.rehearsal import rehearse as run_rehearsal
-    from plan import UnknownSpecError, job_spec
+    from plan import GRPO_BRANCHES, UnknownSpecError, job_spec
 
-    if backend not in (None, "hf", "megatron"):
-        raise typer.BadParameter(f"{backend!r}: use hf or megatron", param_hint="--backend")
+    if backend not in (None, *GRPO_BRANCHES):
+        raise typer.BadParameter(
+            f"{backend!r}: use {' or '.join(GRPO_BRANCHES)}", param_hint="--backend"
+        )
     try:
         job_spec(job_api, "--job-api")
     except UnknownSpecError as error:
         raise typer.BadParameter(str(error), param_hint="--job-api") from None
-    if load_preset(preset, None).hardware.node_type == "local":
+    if load_preset(preset, None).hardware.local:
         raise typer.BadParameter(
             f"{preset!r} runs on this machine already (lingo run --local); rehearse a cluster "
             "preset: gpt-oss-20b, gpt-oss-20b-verl",

@@ -6,14 +6,17 @@ from transformers import AutoModelForCausalLM
 
 from core.attention import HF_ATTN_IMPLEMENTATION, training_attention
 from core.modeling import load_causal_lm
+from plan import trainer_spec
 
 
 def test_the_hf_trainer_runs_eager_attention_whatever_the_gpu_and_megatron_the_fused_one():
     for backend in ("torch", "deepspeed"):
         for fused in (True, False):
-            assert training_attention(backend, fused) == HF_ATTN_IMPLEMENTATION == "eager"
-    assert training_attention("megatron", fused_sinks=True) == "flash"
-    assert training_attention("megatron", fused_sinks=False) == "eager"
+            hf_module = trainer_spec(backend).trains_hf_module
+            assert training_attention(hf_module, fused) == HF_ATTN_IMPLEMENTATION == "eager"
+    megatron = trainer_spec("megatron").trains_hf_module
+    assert training_attention(megatron, fused_sinks=True) == "flash"
+    assert training_attention(megatron, fused_sinks=False) == "eager"
 
 
 def test_the_loader_asks_for_the_kernel_the_planner_counts_and_it_is_transformers_own_pick(

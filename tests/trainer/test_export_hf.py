@@ -370,3 +370,17 @@ def test_an_mxfp4_template_exports_unpacked_weights_without_its_quantization_con
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     copy_template_files(template, out)
     check_loadable(out, {**state, **originals})  # plain from_pretrained: the same bf16 weights
+
+
+def test_each_checkpoint_format_has_its_exporter(monkeypatch):
+    """The export step dispatches by ``source_format`` through ``EXPORTERS``; Megatron's
+    ignores the dtype and shard size (megatron-bridge picks them)."""
+    from trainer import export_hf
+
+    calls = []
+    monkeypatch.setattr(export_hf, "export_megatron", lambda *paths: calls.append(paths))
+    export_hf.export_checkpoint("megatron", "ckpt", "template", "out", "bfloat16", "1GB")
+    assert calls == [("ckpt", "template", "out")]
+    assert set(export_hf.EXPORTERS) == {"hf", "deepspeed", "megatron"}
+    with pytest.raises(ValueError, match="expected one of 'hf', 'deepspeed', 'megatron'"):
+        export_hf.export_checkpoint("fsdp", "ckpt", "template", "out")

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cluster.hardware import Hardware
 from cluster.nodes import NODE_TYPES, sender_network_gbps
 from plan import ParallelSizes, TrainerSpec, trainer_spec
 
@@ -300,6 +301,32 @@ LAYOUT_PRESETS: dict[str, Layout] = {
         max_ckpt_num=2,
     ),
 }
+
+
+HARDWARE_FIELDS = frozenset(
+    {
+        "device",
+        "nodes",
+        "gpus_per_node",
+        "gpu_memory_gib",
+        "host_memory_gib",
+        "host_reserved_gib",
+        "storage_gib",
+    }
+)
+"""Layout fields a preset's ``Hardware`` states; its layout overrides may not restate them."""
+
+
+def hardware_layout(hardware: Hardware) -> Layout:
+    """The planner's description of ``hardware``'s machines (the run's own fields, such as
+    processes, batch and lengths, come from the configs: ``sft_layout``, ``grpo_layout``)."""
+    nodes = max(hardware.sft_nodes, hardware.grpo_nodes)
+    return Layout(
+        name=hardware.node_type,
+        **node_fields(hardware.node_type, nodes),
+        training_gpus=nodes * hardware.node.gpus,
+        storage_gib=hardware.storage_gib,
+    )
 
 
 def resolve_layout(layout: str | Layout, overrides: dict[str, str] | None = None) -> Layout:

@@ -19,7 +19,7 @@ def grpo_plan(preset: Preset):
 def capacity_layout(preset: Preset, layout: str | None = None):
     """The machines the capacity check estimates on: ``hardware``'s (or the planner's layout
     preset ``layout``, ``lingo estimate --layout``), as a ``capacity.Layout``."""
-    from trainer.capacity_check import hardware_layout
+    from capacity.layouts import hardware_layout
 
     return layout or hardware_layout(preset.hardware)
 

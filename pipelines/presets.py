@@ -100,7 +100,7 @@ class Preset(BaseModel):
 
     @model_validator(mode="after")
     def _hardware_stated_once(self) -> Preset:
-        from trainer.capacity_check import HARDWARE_FIELDS
+        from capacity.layouts import HARDWARE_FIELDS
 
         restated = sorted(set(self.layout_overrides) & HARDWARE_FIELDS)
         restated += sorted(set(self.megatron_layout) & set(MEGATRON_MACHINE_FIELDS))

@@ -1,56 +1,30 @@
 """The layouts the capacity check estimates, derived from what the run will do.
 
-A preset's ``Hardware`` (``cluster.hardware``) gives the machines (``hardware_layout``:
-GPU and host memory, storage, what the OS keeps, whether the GPU has a fused attention kernel
-with sinks); a layout preset (``layouts.LAYOUT_PRESETS``) can stand in for it (``lingo
-estimate --layout``). Everything the SFT and GRPO configs and the GRPO placement plan decide —
-how many processes train on how many nodes, the backend and its parallel sizes, ZeRO stage
-and offload, the attention kernel that backend runs (``core.attention``, which the model
-loaders follow too), micro-batch, sequence lengths, rollout engines, group size, KL,
-checkpoints kept — is taken from them, so the check estimates the run that will start, and
-changing a config changes the estimate. Explicit layout overrides still come last.
+A preset's ``Hardware`` (``cluster.hardware``) gives the machines
+(``capacity.layouts.hardware_layout``: GPU and host memory, storage, what the OS keeps,
+whether the GPU has a fused attention kernel with sinks); a layout preset
+(``layouts.LAYOUT_PRESETS``) can stand in for it (``lingo estimate --layout``). Everything the
+SFT and GRPO configs and the run's plan (``plan.RunPlan``) and placement decide — how many
+processes train on how many nodes, the backend and its parallel sizes, ZeRO stage and
+offload, the attention kernel that backend runs (``core.attention``, which the model loaders
+follow too), micro-batch, sequence lengths, rollout engines, group size, KL, checkpoints kept
+— is taken from them, so the check estimates the run that will start, and changing a config
+changes the estimate. Explicit layout overrides still come last.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from capacity.layouts import Layout, LayoutError, node_fields, resolve_layout
+from capacity.layouts import Layout, LayoutError, hardware_layout, resolve_layout
 from core.attention import training_attention
 from plan import RunPlan, engine_spec
 
 if TYPE_CHECKING:
-    from cluster.hardware import Hardware
     from trainer.backends.config import OptimConfig
     from trainer.grpo.config import GRPOConfig
     from trainer.placement import PlacementPlan
     from trainer.sft.config import SFTConfig
-
-
-HARDWARE_FIELDS = frozenset(
-    {
-        "device",
-        "nodes",
-        "gpus_per_node",
-        "gpu_memory_gib",
-        "host_memory_gib",
-        "host_reserved_gib",
-        "storage_gib",
-    }
-)
-"""Layout fields a preset's ``Hardware`` states; its layout overrides may not restate them."""
-
-
-def hardware_layout(hardware: Hardware) -> Layout:
-    """The planner's description of ``hardware``'s machines (the run's own fields, such as
-    processes, batch and lengths, come from the configs: ``sft_layout``, ``grpo_layout``)."""
-    nodes = max(hardware.sft_nodes, hardware.grpo_nodes)
-    return Layout(
-        name=hardware.node_type,
-        **node_fields(hardware.node_type, nodes),
-        training_gpus=nodes * hardware.node.gpus,
-        storage_gib=hardware.storage_gib,
-    )
 
 
 def _dtype(config_dtype: str, hardware: Layout) -> str:

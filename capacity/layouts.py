@@ -329,6 +329,12 @@ def hardware_layout(hardware: Hardware) -> Layout:
     )
 
 
+def parallel_fields(sizes: ParallelSizes) -> dict[str, int]:
+    """The layout fields of a run's parallel sizes (``plan.ParallelSizes``, the plan's one
+    "layout"): tensor, pipeline and expert parallel sizes under the planner's names."""
+    return {"tensor_parallel": sizes.tp, "pipeline_parallel": sizes.pp, "expert_parallel": sizes.ep}
+
+
 def resolve_layout(layout: str | Layout, overrides: dict[str, str] | None = None) -> Layout:
     """Return a preset (or a given layout) with ``key=value`` overrides applied and checked.
 

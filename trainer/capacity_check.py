@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from capacity.layouts import Layout, LayoutError, hardware_layout, resolve_layout
+from capacity.layouts import Layout, LayoutError, hardware_layout, parallel_fields, resolve_layout
 from core.attention import training_attention
-from plan import RunPlan, engine_spec
+from plan import ParallelSizes, RunPlan, engine_spec
 
 if TYPE_CHECKING:
     from trainer.backends.config import OptimConfig
@@ -101,9 +101,7 @@ def grpo_layout(
         # vLLM is awake
         "deepspeed_enable_sleep": False,
         **_training_fields(grpo.optim, base),
-        "tensor_parallel": sizes.tp,
-        "pipeline_parallel": sizes.pp,
-        "expert_parallel": sizes.ep,
+        **parallel_fields(sizes),
         "dtype": _dtype(grpo.dtype, base),
         "micro_train_batch_size": grpo.micro_batch_size,
         "prompt_max_len": grpo.rollout.max_prompt_tokens,
@@ -150,9 +148,7 @@ def sft_layout(
         "hybrid": False,
         "deepspeed_enable_sleep": False,
         **_training_fields(sft.optim, base),
-        "tensor_parallel": 1,
-        "pipeline_parallel": 1,
-        "expert_parallel": 1,
+        **parallel_fields(ParallelSizes()),  # SFT is data parallel
         "dtype": _dtype(sft.dtype, base),
         "micro_train_batch_size": sft.micro_batch_size,
         "prompt_max_len": sft.max_seq_len,

@@ -50,6 +50,7 @@ from capacity import (
     load_model_spec,
 )
 from capacity import LayoutError as PlannerLayoutError
+from capacity.layouts import parallel_fields
 from cluster.nodes import H100_GIB
 from core.config_model import ConfigModel
 from plan import ParallelSizes
@@ -431,9 +432,7 @@ def planner_layout(layout: MegatronLayout, world: int, gpu_memory_gib: float) ->
         "gpus_per_node": layout.gpus_per_node,
         "gpu_memory_gib": gpu_memory_gib,
         "training_gpus": world,
-        "tensor_parallel": layout.tp,
-        "pipeline_parallel": layout.pp,
-        "expert_parallel": layout.ep,
+        **parallel_fields(layout.parallel_sizes),
         "dtype": "fp32" if layout.params_dtype == "fp32" else "bf16",
         "vllm_tensor_parallel_size": layout.rollout_tp,
     }

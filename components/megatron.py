@@ -96,8 +96,9 @@ def export_hf(
 
     start_step_process()  # dies with its parent; every log line redacted
     result = export_checkpoint(
-        source_format, checkpoint.path, template_model.path, model.path, dtype, max_shard_size
-    )
+        source_format, checkpoint.path, template_model.path, model.path,
+        dtype=dtype, max_shard_size=max_shard_size,
+    )  # fmt: skip
     model.metadata.update(
         format="huggingface",
         source_format=result.source_format,

@@ -24,7 +24,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -488,21 +488,13 @@ def export_megatron(
     )
 
 
-def _megatron_exporter(
-    checkpoint: str | Path,
-    template_dir: str | Path,
-    output_dir: str | Path,
-    dtype: ExportDType = "auto",
-    max_shard_size: str | int = "5GB",
-) -> ExportResult:
-    """``export_megatron``: the bridge picks the dtype and the shard size."""
-    return export_megatron(checkpoint, template_dir, output_dir)
-
-
 EXPORTERS = {
     "hf": export_hf_directory,
     "deepspeed": export_deepspeed,
-    "megatron": _megatron_exporter,
+    # megatron-bridge picks the dtype and the shard size
+    "megatron": lambda checkpoint, template, output, **_: export_megatron(
+        checkpoint, template, output
+    ),
 }
 """The exporter of each checkpoint format a training step writes: ``hf`` (a HF directory: the
 ``hf`` branch's GRPO policy), ``deepspeed`` (a GRPO work dir, ``checkpoints/`` root or
@@ -515,10 +507,10 @@ def export_checkpoint(
     checkpoint: str | Path,
     template_dir: str | Path,
     output_dir: str | Path,
-    dtype: ExportDType = "auto",
-    max_shard_size: str | int = "5GB",
+    **options: Any,
 ) -> ExportResult:
-    """Export a checkpoint of ``source_format`` (``EXPORTERS``) as a standard HF directory.
+    """Export a checkpoint of ``source_format`` (``EXPORTERS``) as a standard HF directory;
+    ``options``: the exporter's ``dtype`` and ``max_shard_size``.
 
     Raises:
         ValueError: ``source_format`` is not one of ``EXPORTERS`` (the message names them).
@@ -528,4 +520,4 @@ def export_checkpoint(
     except KeyError:
         expected = ", ".join(repr(name) for name in EXPORTERS)
         raise ValueError(f"source_format={source_format!r}: expected one of {expected}") from None
-    return exporter(checkpoint, template_dir, output_dir, dtype, max_shard_size)
+    return exporter(checkpoint, template_dir, output_dir, **options)

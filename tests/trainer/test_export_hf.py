@@ -379,7 +379,7 @@ def test_each_checkpoint_format_has_its_exporter(monkeypatch):
 
     calls = []
     monkeypatch.setattr(export_hf, "export_megatron", lambda *paths: calls.append(paths))
-    export_hf.export_checkpoint("megatron", "ckpt", "template", "out", "bfloat16", "1GB")
+    export_hf.export_checkpoint("megatron", "ckpt", "template", "out", dtype="bfloat16")
     assert calls == [("ckpt", "template", "out")]
     assert set(export_hf.EXPORTERS) == {"hf", "deepspeed", "megatron"}
     with pytest.raises(ValueError, match="expected one of 'hf', 'deepspeed', 'megatron'"):

@@ -15,16 +15,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = (
-    "capacity",
-    "trainer",
-    "components",
-    "cluster",
-    "pipelines",
-    "eval",
-    "generation",
-    "core",
-)
+# the packages that read specs (plan/ holds the registries; reward and data_prep name none)
+READERS = ("capacity", "trainer", "components", "cluster", "pipelines", "eval")
+PACKAGES = (*READERS, "generation", "core")
 NAME_COMPARISON = re.compile(
     r'(backend|engine|job_api|weight_format|source_format)["\')\]]*\s*(==|!=|in \()\s*"'
 )

@@ -1,12 +1,13 @@
 """The trainer-backend, rollout-engine and job-API registries: one spec per name, the facts the
 layers above read, and one error for a name that is not registered."""
 
+from dataclasses import replace
+
 import pytest
 
 from plan import (
     ENGINE_SPECS,
     TRAINERS,
-    EngineSpec,
     UnknownSpecError,
     branch_backend,
     engine_spec,
@@ -121,15 +122,10 @@ def test_a_registered_engine_is_read_by_the_weight_sync_without_naming_it(monkey
     """The weight sync picks its transport from the spec's fields: a new engine is its spec."""
     from trainer.grpo.weight_transfer import select_transfer
 
-    fake = EngineSpec(
+    fake = replace(
+        ENGINE_SPECS["vllm"],  # its transports: reload in process, NCCL to dedicated engines
         name="fake",
-        tensor_parallel=False,
-        reserves_gpu_memory=False,
-        needs_cuda=False,
-        serves_lora=False,
-        colocated_transfer="in_process_reload",
         colocated_reason="a test's colocated engine",
-        dedicated_transfer="nccl",
         dedicated_reason="a test's dedicated engine",
     )
     monkeypatch.setitem(ENGINE_SPECS, "fake", fake)

@@ -14,6 +14,7 @@ from typing import Any
 
 from cluster.nodes import H100_GIB
 from plan.parallel_sizes import ParallelSizes
+from plan.specs import whole
 
 MEGATRON_MACHINE_FIELDS = ("nodes", "gpus_per_node", "gpu_memory_gib")
 """Megatron layout fields that the machines decide (``cluster.hardware.Hardware``'s
@@ -94,7 +95,5 @@ def megatron_sizes(layout: str | Mapping[str, Any]) -> ParallelSizes:
         ParallelSizesError: a size below 1.
     """
     fields = megatron_layout_fields(layout)
-    return ParallelSizes(
-        **{name: fields[name] for name in ("tp", "pp", "ep", "etp", "cp") if name in fields},
-        dp=fields.get("dp"),
-    )
+    stated = {name: fields.get(name) for name in ParallelSizes.names()}
+    return ParallelSizes(**{k: whole(v, k) for k, v in stated.items() if v is not None})

@@ -61,6 +61,11 @@ class ParallelSizes:
         if low:
             raise ParallelSizesError(low)
 
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The sizes' names: tp, pp, ep, etp, cp, dp."""
+        return tuple(f.name for f in fields(cls))
+
     @property
     def model_parallel(self) -> int:
         """``tp × pp × cp``: processes that hold one copy of the dense model."""

@@ -32,6 +32,7 @@ from plan.jobs import JobSpec, job_spec
 from plan.megatron_layouts import megatron_sizes
 from plan.parallel_sizes import ParallelSizes
 from plan.rollout import RolloutEngines, rollout_engines
+from plan.specs import whole
 
 
 class RunPlanError(ValueError):
@@ -140,7 +141,7 @@ class RunPlan:
         grpo, sft = _field(preset, "grpo"), _field(preset, "sft")
         layout = {
             **(preset.get("megatron_layout") or {}),
-            **machines.megatron_fields(_field(grpo, "nproc", "grpo")),
+            **machines.megatron_fields(whole(_field(grpo, "nproc", "grpo"), "grpo.nproc")),
         }
         grpo_config = branch_config(
             grpo,
@@ -195,7 +196,7 @@ def _step(
     Raises:
         ValueError: the execution's job leaves no node for training processes.
     """
-    nproc = _field(config, "nproc", step)
+    nproc = whole(_field(config, "nproc", step), f"{step}.nproc")
     trainer = trainer_spec(_field(config, "optim.backend", step), f"{step}.optim.backend")
     sizes = ParallelSizes()
     if trainer.model_parallel:
@@ -205,9 +206,9 @@ def _step(
         settings = _field(config, "rollout", step)
         rollout = rollout_engines(
             engine.name,
-            settings["tensor_parallel_size"],
+            whole(settings["tensor_parallel_size"], "grpo.rollout.tensor_parallel_size"),
             settings["colocate"],
-            settings["num_engines"],
+            whole(settings["num_engines"], "grpo.rollout.num_engines"),
         )
     if execution is None:
         nodes, per_node = machines.cluster(step, nproc)

@@ -12,6 +12,20 @@ class UnknownSpecError(ValueError):
     """A configuration names a trainer backend or rollout engine that is not registered."""
 
 
+def whole(value: object, name: str) -> int:
+    """``value`` as an int: an int, or a float with no fraction (KFP passes a dict parameter's
+    numbers as JSON numbers, which a pipeline step reads back as floats: ``nproc`` 8.0).
+
+    Raises:
+        ValueError: anything else; the message names ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name}={value!r} must be a whole number")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{name}={value!r} must be a whole number")
+    return int(value)
+
+
 def lookup(registry: Mapping[str, S], name: str, field: str, what: str) -> S:
     """``registry[name]``, or ``UnknownSpecError`` naming ``field`` and the valid names (the
     wording of the project's other registries: ``trainer.grpo.algorithm``'s).

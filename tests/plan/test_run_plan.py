@@ -122,3 +122,26 @@ def test_a_step_runs_on_its_executions_nodes():
     job["nodes"] = 2  # the two engines' nodes and no training node
     with pytest.raises(ValueError, match="leave no node for training"):
         RunPlan.resolve({**values, "grpo_execution": {**values["grpo_execution"], "job": job}})
+
+
+def _as_kfp_passes(value):
+    """A dict parameter as a KFP step reads it back: JSON numbers, ints as floats."""
+    if isinstance(value, dict):
+        return {k: _as_kfp_passes(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_kfp_passes(v) for v in value]
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu", "gpt-oss-20b-verl"])
+def test_numbers_as_kfp_passes_them_give_the_same_plan(name):
+    """The capacity-check task got ``nproc`` 1.0 from KFP (the demo's first run of the plan
+    failed there: 'float' object cannot be interpreted as an integer)."""
+    values = step_configs(PRESETS[name])
+    for branch in PRESETS[name].grpo_branches:
+        exact = RunPlan.resolve(values, {"backend": branch})
+        floats = RunPlan.resolve(_as_kfp_passes(values), {"backend": branch})
+        assert (floats.sft, floats.grpo) == (exact.sft, exact.grpo)
+        assert isinstance(floats.grpo.training_processes, int)
+    with pytest.raises(ValueError, match=r"grpo.nproc=1.5 must be a whole number"):
+        RunPlan.resolve({**values, "grpo": {**values["grpo"], "nproc": 1.5}})

@@ -9,7 +9,7 @@ from tests_helpers_trainer import VERL_COLOCATED_OVERRIDES
 from capacity import LayoutDoesNotFit, LayoutError, Verdict, estimate
 from pipelines.overrides import apply_overrides
 from pipelines.preset_capacity import capacity_layout, grpo_plan, run_estimates
-from pipelines.presets import PRESETS, config_dict, step_execution
+from pipelines.presets import PRESETS, config_dict, step_configs, step_execution
 from trainer.capacity_check import check_run, grpo_layout, sft_layout
 
 
@@ -289,3 +289,20 @@ def test_the_lora_preset_fits_one_node_and_full_grpo_there_would_hold_the_bases_
     assert lora_h100["grpo"].resource("training_gpu").capacity == pytest.approx(79.65 * GIB)
     full_h100 = _estimates(apply_overrides(h100, {"grpo.lora.r": "0"}))[1]
     assert full_h100["grpo"].verdict is Verdict.DOES_NOT_FIT
+
+
+def test_the_capacity_check_task_reads_numbers_as_kfp_passes_them():
+    """KFP hands a dict parameter's numbers back as floats (``nproc`` 1.0): the demo's
+    capacity-check task failed on them ('float' object cannot be interpreted as an integer)."""
+    import json
+
+    configs = step_configs(PRESETS["tiny-cpu"])
+
+    def floats(value):
+        return json.loads(json.dumps(value), parse_int=float)
+
+    args = [floats(configs[k]) for k in ("hardware", "sft", "grpo")]
+    executions = [floats(configs[k]) for k in ("sft_execution", "grpo_execution")]
+    layout = floats(configs["megatron_layout"])
+    text, failing = check_run("tiny-gpt-oss", *args, *executions, {}, "hf", layout)
+    assert failing is None and "GRPO placement" in text

@@ -131,6 +131,8 @@ class RunPlan:
 
         Raises:
             RunPlanError: a field the plan reads is missing.
+            ValueError: a count or size that is not a whole number (KFP's floats are:
+                ``plan.specs.whole``), or a job that leaves no node for training.
             UnknownSpecError: a trainer backend, rollout engine or job API that no registry
                 holds.
             UnknownMegatronLayoutError: a Megatron layout that names an unknown preset.

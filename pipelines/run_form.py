@@ -237,10 +237,14 @@ def resolve_run(carried: str, form: Mapping[str, Any], overrides: str = "") -> P
             f"overrides: model.tiny.* configures the tiny model, and this run's model is "
             f"{resolved.model.source!r} (model_source)"
         )
+    try:  # the run's shape: its branch's layout is read here first
+        plan = run_plan(resolved)
+    except ValueError as exc:  # a Megatron layout's sizes, or a preset it names, do not hold
+        raise RunFormError(f"megatron_layout: {exc}") from None
     # megatron_optim stands in for grpo.optim where the branch trains model-parallel
     # (plan.branch_config)
     if (
-        run_plan(resolved).trainer.model_parallel
+        plan.trainer.model_parallel
         and resolved.megatron_optim
         and "grpo.optim.learning_rate" in changed
     ):

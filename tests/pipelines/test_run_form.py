@@ -168,6 +168,10 @@ def test_compile_time_set_and_run_time_overrides_give_the_same_step_configs(tmp_
         (VERL, {"backend": "tpu"}, "", "backend"),
         # megatron_optim replaces grpo.optim on the Megatron branch: the rate would be ignored
         (VERL, {"backend": "megatron", "grpo_learning_rate": 1e-6}, "", "megatron_optim."),
+        # the Megatron branch's layout, read by the run's plan (before 2026-12-08 the convert
+        # task refused it, after SFT)
+        (VERL, {"backend": "megatron"}, "megatron_layout.pp=0", "megatron_layout: pp=0 must"),
+        (VERL, {"backend": "megatron"}, "megatron_layout.preset=nope", "megatron_layout: preset"),
     ],
 )
 def test_a_value_that_does_not_hold_stops_the_configure_step_naming_the_field(

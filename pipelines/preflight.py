@@ -103,22 +103,22 @@ def config_value_problems(preset: Preset) -> list[str]:
     for step, config in (("sft", preset.sft), ("grpo", preset.grpo)):
         if (problem := processes_problem(config)) is not None:
             problems.append(f"{step}: {problem}")
-    configs = {}  # each branch's GRPO config that validates
+    plans, configs = {}, {}  # each branch's plan, and its GRPO config where it validates
     for branch in dict.fromkeys((*preset.grpo_branches, preset.backend)):
         try:
-            shaped = run_plan(preset, backend=branch)
-            if shaped.trainer.model_parallel:  # what its convert step resolves
-                resolve_megatron_layout(shaped.grpo_config["optim"]["megatron"]["layout"])
-        except (LayoutError, ValueError) as exc:  # the layout's own sizes, or its preset
+            plans[branch] = run_plan(preset, backend=branch)
+            if plans[branch].trainer.model_parallel:  # what its convert step resolves
+                resolve_megatron_layout(plans[branch].grpo_config["optim"]["megatron"]["layout"])
+        except ValueError as exc:  # the layout's own sizes or fields (LayoutError), its preset
             problems.append(f"megatron_layout: {_one_line(exc)}")
             continue
         try:  # what the branch's GRPO step will validate at run time
-            configs[branch] = GRPOConfig.model_validate(shaped.grpo_config)
+            configs[branch] = GRPOConfig.model_validate(plans[branch].grpo_config)
         except ValidationError as exc:
             problems.append(f"the {branch} branch's grpo config: {_one_line(exc)}")
     if preset.backend not in configs:
         return problems
-    plan = run_plan(preset)
+    plan = plans[preset.backend]  # the branch the run starts
     try:
         placement = step_placement(plan.grpo)
     except PlacementError as exc:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from capacity.model_presets import MODEL_PRESETS
+from plan.specs import whole
 
 SUPPORTED_MODEL_TYPES = ("gpt_oss",)
 
@@ -39,14 +40,15 @@ overflow."""
 
 def _whole_number(name: str, field: str, value: Any) -> int:
     """``value`` as a whole number from 1 to ``LARGEST_DIMENSION``, or ``ModelSpecError``."""
-    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not integral:
-        raise ModelSpecError(f"{name}: {field} must be a whole number, got {value!r}")
-    if not 1 <= value <= LARGEST_DIMENSION:
+    try:
+        number = whole(value, field)
+    except ValueError:
+        raise ModelSpecError(f"{name}: {field} must be a whole number, got {value!r}") from None
+    if not 1 <= number <= LARGEST_DIMENSION:
         raise ModelSpecError(
             f"{name}: {field} must be between 1 and {LARGEST_DIMENSION:,}, got {value!r}"
         )
-    return int(value)
+    return number
 
 
 @dataclass(frozen=True)

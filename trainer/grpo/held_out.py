@@ -41,7 +41,7 @@ def evaluate_policy(
 
 
 @dataclass(frozen=True)
-class Verdict:
+class GuardVerdict:
     """The guard's judgement of one held-out result against the SFT model's (``judge``)."""
 
     ratios: dict[str, float]
@@ -60,11 +60,11 @@ class Verdict:
         return self.real_text and not self.collapsed and not self.loops
 
 
-def judge(cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult) -> Verdict:
+def judge(cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult) -> GuardVerdict:
     """The guard's verdict on ``held_out`` against ``baseline`` (the SFT model's result)."""
     ratios = held_out.reasoning_length_ratios(baseline)
     floor = (1.0 - cfg.guard.max_real_word_drop) * baseline.real_word_share
-    return Verdict(
+    return GuardVerdict(
         ratios=ratios,
         real_text=held_out.real_word_share >= floor,
         collapsed=reasoning_collapsed(cfg, ratios),
@@ -72,7 +72,7 @@ def judge(cfg: GRPOConfig, held_out: HeldOutResult, baseline: HeldOutResult) -> 
     )
 
 
-def better(held_out: HeldOutResult, best: HeldOutResult, verdict: Verdict) -> bool:
+def better(held_out: HeldOutResult, best: HeldOutResult, verdict: GuardVerdict) -> bool:
     """A held-out result beats the best so far and the guard's ``verdict`` keeps it."""
     return verdict.keepable and held_out.mean_reward > best.mean_reward
 
@@ -114,7 +114,7 @@ def on_collapse(cfg: GRPOConfig, ratios: dict[str, float], step: int) -> None:
     log.warning("%s; this policy is not kept as the best", message)
 
 
-def held_out_line(held_out: HeldOutResult, verdict: Verdict) -> dict:
+def held_out_line(held_out: HeldOutResult, verdict: GuardVerdict) -> dict:
     """What a held-out eval adds to its step's metrics line: ``eval_<metric>`` for the held-out
     metrics and the reasoning length ratios, and the guard's flags
     ``eval_reasoning_collapsed`` and ``eval_looping`` (1.0 or 0.0)."""
@@ -124,10 +124,10 @@ def held_out_line(held_out: HeldOutResult, verdict: Verdict) -> dict:
     }
 
 
-def on_guard_flags(cfg: GRPOConfig, verdict: Verdict, step: int) -> None:
+def on_guard_flags(cfg: GRPOConfig, verdict: GuardVerdict, step: int) -> None:
     """After the line is logged: a collapse is flagged or stops the run (``on_collapse``), a
     loop rate above ``guard.max_loop_rate`` is a warning (the policy is not kept either way:
-    ``Verdict.keepable``)."""
+    ``GuardVerdict.keepable``)."""
     if verdict.collapsed:
         on_collapse(cfg, verdict.ratios, step)
     if verdict.loops:
